@@ -1,0 +1,81 @@
+"""dynamix_byteps: BytePS-compatible data-parallel training with a per-worker batch size
+chosen at run time.
+
+``import dynamix_byteps as bps`` gives the framework-neutral part of the BytePS API; the
+framework frontends are ``dynamix_byteps.torch`` (and, later, ``dynamix_byteps.tensorflow``).
+"""
+
+from __future__ import annotations
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.errors import (
+    CommunicationError,
+    ConfigurationError,
+    DatasetNotFoundError,
+    DynamixError,
+    EngineUnavailableError,
+    NotInitializedError,
+    TensorMismatchError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommunicationError",
+    "ConfigurationError",
+    "DatasetNotFoundError",
+    "DynamixError",
+    "EngineUnavailableError",
+    "NotInitializedError",
+    "TensorMismatchError",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "shutdown",
+    "size",
+]
+
+
+def init(lazy: bool = True) -> None:
+    """Join the job described by the environment (set by ``bpslaunch``); idempotent.
+
+    Blocks until every worker has joined. ``lazy`` exists for BytePS compatibility and is ignored.
+
+    Raises:
+        ConfigurationError: a ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_*`` variable is invalid.
+        EngineUnavailableError: the selected engine cannot be imported.
+        CommunicationError: the rendezvous with the other workers failed.
+    """
+    del lazy
+    _engine.start()
+
+
+def shutdown() -> None:
+    """Leave the job and release the engine. Safe to call twice."""
+    _engine.stop()
+
+
+def is_initialized() -> bool:
+    return _engine.is_started()
+
+
+def rank() -> int:
+    """This worker's global rank, ``0 <= rank < size()``."""
+    return _engine.current().rank
+
+
+def size() -> int:
+    """Number of worker processes in the job."""
+    return _engine.current().size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its node."""
+    return _engine.current().local_rank
+
+
+def local_size() -> int:
+    """Number of worker processes on this node."""
+    return _engine.current().local_size

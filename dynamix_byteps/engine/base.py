@@ -1,0 +1,98 @@
+"""The interface every communication engine implements.
+
+An engine moves ``torch.Tensor`` buffers between the worker processes of one job. It knows
+nothing about models, names of gradients or batch sizes: the frontends build those on top
+of four collectives (in-place sum all-reduce, broadcast, integer exchange, barrier).
+
+Collectives are matched by **issue order**: every worker must issue the same sequence of
+collectives. :mod:`dynamix_byteps.negotiation` checks that before each round, because gloo
+aborts the process on a size mismatch and silently sums garbage on a dtype mismatch.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import numpy as np
+
+from dynamix_byteps.env import WorkerEnv
+
+
+class Handle(abc.ABC):
+    """An in-flight collective. ``wait`` returns once the tensor holds the result."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the result is in place (never blocks)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the result is in place.
+
+        Raises:
+            CommunicationError: a peer died, the connection broke, or the engine's timeout passed.
+        """
+
+
+class Engine(abc.ABC):
+    """A communication backend. Created by :func:`dynamix_byteps.engine.start`."""
+
+    name: str
+
+    def __init__(self, env: WorkerEnv):
+        self.env = env
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def size(self) -> int:
+        return self.env.size
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self.env.local_size
+
+    @abc.abstractmethod
+    def all_reduce_async(self, tensor, name: str) -> Handle:
+        """Start an in-place element-wise **sum** of ``tensor`` over all workers.
+
+        Args:
+            tensor: contiguous CPU ``torch.Tensor`` (any shape; float16/32/64, int32/64);
+                it is overwritten with the sum.
+            name: label for timing and error messages (not used for matching).
+        """
+
+    @abc.abstractmethod
+    def broadcast(self, tensor, root_rank: int, name: str) -> None:
+        """Overwrite ``tensor`` on every worker with ``root_rank``'s copy (blocking)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every worker has called ``barrier``."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release sockets and threads; the engine cannot be used afterwards."""
+
+    def exchange(self, values: Sequence[int]) -> np.ndarray:
+        """Every worker contributes ``len(values)`` integers; all receive everyone's.
+
+        Built on the sum all-reduce so that any engine supports it: each worker fills its
+        own row of a zero matrix. ``values`` must have the same length on every worker.
+
+        Returns:
+            ``np.ndarray`` of dtype int64 and shape ``(size, len(values))``; row r is rank r's.
+        """
+        import torch
+
+        table = torch.zeros((self.size, len(values)), dtype=torch.int64)
+        table[self.rank] = torch.as_tensor(list(values), dtype=torch.int64)
+        self.all_reduce_async(table, "dynamix.exchange").wait()
+        return table.numpy()

@@ -1,0 +1,107 @@
+"""The environment contract between ``bpslaunch`` and a worker process.
+
+BytePS names the cluster with ``DMLC_*`` variables: ``DMLC_NUM_WORKER`` worker *nodes*
+(machines), this node's index ``DMLC_WORKER_ID``, and the root's address
+``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``; inside a node, ``BYTEPS_LOCAL_SIZE`` worker
+processes with ``BYTEPS_LOCAL_RANK`` 0..local_size-1. As in BytePS, the global rank is
+``worker_id * local_size + local_rank`` and the size is ``num_worker * local_size``.
+
+A process started with none of these variables is a single worker (rank 0 of 1), which is
+what ``python train.py`` without a launcher gives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from dynamix_byteps.errors import ConfigurationError
+
+ENGINES = ("gloo", "byteps")
+DEFAULT_ENGINE = "gloo"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _int_var(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigurationError(f"environment variable {name} is not set; set it or start the job with bpslaunch")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigurationError(f"environment variable {name}={value} must be >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """Where this worker process sits in the job, read from the environment.
+
+    Attributes:
+        num_nodes: worker nodes in the job (``DMLC_NUM_WORKER``).
+        node_rank: this node's index (``DMLC_WORKER_ID``), ``0 <= node_rank < num_nodes``.
+        local_size: worker processes on this node (``BYTEPS_LOCAL_SIZE``).
+        local_rank: this process's index on its node (``BYTEPS_LOCAL_RANK``).
+        root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``), rank 0 listens there.
+        root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``).
+        engine: communication engine name (``DYNAMIX_ENGINE``), one of :data:`ENGINES`.
+        timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
+    """
+
+    num_nodes: int = 1
+    node_rank: int = 0
+    local_size: int = 1
+    local_rank: int = 0
+    root_addr: str = "127.0.0.1"
+    root_port: int | None = None
+    engine: str = DEFAULT_ENGINE
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def rank(self) -> int:
+        return self.node_rank * self.local_size + self.local_rank
+
+    @property
+    def size(self) -> int:
+        return self.num_nodes * self.local_size
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
+        """Read and validate the variables; raises :class:`ConfigurationError` naming the bad one."""
+        env = os.environ if env is None else env
+        num_nodes = _int_var(env, "DMLC_NUM_WORKER", 1, 1)
+        node_rank = _int_var(env, "DMLC_WORKER_ID", 0, 0)
+        local_size = _int_var(env, "BYTEPS_LOCAL_SIZE", 1, 1)
+        local_rank = _int_var(env, "BYTEPS_LOCAL_RANK", 0, 0)
+        if node_rank >= num_nodes:
+            raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
+        if local_rank >= local_size:
+            raise ConfigurationError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
+        distributed = num_nodes * local_size > 1
+        root_port = _int_var(env, "DMLC_PS_ROOT_PORT", None if distributed else 0, 0) or None
+        if root_port is not None and root_port > 65535:
+            raise ConfigurationError(f"DMLC_PS_ROOT_PORT={root_port} is not a TCP port (1-65535)")
+        engine = env.get("DYNAMIX_ENGINE", DEFAULT_ENGINE) or DEFAULT_ENGINE
+        if engine not in ENGINES:
+            raise ConfigurationError(f"DYNAMIX_ENGINE={engine!r} is not an engine; choose one of {', '.join(ENGINES)}")
+        try:
+            timeout_s = float(env.get("DYNAMIX_TIMEOUT", DEFAULT_TIMEOUT_S))
+        except ValueError:
+            raise ConfigurationError(f"DYNAMIX_TIMEOUT={env['DYNAMIX_TIMEOUT']!r} is not a number of seconds") from None
+        if timeout_s <= 0:
+            raise ConfigurationError(f"DYNAMIX_TIMEOUT={timeout_s} must be > 0 seconds")
+        return cls(
+            num_nodes=num_nodes,
+            node_rank=node_rank,
+            local_size=local_size,
+            local_rank=local_rank,
+            root_addr=env.get("DMLC_PS_ROOT_URI") or "127.0.0.1",
+            root_port=root_port,
+            engine=engine,
+            timeout_s=timeout_s,
+        )

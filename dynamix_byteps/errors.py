@@ -1,0 +1,35 @@
+"""Exceptions raised by dynamix_byteps.
+
+Each one derives from the built-in exception a caller would already catch for the same
+problem (``ImportError`` for a missing engine, ``ValueError`` for bad configuration, ...),
+so code written against BytePS keeps working, and from :class:`DynamixError`, so code that
+wants to catch everything from this package can.
+"""
+
+
+class DynamixError(Exception):
+    """Base class of every error raised on purpose by dynamix_byteps."""
+
+
+class NotInitializedError(DynamixError, ValueError):
+    """An API that needs a running engine was called before ``init()`` or after ``shutdown()``."""
+
+
+class ConfigurationError(DynamixError, ValueError):
+    """A flag or environment variable is missing or invalid; the message names it and the fix."""
+
+
+class EngineUnavailableError(DynamixError, ImportError):
+    """The selected communication engine cannot be imported or started on this machine."""
+
+
+class TensorMismatchError(DynamixError, RuntimeError):
+    """Workers submitted different names, shapes or dtypes to the same collective round."""
+
+
+class CommunicationError(DynamixError, RuntimeError):
+    """A collective failed: a peer died, the connection broke, or the operation timed out."""
+
+
+class DatasetNotFoundError(DynamixError, FileNotFoundError):
+    """A dataset's files are not where the loader looked; the message names the install command."""

@@ -1,0 +1,74 @@
+"""Agreeing on a collective round before any data moves.
+
+Engines match collectives by issue order, so a worker that submits a different name, shape or
+dtype would make gloo abort the process (size mismatch) or sum unrelated bytes (dtype
+mismatch). Before a round, every worker therefore exchanges a fingerprint of what it is about
+to submit, together with one integer of payload (the optimizer sends its local batch size).
+The exchange has a fixed width, so it cannot itself mismatch. When fingerprints differ, every
+worker raises :class:`TensorMismatchError` naming what each rank submitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable
+
+import numpy as np
+
+from dynamix_byteps.engine import Engine
+from dynamix_byteps.errors import TensorMismatchError
+
+_FINGERPRINT_MASK = (1 << 62) - 1
+
+
+def describe(name: str, tensor) -> str:
+    """``name dtype[shape]``, e.g. ``'Gradient.fc.weight float32[10, 128]'``."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{name} {dtype}{list(tensor.shape)}"
+
+
+def fingerprint(descriptions: Iterable[str]) -> int:
+    """A 62-bit digest (BLAKE2b) of an ordered sequence of descriptions."""
+    digest = hashlib.blake2b(digest_size=8)
+    for text in descriptions:
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return int.from_bytes(digest.digest(), "little") & _FINGERPRINT_MASK
+
+
+def negotiate(engine: Engine, what: str, description: str, payload: int = 0) -> np.ndarray:
+    """Check that every worker is about to run the same round, and share one integer each.
+
+    Args:
+        engine: the running engine; every worker must call ``negotiate`` at the same point.
+        what: the operation, for the error message (e.g. ``"push_pull"``).
+        description: everything that must match across workers (names, dtypes, shapes, mode).
+        payload: an int64 this worker shares with the others.
+
+    Returns:
+        int64 array of shape ``(size,)``: every rank's ``payload``, indexed by rank.
+
+    Raises:
+        TensorMismatchError: on every worker, when any description differs.
+    """
+    table = engine.exchange([fingerprint([description]), payload])
+    if np.all(table[:, 0] == table[0, 0]):
+        return table[:, 1]
+    descriptions = _gather_text(engine, description)
+    lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(descriptions))
+    raise TensorMismatchError(
+        f"workers submitted different tensors to the same {what} round; every worker must issue "
+        f"the same collectives with the same names, shapes and dtypes in the same order:\n{lines}"
+    )
+
+
+_MAX_TEXT_BYTES = 2000
+
+
+def _gather_text(engine: Engine, text: str) -> list[str]:
+    data = text.encode()[:_MAX_TEXT_BYTES]
+    lengths = engine.exchange([len(data)])[:, 0]
+    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    table = engine.exchange(padded.tolist())
+    return [bytes(row[:n].astype(np.uint8)).decode(errors="replace") for row, n in zip(table, lengths)]

@@ -1,0 +1,83 @@
+"""Broadcasts that make every worker start from the root's model, optimizer and objects."""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.negotiation import describe, negotiate
+
+
+def _check_root(engine, root_rank: int) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < engine.size:
+        raise ValueError(f"root_rank must be an integer rank in [0, {engine.size}), got {root_rank!r}")
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root_rank: int, prefix: str = "Parameter.") -> None:
+    """Overwrite each tensor in ``params`` on every worker with ``root_rank``'s values, in place.
+
+    Args:
+        params: ``model.state_dict()`` or ``model.named_parameters()``; same names, shapes and
+            dtypes on every worker.
+        root_rank: the rank whose values win.
+        prefix: prepended to each name in errors and timing.
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of this job.
+        TensorMismatchError: the workers' parameter lists differ.
+    """
+    engine = _engine.current()
+    _check_root(engine, root_rank)
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    named = [(prefix + name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
+    description = f"broadcast_parameters root={root_rank} " + "; ".join(describe(n, t) for n, t in named)
+    negotiate(engine, "broadcast_parameters", description)
+    with torch.no_grad():
+        for name, tensor in named:
+            buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+            engine.broadcast(buffer, root_rank, name)
+            if buffer is not tensor:
+                tensor.copy_(buffer)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every worker (serialised with ``torch.save``).
+
+    The object is unpickled on the other workers, so broadcast only what your own job created.
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of this job.
+        TensorMismatchError: the workers called broadcasts with different names or roots.
+    """
+    engine = _engine.current()
+    _check_root(engine, root_rank)
+    payload = b""
+    if engine.rank == root_rank:
+        stream = io.BytesIO()
+        torch.save(obj, stream)
+        payload = stream.getvalue()
+    lengths = negotiate(engine, "broadcast_object", f"broadcast_object {name} root={root_rank}", len(payload))
+    buffer = torch.zeros(int(lengths[root_rank]), dtype=torch.uint8)
+    if engine.rank == root_rank:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    engine.broadcast(buffer, root_rank, f"broadcast_object.{name}")
+    if engine.rank == root_rank:
+        return obj
+    return torch.load(io.BytesIO(buffer.numpy().tobytes()), weights_only=False)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every worker ``root_rank``'s optimizer state and hyper-parameters (e.g. momentum, lr).
+
+    Works before the first step too (an empty state is broadcast as such).
+
+    Raises:
+        ValueError: ``root_rank`` is not a rank of this job.
+    """
+    state = broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state")
+    if _engine.current().rank != root_rank:
+        optimizer.load_state_dict(state)

@@ -1,0 +1,160 @@
+"""push_pull and its handles, with the semantics of ``byteps.torch``.
+
+``push_pull`` sums a tensor over all workers (``average=True`` divides by the number of
+workers; integer tensors use truncating division, as C does). Every call first negotiates
+with the other workers (see :mod:`dynamix_byteps.negotiation`): all workers must call the
+same push_pulls, with the same names, shapes and dtypes, in the same order.
+
+Handles are small integers, as in BytePS. A handle is valid until ``synchronize``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.engine import Handle
+from dynamix_byteps.negotiation import describe, negotiate
+from dynamix_byteps.torch.compression import Compression, Compressor
+
+
+@dataclass
+class _Pending:
+    work: Handle
+    wire: torch.Tensor  # what the engine reduces in place
+    ctx: object
+    compression: type[Compressor]
+    output: torch.Tensor  # where the result must end up
+    average: bool
+    size: int
+
+
+_handles: dict[int, _Pending] = {}
+_handles_lock = threading.Lock()
+_next_handle = itertools.count(1)
+_next_auto_name = itertools.count()
+
+
+def _auto_name() -> str:
+    return f"push_pull.noname.{next(_next_auto_name)}"
+
+
+def _start(tensor: torch.Tensor, output: torch.Tensor, average: bool, name: str | None,
+           compression: type[Compressor]) -> int:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
+    engine = _engine.current()
+    name = _auto_name() if name is None else str(name)
+    negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
+    with torch.no_grad():
+        wire, ctx = compression.compress(output)
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
+        work = engine.all_reduce_async(wire, name)
+    pending = _Pending(work, wire, ctx, compression, output, average, engine.size)
+    handle = next(_next_handle)
+    with _handles_lock:
+        _handles[handle] = pending
+    return handle
+
+
+def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                            version: int = 0, priority: int = 0,
+                            compression: type[Compressor] = Compression.none) -> int:
+    """Start summing (or averaging) ``tensor`` over all workers, writing the result into it.
+
+    Args:
+        tensor: CPU tensor of any shape; float16/32/64 or int32/64.
+        average: divide the sum by ``size()``.
+        name: identical on every worker for the same logical tensor; auto-named by call order if None.
+        version, priority: accepted for BytePS compatibility; the gloo engine runs rounds in issue order.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+
+    Returns:
+        A handle for :func:`poll` and :func:`synchronize`.
+
+    Raises:
+        TensorMismatchError: the workers disagree on name, shape, dtype, ``average`` or compression.
+        NotInitializedError: ``init()`` was not called.
+    """
+    del version, priority
+    return _start(tensor, tensor, average, name, compression)
+
+
+def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                    version: int = 0, priority: int = 0,
+                    compression: type[Compressor] = Compression.none) -> int:
+    """As :func:`push_pull_async_inplace`, but ``tensor`` is left untouched; the result is a new
+    tensor returned by :func:`synchronize`."""
+    del version, priority
+    return _start(tensor, tensor.detach().clone(), average, name, compression)
+
+
+def poll(handle: int) -> bool:
+    """True once the push_pull behind ``handle`` has finished; never blocks.
+
+    Raises:
+        ValueError: ``handle`` is unknown or was already synchronized.
+    """
+    return _lookup(handle).work.done()
+
+
+def synchronize(handle: int) -> torch.Tensor:
+    """Wait for the push_pull behind ``handle`` and return its result tensor.
+
+    Raises:
+        ValueError: ``handle`` is unknown or was already synchronized.
+        CommunicationError: a peer failed during the round.
+    """
+    pending = _lookup(handle)
+    with _handles_lock:
+        del _handles[handle]
+    pending.work.wait()
+    with torch.no_grad():
+        result = pending.compression.decompress(pending.wire, pending.ctx)
+        if result is not pending.output:
+            pending.output.copy_(result)
+        if pending.average:
+            if pending.output.is_floating_point() or pending.output.is_complex():
+                pending.output.div_(pending.size)
+            else:
+                pending.output.copy_(torch.div(pending.output, pending.size, rounding_mode="trunc"))
+    return pending.output
+
+
+def _lookup(handle: int) -> _Pending:
+    with _handles_lock:
+        pending = _handles.get(handle)
+    if pending is None:
+        raise ValueError(f"push_pull handle {handle!r} is unknown or was already synchronized")
+    return pending
+
+
+def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+              version: int = 0, priority: int = 0,
+              compression: type[Compressor] = Compression.none) -> torch.Tensor:
+    """Sum (or average) ``tensor`` over all workers and return the result as a new tensor.
+
+    Same arguments and errors as :func:`push_pull_async_inplace`; ``tensor`` is not modified.
+    """
+    return synchronize(push_pull_async(tensor, average, name, version, priority, compression))
+
+
+def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                      version: int = 0, priority: int = 0,
+                      compression: type[Compressor] = Compression.none) -> torch.Tensor:
+    """Sum (or average) ``tensor`` over all workers in place and return it."""
+    return synchronize(push_pull_async_inplace(tensor, average, name, version, priority, compression))
+
+
+def declare(name: str) -> None:
+    """Declare a tensor name before its first push_pull (BytePS assigns keys this way).
+
+    Names are matched at each round by negotiation, so this only checks the argument.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"declare() needs a non-empty tensor name, got {name!r}")

@@ -1,0 +1,226 @@
+"""``DistributedOptimizer``: batch-weighted gradient aggregation behind any torch optimizer.
+
+Workers may train on different local batch sizes b_i. The average over workers that BytePS and
+Horovod compute, (1/n) Σ g_i, then over-weights the samples of small batches. This optimizer
+produces the gradient of the mean loss over the global batch instead:
+
+    g = Σ_i b_i · g_i / Σ_i b_i          (DESIGN.md "Aggregation"; research/anchors.md §0.4)
+
+where g_i is worker i's gradient of its own mean loss. Each worker scales its gradient by
+b_i / Σ b before one sum all-reduce, so every worker ends with g, exactly once per step. With
+equal batches (or when no batch size is given) the weights are 1/n: BytePS's average.
+
+Per step the workers exchange one small message (their b_i and a digest of the gradient
+names, shapes and dtypes, so a mismatch raises instead of corrupting), then gradients are
+fused into one buffer per dtype (up to ``DYNAMIX_FUSION_BYTES``, default 64 MiB) and reduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.negotiation import describe, fingerprint, negotiate
+from dynamix_byteps.torch.compression import Compression, Compressor
+
+DEFAULT_FUSION_BYTES = 64 << 20
+_UNSET = -1
+
+
+def _fusion_bytes() -> int:
+    raw = os.environ.get("DYNAMIX_FUSION_BYTES", str(DEFAULT_FUSION_BYTES))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"DYNAMIX_FUSION_BYTES={raw!r} is not an integer number of bytes") from None
+    if value < 1:
+        raise ConfigurationError(f"DYNAMIX_FUSION_BYTES={value} must be >= 1")
+    return value
+
+
+def batch_weights(local_batch_sizes: np.ndarray) -> np.ndarray:
+    """Weights w_i = b_i / Σ b for the batch-weighted mean of per-worker mean gradients.
+
+    Args:
+        local_batch_sizes: int array of shape ``(size,)``; -1 marks a worker that gave none.
+
+    Returns:
+        float64 array of shape ``(size,)`` summing to 1; uniform 1/n when no worker gave a size.
+
+    Raises:
+        ConfigurationError: some workers gave a size and others did not, or all sizes are 0.
+    """
+    sizes = np.asarray(local_batch_sizes, dtype=np.int64)
+    unset = sizes == _UNSET
+    if unset.all():
+        return np.full(len(sizes), 1.0 / len(sizes))
+    if unset.any():
+        raise ConfigurationError(
+            f"ranks {np.flatnonzero(~unset).tolist()} called set_local_batch_size() for this step but "
+            f"ranks {np.flatnonzero(unset).tolist()} did not; call it on every worker or on none"
+        )
+    total = int(sizes.sum())
+    if total == 0:
+        raise ConfigurationError("every worker reported a local batch size of 0 for this step; nothing to average")
+    return sizes / total
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    def _init_distributed(self, named_parameters, compression, backward_passes_per_step):
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._compression = compression
+        self._named = self._name_parameters(named_parameters)
+        self._fusion_bytes = _fusion_bytes()
+        digest = fingerprint(describe(name, p) for name, p in self._named)
+        self._step_description = (
+            f"DistributedOptimizer step over {len(self._named)} gradients (digest {digest:016x}), "
+            f"compression={compression.name}, backward_passes_per_step={self.backward_passes_per_step}"
+        )
+        self._passes = {p: 0 for _, p in self._named}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass) for _, p in self._named]
+        self._samples = _UNSET
+        self._synchronized = False
+        self._skip_sync = False
+
+    def _name_parameters(self, named_parameters):
+        in_optimizer = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is None:
+            return [(f"Gradient.noname.{i}", p) for i, p in enumerate(in_optimizer)]
+        named = list(named_parameters)
+        names = [name for name, _ in named]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"named_parameters has duplicate names {dupes}; each parameter needs its own name")
+        by_param = {p: name for name, p in named}
+        unnamed = [p for p in in_optimizer if p not in by_param]
+        if unnamed:
+            raise ValueError(
+                f"{len(unnamed)} optimizer parameters are missing from named_parameters; "
+                "pass model.named_parameters() of the model the optimizer was built from"
+            )
+        return [(f"Gradient.{by_param[p]}", p) for p in in_optimizer]
+
+    def _count_pass(self, param: torch.Tensor) -> None:
+        self._passes[param] += 1
+        if self._passes[param] > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"gradients were computed {self._passes[param]} times before step(), more than "
+                f"backward_passes_per_step={self.backward_passes_per_step}; call step() after every "
+                f"{self.backward_passes_per_step} backward passes or raise backward_passes_per_step"
+            )
+
+    def set_local_batch_size(self, samples: int) -> None:
+        """Declare how many samples this worker's last backward pass used (call once per pass).
+
+        Over ``backward_passes_per_step`` passes the counts add up. The step's weight is this
+        worker's total over the global total; pass sizes within one step are assumed equal on
+        a worker, since the accumulated gradient is a sum of per-pass mean gradients.
+
+        Raises:
+            ValueError: ``samples`` is not an integer >= 0.
+        """
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
+            raise ValueError(f"set_local_batch_size needs an integer number of samples >= 0, got {samples!r}")
+        self._samples = int(samples) + max(self._samples, 0)
+
+    def synchronize(self) -> None:
+        """Replace every gradient with the batch-weighted global mean (blocking).
+
+        Parameters without a gradient on this worker contribute zeros, so all workers reduce
+        the same buffers. Called by :meth:`step`; call it yourself to clip gradients first,
+        then step inside :meth:`skip_synchronize`.
+
+        Raises:
+            TensorMismatchError: workers have different parameters or settings.
+            ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
+        """
+        engine = _engine.current()
+        sizes = negotiate(engine, "DistributedOptimizer step", self._step_description, self._samples)
+        weight = float(batch_weights(sizes)[engine.rank])
+        with torch.no_grad():
+            for p in (p for _, p in self._named if p.grad is None):
+                p.grad = torch.zeros_like(p)
+            in_flight = [self._start_bucket(engine, i, bucket, weight) for i, bucket in enumerate(self._buckets())]
+            for work, wire, ctx, bucket in in_flight:
+                work.wait()
+                flat = self._compression.decompress(wire, ctx)
+                offset = 0
+                for p in bucket:
+                    n = p.grad.numel()
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+        self._synchronized = True
+
+    def _buckets(self) -> list[list[torch.Tensor]]:
+        by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = defaultdict(lambda: [[]])
+        filled: dict[torch.dtype, int] = defaultdict(int)
+        for _, p in self._named:
+            nbytes = p.grad.numel() * p.grad.element_size()
+            buckets = by_dtype[p.grad.dtype]
+            if buckets[-1] and filled[p.grad.dtype] + nbytes > self._fusion_bytes:
+                buckets.append([])
+                filled[p.grad.dtype] = 0
+            buckets[-1].append(p)
+            filled[p.grad.dtype] += nbytes
+        return [bucket for buckets in by_dtype.values() for bucket in buckets]
+
+    def _start_bucket(self, engine, index, bucket, weight):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat.mul_(weight)
+        wire, ctx = self._compression.compress(flat)
+        return engine.all_reduce_async(wire, f"Gradient.fused.{index}"), wire, ctx, bucket
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block :meth:`step` does not reduce gradients (use after :meth:`synchronize`)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    def step(self, closure=None):
+        """Reduce gradients (unless already done this step) and apply the wrapped optimizer's update."""
+        if not (self._synchronized or self._skip_sync):
+            self.synchronize()
+        result = super(self.__class__, self).step(closure)
+        self._synchronized = False
+        self._samples = _UNSET
+        for p in self._passes:
+            self._passes[p] = 0
+        return result
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that :meth:`step` first averages gradients over all workers,
+    weighted by each worker's local batch size (``optimizer.set_local_batch_size(n)``).
+
+    The result is an instance of a subclass of ``optimizer``'s class, with its state and
+    hyper-parameters, so LR schedulers and ``isinstance`` checks keep working.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters.
+        named_parameters: ``model.named_parameters()``; names appear in errors and timing.
+        compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
+        backward_passes_per_step: backward passes accumulated locally before each reduction.
+
+    Raises:
+        ValueError: duplicate or missing parameter names, or ``backward_passes_per_step < 1``.
+    """
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._init_distributed(named_parameters, compression, backward_passes_per_step)
+    return wrapped

@@ -1,0 +1,198 @@
+"""Functions run inside real worker processes by ``multiworker.run_workers``.
+
+Each returns JSON-serialisable data; the test in the parent asserts on it. References are
+computed inside the worker from the same seeds, so every rank checks against the exact
+single-process answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps.errors import TensorMismatchError
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+SHAPES = [(17,), (5, 7), (3, 4, 6)]
+
+
+def _value(rank: int, shape, dtype, round_: int = 0) -> torch.Tensor:
+    base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape)
+    return ((base % 11) * (rank + 1) + 3 * round_ + rank).to(dtype)
+
+
+def push_pull_matrix() -> list[str]:
+    """Sum and average, in place, async and out-of-place, for every dtype and shape."""
+    n, rank, failures = bps.size(), bps.rank(), []
+    for dname, dtype in DTYPES.items():
+        for shape in SHAPES:
+            expected = sum(_value(r, shape, torch.int64) for r in range(n))
+            avg = expected.to(dtype) / n if dtype.is_floating_point else torch.div(expected, n, rounding_mode="trunc")
+            mine = _value(rank, shape, dtype)
+            tag = f"{dname}{list(shape)}"
+            out = bps.push_pull(mine, average=False, name=f"sum.{tag}")
+            if not torch.equal(out, expected.to(dtype)) or not torch.equal(mine, _value(rank, shape, dtype)):
+                failures.append(f"push_pull sum {tag}")
+            inplace = mine.clone()
+            bps.push_pull_inplace(inplace, average=True, name=f"avg.{tag}")
+            if not torch.allclose(inplace.double(), avg.to(dtype).double(), rtol=1e-6):
+                failures.append(f"push_pull_inplace average {tag}")
+            handle = bps.push_pull_async_inplace(mine.clone(), average=False, name=f"async.{tag}")
+            while not bps.poll(handle):
+                pass
+            if not torch.equal(bps.synchronize(handle), expected.to(dtype)):
+                failures.append(f"push_pull_async_inplace sum {tag}")
+    return failures
+
+
+def back_to_back(rounds: int) -> list[str]:
+    """``rounds`` push_pulls of one named tensor with no gap, blocking and all in flight at once."""
+    n, rank, failures = bps.size(), bps.rank(), []
+    shape = (1000,)
+    expect = lambda i: sum(_value(r, shape, torch.float32, i) for r in range(n))  # noqa: E731
+    for i in range(rounds):
+        out = bps.push_pull_inplace(_value(rank, shape, torch.float32, i), average=False, name="x")
+        if not torch.equal(out, expect(i)):
+            failures.append(f"blocking round {i}")
+    tensors = [_value(rank, shape, torch.float32, i) for i in range(rounds)]
+    handles = [bps.push_pull_async_inplace(t, average=False, name="x") for t in tensors]
+    for i, handle in enumerate(handles):
+        if not torch.equal(bps.synchronize(handle), expect(i)):
+            failures.append(f"in-flight round {i}")
+    return failures
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+def _batches(batch_sizes, steps, passes):
+    """Per step and pass, the concatenated global batch; worker i owns slice i of it."""
+    g = torch.Generator().manual_seed(1)
+    total = sum(batch_sizes)
+    return [[(torch.randn(total, 6, generator=g, dtype=torch.float64),
+              torch.randint(0, 3, (total,), generator=g)) for _ in range(passes)] for _ in range(steps)]
+
+
+def _own(batch, batch_sizes, rank):
+    start = sum(batch_sizes[:rank])
+    x, y = batch
+    return x[start:start + batch_sizes[rank]], y[start:start + batch_sizes[rank]]
+
+
+def weighted_training(batch_sizes: list[int], steps: int, passes: int) -> dict:
+    """Distributed SGD with per-worker batches vs. single-process SGD on the concatenated batches.
+
+    Returns the largest relative gradient error after the first synchronize and the largest
+    relative parameter error after ``steps`` steps.
+    """
+    rank, loss_fn = bps.rank(), torch.nn.CrossEntropyLoss()
+    data = _batches(batch_sizes, steps, passes)
+
+    reference = _model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_grads = None
+    for step in data:
+        ref_opt.zero_grad()
+        for batch in step:
+            loss_fn(reference(batch[0]), batch[1]).backward()
+        if ref_grads is None:
+            ref_grads = [p.grad.clone() for p in reference.parameters()]
+        ref_opt.step()
+
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+    grad_error = None
+    for step in data:
+        opt.zero_grad()
+        for batch in step:
+            x, y = _own(batch, batch_sizes, rank)
+            loss_fn(model(x), y).backward()
+            opt.set_local_batch_size(len(x))
+        if grad_error is None:
+            opt.synchronize()
+            grad_error = max(float((p.grad - r).norm() / r.norm()) for p, r in zip(model.parameters(), ref_grads))
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    param_error = max(float((p - r).norm() / r.norm()) for p, r in zip(model.parameters(), reference.parameters()))
+    return {"grad_error": grad_error, "param_error": param_error}
+
+
+def too_many_passes() -> str:
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def batch_size_on_some_ranks() -> None:
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
+    if bps.rank() == 0:
+        opt.set_local_batch_size(4)
+    opt.step()
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def broadcasts() -> dict:
+    """Rank-dependent model and optimizer state, then the three broadcasts from rank 1."""
+    rank = bps.rank()
+    torch.manual_seed(100 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3 * (rank + 1))
+    model(torch.randn(8, 5)).sum().backward()
+    opt.step()
+    before = _digest(model.state_dict().values())
+    bps.broadcast_parameters(model.state_dict(), root_rank=1)
+    bps.broadcast_optimizer_state(opt, root_rank=1)
+    obj = bps.broadcast_object({"rank": rank, "tensor": torch.arange(3) * rank, "text": "é" * rank}, root_rank=1)
+    state = opt.state_dict()
+    return {
+        "before": before,
+        "params": _digest(model.state_dict().values()),
+        "opt": _digest([t for s in state["state"].values() for t in s.values()]),
+        "lr": state["param_groups"][0]["lr"],
+        "obj": [obj["rank"], obj["tensor"].tolist(), obj["text"]],
+    }
+
+
+def mismatches() -> dict:
+    """Name, shape and dtype mismatches must raise on every rank; the job must go on afterwards."""
+    rank, errors = bps.rank(), {}
+    cases = {
+        "name": lambda: bps.push_pull(torch.ones(4), name=f"t{rank}"),
+        "shape": lambda: bps.push_pull(torch.ones(4 + rank), name="t"),
+        "dtype": lambda: bps.push_pull(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int32), name="t"),
+        "root": lambda: bps.broadcast_parameters({"w": torch.ones(3)}, root_rank=rank % 2),
+    }
+    for case, call in cases.items():
+        try:
+            call()
+            errors[case] = None
+        except TensorMismatchError as exc:
+            errors[case] = str(exc)
+    errors["after"] = bps.push_pull(torch.ones(2), average=False, name="after").tolist()
+    return errors
+
+
+def fp16_compression() -> list[float]:
+    t = torch.full((8,), 0.5 * (bps.rank() + 1))
+    return bps.push_pull(t, average=True, name="c", compression=bps.Compression.fp16).tolist()
