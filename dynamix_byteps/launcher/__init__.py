@@ -1,0 +1,14 @@
+"""``bpslaunch``, the launcher of dynamix_byteps jobs.
+
+Run ``bpslaunch --num-workers N -- python train.py`` (or ``python -m dynamix_byteps.launcher``)
+to start N local workers; without ``--num-workers`` the BytePS ``DMLC_*`` environment
+decides the role and the cluster. See :mod:`dynamix_byteps.launcher.launch` for the flags,
+the environment contract and the exit codes, and ``bpslaunch --help``.
+
+Modules: ``launch`` (flags, environment mode, entry point), ``supervisor`` (spawn, output
+prefixing, failure propagation, teardown), ``_guardian`` (kills the job if the launcher dies).
+"""
+
+from dynamix_byteps.launcher.launch import main
+
+__all__ = ["main"]

@@ -1,0 +1,78 @@
+"""Guardian process of ``bpslaunch``: kills the job's process groups if the launcher dies.
+
+``PR_SET_PDEATHSIG`` reaches only the launcher's direct children; a worker's own children
+(data-loader workers, a shell pipeline, ...) would survive a SIGKILLed launcher. This tiny
+stdlib-only script closes that gap. The launcher starts it in its own session with a pipe
+on stdin and writes one line per event:
+
+* ``<pgid>``: a worker process group to guard;
+* ``exit``: the launcher is finishing normally and has cleaned up; stop guarding.
+
+End of file without ``exit`` means the launcher died (it was SIGKILLed or crashed): the
+guardian sends SIGTERM to every recorded group, waits ``argv[1]`` seconds (default 5) for
+them to empty, sends SIGKILL to what is left, and exits. It is run by path, never imported,
+so it starts without importing the package.
+"""
+
+import os
+import signal
+import sys
+import time
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie.
+
+    ``killpg(pgid, 0)`` also succeeds for a group of unreaped zombies (common in containers
+    whose PID 1 does not reap), so on Linux the members are read from ``/proc``.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not os.path.isdir("/proc/self"):
+        return True
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _signal_all(pgids, sig) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def main() -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    grace_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
+    pgids = []
+    for raw in sys.stdin.buffer:
+        line = raw.strip()
+        if line == b"exit":
+            return 0
+        if line.isdigit() and int(line) > 1:
+            pgids.append(int(line))
+    # The launcher is gone without saying goodbye: tear the job down.
+    _signal_all(pgids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
+        time.sleep(0.05)
+    _signal_all(pgids, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

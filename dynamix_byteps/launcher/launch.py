@@ -1,0 +1,366 @@
+"""``bpslaunch``: start the worker processes of a dynamix_byteps job.
+
+Local mode, one machine, N workers (global ranks 0..N-1)::
+
+    bpslaunch --num-workers 4 -- python train.py --epochs 3
+    bpslaunch --num-workers 2 --engine gloo --batch-size 64 --log-dir runs/a -- python train.py
+
+BytePS environment mode, when ``--num-workers`` is not given: the ``DMLC_*`` variables name
+the cluster exactly as for BytePS's own ``bpslaunch``::
+
+    DMLC_ROLE=worker DMLC_NUM_WORKER=2 DMLC_WORKER_ID=0 \\
+    DMLC_PS_ROOT_URI=10.0.0.1 DMLC_PS_ROOT_PORT=1234 bpslaunch python train.py
+
+A worker node starts ``BYTEPS_LOCAL_SIZE`` processes (default: one per entry of
+``NVIDIA_VISIBLE_DEVICES``, else 1). The ``server`` and ``scheduler`` roles need no process
+with the default gloo engine; with ``--engine byteps`` they run BytePS's server.
+
+Every worker gets the environment contract of :mod:`dynamix_byteps.env`. Output lines are
+prefixed with the worker's global rank (``[0] ...``). The exit code is the first non-zero
+code of any worker (the others are then stopped), 0 when all succeed, 2 on bad usage or a
+missing/invalid variable, 127 when the command cannot be found, ``128 + N`` on signal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from dynamix_byteps.env import ENGINES, WorkerEnv
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+
+PROG = "bpslaunch"
+LOCAL_HOST = "127.0.0.1"
+DEFAULT_GRACE_S = 5.0
+_ENV_MODE_HINT = (
+    "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
+    "DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT"
+)
+
+
+class UsageError(ConfigurationError):
+    """Bad flags or environment; ``main`` prints it argparse-style and exits 2."""
+
+
+# ---- argument parsing -----------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage="%(prog)s [--num-workers N] [options] [--] COMMAND [ARGS ...]",
+        description=(
+            "Start the worker processes of a dynamix_byteps job: COMMAND runs once per worker,\n"
+            "with the rendezvous and rank variables set, and its output prefixed with [rank]."
+        ),
+        epilog=(
+            "examples:\n"
+            "  bpslaunch --num-workers 4 -- python train.py\n"
+            "  bpslaunch -n 2 --batch-size 64 --log-dir runs/a -- python train.py --epochs 3\n\n"
+            "environment mode (no --num-workers), as BytePS's bpslaunch:\n"
+            "  DMLC_ROLE          worker | server | scheduler\n"
+            "  DMLC_NUM_WORKER    number of worker nodes (machines)\n"
+            "  DMLC_WORKER_ID     this node's index, 0..DMLC_NUM_WORKER-1 (workers only)\n"
+            "  DMLC_PS_ROOT_URI   host of the rendezvous (global rank 0 listens there)\n"
+            "  DMLC_PS_ROOT_PORT  its TCP port\n"
+            "  BYTEPS_LOCAL_SIZE  worker processes on this node (default: one per\n"
+            "                     NVIDIA_VISIBLE_DEVICES entry, else 1)\n\n"
+            "each worker gets DMLC_ROLE, DMLC_NUM_WORKER, DMLC_WORKER_ID, BYTEPS_LOCAL_SIZE,\n"
+            "BYTEPS_LOCAL_RANK, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DYNAMIX_ENGINE and, when\n"
+            "given, DYNAMIX_BATCH_SIZE, DYNAMIX_LOG_DIR, DYNAMIX_TIMEOUT. Global rank =\n"
+            "DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK.\n\n"
+            "exit status: 0 if every worker succeeds; else the first worker's non-zero code;\n"
+            "2 bad usage or environment; 127 command not found; 128+N on signal N."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "-n", "--num-workers", type=_positive_int, metavar="N",
+        help="run N local worker processes on this machine (local mode); "
+        "without it, the DMLC_* environment decides (BytePS environment mode)",
+    )
+    parser.add_argument(
+        "--engine", choices=ENGINES, default=None,
+        help="communication engine (default: $DYNAMIX_ENGINE, else gloo)",
+    )
+    parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
+    parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
+    parser.add_argument(
+        "--port", type=_port, metavar="P",
+        help="rendezvous port (local mode default: a free port on 127.0.0.1; overrides DMLC_PS_ROOT_PORT)",
+    )
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="seconds a collective waits for its peers (DYNAMIX_TIMEOUT)")
+    parser.add_argument(
+        "--grace-period", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+        help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
+    return parser
+
+
+def parse_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse ``[options] [--] COMMAND ...``; everything after the first ``--`` is the command."""
+    parser = parser or build_parser()
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        args = parser.parse_args(argv[:cut])
+        if args.command:
+            parser.error(f"unexpected argument {args.command[0]!r} before '--'")
+        args.command = argv[cut + 1 :]
+    else:
+        args = parser.parse_args(argv)
+    return args
+
+
+# ---- the job's environment -------------------------------------------------------------------
+
+
+def _env_int(env: Mapping[str, str], name: str, what: str, minimum: int, maximum: int | None = None) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        raise UsageError(f"environment variable {name} is not set; set it to {what}, or {_ENV_MODE_HINT}")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer; set it to {what}") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise UsageError(f"environment variable {name}={value} must be {bound}; set it to {what}")
+    return value
+
+
+def _visible_gpu_count(env: Mapping[str, str]) -> int:
+    """Worker processes per node when BYTEPS_LOCAL_SIZE is unset: one per visible GPU, else 1."""
+    devices = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if devices in ("", "none", "void"):
+        return 1
+    if devices == "all":
+        try:
+            return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+        except OSError:
+            return 1
+    return len([d for d in devices.split(",") if d.strip()])
+
+
+def _free_port(host: str = LOCAL_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _check_port_free(port: int, host: str = LOCAL_HOST) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise UsageError(f"argument --port: {host}:{port} is not available ({error.strerror}); choose another port or omit --port") from None
+
+
+def _engine(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    if args.engine is not None:
+        return args.engine
+    engine = env.get("DYNAMIX_ENGINE", "").strip() or ENGINES[0]
+    if engine not in ENGINES:
+        raise UsageError(f"environment variable DYNAMIX_ENGINE={engine!r} is not an engine; set it to one of {', '.join(ENGINES)} or pass --engine")
+    return engine
+
+
+def worker_specs(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    *,
+    engine: str,
+    num_nodes: int,
+    node_rank: int,
+    local_size: int,
+    root_addr: str,
+    root_port: int,
+    notes: list[str],
+) -> list[ChildSpec]:
+    """One :class:`ChildSpec` per local worker, with the environment contract filled in."""
+    base = dict(env)
+    base.update(
+        DMLC_ROLE="worker",
+        DMLC_NUM_WORKER=str(num_nodes),
+        DMLC_WORKER_ID=str(node_rank),
+        BYTEPS_LOCAL_SIZE=str(local_size),
+        DMLC_PS_ROOT_URI=root_addr,
+        DMLC_PS_ROOT_PORT=str(root_port),
+        DYNAMIX_ENGINE=engine,
+        PYTHONUNBUFFERED="1",
+    )
+    if args.batch_size is not None:
+        base["DYNAMIX_BATCH_SIZE"] = str(args.batch_size)
+    if args.timeout is not None:
+        base["DYNAMIX_TIMEOUT"] = repr(args.timeout)
+    if args.log_dir is not None:
+        base["DYNAMIX_LOG_DIR"] = str(args.log_dir)
+    if local_size > 1 and not env.get("OMP_NUM_THREADS"):
+        base["OMP_NUM_THREADS"] = "1"
+        notes.append(
+            f"setting OMP_NUM_THREADS=1 for each of the {local_size} workers so they do not "
+            "oversubscribe the CPU; set OMP_NUM_THREADS yourself to change it"
+        )
+    specs = []
+    for local_rank in range(local_size):
+        child_env = dict(base, BYTEPS_LOCAL_RANK=str(local_rank))
+        try:
+            rank = WorkerEnv.from_environ(child_env).rank  # the contract a worker will read
+        except ConfigurationError as error:
+            raise UsageError(str(error)) from None
+        log_path = None if args.log_dir is None else args.log_dir / f"worker-{rank}.log"
+        specs.append(ChildSpec(label=str(rank), argv=list(args.command), env=child_env, log_path=log_path))
+    return specs
+
+
+def _require_command(args: argparse.Namespace) -> None:
+    if not args.command:
+        raise UsageError("no command to run; put it after '--', e.g. bpslaunch --num-workers 2 -- python train.py")
+
+
+def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
+    """``--num-workers N``: N workers on this machine, rendezvous on 127.0.0.1."""
+    _require_command(args)
+    engine = _engine(args, env)
+    if args.port is not None:
+        _check_port_free(args.port)
+    port = args.port if args.port is not None else _free_port()
+    return worker_specs(
+        args, env, engine=engine, num_nodes=1, node_rank=0, local_size=args.num_workers,
+        root_addr=LOCAL_HOST, root_port=port, notes=notes,
+    )
+
+
+def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
+    """No ``--num-workers``: the role and cluster come from the BytePS ``DMLC_*`` variables.
+
+    Returns an empty list when this role needs no process (server/scheduler with gloo).
+    Raises :class:`UsageError` naming the first missing or invalid variable.
+    """
+    role = env.get("DMLC_ROLE", "").strip()
+    if not role:
+        raise UsageError(f"environment variable DMLC_ROLE is not set; {_ENV_MODE_HINT}")
+    if role not in ("worker", "server", "scheduler"):
+        raise UsageError(f"environment variable DMLC_ROLE={role!r} is not a role; set it to worker, server or scheduler")
+    engine = _engine(args, env)
+    if role != "worker":
+        return _server_specs(args, env, role, engine, notes)
+    _require_command(args)
+    num_nodes = _env_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
+    node_rank = _env_int(env, "DMLC_WORKER_ID", f"this node's index (0..{num_nodes - 1})", 0, num_nodes - 1)
+    root_addr = env.get("DMLC_PS_ROOT_URI", "").strip()
+    if not root_addr:
+        raise UsageError(f"environment variable DMLC_PS_ROOT_URI is not set; set it to the host of global rank 0, or {_ENV_MODE_HINT}")
+    root_port = args.port if args.port is not None else _env_int(env, "DMLC_PS_ROOT_PORT", "the rendezvous TCP port", 1, 65535)
+    if env.get("BYTEPS_LOCAL_SIZE", "").strip():
+        local_size = _env_int(env, "BYTEPS_LOCAL_SIZE", "the number of worker processes on this node", 1)
+    else:
+        local_size = _visible_gpu_count(env)
+    if engine == "byteps" and num_nodes > 1:
+        _env_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
+    return worker_specs(
+        args, env, engine=engine, num_nodes=num_nodes, node_rank=node_rank, local_size=local_size,
+        root_addr=root_addr, root_port=root_port, notes=notes,
+    )
+
+
+def _server_specs(args: argparse.Namespace, env: Mapping[str, str], role: str, engine: str, notes: list[str]) -> list[ChildSpec]:
+    if engine == "gloo":
+        notes.append(f"DMLC_ROLE={role}: the gloo engine needs no {role} process; nothing to start")
+        return []
+    _env_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
+    _env_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
+    if not env.get("DMLC_PS_ROOT_URI", "").strip():
+        raise UsageError("environment variable DMLC_PS_ROOT_URI is not set; set it to the scheduler's host")
+    child_env = dict(env, PYTHONUNBUFFERED="1")
+    if args.port is not None:
+        child_env["DMLC_PS_ROOT_PORT"] = str(args.port)
+    else:
+        _env_int(env, "DMLC_PS_ROOT_PORT", "the scheduler's TCP port", 1, 65535)
+    if importlib.util.find_spec("byteps") is None:
+        raise ConfigurationError(
+            f"the byteps engine needs the byteps package for the {role} role, and {sys.executable} cannot import it; "
+            "install BytePS (see docker/ for the GPU image) or use --engine gloo"
+        )
+    log_path = None if args.log_dir is None else args.log_dir / f"{role}.log"
+    # As BytePS does: importing byteps.server starts the server (or scheduler) and blocks.
+    return [ChildSpec(label=role, argv=[sys.executable, "-c", "import byteps.server"], env=child_env, log_path=log_path)]
+
+
+# ---- entry point ------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``bpslaunch``; returns the exit code (see the module docstring)."""
+    parser = build_parser()
+    env = dict(os.environ if environ is None else environ)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv, parser)
+    except SystemExit as stop:  # argparse: --help (0) or bad usage (2)
+        return stop.code if isinstance(stop.code, int) else 2
+    if args.log_dir is not None:
+        args.log_dir = args.log_dir.expanduser().resolve()
+    notes: list[str] = []
+    try:
+        specs = local_mode(args, env, notes) if args.num_workers is not None else env_mode(args, env, notes)
+    except UsageError as error:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    except ConfigurationError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(f"{PROG}: {note}", file=sys.stderr, flush=True)
+    if not specs:
+        return 0
+    if args.log_dir is not None:
+        try:
+            args.log_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            print(f"{PROG}: error: cannot create --log-dir {args.log_dir}: {error.strerror}", file=sys.stderr)
+            return 1
+    return Supervisor(specs, grace_s=args.grace_period).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""Process supervisor of ``bpslaunch``: spawn, prefix output, propagate failure, tear down.
+
+Each child runs in its own process group (so a signal to the group reaches its own children
+too) with ``PR_SET_PDEATHSIG=SIGTERM`` (so it dies with the launcher even when the launcher
+is SIGKILLed). A small guardian process (:mod:`._guardian`) watches the launcher and kills
+the children's groups, grandchildren included, if the launcher dies without cleaning up.
+
+Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
+with a ``[label] `` prefix, one whole line at a time, and raw to the child's log file when
+one is given. The first child to exit non-zero decides the exit code; the others then get
+SIGTERM, and SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher
+is forwarded to every group the same way and the launcher returns ``128 + signal``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, BinaryIO, Mapping, Sequence
+
+from dynamix_byteps.launcher._guardian import group_alive
+
+_PR_SET_PDEATHSIG = 1
+_GUARDIAN = Path(__file__).with_name("_guardian.py")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+try:  # Linux only; elsewhere children still get their own group and the guardian.
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    _PRCTL = _LIBC.prctl if _LIBC is not None else None
+except (OSError, AttributeError):  # pragma: no cover - exotic libc
+    _PRCTL = None
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One process to supervise.
+
+    Attributes:
+        label: the output prefix without brackets, e.g. ``"0"`` for global rank 0.
+        argv: the command and its arguments; ``argv[0]`` is looked up on ``PATH``.
+        env: the complete environment of the child.
+        log_path: file that receives the child's raw stdout and stderr, or ``None``.
+    """
+
+    label: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    log_path: Path | None = None
+
+
+class SpawnError(Exception):
+    """A command could not be executed; ``exit_code`` is 127 (not found) or 126, as in a shell."""
+
+    def __init__(self, argv0: str, error: OSError):
+        self.exit_code = 127 if isinstance(error, FileNotFoundError) else 126
+        reason = "command not found" if self.exit_code == 127 else (error.strerror or str(error))
+        super().__init__(f"cannot run {argv0!r}: {reason}")
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell-style exit code of a ``Popen.returncode``: ``-N`` (killed by signal N) → ``128 + N``."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _preexec(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: new process group, die with the launcher."""
+    os.setpgid(0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Child:
+    def __init__(self, spec: ChildSpec, proc: subprocess.Popen, log: BinaryIO | None):
+        self.spec = spec
+        self.proc = proc
+        self.pgid = proc.pid  # leader of its own group, see _preexec
+        self.log = log
+        self.returncode: int | None = None
+
+
+class Supervisor:
+    """Runs a set of child processes as one job; see the module docstring for the rules.
+
+    Args:
+        specs: the processes to start, in order.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping children (> 0).
+        stdout, stderr: binary streams that receive the prefixed lines; default the
+            launcher's own ``sys.stdout.buffer`` / ``sys.stderr.buffer``.
+        poll_s: seconds between checks of the children's state.
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[ChildSpec],
+        grace_s: float = 5.0,
+        stdout: BinaryIO | None = None,
+        stderr: BinaryIO | None = None,
+        poll_s: float = 0.05,
+    ):
+        if not specs:
+            raise ValueError("Supervisor needs at least one ChildSpec")
+        if grace_s <= 0:
+            raise ValueError(f"grace_s={grace_s} must be > 0 seconds")
+        self.specs = list(specs)
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self._out = stdout if stdout is not None else _binary(sys.stdout)
+        self._err = stderr if stderr is not None else _binary(sys.stderr)
+        self._lock = threading.Lock()
+        self._children: list[_Child] = []
+        self._pumps: list[threading.Thread] = []
+        self._guardian: subprocess.Popen | None = None
+        self._signum: int | None = None
+        self._signal_count = 0
+
+    # ---- output -------------------------------------------------------------------------
+
+    def note(self, message: str) -> None:
+        """Print one ``bpslaunch: ...`` line on stderr, never inside a child's line."""
+        self._write(self._err, f"bpslaunch: {message}\n".encode(), None, None)
+
+    def _write(self, sink: BinaryIO | None, line: bytes, prefix: bytes | None, log: BinaryIO | None) -> None:
+        with self._lock:
+            if log is not None:
+                try:
+                    log.write(line)
+                    log.flush()
+                except (OSError, ValueError):
+                    pass
+            if sink is not None:
+                try:
+                    sink.write(line if prefix is None else prefix + line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # e.g. `bpslaunch ... | head`: keep draining so children never block
+
+    def _pump(self, pipe: IO[bytes], sink: BinaryIO, child: _Child) -> None:
+        prefix = f"[{child.spec.label}] ".encode()
+        with pipe:
+            for line in iter(pipe.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                self._write(sink, line, prefix, child.log)
+
+    # ---- signals ------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._signum is None:
+            self._signum = signum
+        self._signal_count += 1
+
+    def _install_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+
+    # ---- process groups -----------------------------------------------------------------
+
+    def _killpg(self, child: _Child, sig: int) -> None:
+        try:
+            os.killpg(child.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _start_guardian(self) -> None:
+        try:
+            self._guardian = subprocess.Popen(
+                [sys.executable, "-I", str(_GUARDIAN), str(self.grace_s)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as error:  # pragma: no cover - python itself cannot start
+            self.note(f"warning: guardian process not started ({error}); a SIGKILLed launcher may leave grandchildren")
+
+    def _tell_guardian(self, message: str) -> None:
+        if self._guardian is None or self._guardian.stdin is None:
+            return
+        try:
+            self._guardian.stdin.write(message.encode() + b"\n")
+            self._guardian.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _stop_guardian(self) -> None:
+        if self._guardian is None:
+            return
+        self._tell_guardian("exit")
+        try:
+            self._guardian.stdin.close()
+            self._guardian.wait(timeout=self.grace_s + 5)
+        except (OSError, subprocess.TimeoutExpired):
+            self._guardian.kill()
+            self._guardian.wait()
+
+    def _spawn(self, spec: ChildSpec) -> _Child:
+        log = None
+        if spec.log_path is not None:
+            spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(spec.log_path, "wb")
+        parent = os.getpid()
+        try:
+            proc = subprocess.Popen(
+                list(spec.argv),
+                env=dict(spec.env),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=lambda: _preexec(parent),
+            )
+        except OSError as error:
+            if log is not None:
+                log.close()
+            raise SpawnError(spec.argv[0], error) from error
+        child = _Child(spec, proc, log)
+        self._tell_guardian(str(child.pgid))
+        return child
+
+    # ---- the job ------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start every child, wait for the job to end, clean up; returns the exit code.
+
+        Returns:
+            0 when every child exits 0; else the shell-style code of the first child that
+            failed (``128 + N`` if it was killed by signal N); ``128 + N`` when the launcher
+            got signal N; 126/127 when a command could not be executed.
+        """
+        previous = self._install_handlers()
+        try:
+            self._start_guardian()
+            try:
+                for spec in self.specs:
+                    if self._signum is not None:
+                        break
+                    self._children.append(self._spawn(spec))
+            except SpawnError as error:
+                self.note(str(error))
+                self._stop_all(signal.SIGTERM)
+                return error.exit_code
+            for child in self._children:
+                for pipe, sink in ((child.proc.stdout, self._out), (child.proc.stderr, self._err)):
+                    thread = threading.Thread(target=self._pump, args=(pipe, sink, child), daemon=True)
+                    thread.start()
+                    self._pumps.append(thread)
+            return self._wait()
+        finally:
+            self._cleanup()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _wait(self) -> int:
+        exit_code: int | None = None
+        stopping_since: float | None = None
+        signals_at_stop = 0
+        killed = False
+        while True:
+            if self._signum is not None and exit_code is None:
+                exit_code = 128 + self._signum
+                self.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
+                self._signal_live(self._signum)
+                stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+            for child in self._children:
+                if child.returncode is not None:
+                    continue
+                rc = child.proc.poll()
+                if rc is None:
+                    continue
+                child.returncode = rc
+                if rc != 0 and exit_code is None:
+                    exit_code = exit_code_of(rc)
+                    how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
+                    others = self._count_live()
+                    self.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))
+                    self._signal_live(signal.SIGTERM)
+                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+            if self._count_live() == 0:
+                return 0 if exit_code is None else exit_code
+            if not killed and stopping_since is not None:
+                # A (further) signal while stopping means "now": do not wait out the grace period.
+                if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:
+                    self._signal_live(signal.SIGKILL)
+                    killed = True
+            time.sleep(self.poll_s)
+
+    def _count_live(self) -> int:
+        return sum(1 for c in self._children if c.returncode is None)
+
+    def _signal_live(self, sig: int) -> None:
+        for child in self._children:
+            if child.returncode is None:
+                self._killpg(child, sig)
+
+    def _stop_all(self, sig: int) -> None:
+        """Send ``sig`` to every group with a live member; SIGKILL whatever outlives the grace period."""
+        groups = [c for c in self._children if group_alive(c.pgid)]
+        for child in groups:
+            self._killpg(child, sig)
+        deadline = time.monotonic() + self.grace_s
+        while groups and time.monotonic() < deadline:
+            for child in self._children:
+                if child.returncode is None:
+                    child.returncode = child.proc.poll()
+            groups = [c for c in groups if group_alive(c.pgid)]
+            if groups:
+                time.sleep(self.poll_s)
+        for child in groups:
+            self._killpg(child, signal.SIGKILL)
+
+    def _cleanup(self) -> None:
+        # Grandchildren left behind by a child that already exited (or a half-started job).
+        self._stop_all(signal.SIGTERM)
+        for child in self._children:
+            child.proc.wait()
+        for thread in self._pumps:
+            thread.join(timeout=self.grace_s)
+        for child in self._children:
+            if child.log is not None:
+                with self._lock:
+                    child.log.close()
+        self._stop_guardian()
+
+
+def _binary(stream) -> BinaryIO | None:
+    if stream is None:
+        return None
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else _TextSink(stream)
+
+
+class _TextSink:
+    """Adapter for a text-only stream (e.g. one replaced by a test harness)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, data: bytes) -> None:
+        self._stream.write(data.decode(errors="replace"))
+
+    def flush(self) -> None:
+        self._stream.flush()

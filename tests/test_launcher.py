@@ -1,0 +1,326 @@
+"""Tests of bpslaunch (dynamix_byteps.launcher) with real processes.
+
+Every test runs the launcher as a subprocess (``python -m dynamix_byteps.launcher``) with
+tests/scripts/launcher_worker.py as the worker program, and kills whatever it started in a
+``finally``. Liveness is checked with psutil; a zombie counts as dead (this container's PID 1
+does not reap orphans).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "scripts" / "launcher_worker.py")
+LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
+LINE = re.compile(rb"^\[(\d+)\] (.*)$")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any job variables, plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_")) and k not in ("OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
+def run_launcher(args: list[str], env: dict[str, str] | None = None, timeout: float = 50) -> subprocess.CompletedProcess:
+    return subprocess.run(LAUNCH + args, env=env or clean_env(), capture_output=True, timeout=timeout)
+
+
+def start_launcher(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # Files, not pipes: a test that stops reading must never block the launcher.
+    return subprocess.Popen(
+        LAUNCH + args,
+        env=env or clean_env(),
+        stdout=open(tmp_path / "launcher.out", "wb"),
+        stderr=open(tmp_path / "launcher.err", "wb"),
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate, timeout: float = 30.0, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()
+
+
+def read_pids(directory: Path, count: int, timeout: float = 30.0) -> list[int]:
+    """Wait until ``count`` workers wrote ``<rank>.pids``; returns all worker and grandchild pids."""
+    assert wait_until(lambda: len(list(directory.glob("*.pids"))) >= count, timeout), (
+        f"only {len(list(directory.glob('*.pids')))} of {count} workers started"
+    )
+    pids: list[int] = []
+    for path in sorted(directory.glob("*.pids")):
+        pids.extend(int(p) for p in path.read_text().split())
+    return pids
+
+
+def assert_all_gone(pids: list[int]) -> None:
+    wait_until(lambda: not any(alive(p) for p in pids), timeout=20)
+    survivors = [p for p in pids if alive(p)]
+    assert not survivors, f"processes of the job survived: {survivors}"
+
+
+def kill_all(proc: subprocess.Popen | None, pids: list[int]) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+    if proc is not None:
+        proc.wait()
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
+def prefixed(stream: bytes) -> list[tuple[int, bytes]]:
+    lines = []
+    for raw in stream.splitlines():
+        if raw.startswith(b"bpslaunch: "):
+            continue
+        match = LINE.match(raw)
+        assert match, f"line without a rank prefix: {raw[:120]!r}"
+        lines.append((int(match.group(1)), match.group(2)))
+    return lines
+
+
+def env_lines(stdout: bytes) -> dict[int, dict]:
+    return {rank: json.loads(body) for rank, body in prefixed(stdout) if body.startswith(b"{")}
+
+
+# ---- usage errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--bogus", "--", "true"], b"unrecognized arguments"),
+        (["--num-workers", "0", "--", "true"], b"--num-workers"),
+        (["--num-workers", "two", "--", "true"], b"--num-workers"),
+        (["--num-workers", "2", "--port", "0", "--", "true"], b"--port"),
+        (["--num-workers", "2", "--port", "70000", "--", "true"], b"--port"),
+        (["--num-workers", "2", "--timeout", "-1", "--", "true"], b"--timeout"),
+        (["--num-workers", "2", "--engine", "mpi", "--", "true"], b"--engine"),
+        (["--num-workers", "2", "--"], b"no command"),
+        (["--num-workers", "2"], b"no command"),
+    ],
+)
+def test_bad_usage_exits_2_with_message(args, needle):
+    result = run_launcher(args)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+    assert b"usage: bpslaunch" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_help_exits_0():
+    result = run_launcher(["--help"])
+    assert result.returncode == 0
+    assert b"--num-workers" in result.stdout and b"DMLC_ROLE" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_command_not_found_exits_127():
+    result = run_launcher(["--num-workers", "2", "--", "dynamix-no-such-command-xyz"])
+    assert result.returncode == 127
+    assert b"dynamix-no-such-command-xyz" in result.stderr and b"not found" in result.stderr
+
+
+# ---- local mode -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_three_workers_get_the_contract_and_prefixed_lines():
+    result = run_launcher(
+        ["--num-workers", "3", "--batch-size", "32", "--timeout", "45", "--", sys.executable, WORKER, "env", "50"]
+    )
+    assert result.returncode == 0, result.stderr
+    envs = env_lines(result.stdout)
+    assert sorted(envs) == [0, 1, 2]
+    for rank, env in envs.items():
+        assert env["DMLC_ROLE"] == "worker"
+        assert env["DMLC_NUM_WORKER"] == "1" and env["DMLC_WORKER_ID"] == "0"
+        assert env["BYTEPS_LOCAL_SIZE"] == "3"
+        assert env["BYTEPS_LOCAL_RANK"] == str(rank)
+        assert env["DMLC_PS_ROOT_URI"] == "127.0.0.1"
+        assert env["DYNAMIX_ENGINE"] == "gloo"
+        assert env["DYNAMIX_BATCH_SIZE"] == "32"
+        assert float(env["DYNAMIX_TIMEOUT"]) == 45.0
+        assert env["DYNAMIX_LOG_DIR"] is None
+        assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
+    ports = {env["DMLC_PS_ROOT_PORT"] for env in envs.values()}
+    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+    # Every line, on both streams, is whole and carries the rank of the worker that wrote it.
+    for stream, tag in ((result.stdout, b"out"), (result.stderr, b"err")):
+        lines = [(rank, body) for rank, body in prefixed(stream) if not body.startswith(b"{")]
+        assert len(lines) == 3 * 50
+        for rank, body in lines:
+            word, who, _, filler = body.split(b" ")
+            assert word == tag and int(who) == rank and len(filler) == 300
+    assert b"OMP_NUM_THREADS" in result.stderr  # the one note
+
+
+@pytest.mark.timeout(60)
+def test_user_omp_num_threads_and_port_are_kept(tmp_path):
+    port = _free_port()
+    env = clean_env(OMP_NUM_THREADS="2")
+    result = run_launcher(["--num-workers", "2", "--port", str(port), "--", sys.executable, WORKER, "env"], env=env)
+    assert result.returncode == 0, result.stderr
+    envs = env_lines(result.stdout)
+    assert {e["OMP_NUM_THREADS"] for e in envs.values()} == {"2"}
+    assert {e["DMLC_PS_ROOT_PORT"] for e in envs.values()} == {str(port)}
+    assert b"OMP_NUM_THREADS" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_log_dir_gets_one_raw_log_per_worker(tmp_path):
+    log_dir = tmp_path / "logs" / "run1"
+    result = run_launcher(["--num-workers", "2", "--log-dir", str(log_dir), "--", sys.executable, WORKER, "env", "3"])
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in log_dir.iterdir()) == ["worker-0.log", "worker-1.log"]
+    for rank in (0, 1):
+        lines = (log_dir / f"worker-{rank}.log").read_bytes().splitlines()
+        assert not any(line.startswith(b"[") for line in lines)  # raw, no prefix
+        # stdout and stderr are read by separate threads: lines keep their order per stream only
+        (env_line,) = [line for line in lines if line.startswith(b"{")]
+        assert json.loads(env_line)["DYNAMIX_LOG_DIR"] == str(log_dir)
+        assert sum(line.startswith(b"out %d " % rank) for line in lines) == 3
+        assert sum(line.startswith(b"err %d " % rank) for line in lines) == 3
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_sets_exit_code_and_nothing_survives(tmp_path):
+    proc, pids = None, []
+    try:
+        proc = start_launcher(
+            ["--num-workers", "3", "--grace-period", "2", "--", sys.executable, WORKER, "job", str(tmp_path), "1", "3"],
+            tmp_path,
+        )
+        pids = read_pids(tmp_path, 3)
+        assert proc.wait(timeout=40) == 3
+        assert_all_gone(pids)
+        assert b"exited with code 3" in (tmp_path / "launcher.err").read_bytes()
+    finally:
+        kill_all(proc, pids)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_to_launcher_stops_the_whole_job(tmp_path, sig, code):
+    proc, pids = None, []
+    try:
+        proc = start_launcher(
+            ["--num-workers", "2", "--grace-period", "3", "--", sys.executable, WORKER, "job", str(tmp_path)], tmp_path
+        )
+        pids = read_pids(tmp_path, 2)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=40) == code
+        assert_all_gone(pids)
+    finally:
+        kill_all(proc, pids)
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
+    proc, pids = None, []
+    try:
+        proc = start_launcher(
+            ["--num-workers", "2", "--grace-period", "2", "--", sys.executable, WORKER, "job", str(tmp_path)], tmp_path
+        )
+        pids = read_pids(tmp_path, 2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=20)
+        # Workers die by PR_SET_PDEATHSIG; their `sleep` grandchildren by the guardian.
+        assert_all_gone(pids)
+    finally:
+        kill_all(proc, pids)
+
+
+# ---- BytePS environment mode ---------------------------------------------------------------------
+
+ENV_WORKER = dict(
+    DMLC_ROLE="worker", DMLC_NUM_WORKER="2", DMLC_WORKER_ID="1",
+    DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT="29517",
+)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("missing", ["DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"])
+def test_env_mode_missing_variable_exits_2_naming_it(missing):
+    env = clean_env(**{k: v for k, v in ENV_WORKER.items() if k != missing})
+    result = run_launcher(["--", sys.executable, WORKER, "env"], env=env)
+    assert result.returncode == 2, result.stderr
+    assert missing.encode() in result.stderr
+    assert b"not set" in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "name, value", [("DMLC_ROLE", "boss"), ("DMLC_WORKER_ID", "2"), ("DMLC_PS_ROOT_PORT", "http"), ("BYTEPS_LOCAL_SIZE", "0")]
+)
+def test_env_mode_invalid_variable_exits_2_naming_it(name, value):
+    result = run_launcher(["--", sys.executable, WORKER, "env"], env=clean_env(**dict(ENV_WORKER, **{name: value})))
+    assert result.returncode == 2, result.stderr
+    assert f"{name}=".encode() in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_env_mode_starts_byteps_local_size_workers():
+    env = clean_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="2")
+    result = run_launcher([sys.executable, WORKER, "env"], env=env)  # BytePS style: no '--'
+    assert result.returncode == 0, result.stderr
+    envs = env_lines(result.stdout)
+    assert sorted(envs) == [2, 3]  # global rank = worker_id * local_size + local_rank
+    for rank, e in envs.items():
+        assert (e["DMLC_NUM_WORKER"], e["DMLC_WORKER_ID"], e["BYTEPS_LOCAL_SIZE"]) == ("2", "1", "2")
+        assert e["BYTEPS_LOCAL_RANK"] == str(rank - 2)
+        assert (e["DMLC_PS_ROOT_URI"], e["DMLC_PS_ROOT_PORT"]) == ("127.0.0.1", "29517")
+
+
+@pytest.mark.timeout(60)
+def test_env_mode_local_size_defaults_to_visible_gpus():
+    env = clean_env(**ENV_WORKER, NVIDIA_VISIBLE_DEVICES="0,1,3")
+    result = run_launcher(["--", sys.executable, WORKER, "env"], env=env)
+    assert result.returncode == 0, result.stderr
+    assert sorted(env_lines(result.stdout)) == [3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("role", ["scheduler", "server"])
+def test_env_mode_scheduler_and_server_with_gloo_exit_0(role):
+    result = run_launcher([], env=clean_env(DMLC_ROLE=role))
+    assert result.returncode == 0, result.stderr
+    assert b"gloo" in result.stderr and b"nothing to start" in result.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
