@@ -1,0 +1,10 @@
+"""Data for dynamix_byteps: offline dataset loaders (numpy only, no framework imports).
+
+``load_fashion_mnist(split, root=None)`` and ``load_mnist(split, root=None)`` return
+``(images, labels)`` as ``np.uint8 (N, 28, 28)`` and ``np.int64 (N,)``; see
+:mod:`dynamix_byteps.data.datasets` for where they look and what they raise.
+"""
+
+from dynamix_byteps.data.datasets import load_fashion_mnist, load_mnist
+
+__all__ = ["load_fashion_mnist", "load_mnist"]

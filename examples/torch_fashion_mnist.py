@@ -1,0 +1,139 @@
+"""Data-parallel training of a small CNN on Fashion-MNIST with the BytePS API of dynamix_byteps.
+
+    bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py
+    python examples/torch_fashion_mnist.py --limit-train 5000 --epochs 1      # one worker
+
+Porting a byteps.torch script means changing one import. Each worker trains on its own shard;
+gradients are averaged weighted by each worker's batch size (``set_local_batch_size``).
+Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fashion-mnist`` or ``--data-dir``.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps.data import load_fashion_mnist
+
+MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
+
+
+class Net(nn.Module):
+    """conv32-pool-conv64-pool-fc128-fc10 (421,642 parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 7 * 7, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def to_tensors(images, labels):
+    """uint8 (N, 28, 28) -> float (N, 1, 28, 28), normalised; int64 labels."""
+    x = torch.from_numpy(images).unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
+    return x, torch.from_numpy(labels)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=int(os.environ.get("DYNAMIX_BATCH_SIZE") or 64),
+                   help="samples per worker per step (default: $DYNAMIX_BATCH_SIZE or 64)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.01 x number of workers)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
+    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # several workers share this machine's cores
+    torch.manual_seed(args.seed)
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    train_x, train_y = to_tensors(*load_fashion_mnist("train", root=args.data_dir))
+    test_x, test_y = to_tensors(*load_fashion_mnist("test", root=args.data_dir))
+    if args.limit_train:
+        train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
+    train_set = TensorDataset(train_x, train_y)
+    # Pads the shards to equal length, so every worker takes the same number of steps.
+    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    model = Net()
+    lr = args.lr if args.lr is not None else 0.01 * size  # linear scaling with the number of workers
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    show_bar = rank == 0 and sys.stderr.isatty()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        show_bar, tqdm = False, None
+    log(f"workers={size} batch_size={args.batch_size} lr={lr:g} train_samples={len(train_set)}", flush=True)
+
+    start, train_s, train_samples = time.time(), 0.0, 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        stats = torch.zeros(2, dtype=torch.float64)  # [sum of losses, samples] on this worker
+        t0 = time.time()
+        batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False) if show_bar else loader
+        for x, y in batches:
+            optimizer.set_local_batch_size(len(y))  # weights this worker's gradient; the last batch is smaller
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            stats += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+        stats = bps.push_pull(stats, average=False, name="train_stats")
+        elapsed = time.time() - t0
+        train_s += elapsed
+        train_samples += int(stats[1])
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / stats[1]:.4f} "
+            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s", flush=True)
+
+    # Each worker evaluates every size-th test image; the sums cover the 10k images exactly once.
+    model.eval()
+    stats = torch.zeros(3, dtype=torch.float64)  # [sum of losses, correct, samples]
+    with torch.no_grad():
+        for x, y in zip(test_x[rank::size].split(1000), test_y[rank::size].split(1000)):
+            out = model(x)
+            stats += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
+                                   (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+    stats = bps.push_pull(stats, average=False, name="test_stats")
+    accuracy, test_loss = (stats[1] / stats[2]).item(), (stats[0] / stats[2]).item()
+    wall = time.time() - start  # training + evaluation, after data loading and set-up
+
+    if rank == 0:
+        metrics = {"test_accuracy": accuracy, "test_loss": test_loss, "epochs": args.epochs,
+                   "wall_s": wall, "samples_per_s": train_samples / train_s if train_s else 0.0,
+                   "workers": size, "batch_size": args.batch_size, "lr": lr, "test_samples": int(stats[2])}
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(metrics, f, indent=2)
+        print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()
