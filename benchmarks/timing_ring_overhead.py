@@ -1,0 +1,112 @@
+"""Cost of recording one push_pull timing event from Python, in ns per call.
+
+Measures ``TimingRing.record`` called directly and ``dynamix_byteps.timing.record`` (name
+interning + process ring), each as the median of --runs runs of --calls calls, next to an
+empty Python loop of the same length for reference. The ring is sized to hold every call
+and drained between runs, so only the success path is timed. Prints a table, writes JSON.
+
+    python benchmarks/timing_ring_overhead.py [--calls 200000] [--runs 5] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "timing_ring_overhead.json"
+
+
+def _loop_baseline(n: int) -> int:
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        pass
+    return time.perf_counter_ns() - t0
+
+
+def _raw_record(ring, n: int) -> int:
+    record = ring.record
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        record(7, 4096, 1_000, 2_000)
+    elapsed = time.perf_counter_ns() - t0
+    if ring.dropped:
+        raise RuntimeError("ring overflowed during the benchmark; the drop path was timed")
+    return elapsed
+
+
+def _timing_record(timing, n: int) -> int:
+    record = timing.record
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        record("model.layer1.weight", 4096, 1_000, 2_000)
+    elapsed = time.perf_counter_ns() - t0
+    if timing.ring().dropped:
+        raise RuntimeError("ring overflowed during the benchmark; the drop path was timed")
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=200_000, help="record calls per run (default 200000)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per case; the median is reported (default 5)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.runs < 1:
+        parser.error("--calls and --runs must be >= 1")
+
+    # The process ring must hold one run's calls; set before dynamix_byteps.timing creates it.
+    os.environ["DYNAMIX_TIMING_CAPACITY"] = str(args.calls)
+    from dynamix_byteps import _core, timing
+
+    raw_ring = _core.TimingRing(args.calls)
+    cases = {
+        "empty python loop (reference)": lambda: _loop_baseline(args.calls),
+        "TimingRing.record (raw)": lambda: _raw_record(raw_ring, args.calls),
+        "timing.record (name + process ring)": lambda: _timing_record(timing, args.calls),
+    }
+    drains = {"TimingRing.record (raw)": raw_ring.drain, "timing.record (name + process ring)": timing.ring().drain}
+
+    results = []
+    for name, run in cases.items():
+        per_call = []
+        for _ in range(args.runs):
+            per_call.append(run() / args.calls)
+            if name in drains:
+                drains[name]()
+        results.append(
+            {
+                "case": name,
+                "ns_per_call_median": statistics.median(per_call),
+                "ns_per_call_min": min(per_call),
+                "ns_per_call_runs": per_call,
+            }
+        )
+
+    width = max(len(r["case"]) for r in results)
+    print(f"{'case':<{width}}  {'median ns/call':>14}  {'min ns/call':>11}")
+    for r in results:
+        print(f"{r['case']:<{width}}  {r['ns_per_call_median']:>14.1f}  {r['ns_per_call_min']:>11.1f}")
+
+    report = {
+        "benchmark": "timing_ring_overhead",
+        "calls_per_run": args.calls,
+        "runs": args.runs,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Timing ring of the native core (dynamix_byteps._core) and its Python wrapper (dynamix_byteps.timing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dynamix_byteps import _core, timing
+
+KEYS = {"name_id": np.uint32, "nbytes": np.uint64, "start_ns": np.int64, "end_ns": np.int64}
+
+
+def as_tuples(d: dict) -> list[tuple[int, int, int, int]]:
+    return list(zip(*(d[k].tolist() for k in KEYS)))
+
+
+@pytest.mark.timeout(60)
+def test_round_trip_preserves_values_dtypes_and_order():
+    ring = _core.TimingRing(16)
+    events = [(i % 3, 1000 * i, 10 * i, 10 * i + i) for i in range(10)]
+    events.append((2**32 - 1, 2**62, -5, 2**62))  # extreme but valid values survive unchanged
+    for e in events:
+        assert ring.record(*e) is True
+    assert ring.size == len(events)
+    out = ring.drain()
+    assert set(out) == set(KEYS)
+    for key, dtype in KEYS.items():
+        assert out[key].dtype == dtype
+        assert out[key].shape == (len(events),)
+    assert as_tuples(out) == events
+    assert ring.size == 0
+    assert as_tuples(ring.drain()) == []
+    assert ring.dropped == 0
+
+
+@pytest.mark.timeout(60)
+def test_drain_max_events_takes_oldest_first():
+    ring = _core.TimingRing(8)
+    for i in range(6):
+        ring.record(i, i, i, i)
+    assert [e[0] for e in as_tuples(ring.drain(2))] == [0, 1]
+    assert [e[0] for e in as_tuples(ring.drain(0))] == []
+    assert [e[0] for e in as_tuples(ring.drain(100))] == [2, 3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+def test_capacity_rounds_up_to_power_of_two():
+    assert _core.TimingRing().capacity == 65536
+    assert _core.TimingRing(5).capacity == 8
+    assert _core.TimingRing(8).capacity == 8
+    assert _core.TimingRing(1000).capacity == 1024
+    assert _core.TimingRing(1).capacity == 2  # the per-slot sequence scheme needs two slots
+
+
+@pytest.mark.timeout(60)
+def test_overflow_returns_false_and_counts_drops_exactly():
+    ring = _core.TimingRing(8)
+    results = [ring.record(i, 1, i, i + 1) for i in range(8 + 13)]
+    assert results == [True] * 8 + [False] * 13
+    assert ring.dropped == 13
+    assert ring.size == 8
+    # the ring keeps the first 8 events, not the last ones
+    assert [e[0] for e in as_tuples(ring.drain())] == list(range(8))
+    # room again after draining
+    assert ring.record(99, 1, 0, 1) is True
+    assert ring.dropped == 13
+    # dropped events still count in the step aggregates
+    step = ring.end_step()
+    assert step["count"] == 22
+    assert step["bytes"] == 22
+
+
+@pytest.mark.timeout(60)
+def test_wrap_around_over_many_cycles():
+    ring = _core.TimingRing(8)
+    next_id = 0
+    expected_next = 0
+    for cycle in range(2000):
+        n = 1 + cycle % 8  # 1..8 events per cycle, so positions drift across slot boundaries
+        for _ in range(n):
+            assert ring.record(next_id, next_id, next_id, next_id + 1)
+            next_id += 1
+        take = n if cycle % 3 else max(1, n // 2)
+        got = [e[0] for e in as_tuples(ring.drain(take))]
+        assert got == list(range(expected_next, expected_next + len(got)))
+        expected_next += len(got)
+        rest = [e[0] for e in as_tuples(ring.drain())]
+        assert rest == list(range(expected_next, expected_next + len(rest)))
+        expected_next += len(rest)
+    assert expected_next == next_id
+    assert next_id > 8 * 500
+    assert ring.dropped == 0
+
+
+@pytest.mark.timeout(60)
+def test_end_step_aggregates_are_exact_and_reset():
+    ring = _core.TimingRing(64)
+    assert ring.end_step() == {"count": 0, "bytes": 0, "busy_ns": 0, "span_ns": 0}
+    ring.record(0, 100, 1_000, 1_500)
+    ring.record(1, 200, 1_200, 1_300)
+    ring.record(2, 300, 900, 2_000)  # earliest start and latest end, out of order
+    assert ring.end_step() == {"count": 3, "bytes": 600, "busy_ns": 500 + 100 + 1_100, "span_ns": 2_000 - 900}
+    assert ring.end_step() == {"count": 0, "bytes": 0, "busy_ns": 0, "span_ns": 0}
+    ring.record(0, 7, -10, -4)
+    # draining does not touch the aggregates, and end_step does not touch the events
+    assert len(ring.drain()["name_id"]) == 4
+    assert ring.end_step() == {"count": 1, "bytes": 7, "busy_ns": 6, "span_ns": 6}
+    ring.record(0, 7, 5, 5)
+    assert ring.end_step() == {"count": 1, "bytes": 7, "busy_ns": 0, "span_ns": 0}
+    assert ring.size == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity", [0, -1, 2**30 + 1])
+def test_bad_capacity_raises_value_error(capacity):
+    with pytest.raises(ValueError):
+        _core.TimingRing(capacity)
+
+
+@pytest.mark.timeout(60)
+def test_bad_record_and_drain_arguments_raise_value_error():
+    ring = _core.TimingRing(8)
+    with pytest.raises(ValueError):
+        ring.record(0, 1, 10, 9)
+    with pytest.raises(ValueError):
+        ring.record(0, -1, 0, 1)
+    with pytest.raises(ValueError):
+        ring.record(-1, 1, 0, 1)
+    with pytest.raises(ValueError):
+        ring.record(2**32, 1, 0, 1)
+    with pytest.raises(ValueError):
+        ring.drain(-1)
+    # rejected calls record nothing
+    assert ring.size == 0 and ring.dropped == 0
+    assert ring.end_step()["count"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_now_ns_agrees_with_time_monotonic_ns():
+    best = None
+    for _ in range(20):
+        a = time.monotonic_ns()
+        n = _core.now_ns()
+        b = time.monotonic_ns()
+        gap = max(a - n, n - b, 0)  # 0 when n lies between the two Python readings
+        best = gap if best is None else min(best, gap)
+    assert best < 1_000_000
+
+
+def _drain_until(ring, done: threading.Event, out: list) -> None:
+    while True:
+        finished = done.is_set()
+        d = ring.drain()
+        out.extend(as_tuples(d))
+        if finished and ring.size == 0:
+            return
+        if not len(d["name_id"]):
+            time.sleep(0)
+
+
+def _check_exactly_once_in_order(events, producers: int, per_producer: int, make):
+    by_producer: dict[int, list] = {p: [] for p in range(producers)}
+    for e in events:
+        by_producer[e[0]].append(e)
+    for p in range(producers):
+        assert by_producer[p] == [make(p, i) for i in range(per_producer)], f"producer {p}"
+
+
+@pytest.mark.timeout(60)
+def test_python_threads_produce_while_consumer_drains():
+    producers, per = 4, 20_000
+    ring = _core.TimingRing(1024)  # small: producers hit a full ring and retry
+
+    def make(p, i):
+        return (p, i, 1_000 * i, 1_000 * i + p + 1)
+
+    retried = [[0, 0, 0] for _ in range(producers)]  # failed attempts: count, bytes, busy_ns
+
+    def produce(p):
+        for i in range(per):
+            e = make(p, i)
+            while not ring.record(*e):
+                retried[p][0] += 1
+                retried[p][1] += e[1]
+                retried[p][2] += e[3] - e[2]
+                time.sleep(0)
+
+    got: list = []
+    done = threading.Event()
+    consumer = threading.Thread(target=_drain_until, args=(ring, done, got))
+    consumer.start()
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    consumer.join()
+
+    assert len(got) == producers * per
+    _check_exactly_once_in_order(got, producers, per, make)
+    fails = sum(r[0] for r in retried)
+    assert ring.dropped == fails
+    # every call counts in the step, including the ones the full ring rejected
+    step = ring.end_step()
+    assert step["count"] == producers * per + fails
+    assert step["bytes"] == producers * (per * (per - 1) // 2) + sum(r[1] for r in retried)
+    assert step["busy_ns"] == per * sum(p + 1 for p in range(producers)) + sum(r[2] for r in retried)
+    assert step["span_ns"] == 1_000 * (per - 1) + producers
+    assert ring.end_step()["count"] == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("capacity", [1 << 20, 64])
+def test_native_threads_record_concurrently_without_gil(capacity):
+    """Real multi-producer contention: C++ threads record with the GIL released."""
+    producers, per = 4, 50_000
+    ring = _core.TimingRing(capacity)
+    got: list = []
+    done = threading.Event()
+    consumer = threading.Thread(target=_drain_until, args=(ring, done, got))
+    consumer.start()
+    try:
+        fails = _core._record_concurrently(ring, producers, per)
+    finally:
+        done.set()
+        consumer.join()
+    # thread t records (t, i, i, i + t + 1) for i in 0..per-1
+    _check_exactly_once_in_order(got, producers, per, lambda t, i: (t, i, i, i + t + 1))
+    assert len(got) == producers * per
+    assert ring.dropped == fails
+    if capacity >= producers * per:
+        assert fails == 0
+    step = ring.end_step()
+    assert step["count"] == producers * per + fails
+    if fails == 0:
+        assert step["bytes"] == producers * (per * (per - 1) // 2)
+        assert step["busy_ns"] == per * sum(t + 1 for t in range(producers))
+        assert step["span_ns"] == (per - 1) + producers
+
+
+@pytest.mark.timeout(60)
+def test_end_step_concurrent_with_native_producers_loses_nothing():
+    """Events recorded while end_step() runs land wholly in exactly one step."""
+    producers, per = 4, 100_000
+    ring = _core.TimingRing(1 << 20)
+    steps: list[dict] = []
+    stop = threading.Event()
+
+    def stepper():
+        while not stop.is_set():
+            steps.append(ring.end_step())
+            time.sleep(0)
+
+    t = threading.Thread(target=stepper)
+    t.start()
+    try:
+        assert _core._record_concurrently(ring, producers, per) == 0
+    finally:
+        stop.set()
+        t.join()
+    steps.append(ring.end_step())
+    assert sum(s["count"] for s in steps) == producers * per
+    assert sum(s["bytes"] for s in steps) == producers * (per * (per - 1) // 2)
+    assert sum(s["busy_ns"] for s in steps) == per * sum(p + 1 for p in range(producers))
+    assert all(s["span_ns"] >= 0 for s in steps)
+
+
+@pytest.mark.timeout(60)
+def test_timing_module_interns_names_and_records_into_process_ring():
+    a = timing.name_id("test_timing.layer1.weight")
+    b = timing.name_id("test_timing.layer1.bias")
+    assert a != b
+    assert timing.name_id("test_timing.layer1.weight") == a
+    assert timing.names()[a] == "test_timing.layer1.weight"
+    assert timing.names()[b] == "test_timing.layer1.bias"
+
+    ring = timing.ring()
+    assert ring is timing.ring()
+    ring.drain()
+    ring.end_step()
+    start = timing.now_ns()
+    timing.record("test_timing.layer2.weight", 4096, start, start + 250)
+    c = timing.name_id("test_timing.layer2.weight")
+    out = ring.drain()
+    assert as_tuples(out) == [(c, 4096, start, start + 250)]
+    assert ring.end_step() == {"count": 1, "bytes": 4096, "busy_ns": 250, "span_ns": 250}
+    with pytest.raises(ValueError):
+        timing.record("test_timing.layer2.weight", 1, 10, 9)
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "DYNAMIX_TIMING_CAPACITY"}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=50)
+
+
+@pytest.mark.timeout(60)
+def test_timing_capacity_comes_from_environment():
+    code = "from dynamix_byteps import timing; print(timing.ring().capacity)"
+    default = _run_python(code)
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.strip() == "65536"
+    custom = _run_python(code, DYNAMIX_TIMING_CAPACITY="100")
+    assert custom.returncode == 0, custom.stderr
+    assert custom.stdout.strip() == "128"
+    bad = _run_python(code, DYNAMIX_TIMING_CAPACITY="lots")
+    assert bad.returncode != 0
+    assert "ConfigurationError" in bad.stderr and "DYNAMIX_TIMING_CAPACITY" in bad.stderr
