@@ -3,8 +3,9 @@
 Engines match collectives by issue order, so a worker that submits a different name, shape or
 dtype would make gloo abort the process (size mismatch) or sum unrelated bytes (dtype
 mismatch). Before a round, every worker therefore exchanges a fingerprint of what it is about
-to submit, together with one integer of payload (the optimizer sends its local batch size).
-The exchange has a fixed width, so it cannot itself mismatch. When fingerprints differ, every
+to submit, together with up to :data:`PAYLOAD_WIDTH` integers of payload (the optimizer sends
+its local batch size and squared gradient norm). The exchange has a fixed width, so it cannot
+itself mismatch. When fingerprints differ, every
 worker raises :class:`TensorMismatchError` naming what each rank submitted.
 """
 
@@ -19,6 +20,7 @@ from dynamix_byteps.engine import Engine
 from dynamix_byteps.errors import TensorMismatchError
 
 _FINGERPRINT_MASK = (1 << 62) - 1
+PAYLOAD_WIDTH = 2
 
 
 def describe(name: str, tensor) -> str:
@@ -36,24 +38,27 @@ def fingerprint(descriptions: Iterable[str]) -> int:
     return int.from_bytes(digest.digest(), "little") & _FINGERPRINT_MASK
 
 
-def negotiate(engine: Engine, what: str, description: str, payload: int = 0) -> np.ndarray:
-    """Check that every worker is about to run the same round, and share one integer each.
+def negotiate(engine: Engine, what: str, description: str, *payload: int) -> np.ndarray:
+    """Check that every worker is about to run the same round, and share a few integers each.
 
     Args:
         engine: the running engine; every worker must call ``negotiate`` at the same point.
         what: the operation, for the error message (e.g. ``"push_pull"``).
         description: everything that must match across workers (names, dtypes, shapes, mode).
-        payload: an int64 this worker shares with the others.
+        payload: up to :data:`PAYLOAD_WIDTH` int64 values this worker shares (missing ones are 0).
 
     Returns:
-        int64 array of shape ``(size,)``: every rank's ``payload``, indexed by rank.
+        int64 array of shape ``(size, PAYLOAD_WIDTH)``: row r is rank r's payload.
 
     Raises:
         TensorMismatchError: on every worker, when any description differs.
     """
-    table = engine.exchange([fingerprint([description]), payload])
+    if len(payload) > PAYLOAD_WIDTH:
+        raise ValueError(f"negotiate carries at most {PAYLOAD_WIDTH} payload values, got {len(payload)}")
+    padded = list(payload) + [0] * (PAYLOAD_WIDTH - len(payload))
+    table = engine.exchange([fingerprint([description]), *padded])
     if np.all(table[:, 0] == table[0, 0]):
-        return table[:, 1]
+        return table[:, 1:]
     descriptions = _gather_text(engine, description)
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(descriptions))
     raise TensorMismatchError(

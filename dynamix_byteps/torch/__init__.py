@@ -1,11 +1,15 @@
 """The ``byteps.torch`` API on dynamix_byteps: change ``import byteps.torch as bps`` to
 ``import dynamix_byteps.torch as bps`` and the script runs unchanged.
 
-What differs: ``DistributedOptimizer`` weights each worker's gradient by its local batch size
-(``optimizer.set_local_batch_size(n)``), and the default engine is gloo (CPU, no servers).
+What differs: each worker may have its own batch size, changed at run time
+(``DynamicBatchSampler``, ``set_batch_sizes``); ``DistributedOptimizer`` weights each worker's
+gradient by its batch, scales the learning rate with the global batch and estimates the
+gradient noise scale; the default engine is gloo (CPU, no servers).
 """
 
 from dynamix_byteps import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from dynamix_byteps.batching import gradient_noise_scale, gradient_statistics, set_batch_sizes
+from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from dynamix_byteps.torch.ops import (
@@ -18,16 +22,21 @@ from dynamix_byteps.torch.ops import (
     synchronize,
 )
 from dynamix_byteps.torch.optimizer import DistributedOptimizer
+from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 __all__ = [
     "Compression",
     "DistributedOptimizer",
+    "DynamicBatchSampler",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "declare",
+    "gradient_noise_scale",
+    "gradient_statistics",
     "init",
     "is_initialized",
+    "load_checkpoint",
     "local_rank",
     "local_size",
     "poll",
@@ -36,6 +45,8 @@ __all__ = [
     "push_pull_async_inplace",
     "push_pull_inplace",
     "rank",
+    "save_checkpoint",
+    "set_batch_sizes",
     "shutdown",
     "size",
     "synchronize",

@@ -60,7 +60,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
         stream = io.BytesIO()
         torch.save(obj, stream)
         payload = stream.getvalue()
-    lengths = negotiate(engine, "broadcast_object", f"broadcast_object {name} root={root_rank}", len(payload))
+    lengths = negotiate(engine, "broadcast_object", f"broadcast_object {name} root={root_rank}", len(payload))[:, 0]
     buffer = torch.zeros(int(lengths[root_rank]), dtype=torch.uint8)
     if engine.rank == root_rank:
         buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))

@@ -10,9 +10,15 @@ where g_i is worker i's gradient of its own mean loss. Each worker scales its gr
 b_i / Σ b before one sum all-reduce, so every worker ends with g, exactly once per step. With
 equal batches (or when no batch size is given) the weights are 1/n: BytePS's average.
 
-Per step the workers exchange one small message (their b_i and a digest of the gradient
-names, shapes and dtypes, so a mismatch raises instead of corrupting), then gradients are
-fused into one buffer per dtype (up to ``DYNAMIX_FUSION_BYTES``, default 64 MiB) and reduced.
+b_i comes from ``set_local_batch_size`` or, when a ``DynamicBatchSampler`` feeds the model,
+from the sizes of the batches it drew. Per step the workers exchange one small message (b_i,
+the local squared gradient norm |g_i|², and a digest of the gradient names, shapes and
+dtypes, so a mismatch raises instead of corrupting), then gradients are fused into one buffer
+per dtype (up to ``DYNAMIX_FUSION_BYTES``, default 64 MiB) and reduced. The norms feed the
+gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) at no extra communication,
+and the learning rate follows the global batch by the chosen rule
+(:mod:`dynamix_byteps.data.lr_scaling`), applied for the step only, so LR schedulers keep
+working on the base rate.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from dynamix_byteps import batching
 from dynamix_byteps import engine as _engine
+from dynamix_byteps.data.gradient_noise import GradientNoiseScale
+from dynamix_byteps.data.lr_scaling import get_rule, optimizer_family_of
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.negotiation import describe, fingerprint, negotiate
 from dynamix_byteps.torch.compression import Compression, Compressor
@@ -74,10 +83,19 @@ def batch_weights(local_batch_sizes: np.ndarray) -> np.ndarray:
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
-    def _init_distributed(self, named_parameters, compression, backward_passes_per_step):
+    def _init_distributed(self, named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size):
         if int(backward_passes_per_step) < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if base_batch_size is not None and (isinstance(base_batch_size, bool) or int(base_batch_size) < 1):
+            raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
         self.backward_passes_per_step = int(backward_passes_per_step)
+        self.lr_scaling = get_rule(lr_scaling, optimizer_family_of(self))
+        self.base_batch_size = None if base_batch_size is None else int(base_batch_size)
+        self.gradient_noise = GradientNoiseScale()
+        self.global_batch_size: int | None = None
+        self.lr_scale = 1.0
+        self.next_step: int | None = None
+        batching.register_noise(self.gradient_noise)
         self._compression = compression
         self._named = self._name_parameters(named_parameters)
         self._fusion_bytes = _fusion_bytes()
@@ -122,6 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def set_local_batch_size(self, samples: int) -> None:
         """Declare how many samples this worker's last backward pass used (call once per pass).
 
+        Not needed when a ``DynamicBatchSampler`` feeds the model: its batch sizes are used.
         Over ``backward_passes_per_step`` passes the counts add up. The step's weight is this
         worker's total over the global total; pass sizes within one step are assumed equal on
         a worker, since the accumulated gradient is a sum of per-pass mean gradients.
@@ -145,21 +164,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
         """
         engine = _engine.current()
-        sizes = negotiate(engine, "DistributedOptimizer step", self._step_description, self._samples)
-        weight = float(batch_weights(sizes)[engine.rank])
+        samples = self._take_samples()
         with torch.no_grad():
             for p in (p for _, p in self._named if p.grad is None):
                 p.grad = torch.zeros_like(p)
+            local_sq = float(sum(p.grad.double().pow(2).sum() for _, p in self._named))
+            table = negotiate(engine, "DistributedOptimizer step", self._step_description,
+                              samples, int(np.float64(local_sq).view(np.int64)))
+            sizes, local_sq_norms = table[:, 0], np.ascontiguousarray(table[:, 1]).view(np.float64)
+            weight = float(batch_weights(sizes)[engine.rank])
+            global_sq = 0.0
             in_flight = [self._start_bucket(engine, i, bucket, weight) for i, bucket in enumerate(self._buckets())]
             for work, wire, ctx, bucket in in_flight:
                 work.wait()
                 flat = self._compression.decompress(wire, ctx)
+                global_sq += float(flat.double().pow(2).sum())
                 offset = 0
                 for p in bucket:
                     n = p.grad.numel()
                     p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                     offset += n
+        known = bool((sizes != _UNSET).all())
+        self.global_batch_size = int(sizes.sum()) if known else None
+        if known:
+            self.gradient_noise.update(local_sq_norms, sizes, global_sq)
         self._synchronized = True
+
+    def _take_samples(self) -> int:
+        """This step's local sample count: declared, else the sampler's draws, else unset."""
+        drawn = [batching.take_draw() for _ in range(self.backward_passes_per_step)]
+        drawn = [d for d in drawn if d is not None]
+        if drawn:
+            self.next_step = drawn[-1][0] + 1
+        if self._samples != _UNSET:
+            return self._samples
+        return sum(samples for _, samples in drawn) if drawn else _UNSET
 
     def _buckets(self) -> list[list[torch.Tensor]]:
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = defaultdict(lambda: [[]])
@@ -190,20 +229,47 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def step(self, closure=None):
-        """Reduce gradients (unless already done this step) and apply the wrapped optimizer's update."""
+        """Reduce gradients (unless already done this step) and apply the wrapped optimizer's
+        update with each group's learning rate multiplied by :attr:`lr_scale` for this step."""
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
-        result = super(self.__class__, self).step(closure)
+        self.lr_scale = self._lr_factor()
+        base_lrs = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] = group["lr"] * self.lr_scale
+        try:
+            result = super(self.__class__, self).step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, base_lrs):
+                group["lr"] = lr
         self._synchronized = False
         self._samples = _UNSET
         for p in self._passes:
             self._passes[p] = 0
         return result
 
+    def _lr_factor(self) -> float:
+        if self.global_batch_size is None:
+            return 1.0
+        if self.base_batch_size is None:
+            self.base_batch_size = self.global_batch_size
+        return self.lr_scaling.factor(self.global_batch_size, self.base_batch_size, self.gradient_noise)
+
+    def dynamix_state_dict(self) -> dict:
+        """What a checkpoint needs beyond ``state_dict()``: base batch, noise statistics, step."""
+        return {"base_batch_size": self.base_batch_size, "gradient_noise": self.gradient_noise.state_dict(),
+                "next_step": self.next_step}
+
+    def load_dynamix_state_dict(self, state: dict) -> None:
+        self.base_batch_size = state["base_batch_size"]
+        self.gradient_noise.load_state_dict(state["gradient_noise"])
+        self.next_step = state["next_step"]
+
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: type[Compressor] = Compression.none,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, lr_scaling: str = "none",
+                         base_batch_size: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that :meth:`step` first averages gradients over all workers,
     weighted by each worker's local batch size (``optimizer.set_local_batch_size(n)``).
 
@@ -215,12 +281,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters: ``model.named_parameters()``; names appear in errors and timing.
         compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
         backward_passes_per_step: backward passes accumulated locally before each reduction.
+        lr_scaling: how the learning rate follows the global batch B: ``none``, ``linear``
+            (B/B0), ``sqrt`` (√(B/B0)) or ``adascale`` (AdaScale gain; AdamScale for Adam/AdamW).
+        base_batch_size: B0, the global batch the base learning rate was tuned for; default:
+            the global batch of the first step.
 
     Raises:
-        ValueError: duplicate or missing parameter names, or ``backward_passes_per_step < 1``.
+        ValueError: duplicate or missing parameter names, ``backward_passes_per_step < 1``,
+            an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1.
     """
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._init_distributed(named_parameters, compression, backward_passes_per_step)
+    wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size)
     return wrapped

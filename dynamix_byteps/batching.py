@@ -1,0 +1,119 @@
+"""The process's batch plan: the assignment schedule, and the batches this worker drew.
+
+The dynamic sampler installs an :class:`AssignmentSchedule` here and logs the size of each
+batch it hands out; ``DistributedOptimizer`` takes those sizes in order to weight gradients
+without the user calling ``set_local_batch_size``. ``set_batch_sizes`` is the collective that
+changes the schedule on every worker at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Sequence
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.assignment import Assignment, AssignmentSchedule, InvalidAssignmentError
+from dynamix_byteps.data.gradient_noise import GradientNoiseScale
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.negotiation import negotiate
+
+_lock = threading.Lock()
+_schedule: AssignmentSchedule | None = None
+_draws: collections.deque[tuple[int, int]] = collections.deque()
+_noise: GradientNoiseScale | None = None
+
+
+def install(schedule: AssignmentSchedule) -> None:
+    """Make ``schedule`` the process's schedule (the sampler does this) and forget old draws."""
+    global _schedule
+    with _lock:
+        _schedule = schedule
+        _draws.clear()
+
+
+def schedule() -> AssignmentSchedule | None:
+    return _schedule
+
+
+def record_draw(step: int, samples: int) -> None:
+    """The sampler handed out ``samples`` indices for global ``step``."""
+    with _lock:
+        _draws.append((step, samples))
+
+
+def forget_draws() -> None:
+    """Drop draws not yet trained on (a new pass over the loader discards prefetched batches)."""
+    with _lock:
+        _draws.clear()
+
+
+def take_draw() -> tuple[int, int] | None:
+    """The oldest ``(step, samples)`` not yet consumed by the optimizer, or None."""
+    with _lock:
+        return _draws.popleft() if _draws else None
+
+
+def register_noise(noise: GradientNoiseScale) -> None:
+    """The gradient statistics that :func:`gradient_noise_scale` reports (the newest optimizer's)."""
+    global _noise
+    _noise = noise
+
+
+def gradient_noise_scale() -> float | None:
+    """B_noise = tr(Σ)/|G|² (McCandlish et al. 2018), smoothed; None before the first estimate.
+
+    Estimated by ``DistributedOptimizer`` from every worker's local squared gradient norm at
+    its batch b_i and the aggregated norm at B = Σ b_i (:mod:`dynamix_byteps.data.gradient_noise`).
+    """
+    return None if _noise is None else _noise.noise_scale
+
+
+def gradient_statistics() -> dict:
+    """The smoothed terms behind :func:`gradient_noise_scale`: ``grad_sq`` (|G|²), ``trace_cov``
+    (tr(Σ), per sample), ``noise_scale``, and the counts of used and skipped steps."""
+    if _noise is None:
+        return {"grad_sq": None, "trace_cov": None, "noise_scale": None, "steps": 0, "skipped": 0}
+    return {"grad_sq": _noise.grad_sq, "trace_cov": _noise.trace_cov, "noise_scale": _noise.noise_scale,
+            "steps": _noise.steps, "skipped": _noise.skipped}
+
+
+def set_batch_sizes(batch_sizes: Sequence[int], at_step: int | None = None) -> Assignment:
+    """Switch every worker to ``batch_sizes`` (one per rank) at global step ``at_step``.
+
+    A collective: every worker must call it with the same arguments; the workers check that
+    they agree before anything changes. ``at_step`` defaults to the first step not yet drawn
+    by this worker's sampler (which must then agree across workers too).
+
+    Returns:
+        The new :class:`Assignment`.
+
+    Raises:
+        ConfigurationError: no ``DynamicBatchSampler`` exists yet.
+        InvalidAssignmentError: a size is not an integer >= 1, out of bounds, the wrong count,
+            larger than the dataset in total, or ``at_step`` was already drawn; the previous
+            assignment stays in force.
+        TensorMismatchError: the workers passed different arguments.
+    """
+    current = _schedule
+    if current is None:
+        raise ConfigurationError("set_batch_sizes needs a DynamicBatchSampler; create one before changing batch sizes")
+    sizes = tuple(batch_sizes)
+    step = current.next_open_step if at_step is None else at_step
+    assignment = Assignment(sizes, step, current.latest.version + 1)
+    try:
+        current.validate(assignment)
+        problem = None
+    except InvalidAssignmentError as exc:
+        problem = exc
+    # Workers may have drawn different numbers of batches ahead; all accept or all reject.
+    accepted = negotiate(_engine.current(), "set_batch_sizes",
+                         f"set_batch_sizes {list(sizes)!r} at step {step!r}", int(problem is None))[:, 0]
+    if problem is not None:
+        raise problem
+    if not accepted.all():
+        raise InvalidAssignmentError(
+            f"ranks {[r for r, ok in enumerate(accepted) if not ok]} rejected the assignment {list(sizes)} "
+            f"at step {step}; see their error. The previous assignment stays in force.")
+    current.apply(assignment)
+    return assignment

@@ -1,0 +1,101 @@
+"""One call to save and one to restore a job: model, optimizer, sampler position, assignments,
+gradient statistics and the LR-scaling base, written atomically.
+
+Resuming continues the epoch where the last *trained* step left it, also with a different
+number of workers (see ``DynamicBatchSampler.load_state_dict``), so no sample is lost or
+repeated.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps.errors import ConfigurationError
+
+FORMAT_VERSION = 1
+
+
+def _write_atomically(state: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
+                    sampler=None, **extra: Any) -> None:
+    """Save the job's state to ``path`` (a collective: every worker calls it; rank 0 writes).
+
+    The file is written to a temporary name, flushed to disk and renamed, so a crash never
+    leaves a half-written checkpoint at ``path``.
+
+    Args:
+        model: its ``state_dict()`` (identical on every worker).
+        optimizer: a ``DistributedOptimizer``: its state, and its noise statistics and step.
+        sampler: a ``DynamicBatchSampler``: its position at the optimizer's next step (not the
+            sampler's own, which runs ahead when a DataLoader prefetches).
+        extra: anything else picklable (epoch counters, metrics); returned by ``load_checkpoint``.
+
+    Raises:
+        OSError: the file cannot be written (on rank 0; the other ranks then raise
+            CommunicationError or wait for rank 0's exit).
+    """
+    engine = _engine.current()
+    if engine.rank == 0:
+        state: dict[str, Any] = {"format": FORMAT_VERSION, "workers": engine.size, "extra": extra}
+        if model is not None:
+            state["model"] = model.state_dict()
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+            if hasattr(optimizer, "dynamix_state_dict"):
+                state["dynamix"] = optimizer.dynamix_state_dict()
+        if sampler is not None:
+            step = getattr(optimizer, "next_step", None)
+            state["sampler"] = sampler.state_dict(step=step)
+        _write_atomically(state, Path(path))
+    engine.barrier()
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
+                    sampler=None) -> dict:
+    """Restore what :func:`save_checkpoint` saved into the given objects; return its ``extra``.
+
+    Every worker reads the file (it must be visible to all of them).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        ConfigurationError: the file is not a dynamix_byteps checkpoint, or lacks a part asked for.
+    """
+    state = torch.load(Path(path), map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (format {FORMAT_VERSION})")
+    for name, target in (("model", model), ("optimizer", optimizer), ("sampler", sampler)):
+        if target is not None and name not in state:
+            raise ConfigurationError(f"{path} holds no {name} state; it was saved without {name}=")
+    if model is not None:
+        model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
+            optimizer.load_dynamix_state_dict(state["dynamix"])
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
+    return state["extra"]

@@ -1,0 +1,156 @@
+"""DynamicBatchSampler and the assignment schedule, one sampler per simulated rank in-process.
+
+The samplers of a job never talk to each other (each computes the same plan), so building
+one per rank here exercises exactly what separate worker processes would run.
+"""
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamix_byteps.assignment import Assignment, InvalidAssignmentError
+from dynamix_byteps.torch.sampler import DynamicBatchSampler
+
+
+def make_job(dataset_size, sizes, **kwargs):
+    return [DynamicBatchSampler(dataset_size, list(sizes), num_replicas=len(sizes), rank=r, **kwargs)
+            for r in range(len(sizes))]
+
+
+def apply_everywhere(samplers, sizes, at_step):
+    for s in samplers:
+        s.schedule.apply(Assignment(tuple(sizes), at_step, s.schedule.latest.version + 1))
+
+
+def run_epoch(samplers, changes=()):
+    """Draw one epoch on every rank in lockstep; apply ``changes`` [(after_steps, sizes, delay)]."""
+    pending = sorted(changes)
+    steps = []
+    iterators = [iter(s) for s in samplers]
+    while True:
+        while pending and pending[0][0] <= len(steps):
+            _, sizes, delay = pending.pop(0)
+            apply_everywhere(samplers, sizes, samplers[0].schedule.next_open_step + delay)
+        step = samplers[0]._position.step
+        batches = [next(it, None) for it in iterators]
+        if all(b is None for b in batches):
+            return steps
+        assert all(b is not None for b in batches), "ranks ran different numbers of steps"
+        steps.append((step, batches))
+
+
+sizes_strategy = st.lists(st.integers(1, 40), min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dataset_size=st.integers(1, 600), sizes=sizes_strategy, seed=st.integers(0, 3),
+       changes=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40), st.integers(0, 3)), max_size=4),
+       drop_last=st.booleans())
+def test_epoch_covers_every_index_once_with_changing_assignments(dataset_size, sizes, seed, changes, drop_last):
+    n = len(sizes)
+    dataset_size = max(dataset_size, n)  # a global batch never exceeds the dataset
+    sizes = [min(b, max(1, dataset_size // n)) for b in sizes]
+    samplers = make_job(dataset_size, sizes, seed=seed, drop_last=drop_last)
+    changes = [(after, [min(new, max(1, dataset_size // n))] * n, delay) for after, new, delay in changes]
+    steps = run_epoch(samplers, changes)
+
+    drawn = Counter(i for _, batches in steps for batch in batches for i in batch)
+    for step, batches in steps[:-1]:
+        assert [len(b) for b in batches] == list(samplers[0].schedule.at(step).batch_sizes)
+    if drop_last:
+        assert max(drawn.values(), default=1) == 1
+        last_global = sum(samplers[0].schedule.at(samplers[0]._position.step).batch_sizes)
+        assert dataset_size - len(drawn) < max(last_global, 1) or not steps
+        if steps:
+            assert [len(b) for b in steps[-1][1]] == list(samplers[0].schedule.at(steps[-1][0]).batch_sizes)
+    else:
+        assert set(drawn) == set(range(dataset_size))
+        repeated = sum(c - 1 for c in drawn.values())
+        assert repeated <= n - 1
+        if repeated:
+            assert all(len(b) == 1 for b in steps[-1][1])
+
+
+def test_sizes_switch_exactly_at_the_effective_step():
+    samplers = make_job(1000, [4, 8, 12])
+    apply_everywhere(samplers, [10, 10, 10], 7)
+    steps = run_epoch(samplers)
+    assert [len(b) for b in steps[6][1]] == [4, 8, 12]
+    assert [len(b) for b in steps[7][1]] == [10, 10, 10]
+
+
+def test_len_counts_steps_under_the_known_assignments():
+    (sampler,) = make_job(100, [30])
+    assert len(sampler) == 4
+    apply_everywhere([sampler], [10], 2)
+    assert len(sampler) == 2 + 4
+    assert len(list(sampler)) == 6
+    (sampler,) = make_job(100, [30], drop_last=True)
+    assert len(sampler) == len(list(sampler)) == 3
+
+
+def test_epochs_reshuffle_and_set_epoch_restarts():
+    (sampler,) = make_job(50, [10])
+    first, second = list(sampler), list(sampler)
+    assert first != second and sorted(sum(first, [])) == sorted(sum(second, []))
+    sampler.set_epoch(0)
+    assert list(sampler) == first
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([0, 4, 4], "integer >= 1"),
+    ([-1, 4, 4], "integer >= 1"),
+    ([2.5, 4, 4], "integer >= 1"),
+    ([4, 4], "2 batch sizes for 3 workers"),
+    ([4, 4, 65], "outside its bounds"),
+    ([40, 40, 40], "larger than the dataset"),
+])
+def test_invalid_assignments_raise_and_keep_the_previous_one(bad, message):
+    sampler = make_job(100, [4, 4, 4], max_batch=64)[0]
+    before = sampler.schedule.latest
+    with pytest.raises(InvalidAssignmentError, match=message):
+        sampler.schedule.apply(Assignment(tuple(bad), 5, before.version + 1))
+    assert sampler.schedule.latest == before
+
+
+def test_assignment_for_an_already_drawn_step_is_rejected():
+    (sampler,) = make_job(100, [10])
+    iterator = iter(sampler)
+    next(iterator), next(iterator)
+    with pytest.raises(InvalidAssignmentError, match="too late"):
+        sampler.schedule.apply(Assignment((5,), 1, 1))
+    sampler.schedule.apply(Assignment((5,), 2, 1))
+    assert len(next(iterator)) == 5
+
+
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 4), (3, 3)])
+def test_resume_mid_epoch_with_another_worker_count_loses_and_repeats_nothing(before, after):
+    dataset_size = 997
+    old = make_job(dataset_size, [7 * (r + 1) for r in range(before)], seed=5)
+    iterators = [iter(s) for s in old]
+    seen = Counter()
+    for _ in range(9):
+        for it in iterators:
+            seen.update(next(it))
+    for it in iterators:  # a prefetching loader drew two more steps that were never trained on
+        next(it), next(it)
+    state = old[0].state_dict(step=9)
+
+    new = make_job(dataset_size, [1] * after, seed=5)
+    for s in new:
+        s.load_state_dict(state)
+    assert sum(new[0].schedule.at(9).batch_sizes) == sum(7 * (r + 1) for r in range(before))
+    for _, batches in run_epoch(new):
+        for batch in batches:
+            seen.update(batch)
+    assert set(seen) == set(range(dataset_size))
+    assert sum(c - 1 for c in seen.values()) <= after - 1
+
+
+def test_resume_refuses_a_different_dataset():
+    (old,) = make_job(100, [10], seed=1)
+    (new,) = make_job(101, [10], seed=1)
+    with pytest.raises(Exception, match="dataset_size"):
+        new.load_state_dict(old.state_dict())
