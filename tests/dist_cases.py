@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 import dynamix_byteps.torch as bps
-from dynamix_byteps.errors import TensorMismatchError
+from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
 SHAPES = [(17,), (5, 7), (3, 4, 6)]
@@ -196,3 +196,79 @@ def mismatches() -> dict:
 def fp16_compression() -> list[float]:
     t = torch.full((8,), 0.5 * (bps.rank() + 1))
     return bps.push_pull(t, average=True, name="c", compression=bps.Compression.fp16).tolist()
+
+
+def _index_dataset(size: int):
+    """Sample i is (features derived from i, label i % 3, i) so batches reveal their indices."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(size, 6, generator=g, dtype=torch.float64)
+    return torch.utils.data.TensorDataset(x, torch.arange(size) % 3, torch.arange(size))
+
+
+def _sgd_job(sampler_sizes, dataset_size, lr_scaling="none", seed=0):
+    dataset = _index_dataset(dataset_size)
+    sampler = bps.DynamicBatchSampler(dataset, sampler_sizes, seed=seed)
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                   lr_scaling=lr_scaling)
+    return dataset, sampler, model, opt
+
+
+def switch_at_step(change_step: int, steps: int) -> dict:
+    """Batch sizes change at ``change_step`` by a collective set_batch_sizes issued up front."""
+    dataset, sampler, model, opt = _sgd_job([4, 6, 8], 500, lr_scaling="linear")
+    bps.set_batch_sizes([8, 8, 8], at_step=change_step)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    local, global_, scale = [], [], []
+    for step, (x, y, _) in zip(range(steps), loader):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        local.append(len(y))
+        global_.append(opt.global_batch_size)
+        scale.append(opt.lr_scale)
+    return {"local": local, "global": global_, "lr_scale": scale,
+            "noise_scale": bps.gradient_noise_scale(), "stats": bps.gradient_statistics()}
+
+
+def rejected_assignment() -> dict:
+    dataset, sampler, model, opt = _sgd_job([4, 4, 4], 100)
+    before = sampler.schedule.latest.batch_sizes
+    try:
+        bps.set_batch_sizes([4, 0, 4], at_step=3)
+        error = None
+    except ConfigurationError as exc:
+        error = type(exc).__name__
+    try:  # only rank 2 asks for a different step: every rank must refuse, none may hang
+        bps.set_batch_sizes([5, 5, 5], at_step=3 if bps.rank() != 2 else 4)
+        mismatch = None
+    except TensorMismatchError:
+        mismatch = "TensorMismatchError"
+    return {"error": error, "mismatch": mismatch, "kept": list(sampler.schedule.latest.batch_sizes) == list(before)}
+
+
+def train_then_checkpoint(path: str, steps: int) -> list[int]:
+    """4 workers with a prefetching DataLoader train ``steps`` steps, then checkpoint."""
+    dataset, sampler, model, opt = _sgd_job([5, 6, 7, 8], 203, seed=3)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=1, prefetch_factor=2)
+    trained = []
+    for step, (x, y, index) in zip(range(steps), loader):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        trained += index.tolist()
+    bps.save_checkpoint(path, model=model, optimizer=opt, sampler=sampler, note="mid-epoch")
+    return trained
+
+
+def resume_and_finish_epoch(path: str) -> dict:
+    dataset, sampler, model, opt = _sgd_job([1] * bps.size(), 203, seed=3)
+    extra = bps.load_checkpoint(path, model=model, optimizer=opt, sampler=sampler)
+    first_step_sizes = list(sampler.schedule.at(sampler._position.step).batch_sizes)
+    trained = []
+    for x, y, index in torch.utils.data.DataLoader(dataset, batch_sampler=sampler):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        trained += index.tolist()
+    return {"trained": trained, "extra": extra, "sizes": first_step_sizes}

@@ -77,3 +77,33 @@ def test_mismatched_names_shapes_dtypes_raise_on_every_worker():
 def test_fp16_compression_averages():
     for values in _ok(run_workers(2, "dist_cases:fp16_compression")):
         assert values == [0.75] * 8
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_switches_batch_size_at_the_same_step():
+    results = _ok(run_workers(3, "dist_cases:switch_at_step", 7, 12))
+    for rank, result in enumerate(results):
+        assert result["local"] == [[4, 6, 8][rank]] * 7 + [8] * 5
+        assert result["global"] == [18] * 7 + [24] * 5
+        assert result["lr_scale"] == pytest.approx([1.0] * 7 + [24 / 18] * 5)
+    assert results[0]["noise_scale"] is not None and results[0]["noise_scale"] > 0
+    assert all(r["stats"] == results[0]["stats"] for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_invalid_or_disputed_assignments_are_refused_everywhere():
+    for result in _ok(run_workers(3, "dist_cases:rejected_assignment")):
+        assert result == {"error": "InvalidAssignmentError", "mismatch": "TensorMismatchError", "kept": True}
+
+
+@pytest.mark.timeout(240)
+def test_resume_mid_epoch_from_4_to_2_workers_loses_and_repeats_nothing(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    before = _ok(run_workers(4, "dist_cases:train_then_checkpoint", path, 5))
+    after = _ok(run_workers(2, "dist_cases:resume_and_finish_epoch", path))
+    assert after[0]["extra"] == {"note": "mid-epoch"}
+    assert after[0]["sizes"] == [13, 13]  # the global batch 26 kept, split over 2 workers
+    seen = sorted(i for r in before for i in r) + sorted(i for r in after for i in r["trained"])
+    counts = {i: seen.count(i) for i in set(seen)}
+    assert set(counts) == set(range(203))
+    assert sum(c - 1 for c in counts.values()) <= 1  # the documented tail padding, at most workers - 1
