@@ -181,3 +181,39 @@ class AssignmentSchedule:
             raise ConfigurationError(f"saved assignments are not for {self.size} workers")
         with self._lock:
             self._assignments = assignments
+
+
+def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
+    """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
+
+    Raises:
+        ConfigurationError: not integers, or a count other than 1 or ``size``.
+    """
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
+    if len(values) == 1:
+        return values * size
+    if len(values) != size:
+        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {size} workers; give 1 or {size}")
+    return values
+
+
+def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...]]]:
+    """A manual schedule ``"STEP:SIZES;STEP:SIZES"``, e.g. ``"0:32,64;500:48,48"``: from global
+    step STEP on, the sizes of :func:`parse_batch_sizes`. Returns ``[(step, sizes)]`` by step.
+
+    Raises:
+        ConfigurationError: malformed entries, negative or repeated steps.
+    """
+    entries = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        step_text, sep, sizes_text = part.partition(":")
+        if not sep or not step_text.strip().isdigit():
+            raise ConfigurationError(f"schedule entry {part!r} is not STEP:SIZES (e.g. 500:32,64)")
+        entries.append((int(step_text), parse_batch_sizes(sizes_text, size)))
+    steps = [step for step, _ in entries]
+    if len(set(steps)) != len(steps):
+        raise ConfigurationError(f"schedule {text!r} names a step twice")
+    return sorted(entries)

@@ -3,8 +3,12 @@
     bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py
     python examples/torch_fashion_mnist.py --limit-train 5000 --epochs 1      # one worker
 
-Porting a byteps.torch script means changing one import. Each worker trains on its own shard;
-gradients are averaged weighted by each worker's batch size (``set_local_batch_size``).
+    bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py \
+        --batch-size 32,48,80,96 --batch-schedule "300:64,64,64,64"      # per-worker batches
+
+Porting a byteps.torch script means changing one import. ``DynamicBatchSampler`` gives each
+worker its own batch size (changeable at any step with ``bps.set_batch_sizes``); gradients are
+averaged weighted by batch size and the learning rate follows the global batch.
 Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fashion-mnist`` or ``--data-dir``.
 """
 import argparse
@@ -16,9 +20,10 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
+from dynamix_byteps.assignment import parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
@@ -49,9 +54,15 @@ def to_tensors(images, labels):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=int(os.environ.get("DYNAMIX_BATCH_SIZE") or 64),
-                   help="samples per worker per step (default: $DYNAMIX_BATCH_SIZE or 64)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 0.01 x number of workers)")
+    p.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or "64",
+                   help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
+                        "(default: $DYNAMIX_BATCH_SIZE or 64)")
+    p.add_argument("--batch-schedule", default="", metavar="STEP:SIZES;...",
+                   help='change the batch sizes at given global steps, e.g. "300:64;600:96,96,32,32"')
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
+    p.add_argument("--lr-scaling", default="linear", choices=["none", "linear", "sqrt", "adascale"],
+                   help="how the learning rate follows the global batch when it changes (default: linear)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
@@ -73,14 +84,18 @@ def main():
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
     train_set = TensorDataset(train_x, train_y)
-    # Pads the shards to equal length, so every worker takes the same number of steps.
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    batch_sizes = parse_batch_sizes(args.batch_size, size)
+    # One shared permutation per epoch, cut by each worker's batch size: every sample once.
+    sampler = bps.DynamicBatchSampler(train_set, batch_sizes, seed=args.seed)
+    for step, sizes in parse_batch_schedule(args.batch_schedule, size):
+        bps.set_batch_sizes(sizes, at_step=step)
+    loader = DataLoader(train_set, batch_sampler=sampler)
 
     model = Net()
-    lr = args.lr if args.lr is not None else 0.01 * size  # linear scaling with the number of workers
+    lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         lr_scaling=args.lr_scaling)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -89,7 +104,7 @@ def main():
         from tqdm import tqdm
     except ImportError:
         show_bar, tqdm = False, None
-    log(f"workers={size} batch_size={args.batch_size} lr={lr:g} train_samples={len(train_set)}", flush=True)
+    log(f"workers={size} batch_sizes={list(batch_sizes)} lr={lr:g} train_samples={len(train_set)}", flush=True)
 
     start, train_s, train_samples = time.time(), 0.0, 0
     for epoch in range(args.epochs):
@@ -99,7 +114,6 @@ def main():
         t0 = time.time()
         batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False) if show_bar else loader
         for x, y in batches:
-            optimizer.set_local_batch_size(len(y))  # weights this worker's gradient; the last batch is smaller
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -109,8 +123,10 @@ def main():
         elapsed = time.time() - t0
         train_s += elapsed
         train_samples += int(stats[1])
+        noise = bps.gradient_noise_scale()
         log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / stats[1]:.4f} "
-            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s", flush=True)
+            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s global_batch={optimizer.global_batch_size} "
+            f"lr_scale={optimizer.lr_scale:.3f} noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
 
     # Each worker evaluates every size-th test image; the sums cover the 10k images exactly once.
     model.eval()
@@ -127,7 +143,8 @@ def main():
     if rank == 0:
         metrics = {"test_accuracy": accuracy, "test_loss": test_loss, "epochs": args.epochs,
                    "wall_s": wall, "samples_per_s": train_samples / train_s if train_s else 0.0,
-                   "workers": size, "batch_size": args.batch_size, "lr": lr, "test_samples": int(stats[2])}
+                   "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
+                   "lr": lr, "lr_scaling": args.lr_scaling, "test_samples": int(stats[2])}
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(metrics, f, indent=2)

@@ -10,19 +10,39 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_example_trains_four_workers_to_80_percent(tmp_path):
-    metrics_file = tmp_path / "metrics.json"
+def train(tmp_path: Path, name: str, *flags: str) -> tuple[dict, str]:
+    metrics_file = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "dynamix_byteps.launcher", "--num-workers", "4", "--",
          sys.executable, str(REPO / "examples/torch_fashion_mnist.py"), "--epochs", "1",
-         "--output", str(metrics_file)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=840,
+         "--output", str(metrics_file), *flags],
+        cwd=tmp_path, capture_output=True, text=True, timeout=800,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    metrics = json.loads(metrics_file.read_text())
+    return json.loads(metrics_file.read_text()), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("static"), "static")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_example_trains_four_workers_to_80_percent(static_run):
+    metrics, stdout = static_run
     assert metrics["workers"] == 4
     assert metrics["test_samples"] == 10_000
     assert metrics["test_accuracy"] >= 0.80, metrics
-    assert "[0] test_accuracy=" in proc.stdout
+    assert "[0] test_accuracy=" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(static_run, tmp_path):
+    static, _ = static_run
+    dynamic, stdout = train(tmp_path, "dynamic", "--batch-size", "32,48,80,96", "--batch-schedule", "100:64")
+    assert dynamic["batch_sizes"] == [32, 48, 80, 96]
+    assert dynamic["test_accuracy"] >= 0.80, dynamic
+    assert abs(dynamic["test_accuracy"] - static["test_accuracy"]) <= 0.02, (static, dynamic)
+    assert "noise_scale=" in stdout
