@@ -4,7 +4,7 @@
     python examples/torch_fashion_mnist.py --limit-train 5000 --epochs 1      # one worker
 
     bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py \
-        --batch-size 32,48,80,96 --batch-schedule "300:64,64,64,64"      # per-worker batches
+        --batch-size 32,48,80,96 --batch-schedule "100:64"      # per-worker batches
 
 Porting a byteps.torch script means changing one import. ``DynamicBatchSampler`` gives each
 worker its own batch size (changeable at any step with ``bps.set_batch_sizes``); gradients are
