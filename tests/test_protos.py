@@ -41,7 +41,7 @@ def test_assignment_serialises_and_parses_round_trip():
     assert b.effective_step == 12_345_678_901
     assert b.lr_scale == 1.25
     assert b.policy == "ppo" and b.reason == "rank 3 is a straggler"
-    reply = dynamix_pb2.RegisterReply(worker_id=3, assignment=a)
+    reply = dynamix_pb2.RegisterReply(decision_interval=3, assignment=a)
     assert dynamix_pb2.RegisterReply.FromString(reply.SerializeToString()).assignment == a
     with pytest.raises(ValueError):
         dynamix_pb2.Assignment(batch_sizes=[-1])
@@ -53,7 +53,7 @@ class _Scheduler(dynamix_pb2_grpc.SchedulerServicer):
 
     def Register(self, request, context):
         return dynamix_pb2.RegisterReply(
-            worker_id=request.rank,
+            decision_interval=request.rank,
             assignment=dynamix_pb2.Assignment(version=0, batch_sizes=[request.min_batch] * 2, policy="static"),
         )
 
@@ -85,7 +85,7 @@ def test_in_process_grpc_server_answers_report_metrics():
                 dynamix_pb2.WorkerInfo(rank=1, host="127.0.0.1", engine="gloo", min_batch=8, max_batch=512),
                 timeout=20,
             )
-            assert reply.worker_id == 1
+            assert reply.decision_interval == 1
             assert list(reply.assignment.batch_sizes) == [8, 8]
 
             report = dynamix_pb2.Report(

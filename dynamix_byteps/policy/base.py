@@ -1,0 +1,103 @@
+"""What a batch-size policy sees and what it returns.
+
+The scheduler builds a :class:`ClusterState` from the workers' reports every decision interval
+and asks the job's :class:`Policy` for a :class:`Decision`. Everything here is plain data
+(framework-neutral, no torch), so policies are testable without a cluster.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker, averaged over the last decision interval.
+
+    Attributes:
+        rank: global rank.
+        batch_size: local batch size in force (samples).
+        compute_s: seconds per step spent computing (forward, backward, data), excluding push_pull.
+        push_pull_s: seconds per step waiting for gradient aggregation.
+        samples_per_s: compute-only throughput θ_i = batch_size / compute_s (samples/s).
+        min_batch, max_batch: inclusive bounds for this worker (``max_batch`` None = unbounded).
+        node: node-agent metrics (e.g. ``cpu_util`` 0–1, ``rtt_s``, ``retransmits``,
+            ``tx_bytes_per_s``, ``gpu_util``); absent keys mean unavailable.
+    """
+
+    rank: int
+    batch_size: int
+    compute_s: float
+    push_pull_s: float
+    samples_per_s: float
+    min_batch: int = 1
+    max_batch: int | None = None
+    node: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """The job as the scheduler sees it at a decision boundary.
+
+    Attributes:
+        step: global step of the newest reports.
+        workers: one :class:`WorkerState` per rank, ordered by rank.
+        initial_batch_sizes: the job's starting allocation (the static policy's answer).
+        loss_history: mean training loss per past decision interval, oldest first (may hold
+            NaN/inf when training diverged).
+        grad_sq: smoothed |G|² of the gradient noise estimator, None when unknown.
+        trace_cov: smoothed tr(Σ) (per-sample gradient covariance trace), None when unknown.
+        dataset_size: samples per epoch, None when unknown.
+    """
+
+    step: int
+    workers: tuple[WorkerState, ...]
+    initial_batch_sizes: tuple[int, ...]
+    loss_history: tuple[float, ...] = ()
+    grad_sq: float | None = None
+    trace_cov: float | None = None
+    dataset_size: int | None = None
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(w.batch_size for w in self.workers)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def noise_scale(self) -> float | None:
+        """B_noise = tr(Σ)/|G|² (McCandlish et al. 2018), None when unknown or |G|² <= 0."""
+        if self.grad_sq is None or self.trace_cov is None or self.grad_sq <= 0:
+            return None
+        return max(self.trace_cov, 0.0) / self.grad_sq
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer.
+
+    Attributes:
+        batch_sizes: proposed local batch size per rank.
+        reason: one line for the decision log and the assignment's ``reason`` field.
+        predicted_gain: relative improvement of the policy's objective over keeping the current
+            sizes (0.1 = 10% better); hysteresis compares it with a threshold.
+        terms: numbers behind the decision (predicted step time, goodput, ...), for the log.
+    """
+
+    batch_sizes: tuple[int, ...]
+    reason: str
+    predicted_gain: float = 0.0
+    terms: dict = field(default_factory=dict)
+
+
+class Policy(abc.ABC):
+    """Chooses per-worker batch sizes; ``name`` is what ``--policy`` accepts."""
+
+    name: str
+
+    @abc.abstractmethod
+    def decide(self, state: ClusterState) -> Decision:
+        """Propose batch sizes for ``state``; must not raise on odd but valid input."""
