@@ -21,6 +21,7 @@ from dynamix_byteps.errors import ConfigurationError
 ENGINES = ("gloo", "byteps")
 DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_DECISION_INTERVAL = 20
 
 
 def _int_var(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
@@ -51,6 +52,11 @@ class WorkerEnv:
         root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``).
         engine: communication engine name (``DYNAMIX_ENGINE``), one of :data:`ENGINES`.
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
+        scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``); None = no control plane.
+        token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
+        decision_interval: steps between reports and assignment boundaries (``DYNAMIX_DECISION_INTERVAL``).
+        slowdown: straggler emulation, this worker's compute is stretched by this factor
+            (``DYNAMIX_SLOWDOWN``, >= 1; for benchmarks and tests).
     """
 
     num_nodes: int = 1
@@ -61,6 +67,10 @@ class WorkerEnv:
     root_port: int | None = None
     engine: str = DEFAULT_ENGINE
     timeout_s: float = DEFAULT_TIMEOUT_S
+    scheduler: str | None = None
+    token: str | None = None
+    decision_interval: int = DEFAULT_DECISION_INTERVAL
+    slowdown: float = 1.0
 
     @property
     def rank(self) -> int:
@@ -95,6 +105,15 @@ class WorkerEnv:
             raise ConfigurationError(f"DYNAMIX_TIMEOUT={env['DYNAMIX_TIMEOUT']!r} is not a number of seconds") from None
         if timeout_s <= 0:
             raise ConfigurationError(f"DYNAMIX_TIMEOUT={timeout_s} must be > 0 seconds")
+        scheduler = env.get("DYNAMIX_SCHEDULER") or None
+        if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
+            raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")
+        try:
+            slowdown = float(env.get("DYNAMIX_SLOWDOWN") or 1.0)
+        except ValueError:
+            raise ConfigurationError(f"DYNAMIX_SLOWDOWN={env['DYNAMIX_SLOWDOWN']!r} is not a number") from None
+        if not 1.0 <= slowdown < float("inf"):
+            raise ConfigurationError(f"DYNAMIX_SLOWDOWN={slowdown} must be a factor >= 1")
         return cls(
             num_nodes=num_nodes,
             node_rank=node_rank,
@@ -104,4 +123,8 @@ class WorkerEnv:
             root_port=root_port,
             engine=engine,
             timeout_s=timeout_s,
+            scheduler=scheduler,
+            token=env.get("DYNAMIX_TOKEN") or None,
+            decision_interval=_int_var(env, "DYNAMIX_DECISION_INTERVAL", DEFAULT_DECISION_INTERVAL, 1),
+            slowdown=slowdown,
         )

@@ -9,6 +9,7 @@ gradient noise scale; the default engine is gloo (CPU, no servers).
 
 from dynamix_byteps import init, is_initialized, local_rank, local_size, rank, shutdown, size
 from dynamix_byteps.batching import gradient_noise_scale, gradient_statistics, set_batch_sizes
+from dynamix_byteps.control.worker import report_loss
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -45,6 +46,7 @@ __all__ = [
     "push_pull_async_inplace",
     "push_pull_inplace",
     "rank",
+    "report_loss",
     "save_checkpoint",
     "set_batch_sizes",
     "shutdown",

@@ -32,6 +32,7 @@ import torch
 
 from dynamix_byteps import batching
 from dynamix_byteps import engine as _engine
+from dynamix_byteps.control.worker import StepMonitor
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.data.lr_scaling import get_rule, optimizer_family_of
 from dynamix_byteps.errors import ConfigurationError
@@ -95,6 +96,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
         self.next_step: int | None = None
+        self._step_samples: int | None = None
+        engine = _engine.current()
+        self._monitor = StepMonitor(engine, engine.env, optimizer_family_of(self))
         batching.register_noise(self.gradient_noise)
         self._compression = compression
         self._named = self._name_parameters(named_parameters)
@@ -164,7 +168,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
         """
         engine = _engine.current()
+        self._monitor.before_aggregation()
         samples = self._take_samples()
+        self._step_samples = None if samples == _UNSET else samples
         with torch.no_grad():
             for p in (p for _, p in self._named if p.grad is None):
                 p.grad = torch.zeros_like(p)
@@ -246,6 +252,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._samples = _UNSET
         for p in self._passes:
             self._passes[p] = 0
+        self._monitor.after_step(self._step_samples, self.gradient_noise)
         return result
 
     def _lr_factor(self) -> float:

@@ -1,0 +1,117 @@
+"""The worker's gRPC client of the scheduler, on a background thread.
+
+Training never waits for the scheduler: ``submit`` only replaces the report waiting to be sent
+and returns. The thread registers (again after a scheduler restart), sends the newest report,
+and keeps the newest assignment it was answered with. When the scheduler is slow, restarting
+or gone, one warning is logged, training goes on with the last assignment, and gRPC's channel
+reconnects with exponential backoff by itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024
+TOKEN_METADATA_KEY = "x-dynamix-token"
+RPC_TIMEOUT_S = 2.0
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+]
+
+
+class SchedulerClient:
+    """Reports to the scheduler at ``address`` (``host:port``) and remembers its newest assignment.
+
+    Args:
+        address: the scheduler's ``host:port``.
+        token: shared secret sent as ``x-dynamix-token`` metadata, or None.
+        worker_info: called (on the client thread) whenever the worker must (re-)register.
+    """
+
+    def __init__(self, address: str, token: str | None, worker_info: Callable[[], dynamix_pb2.WorkerInfo]):
+        self.address = address
+        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        self._worker_info = worker_info
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
+        self._cond = threading.Condition()
+        self._pending: dynamix_pb2.Report | None = None
+        self._latest: dynamix_pb2.Assignment | None = None
+        self._registered = False
+        self._failing = False
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="dynamix-scheduler-client", daemon=True)
+        self._thread.start()
+
+    def submit(self, report: dynamix_pb2.Report) -> None:
+        """Queue ``report`` for sending, replacing an unsent older one; never blocks."""
+        with self._cond:
+            self._pending = report
+            self._cond.notify()
+
+    def latest(self) -> dynamix_pb2.Assignment | None:
+        """The newest assignment the scheduler answered with, or None before the first answer."""
+        with self._cond:
+            return self._latest
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=RPC_TIMEOUT_S + 1)
+        self._channel.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                report, self._pending = self._pending, None
+            try:
+                self._send(report)
+            except grpc.RpcError as exc:
+                self._note_failure(exc)
+            else:
+                if self._failing:
+                    log.warning("scheduler at %s is reachable again", self.address)
+                self._failing = False
+
+    def _send(self, report: dynamix_pb2.Report) -> None:
+        if not self._registered:
+            reply = self._stub.Register(self._worker_info(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+            self._registered = True
+            self._keep(reply.assignment)
+        try:
+            self._keep(self._stub.ReportMetrics(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the scheduler restarted and forgot us
+                self._registered = False
+            raise
+
+    def _keep(self, assignment: dynamix_pb2.Assignment) -> None:
+        if assignment.batch_sizes:
+            with self._cond:
+                self._latest = assignment
+
+    def _note_failure(self, exc: grpc.RpcError) -> None:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self._registered = False
+            if not self._failing:
+                log.warning("scheduler at %s is unreachable (%s); training continues with the last "
+                            "assignment and reconnects when it is back", self.address, exc.code().name)
+        elif not self._failing:
+            log.warning("scheduler at %s refused a report: %s %s", self.address, exc.code().name, exc.details())
+        self._failing = True

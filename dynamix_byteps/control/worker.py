@@ -1,0 +1,146 @@
+"""The worker's half of the control loop, driven by ``DistributedOptimizer`` once per step.
+
+Every step it measures compute time (from the end of the previous step to the start of
+gradient aggregation) and push_pull time (the step's span in the timing ring). Every
+``decision_interval`` steps, on every worker at the same step, it
+
+1. sends this worker's averages to the scheduler without waiting (:class:`SchedulerClient`);
+2. lets rank 0 broadcast the newest assignment it got from the scheduler, and applies it on
+   all workers from the first step none of them has drawn yet (``set_batch_sizes``), so all
+   switch at the same step. A scheduler that is slow or gone changes nothing.
+
+``DYNAMIX_SLOWDOWN`` (set by ``bpslaunch --slowdown RANK=FACTOR``) emulates a straggler: before
+aggregation the worker sleeps (FACTOR - 1) × its measured compute time, so its compute time
+grows in proportion to its batch. It is an emulation for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+
+from dynamix_byteps import batching, timing
+from dynamix_byteps.assignment import InvalidAssignmentError
+from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.negotiation import negotiate
+
+log = logging.getLogger(__name__)
+
+_losses_lock = threading.Lock()
+_losses: list[float] = []
+
+
+def report_loss(loss) -> None:
+    """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler."""
+    value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+    with _losses_lock:
+        _losses.append(value)
+
+
+def _take_mean_loss() -> float:
+    with _losses_lock:
+        values, _losses[:] = list(_losses), []
+    return float(np.mean(values)) if values else math.nan
+
+
+class StepMonitor:
+    """Per-step timing and the decision boundary of one worker (see the module docstring)."""
+
+    def __init__(self, engine, env: WorkerEnv, optimizer_family: str):
+        self.engine = engine
+        self.env = env
+        self.optimizer_family = optimizer_family
+        self.steps = 0
+        self._last_end = time.perf_counter()
+        self._compute_s: list[float] = []
+        self._push_pull_s: list[float] = []
+        self._samples: list[int] = []
+        self._scheduler_version_seen = -1
+        self._client = None
+        timing.ring().end_step()
+
+    def before_aggregation(self) -> None:
+        """Called when the gradients are ready; applies the straggler emulation."""
+        if self.env.slowdown > 1.0:
+            time.sleep((self.env.slowdown - 1.0) * (time.perf_counter() - self._last_end))
+
+    def after_step(self, samples: int | None, noise) -> None:
+        """Called after every optimizer step, on every worker, with this step's local samples."""
+        end = time.perf_counter()
+        push_pull_s = timing.ring().end_step()["span_ns"] / 1e9
+        self._compute_s.append(max(end - self._last_end - push_pull_s, 0.0))
+        self._push_pull_s.append(push_pull_s)
+        self._samples.append(samples or 0)
+        self._last_end = end
+        self.steps += 1
+        if self.env.scheduler is not None and self.steps % self.env.decision_interval == 0:
+            self._report(noise)
+            self._apply_newest_assignment()
+            self._last_end = time.perf_counter()  # the boundary's collectives are not compute
+
+    def _report(self, noise) -> None:
+        from dynamix_byteps.control import dynamix_pb2
+
+        compute = float(np.sum(self._compute_s))
+        samples = int(np.sum(self._samples))
+        report = dynamix_pb2.Report(
+            rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(samples / len(self._samples)), 1),
+            compute_s=float(np.mean(self._compute_s)), push_pull_s=float(np.mean(self._push_pull_s)),
+            samples_per_s=samples / compute if compute > 0 else 0.0, loss=_take_mean_loss(),
+            grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
+            trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
+        )
+        self._compute_s, self._push_pull_s, self._samples = [], [], []
+        if self._client is None:
+            from dynamix_byteps.control.client import SchedulerClient
+
+            self._client = SchedulerClient(self.env.scheduler, self.env.token, self._worker_info)
+        self._client.submit(report)
+
+    def _step_index(self) -> int:
+        schedule = batching.schedule()
+        return schedule.next_open_step if schedule is not None else self.steps
+
+    def _worker_info(self):
+        from dynamix_byteps.control import dynamix_pb2
+
+        schedule = batching.schedule()
+        rank = self.engine.rank
+        info = dynamix_pb2.WorkerInfo(rank=rank, world_size=self.engine.size, host=socket.gethostname(),
+                                      engine=self.engine.name, optimizer_family=self.optimizer_family,
+                                      step=self._step_index())
+        if schedule is not None:
+            info.min_batch = schedule.bounds.min_batch[rank]
+            info.max_batch = schedule.bounds.max_batch[rank] or 0
+            info.batch_size = schedule.latest.batch_sizes[rank]
+            info.dataset_size = schedule.dataset_size or 0
+        return info
+
+    def _apply_newest_assignment(self) -> None:
+        size = self.engine.size
+        proposal = torch.zeros(2 + size, dtype=torch.int64)
+        schedule = batching.schedule()
+        if self.engine.rank == 0 and self._client is not None and schedule is not None:
+            newest = self._client.latest()
+            if (newest is not None and newest.version != self._scheduler_version_seen
+                    and len(newest.batch_sizes) == size and tuple(newest.batch_sizes) != schedule.latest.batch_sizes):
+                proposal[0], proposal[1] = 1, newest.version
+                proposal[2:] = torch.tensor(list(newest.batch_sizes), dtype=torch.int64)
+        self.engine.broadcast(proposal, 0, "dynamix.assignment")
+        if not proposal[0] or schedule is None:
+            return
+        self._scheduler_version_seen = int(proposal[1])
+        sizes = [int(b) for b in proposal[2:]]
+        # Prefetching loaders may have drawn ahead: start where no worker has drawn yet.
+        drawn_until = negotiate(self.engine, "assignment boundary", f"scheduler assignment {proposal[1]}",
+                                schedule.next_open_step)[:, 0]
+        try:
+            batching.set_batch_sizes(sizes, at_step=int(drawn_until.max()))
+        except InvalidAssignmentError as exc:
+            log.warning("scheduler assignment %s rejected, the previous one stays in force: %s", sizes, exc)
