@@ -16,7 +16,7 @@ from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import Assignment, AssignmentSchedule, InvalidAssignmentError
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.negotiation import negotiate
+from dynamix_byteps.negotiation import negotiate, round_lock
 
 _lock = threading.Lock()
 _schedule: AssignmentSchedule | None = None
@@ -107,8 +107,9 @@ def set_batch_sizes(batch_sizes: Sequence[int], at_step: int | None = None) -> A
     except InvalidAssignmentError as exc:
         problem = exc
     # Workers may have drawn different numbers of batches ahead; all accept or all reject.
-    accepted = negotiate(_engine.current(), "set_batch_sizes",
-                         f"set_batch_sizes {list(sizes)!r} at step {step!r}", int(problem is None))[:, 0]
+    with round_lock:
+        accepted = negotiate(_engine.current(), "set_batch_sizes",
+                             f"set_batch_sizes {list(sizes)!r} at step {step!r}", int(problem is None))[:, 0]
     if problem is not None:
         raise problem
     if not accepted.all():

@@ -21,6 +21,7 @@ from dynamix_byteps.errors import ConfigurationError
 ENGINES = ("gloo", "byteps")
 DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 DEFAULT_DECISION_INTERVAL = 20
 
 
@@ -103,8 +104,8 @@ class WorkerEnv:
             timeout_s = float(env.get("DYNAMIX_TIMEOUT", DEFAULT_TIMEOUT_S))
         except ValueError:
             raise ConfigurationError(f"DYNAMIX_TIMEOUT={env['DYNAMIX_TIMEOUT']!r} is not a number of seconds") from None
-        if timeout_s <= 0:
-            raise ConfigurationError(f"DYNAMIX_TIMEOUT={timeout_s} must be > 0 seconds")
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise ConfigurationError(f"DYNAMIX_TIMEOUT={timeout_s} must be > 0 and <= {MAX_TIMEOUT_S:.0f} seconds (7 days)")
         scheduler = env.get("DYNAMIX_SCHEDULER") or None
         if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
             raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")

@@ -12,6 +12,7 @@ worker raises :class:`TensorMismatchError` naming what each rank submitted.
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Iterable
 
 import numpy as np
@@ -21,6 +22,10 @@ from dynamix_byteps.errors import TensorMismatchError
 
 _FINGERPRINT_MASK = (1 << 62) - 1
 PAYLOAD_WIDTH = 2
+
+round_lock = threading.RLock()
+"""Held from a round's negotiation until its collectives are issued, so that rounds started
+from several threads of one worker cannot interleave (which gloo would answer with an abort)."""
 
 
 def describe(name: str, tensor) -> str:

@@ -272,3 +272,80 @@ def resume_and_finish_epoch(path: str) -> dict:
         opt.step()
         trained += index.tolist()
     return {"trained": trained, "extra": extra, "sizes": first_step_sizes}
+
+
+def optimizer_patterns() -> dict:
+    """Patterns a tester found broken: unfreezing after wrapping, closures, GAN-style zero_grad."""
+    rank, out = bps.rank(), {}
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    model[0].weight.requires_grad_(True)
+    x = torch.full((2, 6), float(rank + 1), dtype=torch.float64)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    out["unfrozen"] = _digest([model[0].weight])
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+    out["closure_loss"] = float(opt.step(closure))
+    out["after_closure"] = _digest(model.parameters())
+
+    for _ in range(3):  # a generator's backward also fills the discriminator's gradients
+        model(x).sum().backward()
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    out["gan_loop"] = _digest(model.parameters())
+    return out
+
+
+def thread_safety_and_types() -> dict:
+    import threading
+
+    rank, results, errors = bps.rank(), [], []
+
+    def worker(tag):
+        for i in range(15):
+            try:
+                results.append(bps.push_pull(torch.full((3 + i,), float(rank + 1)), average=False, name=f"{tag}{i}")
+                               .tolist())
+            except TensorMismatchError:
+                errors.append(tag)
+    threads = [threading.Thread(target=worker, args=(t,)) for t in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = float(sum(r + 1 for r in range(bps.size())))
+    types = {}
+    for label, value in {"int16": torch.ones(2, dtype=torch.int16), "bool": torch.ones(2, dtype=torch.bool),
+                         "list": [1.0, 2.0]}.items():
+        try:
+            bps.push_pull(value)
+            types[label] = None
+        except TypeError as exc:
+            types[label] = str(exc)
+    try:
+        bps.broadcast_object(threading.Lock() if rank == 0 else None, root_rank=0)
+        unpicklable = None
+    except Exception as exc:
+        unpicklable = type(exc).__name__
+    return {"all_correct": all(all(v == expected for v in r) for r in results), "done": len(results) + len(errors),
+            "types": types, "unpicklable": unpicklable,
+            "after": bps.push_pull(torch.ones(1), average=False, name="after").tolist()}
+
+
+def fusion_mismatch() -> None:
+    import os
+
+    if bps.rank() == 0:
+        os.environ["DYNAMIX_FUSION_BYTES"] = "100"
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
+    opt.step()

@@ -28,6 +28,10 @@ def test_global_rank_follows_byteps():
     ({"DMLC_NUM_WORKER": "2", "DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT"),
     ({"DYNAMIX_ENGINE": "nccl"}, "DYNAMIX_ENGINE"),
     ({"DYNAMIX_TIMEOUT": "0"}, "DYNAMIX_TIMEOUT"),
+    ({"DYNAMIX_TIMEOUT": "nan"}, "DYNAMIX_TIMEOUT"),
+    ({"DYNAMIX_TIMEOUT": "1e300"}, "DYNAMIX_TIMEOUT"),
+    ({"DYNAMIX_SLOWDOWN": "0.5"}, "DYNAMIX_SLOWDOWN"),
+    ({"DYNAMIX_SCHEDULER": "nohost"}, "DYNAMIX_SCHEDULER"),
 ])
 def test_bad_variables_are_named(variables, named):
     with pytest.raises(ConfigurationError, match=named):

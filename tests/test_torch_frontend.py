@@ -107,3 +107,26 @@ def test_resume_mid_epoch_from_4_to_2_workers_loses_and_repeats_nothing(tmp_path
     counts = {i: seen.count(i) for i in set(seen)}
     assert set(counts) == set(range(203))
     assert sum(c - 1 for c in counts.values()) <= 1  # the documented tail padding, at most workers - 1
+
+
+@pytest.mark.timeout(120)
+def test_unfrozen_parameters_closures_and_gan_loops_stay_in_sync():
+    results = _ok(run_workers(2, "dist_cases:optimizer_patterns"))
+    for key in ("unfrozen", "after_closure", "gan_loop"):
+        assert results[0][key] == results[1][key], key
+    assert results[0]["closure_loss"] != results[1]["closure_loss"]  # each rank's own loss, as in torch
+
+
+@pytest.mark.timeout(120)
+def test_push_pull_from_two_threads_never_aborts_and_bad_types_are_refused():
+    results = _ok(run_workers(2, "dist_cases:thread_safety_and_types"))
+    for result in results:
+        assert result["all_correct"] and result["done"] == 30
+        assert all(message and "push_pull" in message for message in result["types"].values())
+        assert result["after"] == [2.0]
+    assert results[0]["unpicklable"] == "TypeError" and results[1]["unpicklable"] == "DynamixError"
+
+
+@pytest.mark.timeout(120)
+def test_different_fusion_sizes_raise_instead_of_aborting():
+    assert [r.get("error") for r in run_workers(2, "dist_cases:fusion_mismatch")] == ["TensorMismatchError"] * 2

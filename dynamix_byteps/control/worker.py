@@ -28,7 +28,7 @@ import torch
 from dynamix_byteps import batching, timing
 from dynamix_byteps.assignment import InvalidAssignmentError
 from dynamix_byteps.env import WorkerEnv
-from dynamix_byteps.negotiation import negotiate
+from dynamix_byteps.negotiation import negotiate, round_lock
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,10 @@ class StepMonitor:
         return info
 
     def _apply_newest_assignment(self) -> None:
+        with round_lock:
+            self._agree_on_assignment()
+
+    def _agree_on_assignment(self) -> None:
         size = self.engine.size
         proposal = torch.zeros(2 + size, dtype=torch.int64)
         schedule = batching.schedule()

@@ -8,7 +8,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from dynamix_byteps import engine as _engine
-from dynamix_byteps.negotiation import describe, negotiate
+from dynamix_byteps.errors import DynamixError
+from dynamix_byteps.negotiation import describe, negotiate, round_lock
 
 
 def _check_root(engine, root_rank: int) -> None:
@@ -35,8 +36,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     named = [(prefix + name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
     description = f"broadcast_parameters root={root_rank} " + "; ".join(describe(n, t) for n, t in named)
-    negotiate(engine, "broadcast_parameters", description)
-    with torch.no_grad():
+    with round_lock, torch.no_grad():
+        negotiate(engine, "broadcast_parameters", description)
         for name, tensor in named:
             buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
             engine.broadcast(buffer, root_rank, name)
@@ -52,19 +53,30 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     Raises:
         ValueError: ``root_rank`` is not a rank of this job.
         TensorMismatchError: the workers called broadcasts with different names or roots.
+        DynamixError: on the other workers, when the root could not serialise ``obj`` (the
+            root raises the serialisation error itself).
     """
     engine = _engine.current()
     _check_root(engine, root_rank)
-    payload = b""
+    payload, failure = b"", None
     if engine.rank == root_rank:
-        stream = io.BytesIO()
-        torch.save(obj, stream)
-        payload = stream.getvalue()
-    lengths = negotiate(engine, "broadcast_object", f"broadcast_object {name} root={root_rank}", len(payload))[:, 0]
-    buffer = torch.zeros(int(lengths[root_rank]), dtype=torch.uint8)
-    if engine.rank == root_rank:
-        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    engine.broadcast(buffer, root_rank, f"broadcast_object.{name}")
+        try:
+            stream = io.BytesIO()
+            torch.save(obj, stream)
+            payload = stream.getvalue()
+        except Exception as exc:  # pickling can raise almost anything; every rank must still agree
+            failure = exc
+    with round_lock:
+        lengths = negotiate(engine, "broadcast_object", f"broadcast_object {name} root={root_rank}",
+                            -1 if failure else len(payload))[:, 0]
+        if lengths[root_rank] < 0:
+            if failure is not None:
+                raise failure
+            raise DynamixError(f"broadcast_object {name!r}: rank {root_rank} could not serialise the object; see its error")
+        buffer = torch.zeros(int(lengths[root_rank]), dtype=torch.uint8)
+        if engine.rank == root_rank:
+            buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        engine.broadcast(buffer, root_rank, f"broadcast_object.{name}")
     if engine.rank == root_rank:
         return obj
     return torch.load(io.BytesIO(buffer.numpy().tobytes()), weights_only=False)

@@ -18,7 +18,7 @@ import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.engine import Handle
-from dynamix_byteps.negotiation import describe, negotiate
+from dynamix_byteps.negotiation import describe, negotiate, round_lock
 from dynamix_byteps.torch.compression import Compression, Compressor
 
 
@@ -43,18 +43,35 @@ def _auto_name() -> str:
     return f"push_pull.noname.{next(_next_auto_name)}"
 
 
-def _start(tensor: torch.Tensor, output: torch.Tensor, average: bool, name: str | None,
-           compression: type[Compressor]) -> int:
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                    torch.complex128, torch.uint8, torch.int8, torch.int32, torch.int64)
+
+
+def check_tensor(tensor) -> None:
+    """Raise TypeError unless ``tensor`` is a dense CPU tensor of a dtype push_pull can sum."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise TypeError(f"push_pull cannot sum {tensor.dtype} tensors; use one of: {names}")
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise TypeError(f"push_pull needs a dense CPU tensor with the gloo engine, got layout "
+                        f"{tensor.layout} on device {tensor.device}")
+
+
+def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
+           compression: type[Compressor]) -> int:
+    check_tensor(tensor)
+    output = make_output(tensor)
     engine = _engine.current()
-    name = _auto_name() if name is None else str(name)
-    negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
-    with torch.no_grad():
-        wire, ctx = compression.compress(output)
-        if not wire.is_contiguous():
-            wire = wire.contiguous()
-        work = engine.all_reduce_async(wire, name)
+    with round_lock:
+        name = _auto_name() if name is None else str(name)
+        negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
+        with torch.no_grad():
+            wire, ctx = compression.compress(output)
+            if not wire.is_contiguous():
+                wire = wire.contiguous()
+            work = engine.all_reduce_async(wire, name)
     pending = _Pending(work, wire, ctx, compression, output, average, engine.size)
     handle = next(_next_handle)
     with _handles_lock:
@@ -68,7 +85,7 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
     """Start summing (or averaging) ``tensor`` over all workers, writing the result into it.
 
     Args:
-        tensor: CPU tensor of any shape; float16/32/64 or int32/64.
+        tensor: dense CPU tensor of any shape and a dtype in :data:`SUPPORTED_DTYPES`.
         average: divide the sum by ``size()``.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
         version, priority: accepted for BytePS compatibility; the gloo engine runs rounds in issue order.
@@ -78,11 +95,12 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
         A handle for :func:`poll` and :func:`synchronize`.
 
     Raises:
+        TypeError: not a dense CPU tensor of a supported dtype (e.g. bool, int16, sparse).
         TensorMismatchError: the workers disagree on name, shape, dtype, ``average`` or compression.
         NotInitializedError: ``init()`` was not called.
     """
     del version, priority
-    return _start(tensor, tensor, average, name, compression)
+    return _start(tensor, lambda t: t, average, name, compression)
 
 
 def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -91,7 +109,7 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
     """As :func:`push_pull_async_inplace`, but ``tensor`` is left untouched; the result is a new
     tensor returned by :func:`synchronize`."""
     del version, priority
-    return _start(tensor, tensor.detach().clone(), average, name, compression)
+    return _start(tensor, lambda t: t.detach().clone(), average, name, compression)
 
 
 def poll(handle: int) -> bool:

@@ -24,6 +24,7 @@ working on the base rate.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections import defaultdict
 
@@ -36,11 +37,16 @@ from dynamix_byteps.control.worker import StepMonitor
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.data.lr_scaling import get_rule, optimizer_family_of
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.negotiation import describe, fingerprint, negotiate
+from dynamix_byteps.negotiation import describe, fingerprint, negotiate, round_lock
 from dynamix_byteps.torch.compression import Compression, Compressor
 
 DEFAULT_FUSION_BYTES = 64 << 20
+MAX_SAMPLES = 2**31
 _UNSET = -1
+
+
+def _not_count(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
 
 
 def _fusion_bytes() -> int:
@@ -85,9 +91,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
     def _init_distributed(self, named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size):
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if base_batch_size is not None and (isinstance(base_batch_size, bool) or int(base_batch_size) < 1):
+        if _not_count(backward_passes_per_step):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if base_batch_size is not None and _not_count(base_batch_size):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.lr_scaling = get_rule(lr_scaling, optimizer_family_of(self))
@@ -101,45 +107,71 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._monitor = StepMonitor(engine, engine.env, optimizer_family_of(self))
         batching.register_noise(self.gradient_noise)
         self._compression = compression
-        self._named = self._name_parameters(named_parameters)
+        self._names = self._name_parameters(named_parameters)
         self._fusion_bytes = _fusion_bytes()
-        digest = fingerprint(describe(name, p) for name, p in self._named)
-        self._step_description = (
-            f"DistributedOptimizer step over {len(self._named)} gradients (digest {digest:016x}), "
-            f"compression={compression.name}, backward_passes_per_step={self.backward_passes_per_step}"
-        )
-        self._passes = {p: 0 for _, p in self._named}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._count_pass) for _, p in self._named]
+        self._descriptions: dict[tuple, str] = {}
+        self._passes: dict[torch.Tensor, int] = {}
+        self._hooks: dict[torch.Tensor, object] = {}
         self._samples = _UNSET
         self._synchronized = False
         self._skip_sync = False
+        self._gradient_params()  # registers the backward-pass counting hooks
 
-    def _name_parameters(self, named_parameters):
-        in_optimizer = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+    def _name_parameters(self, named_parameters) -> dict:
         if named_parameters is None:
-            return [(f"Gradient.noname.{i}", p) for i, p in enumerate(in_optimizer)]
+            return {}
         named = list(named_parameters)
         names = [name for name, _ in named]
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"named_parameters has duplicate names {dupes}; each parameter needs its own name")
-        by_param = {p: name for name, p in named}
-        unnamed = [p for p in in_optimizer if p not in by_param]
+        by_param = {p: f"Gradient.{name}" for name, p in named}
+        unnamed = [p for group in self.param_groups for p in group["params"] if p not in by_param]
         if unnamed:
             raise ValueError(
                 f"{len(unnamed)} optimizer parameters are missing from named_parameters; "
                 "pass model.named_parameters() of the model the optimizer was built from"
             )
-        return [(f"Gradient.{by_param[p]}", p) for p in in_optimizer]
+        return by_param
+
+    def _gradient_params(self) -> list[tuple[str, torch.Tensor]]:
+        """Parameters to reduce this step: every one in ``param_groups`` that requires grad now
+        (so parameters unfrozen or groups added after wrapping are reduced too)."""
+        named = []
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad:
+                    named.append((self._names.get(p, f"Gradient.group{g}.{i}"), p))
+                    if p not in self._hooks:
+                        self._hooks[p] = p.register_post_accumulate_grad_hook(self._count_pass)
+        return named
+
+    def _step_description(self, named) -> str:
+        key = tuple((name, tuple(p.shape), p.dtype) for name, p in named)
+        if key not in self._descriptions:
+            digest = fingerprint(describe(name, p) for name, p in named)
+            self._descriptions[key] = (
+                f"DistributedOptimizer step over {len(named)} gradients (digest {digest:016x}), "
+                f"compression={self._compression.name}, backward_passes_per_step={self.backward_passes_per_step}, "
+                f"fusion_bytes={self._fusion_bytes}"
+            )
+        return self._descriptions[key]
 
     def _count_pass(self, param: torch.Tensor) -> None:
-        self._passes[param] += 1
+        self._passes[param] = self._passes.get(param, 0) + 1
         if self._passes[param] > self.backward_passes_per_step:
             raise RuntimeError(
                 f"gradients were computed {self._passes[param]} times before step(), more than "
-                f"backward_passes_per_step={self.backward_passes_per_step}; call step() after every "
+                f"backward_passes_per_step={self.backward_passes_per_step}; call step() (or zero_grad()) after every "
                 f"{self.backward_passes_per_step} backward passes or raise backward_passes_per_step"
             )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; also starts a new count of backward passes
+        (a GAN's generator backward may fill the discriminator's gradients, then zero them)."""
+        self._passes.clear()
+        self._synchronized = False
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def set_local_batch_size(self, samples: int) -> None:
         """Declare how many samples this worker's last backward pass used (call once per pass).
@@ -152,8 +184,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: ``samples`` is not an integer >= 0.
         """
-        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 0:
-            raise ValueError(f"set_local_batch_size needs an integer number of samples >= 0, got {samples!r}")
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples < MAX_SAMPLES:
+            raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_SAMPLES}), got {samples!r}")
         self._samples = int(samples) + max(self._samples, 0)
 
     def synchronize(self) -> None:
@@ -166,21 +198,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             TensorMismatchError: workers have different parameters or settings.
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
+            TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
         """
         engine = _engine.current()
+        named = self._gradient_params()
+        sparse = [name for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
+        if sparse:
+            raise TypeError(f"sparse gradients are not supported ({', '.join(sparse)}); use dense ones, "
+                            "e.g. nn.Embedding(..., sparse=False)")
         self._monitor.before_aggregation()
         samples = self._take_samples()
         self._step_samples = None if samples == _UNSET else samples
-        with torch.no_grad():
-            for p in (p for _, p in self._named if p.grad is None):
+        with round_lock, torch.no_grad():
+            for p in (p for _, p in named if p.grad is None):
                 p.grad = torch.zeros_like(p)
-            local_sq = float(sum(p.grad.double().pow(2).sum() for _, p in self._named))
-            table = negotiate(engine, "DistributedOptimizer step", self._step_description,
+            local_sq = float(sum(p.grad.double().pow(2).sum() for _, p in named))
+            table = negotiate(engine, "DistributedOptimizer step", self._step_description(named),
                               samples, int(np.float64(local_sq).view(np.int64)))
             sizes, local_sq_norms = table[:, 0], np.ascontiguousarray(table[:, 1]).view(np.float64)
             weight = float(batch_weights(sizes)[engine.rank])
             global_sq = 0.0
-            in_flight = [self._start_bucket(engine, i, bucket, weight) for i, bucket in enumerate(self._buckets())]
+            in_flight = [self._start_bucket(engine, i, bucket, weight)
+                         for i, bucket in enumerate(self._buckets([p for _, p in named]))]
             for work, wire, ctx, bucket in in_flight:
                 work.wait()
                 flat = self._compression.decompress(wire, ctx)
@@ -194,6 +233,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.global_batch_size = int(sizes.sum()) if known else None
         if known:
             self.gradient_noise.update(local_sq_norms, sizes, global_sq)
+        self._passes.clear()
         self._synchronized = True
 
     def _take_samples(self) -> int:
@@ -206,10 +246,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return self._samples
         return sum(samples for _, samples in drawn) if drawn else _UNSET
 
-    def _buckets(self) -> list[list[torch.Tensor]]:
+    def _buckets(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = defaultdict(lambda: [[]])
         filled: dict[torch.dtype, int] = defaultdict(int)
-        for _, p in self._named:
+        for p in params:
             nbytes = p.grad.numel() * p.grad.element_size()
             buckets = by_dtype[p.grad.dtype]
             if buckets[-1] and filled[p.grad.dtype] + nbytes > self._fusion_bytes:
@@ -236,7 +276,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Reduce gradients (unless already done this step) and apply the wrapped optimizer's
-        update with each group's learning rate multiplied by :attr:`lr_scale` for this step."""
+        update with each group's learning rate multiplied by :attr:`lr_scale` for this step.
+
+        A ``closure`` is evaluated once, before the gradients are reduced; its loss is returned.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
         self.lr_scale = self._lr_factor()
@@ -244,16 +291,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             group["lr"] = group["lr"] * self.lr_scale
         try:
-            result = super(self.__class__, self).step(closure)
+            super(self.__class__, self).step()
         finally:
             for group, lr in zip(self.param_groups, base_lrs):
                 group["lr"] = lr
         self._synchronized = False
         self._samples = _UNSET
-        for p in self._passes:
-            self._passes[p] = 0
         self._monitor.after_step(self._step_samples, self.gradient_noise)
-        return result
+        return loss
 
     def _lr_factor(self) -> float:
         if self.global_batch_size is None:
@@ -293,10 +338,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         base_batch_size: B0, the global batch the base learning rate was tuned for; default:
             the global batch of the first step.
 
+    With ``torch.amp.GradScaler``, reduce before unscaling, so every worker sees the same
+    overflow and skips the same steps: ``optimizer.synchronize(); scaler.unscale_(optimizer);
+    with optimizer.skip_synchronize(): scaler.step(optimizer)``.
+
     Raises:
-        ValueError: duplicate or missing parameter names, ``backward_passes_per_step < 1``,
-            an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1.
+        ValueError: duplicate or missing parameter names, ``backward_passes_per_step`` not an
+            integer >= 1, an unknown ``lr_scaling`` rule, a ``base_batch_size`` below 1, or an
+            optimizer that re-evaluates its closure (``LBFGS``).
     """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS re-evaluates its closure several times per step, which cannot be "
+                         "aggregated across workers; use a first-order optimizer")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
