@@ -1,0 +1,66 @@
+"""Batch-size policies: what the scheduler asks every decision interval.
+
+``make_policy(name, **options)`` builds one by the name ``--policy`` accepts:
+
+* ``static``: the initial allocation, unchanged.
+* ``proportional``: keep the global batch, ``b_i ∝`` measured throughput (LB-BSP, SoCC'20).
+* ``goodput``: the global batch maximising throughput × statistical efficiency, split
+  proportionally (Pollux, OSDI'21).
+* ``ppo``: the DYNAMIX agent; not available yet (it arrives with the DYNAMIX agent issue).
+
+Wrap any of them in :class:`Guarded` for bounds, maximum change, hysteresis and the fallback on
+divergence: ``Guarded(make_policy("proportional"), max_change=2.0)``.
+"""
+
+from __future__ import annotations
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState
+from dynamix_byteps.policy.goodput import GoodputPolicy
+from dynamix_byteps.policy.guardrails import Guarded
+from dynamix_byteps.policy.proportional import ProportionalPolicy
+from dynamix_byteps.policy.static import StaticPolicy
+
+__all__ = [
+    "POLICIES",
+    "ClusterState",
+    "Decision",
+    "GoodputPolicy",
+    "Guarded",
+    "Policy",
+    "ProportionalPolicy",
+    "StaticPolicy",
+    "WorkerState",
+    "make_policy",
+]
+
+#: Policies ``make_policy`` can build, by name.
+POLICIES: dict[str, type[Policy]] = {
+    StaticPolicy.name: StaticPolicy,
+    ProportionalPolicy.name: ProportionalPolicy,
+    GoodputPolicy.name: GoodputPolicy,
+}
+
+
+def make_policy(name: str, **options) -> Policy:
+    """Build the policy called ``name`` with its keyword ``options``.
+
+    Raises:
+        ConfigurationError: (a ``ValueError``) for ``"ppo"``, which is not available yet, for an
+            unknown name, or for options the policy does not accept.
+    """
+    key = str(name).strip().lower()
+    if key == "ppo":
+        raise ConfigurationError(
+            "policy 'ppo' (the DYNAMIX agent) is not available yet: it arrives with the DYNAMIX "
+            "agent issue; use --policy static, proportional or goodput"
+        )
+    cls = POLICIES.get(key)
+    if cls is None:
+        raise ConfigurationError(
+            f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
+        )
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"invalid options for policy {key!r}: {exc}") from exc

@@ -1,0 +1,208 @@
+"""Guardrails shared by every policy: fallback, bounds, maximum change, hysteresis.
+
+:class:`Guarded` wraps any :class:`~dynamix_byteps.policy.base.Policy` and is itself one. The
+rules, applied in this order:
+
+1. **Fallback.** If the newest entry of ``state.loss_history`` is NaN/inf, or the loss rose in
+   each of the last ``divergence_window`` intervals (``window + 1`` finite values, strictly
+   increasing), answer ``state.initial_batch_sizes`` (clamped to the bounds) at once; the wrapped
+   policy is not consulted and rules 3–4 do not apply (getting back to a known-good allocation
+   must not be slowed down).
+2. **Bounds.** Each proposed ``b_i`` is clamped to ``[max(1, min_batch_i), max_batch_i]``; a
+   missing, non-integer or non-finite proposal (or one with the wrong length, or a policy that
+   raised) keeps the current size.
+3. **Maximum change.** Each ``b_i`` stays within ``[ceil(now_i / max_change),
+   floor(now_i × max_change)]`` (and >= 1), intersected with the bounds (bounds win when the two
+   do not overlap). With ``preserve_global_batch`` (default) what clipping removes or adds is
+   spread over the workers that still have room, in proportion to their proposed sizes, so the
+   proposal's global batch is kept when the windows allow it (the proportional policy's promise
+   "the global batch is unchanged" survives the clip).
+4. **Hysteresis.** The gain of the final sizes is the policy's ``predicted_gain`` when rules 2–3
+   changed nothing, else re-evaluated with the policy's ``predict_gain(state, sizes)`` if it has
+   one. If that gain is below ``hysteresis`` (or not finite) the current sizes are kept, with a
+   reason saying so and ``predicted_gain = 0``. Policies that make no prediction
+   (``reports_gain = False``, e.g. ``static``) skip this rule.
+
+The threshold rule follows AdaptDL, which changes the batch size only when the predicted goodput
+speed-up exceeds a threshold (petuum/adaptdl issue #27, ``_speedup_threshold``); the maximum
+change bounds how far a single noisy measurement can move the allocation.
+
+Every answer is a tuple of Python ints >= 1, one per worker, within the bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy
+from dynamix_byteps.policy.proportional import bounded_split, worker_bounds
+
+__all__ = ["Guarded"]
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``ranks [1, 3]``, or a count when the list is long (reasons stay one short line)."""
+    return f"ranks {ranks}" if len(ranks) <= 8 else f"{len(ranks)} ranks"
+
+
+def _clamp(b: int, lo: int, hi: float) -> int:
+    b = max(int(lo), int(b))
+    return int(min(b, hi)) if math.isfinite(hi) else b
+
+
+class Guarded(Policy):
+    """A policy with guardrails (module docstring); ``name`` is the wrapped policy's.
+
+    Args:
+        policy: the policy to guard.
+        max_change: largest factor by which one worker's size may grow or shrink per decision
+            (>= 1; ``math.inf`` disables the rule).
+        hysteresis: minimum relative predicted gain for a change (>= 0; 0.05 = 5 %).
+        divergence_window: consecutive loss increases that trigger the fallback (0 disables the
+            rising-loss test; a non-finite loss always triggers it).
+        preserve_global_batch: keep the proposal's global batch through rule 3 when feasible.
+
+    Raises:
+        ValueError: on an invalid option.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        max_change: float = 2.0,
+        hysteresis: float = 0.05,
+        divergence_window: int = 3,
+        preserve_global_batch: bool = True,
+    ):
+        if not isinstance(policy, Policy):
+            raise ValueError(f"Guarded wraps a Policy, got {type(policy).__name__}")
+        if not (float(max_change) >= 1.0):
+            raise ValueError(f"max_change must be >= 1, got {max_change!r}")
+        if not (math.isfinite(float(hysteresis)) and float(hysteresis) >= 0.0):
+            raise ValueError(f"hysteresis must be a finite number >= 0, got {hysteresis!r}")
+        if int(divergence_window) < 0:
+            raise ValueError(f"divergence_window must be >= 0, got {divergence_window!r}")
+        self.policy = policy
+        self.name = policy.name
+        self.max_change = float(max_change)
+        self.hysteresis = float(hysteresis)
+        self.divergence_window = int(divergence_window)
+        self.preserve_global_batch = bool(preserve_global_batch)
+
+    # -- rule 1 ------------------------------------------------------------------------------
+    def divergence(self, loss_history: Sequence[float]) -> str | None:
+        """Why training looks diverged, or None (rule 1)."""
+        if not loss_history:
+            return None
+        try:
+            last = float(loss_history[-1])
+        except (TypeError, ValueError):
+            return "latest loss is not a number"
+        if not math.isfinite(last):
+            return f"latest loss is {last}"
+        w = self.divergence_window
+        if w > 0 and len(loss_history) >= w + 1:
+            recent = [float(x) for x in loss_history[-(w + 1):]]
+            if all(math.isfinite(x) for x in recent) and all(b > a for a, b in zip(recent, recent[1:])):
+                return f"loss rose in each of the last {w} intervals ({recent[0]:.4g} → {recent[-1]:.4g})"
+        return None
+
+    # -- rules 2 and 3 -----------------------------------------------------------------------
+    def _windows(self, state: ClusterState) -> tuple[list[int], list[float]]:
+        lows, highs = [], []
+        for w in state.workers:
+            b_lo, b_hi = worker_bounds(w)
+            now = max(1, int(w.batch_size))
+            if math.isfinite(self.max_change):
+                c_lo = max(1, math.ceil(now / self.max_change - 1e-9))
+                c_hi = max(c_lo, math.floor(now * self.max_change + 1e-9))
+            else:
+                c_lo, c_hi = 1, math.inf
+            lo, hi = max(b_lo, c_lo), min(b_hi, c_hi)
+            if lo > hi:  # the change window misses the bounds: bounds win, nearest edge
+                lo = hi = b_lo if c_hi < b_lo else b_hi
+            lows.append(int(lo))
+            highs.append(float(hi))
+        return lows, highs
+
+    @staticmethod
+    def _sanitise(state: ClusterState, proposal) -> tuple[list[int], list[str]]:
+        """Integers from the proposal; a bad entry (or a bad proposal) keeps the current size."""
+        now = [max(1, int(w.batch_size)) for w in state.workers]
+        try:
+            raw = list(proposal)
+        except TypeError:
+            raw = []
+        if len(raw) != len(now):
+            return now, [f"proposal has {len(raw)} sizes for {len(now)} workers; keeping current sizes"]
+        out, bad = [], []
+        for w, b, n in zip(state.workers, raw, now):
+            try:
+                f = float(b)
+                ok = math.isfinite(f) and f == int(f)
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+            out.append(int(f) if ok else n)
+            if not ok:
+                bad.append(w.rank)
+        return out, ([f"{_ranks(bad)}: invalid proposal, kept current size"] if bad else [])
+
+    # -- the policy ----------------------------------------------------------------------------
+    def decide(self, state: ClusterState) -> Decision:
+        workers = state.workers
+        if not workers:
+            return Decision((), f"{self.name}: no workers")
+        bounds = [worker_bounds(w) for w in workers]
+        now = [_clamp(max(1, int(w.batch_size)), lo, hi) for w, (lo, hi) in zip(workers, bounds)]
+
+        # 1. fallback
+        why = self.divergence(state.loss_history)
+        if why is not None:
+            initial = list(state.initial_batch_sizes)
+            if len(initial) != len(workers):
+                initial = [int(w.batch_size) for w in workers]
+            sizes = tuple(_clamp(max(1, int(b)), lo, hi) for b, (lo, hi) in zip(initial, bounds))
+            return Decision(sizes, f"{self.name}: fallback to the initial allocation: {why}", 0.0,
+                            {"guard": {"fallback": why}})
+
+        try:
+            d = self.policy.decide(state)
+        except Exception as exc:  # noqa: BLE001 - the control plane must never stop training
+            return Decision(tuple(now), f"{self.name}: policy failed ({type(exc).__name__}: {exc}); keeping sizes",
+                            0.0, {"guard": {"error": repr(exc)}})
+        proposal, notes = self._sanitise(state, d.batch_sizes)
+
+        # 2. bounds
+        bounded = [_clamp(max(1, b), lo, hi) for b, (lo, hi) in zip(proposal, bounds)]
+        clipped_bounds = [w.rank for w, a, b in zip(workers, proposal, bounded) if a != b]
+        if clipped_bounds:
+            notes.append(f"{_ranks(clipped_bounds)} clamped to their bounds")
+
+        # 3. maximum change
+        lows, highs = self._windows(state)
+        sizes = [_clamp(b, lo, hi) for b, lo, hi in zip(bounded, lows, highs)]
+        clipped_change = [w.rank for w, a, b in zip(workers, bounded, sizes) if a != b]
+        if clipped_change:
+            notes.append(f"{_ranks(clipped_change)} limited to ×{self.max_change:g} change")
+            if self.preserve_global_batch:
+                sizes = bounded_split(sum(bounded), bounded, lows, highs)
+
+        # 4. hysteresis
+        gain = d.predicted_gain
+        if sizes != list(d.batch_sizes) and hasattr(self.policy, "predict_gain"):
+            try:
+                gain = float(self.policy.predict_gain(state, sizes))
+            except Exception:  # noqa: BLE001
+                gain = float("nan")
+        guard = {"proposed": [int(b) for b in proposal], "notes": notes, "predicted_gain_after_guard": gain}
+        terms = dict(d.terms, guard=guard)
+        reason = d.reason + ("; guard: " + "; ".join(notes) if notes else "")
+        if sizes != now and getattr(self.policy, "reports_gain", True):
+            if not (isinstance(gain, (int, float)) and math.isfinite(gain) and gain >= self.hysteresis):
+                return Decision(tuple(now), f"{reason}; hysteresis: predicted gain {gain:.3g} < {self.hysteresis:g}, "
+                                "keeping current sizes", 0.0, terms)
+        if sizes == now:
+            gain = 0.0
+        return Decision(tuple(int(b) for b in sizes), reason, float(gain) if math.isfinite(gain) else 0.0, terms)

@@ -1,0 +1,276 @@
+"""Throughput-proportional batch sizes (LB-BSP style) and the step-time model the policies share.
+
+Source: Chen, Weng, Wang, Li, Li, *Semi-Dynamic Load Balancing: Efficient Distributed Learning
+in Non-Dedicated Environments*, ACM SoCC 2020 (arXiv 1806.02508). LB-BSP re-sizes each worker's
+sample batch at the synchronisation barrier so that workers of different speed finish their
+computation together; the global batch is kept. With compute time modelled as linear in the
+local batch, ``t_i = b_i / θ_i`` (``θ_i``: the worker's measured compute throughput, samples/s),
+equal times mean ``b_i ∝ θ_i``.
+
+Step-time model used here (and by :mod:`.goodput` and :mod:`.guardrails`)::
+
+    T(b) = max_i c_i(b_i) + T_comm
+    c_i(b_i) = b_i / θ_i                      (θ_i valid)
+             = compute_s_i · b_i / b_i_now     (θ_i missing: scale the measured time; 0 if unknown)
+
+``T_comm`` is the pure push_pull time. By default it is estimated as the *smallest* reported
+``push_pull_s``: in synchronous training a fast worker's push_pull includes waiting at the
+barrier for the straggler, so only the last worker to arrive (the straggler, smallest wait)
+measures the network alone. ``comm="mean"`` uses the mean instead, which double counts the wait
+the policy is trying to remove (pessimistic predicted gains).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState
+
+__all__ = [
+    "ProportionalPolicy",
+    "bounded_split",
+    "comm_time",
+    "step_time",
+    "throughput",
+    "worker_bounds",
+    "proportional_sizes",
+]
+
+_COMM_MODES = ("min", "mean")
+
+
+def _finite_positive(x) -> bool:
+    try:
+        return x is not None and math.isfinite(float(x)) and float(x) > 0.0
+    except (TypeError, ValueError):
+        return False
+
+
+def throughput(worker: WorkerState) -> float | None:
+    """θ_i in samples/s, or None when missing, zero, negative or non-finite."""
+    return float(worker.samples_per_s) if _finite_positive(worker.samples_per_s) else None
+
+
+def worker_bounds(worker: WorkerState) -> tuple[int, float]:
+    """Normalised inclusive bounds ``(lo, hi)``: ``lo >= 1`` integer, ``hi >= lo`` (``inf`` = none)."""
+    try:
+        lo = max(1, int(worker.min_batch))
+    except (TypeError, ValueError, OverflowError):
+        lo = 1
+    hi: float = math.inf
+    if worker.max_batch is not None:
+        try:
+            hi = float(int(worker.max_batch))
+        except (TypeError, ValueError, OverflowError):
+            hi = math.inf
+    return lo, max(hi, float(lo))
+
+
+def bounded_split(
+    total: int,
+    weights: Sequence[float],
+    lower: Sequence[int],
+    upper: Sequence[float],
+) -> list[int]:
+    """Split ``total`` samples into integers ``b_i ∝ weights_i`` within ``[lower_i, upper_i]``.
+
+    The continuous solution is ``x_i = clamp(λ·w_i, lo_i, hi_i)`` with ``λ`` chosen so that
+    ``Σx_i = total`` ("water filling": what clamping removes from one worker is spread over the
+    unclamped ones in proportion to their weights); ``λ`` is found exactly on the piecewise-linear
+    ``Σ clamp(λ·w_i)``. Integers come from largest-remainder rounding, which keeps each
+    ``b_i`` within its bounds and the sum exactly ``total``.
+
+    Args:
+        total: samples to split.
+        weights: positive finite weights, one per worker.
+        lower: integer lower bounds (>= 0).
+        upper: upper bounds (``math.inf`` = unbounded), ``upper_i >= lower_i``.
+
+    Returns:
+        One int per worker. When ``total < Σlower`` every worker gets its lower bound, when
+        ``total > Σupper`` its upper bound (the closest feasible answer); otherwise the sum is
+        exactly ``total``.
+
+    Raises:
+        ValueError: on mismatched lengths or a non-positive / non-finite weight.
+    """
+    n = len(weights)
+    if not (len(lower) == len(upper) == n):
+        raise ValueError("weights, lower and upper must have the same length")
+    if n == 0:
+        return []
+    w = [float(x) for x in weights]
+    if not all(math.isfinite(x) and x > 0 for x in w):
+        raise ValueError(f"weights must be positive and finite, got {weights!r}")
+    lo = [int(x) for x in lower]
+    hi = [float(x) for x in upper]
+    total = int(total)
+    if total <= sum(lo):
+        return list(lo)
+    if total >= sum(hi):
+        return [int(x) for x in hi]
+
+    def f(lam: float) -> float:
+        return sum(min(max(lam * wi, li), hi_i) for wi, li, hi_i in zip(w, lo, hi))
+
+    breaks = sorted({li / wi for li, wi in zip(lo, w)} | {h / wi for h, wi in zip(hi, w) if math.isfinite(h)})
+    # f is non-decreasing; f(breaks[0]) == Σlo < total. Find the segment holding the solution.
+    k_lo, k_hi = 1, len(breaks)  # smallest k >= 1 with f(breaks[k]) >= total, else len(breaks)
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi) // 2
+        if f(breaks[mid]) >= total:
+            k_hi = mid
+        else:
+            k_lo = mid + 1
+    k = k_lo
+    lam_lo = breaks[k - 1]
+    lam_hi = breaks[k] if k < len(breaks) else math.inf
+    fixed = 0.0
+    free_w = 0.0
+    for wi, li, hi_i in zip(w, lo, hi):
+        if li / wi >= lam_hi:
+            fixed += li
+        elif hi_i / wi <= lam_lo:
+            fixed += hi_i
+        else:
+            free_w += wi
+    lam = (total - fixed) / free_w if free_w > 0 else lam_lo
+    x = [min(max(lam * wi, li), hi_i) for wi, li, hi_i in zip(w, lo, hi)]
+
+    out = []
+    for xi, li, hi_i in zip(x, lo, hi):
+        b = max(li, math.floor(xi))
+        out.append(min(b, int(hi_i)) if math.isfinite(hi_i) else b)
+    order = sorted(range(n), key=lambda i: (-(x[i] - out[i]), i))
+    deficit = total - sum(out)
+    while deficit > 0:  # give +1 to the largest remainders that have room
+        moved = False
+        for i in order:
+            if deficit == 0:
+                break
+            if out[i] + 1 <= hi[i]:
+                out[i] += 1
+                deficit -= 1
+                moved = True
+        if not moved:  # pragma: no cover - impossible when Σhi > total
+            break
+    for i in reversed(order):  # float slack the other way: take from the smallest remainders
+        while deficit < 0 and out[i] - 1 >= lo[i]:
+            out[i] -= 1
+            deficit += 1
+    return out
+
+
+def comm_time(state: ClusterState, mode: str = "min") -> float:
+    """Estimated pure push_pull seconds per step (see the module docstring); 0 when unknown."""
+    values = [
+        float(w.push_pull_s)
+        for w in state.workers
+        if w.push_pull_s is not None and math.isfinite(float(w.push_pull_s)) and w.push_pull_s >= 0
+    ]
+    if not values:
+        return 0.0
+    if mode == "mean":
+        return sum(values) / len(values)
+    return min(values)
+
+
+def _compute_time(worker: WorkerState, size: int) -> float:
+    theta = throughput(worker)
+    if theta is not None:
+        return size / theta
+    c = worker.compute_s
+    if c is not None and math.isfinite(float(c)) and c >= 0 and worker.batch_size > 0:
+        return float(c) * size / worker.batch_size
+    return 0.0
+
+
+def step_time(state: ClusterState, sizes: Sequence[int], comm_s: float) -> float:
+    """Predicted seconds per synchronous step: ``max_i c_i(b_i) + comm_s`` (module docstring)."""
+    compute = max((_compute_time(w, b) for w, b in zip(state.workers, sizes)), default=0.0)
+    return compute + comm_s
+
+
+def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list[int]]:
+    """Split ``total`` over the workers ∝ θ_i within bounds.
+
+    Workers without a valid θ keep their current size (clamped to their bounds); the rest of
+    ``total`` goes to the others. Returns ``(sizes, ranks_kept)``; when no worker has a valid θ
+    every worker keeps its (clamped) size.
+    """
+    thetas = [throughput(w) for w in state.workers]
+    bounds = [worker_bounds(w) for w in state.workers]
+    sizes = [int(min(max(w.batch_size, lo), hi)) for w, (lo, hi) in zip(state.workers, bounds)]
+    kept = [w.rank for w, t in zip(state.workers, thetas) if t is None]
+    idx = [i for i, t in enumerate(thetas) if t is not None]
+    if idx:
+        rest = int(total) - sum(sizes[i] for i, t in enumerate(thetas) if t is None)
+        split = bounded_split(
+            rest,
+            [thetas[i] for i in idx],
+            [bounds[i][0] for i in idx],
+            [bounds[i][1] for i in idx],
+        )
+        for i, b in zip(idx, split):
+            sizes[i] = b
+    return sizes, kept
+
+
+class ProportionalPolicy(Policy):
+    """Keep the global batch B, give each worker ``b_i ∝ θ_i`` so compute times equalise (LB-BSP).
+
+    Args:
+        comm: how to estimate the pure push_pull time, ``"min"`` (default) or ``"mean"`` of the
+            workers' ``push_pull_s`` (see the module docstring).
+
+    ``decide`` returns integer sizes summing exactly to ``state.global_batch`` whenever that is
+    feasible within the workers' bounds, and ``predicted_gain = (T(now) − T(new)) / T(now)`` with
+    ``T`` the step-time model above. Workers whose ``samples_per_s`` is missing, zero or
+    non-finite keep their size.
+
+    Raises:
+        ValueError: (constructor) on an unknown ``comm`` mode.
+    """
+
+    name = "proportional"
+
+    def __init__(self, *, comm: str = "min"):
+        if comm not in _COMM_MODES:
+            raise ValueError(f"comm must be one of {_COMM_MODES}, got {comm!r}")
+        self.comm = comm
+
+    def predict_gain(self, state: ClusterState, batch_sizes: Sequence[int]) -> float:
+        """Relative step-time reduction of ``batch_sizes`` over the current sizes (0 if unknown)."""
+        comm = comm_time(state, self.comm)
+        t_now = step_time(state, state.batch_sizes, comm)
+        t_new = step_time(state, batch_sizes, comm)
+        if not (math.isfinite(t_now) and t_now > 0 and math.isfinite(t_new)):
+            return 0.0
+        return (t_now - t_new) / t_now
+
+    def decide(self, state: ClusterState) -> Decision:
+        if not state.workers:
+            return Decision((), "proportional: no workers")
+        total = state.global_batch
+        sizes, kept = proportional_sizes(state, total)
+        comm = comm_time(state, self.comm)
+        t_now = step_time(state, state.batch_sizes, comm)
+        t_new = step_time(state, sizes, comm)
+        gain = self.predict_gain(state, sizes)
+        terms = {
+            "global_batch": total,
+            "samples_per_s": [throughput(w) for w in state.workers],
+            "comm_s": comm,
+            "step_time_now_s": t_now,
+            "step_time_predicted_s": t_new,
+            "ranks_without_throughput": kept,
+        }
+        if len(kept) == len(state.workers):
+            return Decision(tuple(sizes), "proportional: no valid throughput measurement; keeping sizes", 0.0, terms)
+        reason = f"proportional: b_i ∝ θ_i at global batch {sum(sizes)} (step {t_now:.4g}s → {t_new:.4g}s)"
+        if kept:
+            reason += f"; ranks {kept} keep their size (no throughput)"
+        if sum(sizes) != total:
+            reason += f"; global batch {total} infeasible within bounds"
+        return Decision(tuple(int(b) for b in sizes), reason, gain, terms)
