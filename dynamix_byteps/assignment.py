@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -198,6 +199,21 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
     if len(values) != size:
         raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {size} workers; give 1 or {size}")
     return values
+
+
+def env_batch_sizes(variable: str, size: int) -> tuple[int, ...] | None:
+    """:func:`parse_batch_sizes` of environment variable ``variable``, None when unset.
+
+    Raises:
+        ConfigurationError: naming the variable, when its value is malformed.
+    """
+    text = os.environ.get(variable)
+    if not text:
+        return None
+    try:
+        return parse_batch_sizes(text, size)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{variable}: {exc}") from None
 
 
 def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...]]]:

@@ -61,8 +61,10 @@ def parse_args():
                    help='change the batch sizes at given global steps, e.g. "300:64;600:96,96,32,32"')
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
-    p.add_argument("--lr-scaling", default="linear", choices=["none", "linear", "sqrt", "adascale"],
-                   help="how the learning rate follows the global batch when it changes (default: linear)")
+    p.add_argument("--lr-scaling", default=os.environ.get("DYNAMIX_LR_SCALING") or "linear",
+                   choices=["none", "linear", "sqrt", "adascale"],
+                   help="how the learning rate follows the global batch when it changes "
+                        "(default: $DYNAMIX_LR_SCALING or linear)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
@@ -118,6 +120,7 @@ def main():
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
+            bps.report_loss(loss)  # the loss trend the batch-size policy watches
             stats += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
         stats = bps.push_pull(stats, average=False, name="train_stats")
         elapsed = time.time() - t0

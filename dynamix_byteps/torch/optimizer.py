@@ -96,6 +96,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if base_batch_size is not None and _not_count(base_batch_size):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
         self.backward_passes_per_step = int(backward_passes_per_step)
+        if lr_scaling is None:
+            lr_scaling = os.environ.get("DYNAMIX_LR_SCALING") or "none"
         self.lr_scaling = get_rule(lr_scaling, optimizer_family_of(self))
         self.base_batch_size = None if base_batch_size is None else int(base_batch_size)
         self.gradient_noise = GradientNoiseScale()
@@ -320,7 +322,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: type[Compressor] = Compression.none,
-                         backward_passes_per_step: int = 1, lr_scaling: str = "none",
+                         backward_passes_per_step: int = 1, lr_scaling: str | None = None,
                          base_batch_size: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that :meth:`step` first averages gradients over all workers,
     weighted by each worker's local batch size (``optimizer.set_local_batch_size(n)``).
@@ -334,7 +336,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
         backward_passes_per_step: backward passes accumulated locally before each reduction.
         lr_scaling: how the learning rate follows the global batch B: ``none``, ``linear``
-            (B/B0), ``sqrt`` (√(B/B0)) or ``adascale`` (AdaScale gain; AdamScale for Adam/AdamW).
+            (B/B0), ``sqrt`` (√(B/B0)) or ``adascale`` (AdaScale gain; AdamScale for Adam/AdamW);
+            default: ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
         base_batch_size: B0, the global batch the base learning rate was tuned for; default:
             the global batch of the first step.
 

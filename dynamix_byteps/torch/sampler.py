@@ -23,7 +23,7 @@ import torch.utils.data
 
 from dynamix_byteps import batching
 from dynamix_byteps import engine as _engine
-from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBounds
+from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBounds, env_batch_sizes
 from dynamix_byteps.data.partition import Position, permutation, plan_step, rank_indices, tail_sizes
 from dynamix_byteps.errors import ConfigurationError
 
@@ -40,7 +40,9 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
         seed: identical on every worker.
         drop_last: skip an epoch's last partial global batch instead of sharing it out.
-        min_batch, max_batch: inclusive per-worker bounds every assignment must respect.
+        min_batch, max_batch: inclusive per-worker bounds every assignment must respect
+            (default: ``bpslaunch --min-batch/--max-batch`` through ``DYNAMIX_MIN_BATCH`` and
+            ``DYNAMIX_MAX_BATCH``, else 1 and unbounded).
 
     Raises:
         ConfigurationError: bad sizes, bounds, rank or an empty dataset.
@@ -49,7 +51,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, dataset: Sized | int, batch_size: int | Sequence[int], *, num_replicas: int | None = None,
                  rank: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 min_batch: int | Sequence[int] = 1, max_batch: int | Sequence[int] | None = None):
+                 min_batch: int | Sequence[int] | None = None, max_batch: int | Sequence[int] | None = None):
         self.dataset_size = dataset if isinstance(dataset, int) else len(dataset)
         if self.dataset_size < 1:
             raise ConfigurationError("DynamicBatchSampler needs a dataset with at least one sample")
@@ -58,6 +60,10 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         if not 0 <= self.rank < self.num_replicas:
             raise ConfigurationError(f"rank {self.rank} is not in [0, num_replicas={self.num_replicas})")
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        if min_batch is None:
+            min_batch = env_batch_sizes("DYNAMIX_MIN_BATCH", self.num_replicas) or 1
+        if max_batch is None:
+            max_batch = env_batch_sizes("DYNAMIX_MAX_BATCH", self.num_replicas)
         bounds = BatchBounds.build(self.num_replicas, min_batch, max_batch)
         initial = batch_size if isinstance(batch_size, Sequence) else [batch_size] * self.num_replicas
         self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
