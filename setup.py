@@ -95,6 +95,7 @@ setup(
         "numpy",
         *grpc_runtime_requirements(),
         "psutil",
+        "prometheus-client",
         "tqdm",
     ],
     zip_safe=False,

@@ -43,10 +43,10 @@ def report_loss(loss) -> None:
         _losses.append(value)
 
 
-def _take_mean_loss() -> float:
+def _take_mean_loss() -> float | None:
     with _losses_lock:
         values, _losses[:] = list(_losses), []
-    return float(np.mean(values)) if values else math.nan
+    return float(np.mean(values)) if values else None
 
 
 class StepMonitor:

@@ -1,0 +1,203 @@
+"""``dynamix``: the command-line tool of dynamix_byteps.
+
+Subcommands (one function ``_add_<name>(subparsers)`` each, which sets ``func``)::
+
+    dynamix scheduler --num-workers 4 --policy proportional --run-dir runs/a --port-file runs/a/port
+
+Exit status: 0 on success (and on SIGTERM/SIGINT after a graceful stop), 1 on failure
+(a port that cannot be bound, a policy that cannot be loaded), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from dynamix_byteps.errors import ConfigurationError, DynamixError
+
+PROG = "dynamix"
+
+
+class UsageError(ConfigurationError):
+    """Bad flags; ``main`` prints the usage and exits 2."""
+
+
+def _int_in(low: int, high: int | None = None, what: str = "value"):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{what} {value} must be {bound}")
+        return value
+    return parse
+
+
+def _float_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be a finite number >= {low:g}")
+        return value
+    return parse
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    for convert in (int, float):
+        try:
+            return key, convert(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+# ---- dynamix scheduler -----------------------------------------------------------------------
+
+
+def _add_scheduler(sub) -> None:
+    p = sub.add_parser(
+        "scheduler",
+        help="run the gRPC scheduler on the parameter-server host",
+        description=(
+            "Serve Register/ReportMetrics to the workers, call the batch-size policy every decision\n"
+            "interval and answer with versioned assignments. Decisions go to RUN_DIR/decisions.jsonl."
+        ),
+        epilog=(
+            "security: the scheduler binds 127.0.0.1 unless --bind; any other address requires a\n"
+            "shared token (--token or $DYNAMIX_TOKEN, preferred: it stays out of `ps`), which every\n"
+            "call must carry as x-dynamix-token metadata. The token authenticates, it does not encrypt.\n\n"
+            "exit status: 0 after SIGTERM/SIGINT, 1 on failure, 2 on bad usage."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--port", type=_int_in(0, 65535, "port"), default=0, metavar="P", help="gRPC port (default 0: pick a free one)")
+    p.add_argument("--port-file", type=Path, metavar="FILE", help="write the bound port to FILE (atomically) once listening")
+    p.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="listen address (default 127.0.0.1; others require a token)")
+    p.add_argument("--token", metavar="T", help="shared secret the workers send (default: $DYNAMIX_TOKEN)")
+    p.add_argument("--policy", default="static", metavar="NAME", help="static | proportional | goodput | ppo (default static)")
+    p.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="option passed to the policy (repeatable), e.g. path=policy.onnx")
+    p.add_argument("--num-workers", type=_int_in(1, 4096, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
+    p.add_argument("--decision-interval", type=_int_in(1, what="--decision-interval"), default=10, metavar="K", help="steps between decisions (default 10)")
+    p.add_argument("--run-dir", type=Path, metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
+    p.add_argument("--metrics-port", type=_int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
+    p.add_argument("--max-change", type=_float_at_least(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")
+    p.add_argument("--hysteresis", type=_float_at_least(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")
+    p.set_defaults(func=_run_scheduler)
+
+
+def build_policy(name: str, options: dict, *, max_change: float, hysteresis: float):
+    """``make_policy(name, **options)`` wrapped in the guardrails; UsageError for a bad name/option."""
+    try:
+        from dynamix_byteps.policy import make_policy
+        from dynamix_byteps.policy.guardrails import Guarded
+    except ImportError as error:
+        raise ConfigurationError(f"the policies cannot be imported: {error}") from error
+    try:
+        policy = make_policy(name, **options)
+    except (KeyError, ValueError, TypeError) as error:
+        raise UsageError(f"argument --policy: {error}") from None
+    return Guarded(policy, max_change=max_change, hysteresis=hysteresis)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+def _run_scheduler(args: argparse.Namespace) -> int:
+    from dynamix_byteps.control.scheduler import SchedulerServer
+    from dynamix_byteps.control.security import TOKEN_ENV, check_token, is_loopback
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    if token is not None:
+        try:
+            check_token(token)
+        except ValueError as error:
+            raise UsageError(f"argument --token: {error}") from None
+    if token is None and not is_loopback(args.bind):
+        raise UsageError(
+            f"argument --bind: {args.bind} is reachable from other hosts, so a shared token is required; "
+            "set DYNAMIX_TOKEN (or pass --token), or bind 127.0.0.1"
+        )
+    policy = build_policy(args.policy, dict(args.policy_option), max_change=args.max_change, hysteresis=args.hysteresis)
+    server = SchedulerServer(
+        policy, num_workers=args.num_workers, decision_interval=args.decision_interval, bind=args.bind,
+        port=args.port, token=token, run_dir=args.run_dir, metrics_port=args.metrics_port or None,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start()
+        if args.port_file is not None:
+            _write_port_file(args.port_file, server.port)
+        log = logging.getLogger("dynamix_byteps.scheduler")
+        log.info(
+            "scheduler listening on %s policy=%s workers=%s interval=%d token=%s metrics=%s run_dir=%s",
+            server.address, args.policy, args.num_workers or "from-registration", args.decision_interval,
+            "on" if token else "off", server.metrics_port or "off", args.run_dir or "-",
+        )
+        while not stop.wait(1.0):
+            pass
+        log.info("scheduler stopping (signal)")
+    finally:
+        server.stop(grace=1.0)
+        if args.port_file is not None and server.port is not None:
+            try:
+                if args.port_file.read_text().strip() == str(server.port):
+                    args.port_file.unlink()
+            except OSError:
+                pass
+    return 0
+
+
+# ---- entry point ------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="dynamix_byteps: per-worker dynamic batch sizes for data-parallel training.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_scheduler(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``dynamix``; returns the exit code (0 ok, 1 failure, 2 bad usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # --help (0) or bad usage (2)
+        return stop.code if isinstance(stop.code, int) else 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except UsageError as error:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except (DynamixError, OSError) as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

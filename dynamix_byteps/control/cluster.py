@@ -1,0 +1,407 @@
+"""The scheduler's view of the job: registered workers, their reports, the assignment in force.
+
+Pure Python, no gRPC: :class:`Cluster` validates incoming messages (``WorkerInfo``, ``Report``
+from ``protos/dynamix.proto``), keeps per-rank running sums of the current decision interval,
+and says when every rank has reported so a decision is due. The caller holds ``Cluster.lock``
+around every method named ``*_locked``; everything else is lock-free and side-effect free.
+
+Validation raises :class:`Rejected` *before* any state changes, so a bad message never leaves
+the state half-updated.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+from dynamix_byteps.policy.base import ClusterState, WorkerState
+
+MAX_WORLD_SIZE = 4096
+MAX_BATCH = 1 << 24  # samples; anything larger is a bug in the client, not a batch size
+MAX_HOST_LEN = 255
+MAX_NAME_LEN = 64
+LOSS_HISTORY_LEN = 256  # decision intervals kept for ClusterState.loss_history
+
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
+
+_NODE_FRACTIONS = ("cpu_util", "gpu_util")
+_NODE_AMOUNTS = ("memory_used_bytes", "gpu_memory_used_bytes", "rtt_s", "tx_bytes_per_s", "rx_bytes_per_s")
+
+
+class Rejected(Exception):
+    """A request the scheduler refuses; ``code`` is a gRPC status code name, ``message`` names the field."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> Rejected:
+    return Rejected(INVALID_ARGUMENT, message)
+
+
+def _check_text(value: str, name: str, limit: int) -> str:
+    if len(value) > limit:
+        raise _invalid(f"{name} is {len(value)} characters long; at most {limit} are accepted")
+    if not value.isprintable():
+        raise _invalid(f"{name}={value!r} contains control characters")
+    return value
+
+
+def _check_duration(value: float, name: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise _invalid(f"{name}={value!r} must be a finite number >= 0")
+    return value
+
+
+def _optional_stat(value: float) -> float | None:
+    """grad_sq / trace_cov: NaN (the proto's 'unknown') and ±inf (a diverging run) become None."""
+    return value if math.isfinite(value) else None
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What a worker said when it registered. ``max_batch`` None = unbounded."""
+
+    rank: int
+    world_size: int
+    host: str
+    engine: str
+    min_batch: int
+    max_batch: int | None
+    batch_size: int
+    dataset_size: int | None
+    model_family: str
+    optimizer_family: str
+    step: int
+
+    def within_bounds(self, batch: int) -> bool:
+        return self.min_batch <= batch and (self.max_batch is None or batch <= self.max_batch)
+
+    def clamp(self, batch: int) -> int:
+        batch = max(self.min_batch, batch)
+        return batch if self.max_batch is None else min(self.max_batch, batch)
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    """One validated ``Report``; ``node`` holds only the node metrics that were present."""
+
+    rank: int
+    step: int
+    batch_size: int
+    compute_s: float
+    push_pull_s: float
+    samples_per_s: float
+    loss: float | None  # None: the worker reported no loss this interval
+    grad_sq: float | None
+    trace_cov: float | None
+    node: dict
+
+
+@dataclass(frozen=True)
+class AssignmentRecord:
+    """Mirror of the proto ``Assignment``; empty ``batch_sizes`` = not every rank has registered yet."""
+
+    version: int
+    effective_step: int
+    batch_sizes: tuple[int, ...]
+    lr_scale: float
+    policy: str
+    reason: str
+
+
+def validate_worker_info(info, world_size: int | None) -> WorkerRecord:
+    """Check a ``WorkerInfo`` against the job; raises :class:`Rejected` naming the bad field."""
+    if not 1 <= info.world_size <= MAX_WORLD_SIZE:
+        raise _invalid(f"world_size={info.world_size} must be between 1 and {MAX_WORLD_SIZE}")
+    if world_size is not None and info.world_size != world_size:
+        raise _invalid(f"world_size={info.world_size} does not match the job's world_size={world_size}")
+    if info.rank >= info.world_size:
+        raise _invalid(f"rank={info.rank} must be < world_size={info.world_size}")
+    min_batch = info.min_batch or 1  # proto3 default 0 = not set
+    if min_batch > MAX_BATCH:
+        raise _invalid(f"min_batch={info.min_batch} must be <= {MAX_BATCH}")
+    max_batch = info.max_batch or None  # 0 = no limit
+    if max_batch is not None and not min_batch <= max_batch <= MAX_BATCH:
+        raise _invalid(f"max_batch={info.max_batch} must be 0 (no limit) or between min_batch={min_batch} and {MAX_BATCH}")
+    if info.batch_size < 1:
+        raise _invalid(f"batch_size={info.batch_size} must be >= 1")
+    if info.batch_size < min_batch or (max_batch is not None and info.batch_size > max_batch):
+        raise _invalid(f"batch_size={info.batch_size} is outside [min_batch={min_batch}, max_batch={max_batch or 'unbounded'}]")
+    return WorkerRecord(
+        rank=info.rank,
+        world_size=info.world_size,
+        host=_check_text(info.host, "host", MAX_HOST_LEN),
+        engine=_check_text(info.engine, "engine", MAX_NAME_LEN),
+        min_batch=min_batch,
+        max_batch=max_batch,
+        batch_size=info.batch_size,
+        dataset_size=info.dataset_size or None,
+        model_family=_check_text(info.model_family, "model_family", MAX_NAME_LEN),
+        optimizer_family=_check_text(info.optimizer_family, "optimizer_family", MAX_NAME_LEN),
+        step=info.step,
+    )
+
+
+def validate_report(report, worker: WorkerRecord) -> ReportRecord:
+    """Check a ``Report`` from the registered ``worker``; raises :class:`Rejected` naming the bad field.
+
+    ``loss`` may be NaN or ±inf (a diverging run; the guardrails act on it); ``grad_sq`` and
+    ``trace_cov`` that are not finite are recorded as unknown.
+    """
+    b = report.local_batch_size
+    if b < 1 or not worker.within_bounds(b):
+        raise _invalid(
+            f"local_batch_size={b} is outside rank {worker.rank}'s registered bounds "
+            f"[{worker.min_batch}, {worker.max_batch or 'unbounded'}]"
+        )
+    node = {}
+    if report.HasField("node"):
+        for name in _NODE_FRACTIONS:
+            if report.node.HasField(name):
+                value = getattr(report.node, name)
+                if not 0.0 <= value <= 1.0:  # also rejects NaN
+                    raise _invalid(f"node.{name}={value!r} must be between 0 and 1")
+                node[name] = value
+        for name in _NODE_AMOUNTS:
+            if report.node.HasField(name):
+                node[name] = _check_duration(getattr(report.node, name), f"node.{name}")
+        if report.node.HasField("retransmits"):
+            node["retransmits"] = report.node.retransmits
+    return ReportRecord(
+        rank=report.rank,
+        step=report.step,
+        batch_size=b,
+        compute_s=_check_duration(report.compute_s, "compute_s"),
+        push_pull_s=_check_duration(report.push_pull_s, "push_pull_s"),
+        samples_per_s=_check_duration(report.samples_per_s, "samples_per_s"),
+        loss=report.loss if report.HasField("loss") else None,
+        grad_sq=_optional_stat(report.grad_sq),
+        trace_cov=_optional_stat(report.trace_cov),
+        node=node,
+    )
+
+
+@dataclass
+class _Interval:
+    """Running sums of one rank's reports since the last decision (bounded memory)."""
+
+    count: int = 0
+    compute_s: float = 0.0
+    push_pull_s: float = 0.0
+    samples_per_s: float = 0.0
+    loss: float = 0.0
+    loss_count: int = 0
+    last: ReportRecord | None = None
+
+    def add(self, r: ReportRecord) -> None:
+        self.count += 1
+        self.compute_s += r.compute_s
+        self.push_pull_s += r.push_pull_s
+        self.samples_per_s += r.samples_per_s
+        if r.loss is not None:
+            self.loss += r.loss  # NaN/inf propagate: the interval diverged
+            self.loss_count += 1
+        self.last = r
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything a decision needs, taken out of the state under the lock."""
+
+    step: int
+    workers: tuple[WorkerRecord, ...]
+    intervals: tuple[_Interval, ...]
+    current: AssignmentRecord
+    initial_batch_sizes: tuple[int, ...]
+    loss_history: tuple[float, ...]
+    dataset_size: int | None
+
+
+@dataclass
+class Cluster:
+    """Registered workers, the current interval's reports and the assignment in force.
+
+    Args:
+        num_workers: job size if known in advance (``--num-workers``), else taken from the
+            first registration.
+        decision_interval: K, steps between decisions.
+        policy_name: written into assignments.
+        base_version: version of the newest assignment already published by an earlier
+            scheduler of this run (read from its decision log), so versions never go back.
+    """
+
+    num_workers: int | None
+    decision_interval: int
+    policy_name: str
+    base_version: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.world_size = self.num_workers
+        self.workers: dict[int, WorkerRecord] = {}
+        self.last_step: dict[int, int] = {}
+        self.intervals: dict[int, _Interval] = {}
+        self.ready: set[int] = set()
+        self.next_step: int | None = None  # decision due when every rank reported a step >= this
+        self.initial_batch_sizes: tuple[int, ...] | None = None
+        self.loss_history: list[float] = []
+        self.decisions = 0
+        self.current = self._partial_assignment()
+
+    # ---- queries ------------------------------------------------------------------------
+
+    @property
+    def complete(self) -> bool:
+        return self.world_size is not None and len(self.workers) == self.world_size
+
+    def worker(self, rank: int) -> WorkerRecord:
+        """The registered worker ``rank``; raises :class:`Rejected` if out of range or unknown."""
+        if self.world_size is not None and rank >= self.world_size:
+            raise _invalid(f"rank={rank} must be < world_size={self.world_size}")
+        record = self.workers.get(rank)
+        if record is None:
+            raise Rejected(FAILED_PRECONDITION, f"rank {rank} is not registered; register first")
+        return record
+
+    def _partial_assignment(self) -> AssignmentRecord:
+        """Before every rank has registered: no sizes (a list shorter than world_size is never applied)."""
+        n = self.world_size or 0
+        missing = [r for r in range(n) if r not in self.workers]
+        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        return AssignmentRecord(
+            version=self.base_version,
+            effective_step=0,
+            batch_sizes=(),
+            lr_scale=1.0,
+            policy=self.policy_name,
+            reason=f"waiting for {len(missing)} of {n} workers to register (ranks {shown})" if n else "waiting for workers to register",
+        )
+
+    # ---- mutations (hold self.lock) -----------------------------------------------------
+
+    def register_locked(self, info) -> AssignmentRecord:
+        """Record a (re-)registration; returns the assignment the worker should start from."""
+        record = validate_worker_info(info, self.world_size)
+        rank = record.rank
+        again = rank in self.workers
+        self.world_size = record.world_size
+        self.workers[rank] = record
+        self.last_step.pop(rank, None)  # a restarted worker may resume from an earlier step
+        self.intervals.pop(rank, None)
+        self.ready.discard(rank)
+        if self.initial_batch_sizes is None:
+            if self.complete:
+                self.initial_batch_sizes = tuple(self.workers[r].batch_size for r in range(self.world_size))
+                self.next_step = max(w.step for w in self.workers.values()) + self.decision_interval
+                self.current = AssignmentRecord(
+                    version=self.base_version,
+                    effective_step=max(w.step for w in self.workers.values()),
+                    batch_sizes=self.initial_batch_sizes,
+                    lr_scale=1.0,
+                    policy=self.policy_name,
+                    reason="initial allocation: the workers' own batch sizes",
+                )
+                self.ready = {r for r, s in self.last_step.items() if s >= self.next_step}
+            else:
+                self.current = self._partial_assignment()
+        elif again:
+            # Worker restarted (or the job rewound to a checkpoint): do not wait for steps it will not report.
+            self.next_step = min(self.next_step, record.step + self.decision_interval)
+            self.ready = {r for r, s in self.last_step.items() if s >= self.next_step}
+        return self.current
+
+    def report_locked(self, report) -> tuple[AssignmentRecord, Snapshot | None]:
+        """Store a report; returns the current assignment and, when a decision is due, a snapshot.
+
+        A report whose step is not newer than that rank's last one is ignored (a retry or a
+        late duplicate), not an error.
+        """
+        worker = self.worker(report.rank)
+        record = validate_report(report, worker)
+        last = self.last_step.get(record.rank)
+        if last is not None and record.step <= last:
+            return self.current, None
+        self.last_step[record.rank] = record.step
+        self.intervals.setdefault(record.rank, _Interval()).add(record)
+        if self.next_step is None or record.step < self.next_step:
+            return self.current, None
+        self.ready.add(record.rank)
+        if len(self.ready) < self.world_size:
+            return self.current, None
+        return self.current, self._take_snapshot()
+
+    def _take_snapshot(self) -> Snapshot:
+        n = self.world_size
+        intervals = tuple(self.intervals[r] for r in range(n))
+        step = max(self.last_step.values())
+        losses = [iv.loss / iv.loss_count for iv in intervals if iv.loss_count]
+        if losses:
+            self.loss_history.append(sum(losses) / len(losses))
+            del self.loss_history[:-LOSS_HISTORY_LEN]
+        datasets = [w.dataset_size for w in self.workers.values() if w.dataset_size]
+        snap = Snapshot(
+            step=step,
+            workers=tuple(self.workers[r] for r in range(n)),
+            intervals=intervals,
+            current=self.current,
+            initial_batch_sizes=self.initial_batch_sizes,
+            loss_history=tuple(self.loss_history),
+            dataset_size=max(datasets) if datasets else None,
+        )
+        self.intervals = {}
+        self.ready = set()
+        self.next_step = step + self.decision_interval
+        return snap
+
+    def publish_locked(self, snap: Snapshot, batch_sizes: tuple[int, ...], reason: str, lr_scale: float) -> AssignmentRecord:
+        """Install a decision taken on ``snap``; a new version only when the sizes change."""
+        self.decisions += 1
+        if batch_sizes == self.current.batch_sizes:
+            return self.current
+        self.current = AssignmentRecord(
+            version=self.current.version + 1,
+            effective_step=snap.step,
+            batch_sizes=batch_sizes,
+            lr_scale=lr_scale,
+            policy=self.policy_name,
+            reason=reason,
+        )
+        return self.current
+
+
+def cluster_state(snap: Snapshot) -> ClusterState:
+    """The policy's view of ``snap``: per-worker interval averages, bounds, history, noise stats."""
+    workers = []
+    grad_sq, trace_cov = [], []
+    for w, iv in zip(snap.workers, snap.intervals):
+        last = iv.last
+        workers.append(
+            WorkerState(
+                rank=w.rank,
+                batch_size=last.batch_size,
+                compute_s=iv.compute_s / iv.count,
+                push_pull_s=iv.push_pull_s / iv.count,
+                samples_per_s=iv.samples_per_s / iv.count,
+                min_batch=w.min_batch,
+                max_batch=w.max_batch,
+                node=dict(last.node),
+            )
+        )
+        if last.grad_sq is not None:
+            grad_sq.append(last.grad_sq)
+        if last.trace_cov is not None:
+            trace_cov.append(last.trace_cov)
+    return ClusterState(
+        step=snap.step,
+        workers=tuple(workers),
+        initial_batch_sizes=snap.initial_batch_sizes,
+        loss_history=snap.loss_history,
+        grad_sq=sum(grad_sq) / len(grad_sq) if grad_sq else None,
+        trace_cov=sum(trace_cov) / len(trace_cov) if trace_cov else None,
+        dataset_size=snap.dataset_size,
+    )

@@ -1,0 +1,474 @@
+"""The scheduler: gRPC service on the parameter-server host that turns reports into assignments.
+
+Workers call ``Register`` once (again after a restart of either side) and ``ReportMetrics``
+every decision interval of K steps. When every rank has reported a step >= the next decision
+step, the caller whose report completed the interval runs the policy (outside the state lock,
+one decision at a time), a new :class:`~dynamix_byteps.control.cluster.AssignmentRecord`
+version is published if the sizes change, and that caller gets it back; every later caller
+gets it too.
+
+Observability: each decision, "keep" included, is one JSON line in ``<run_dir>/decisions.jsonl``
+(written off the RPC path by one thread, one ``write`` per line on an ``O_APPEND`` descriptor,
+so never a half line; a torn tail left by a crash is cut off at start) and Prometheus gauges are served on ``metrics_port``.
+
+Robustness: requests are parsed in the handler (so malformed bytes get INVALID_ARGUMENT, not
+INTERNAL), validated completely before the state changes, and any handler exception is turned
+into a status without touching the server. See :mod:`.security` for the token and size limits.
+
+Example::
+
+    from dynamix_byteps.control.scheduler import SchedulerServer
+    with SchedulerServer(policy, num_workers=4, decision_interval=10, run_dir="runs/a") as s:
+        print(s.port)
+        s.wait()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import operator
+import os
+import queue
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control.cluster import AssignmentRecord, Cluster, Rejected, Snapshot, cluster_state
+from dynamix_byteps.control.security import MAX_CONCURRENT_RPCS, SERVER_OPTIONS, TokenInterceptor, grpc_address, is_loopback
+from dynamix_byteps.errors import ConfigurationError, DynamixError
+from dynamix_byteps.policy.base import Policy
+
+log = logging.getLogger("dynamix_byteps.scheduler")
+
+SERVICE = "dynamix.v1.Scheduler"
+DECISION_LOG = "decisions.jsonl"
+MAX_REASON_LEN = 1000
+
+
+class SchedulerStartError(DynamixError, OSError):
+    """The scheduler could not bind its gRPC or metrics port."""
+
+
+def _num(x):
+    """A float for JSON: non-finite (NaN, ±inf) becomes null."""
+    return x if x is None or math.isfinite(x) else None
+
+
+def _jsonable(x, depth: int = 0):
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return _num(x)
+    if depth < 8 and isinstance(x, dict):
+        return {str(k): _jsonable(v, depth + 1) for k, v in x.items()}
+    if depth < 8 and isinstance(x, (list, tuple)):
+        return [_jsonable(v, depth + 1) for v in x]
+    try:
+        return _num(float(x))  # numpy scalars
+    except (TypeError, ValueError):
+        return str(x)
+
+
+class DecisionLog:
+    """Append-only JSONL file written by a background thread, in submission order.
+
+    Each record is encoded and written with a single ``os.write`` on an ``O_APPEND``
+    descriptor (no user-space buffer), so the file never holds a half line from this process;
+    a torn last line left by a crash is cut off when the file is reopened. Writing happens off
+    the RPC path, so a slow run directory (NFS, a full disk) cannot stall the workers; ``close``
+    drains what was submitted.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.last_version = self._repair_and_scan()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="dynamix-decision-log", daemon=True)
+        self._thread.start()
+
+    def _repair_and_scan(self) -> int:
+        """Cut a torn last line (crash mid-write) and return the newest logged version (0 if none)."""
+        try:
+            with open(self.path, "rb+") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - (8 << 20)))  # a 4096-worker line is ~1 MiB
+                tail = f.read()
+                end = tail.rfind(b"\n") + 1
+                if end < len(tail):
+                    f.truncate(size - (len(tail) - end))
+                for line in reversed(tail[:end].splitlines()):
+                    try:
+                        return int(json.loads(line)["version"])
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        except FileNotFoundError:
+            pass
+        return 0
+
+    def submit(self, make_record) -> None:
+        """Queue ``make_record()`` (a callable returning a JSON-able dict) to be built and appended."""
+        self._queue.put(make_record)
+
+    def _run(self) -> None:
+        while (make_record := self._queue.get()) is not None:
+            try:
+                data = (json.dumps(make_record(), allow_nan=False, separators=(",", ":")) + "\n").encode()
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view):]
+            except Exception:  # one bad record or a full disk must not end the log thread
+                log.exception("cannot append a decision to %s", self.path)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._fd < 0:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class SchedulerMetrics:
+    """Prometheus collectors of one scheduler, in their own registry (several schedulers per process are fine)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        per_rank = {
+            "batch_size": "local batch size in force at the rank's last report, samples",
+            "assigned_batch_size": "local batch size of the newest assignment, samples",
+            "samples_per_second": "compute-only throughput at the last report, samples/s",
+            "compute_seconds": "mean compute time per step at the last report, seconds",
+            "push_pull_seconds": "mean push_pull time per step at the last report, seconds",
+            "loss": "mean training loss over the rank's last interval",
+        }
+        self._gauges = {k: Gauge(f"dynamix_worker_{k}", doc, ["rank"], registry=r) for k, doc in per_rank.items()}
+        self._children: dict[int, dict] = {}
+        self.decisions = Counter("dynamix_decisions", "policy decisions, by action (change, keep, error)", ["action"], registry=r)
+        self.version = Gauge("dynamix_assignment_version", "version of the newest assignment", registry=r)
+        self.registered = Gauge("dynamix_registered_workers", "workers registered", registry=r)
+        self.rejected = Counter("dynamix_rejected_requests", "requests refused, by gRPC status code", ["code"], registry=r)
+        self.decision_seconds = Histogram(
+            "dynamix_decision_seconds", "state snapshot + policy + log, seconds", registry=r,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0),
+        )
+        self.http = None
+
+    def _rank(self, rank: int) -> dict:
+        c = self._children.get(rank)
+        if c is None:
+            c = self._children[rank] = {k: g.labels(rank=str(rank)) for k, g in self._gauges.items()}
+        return c
+
+    def report(self, r) -> None:
+        c = self._rank(r.rank)
+        c["batch_size"].set(r.local_batch_size)
+        c["samples_per_second"].set(r.samples_per_s)
+        c["compute_seconds"].set(r.compute_s)
+        c["push_pull_seconds"].set(r.push_pull_s)
+        c["loss"].set(r.loss)
+
+    def assignment(self, a: AssignmentRecord) -> None:
+        self.version.set(a.version)
+        for rank, b in enumerate(a.batch_sizes):
+            if b:
+                self._rank(rank)["assigned_batch_size"].set(b)
+
+    def serve(self, host: str, port: int) -> int:
+        from prometheus_client import start_http_server
+
+        try:
+            self.http, _ = start_http_server(port, addr=host.strip("[]"), registry=self.registry)
+        except OSError as error:
+            raise SchedulerStartError(f"cannot serve /metrics on {host}:{port}: {error.strerror or error}") from None
+        return self.http.server_address[1]
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
+
+
+class SchedulerServer:
+    """The gRPC scheduler. ``start()`` binds and returns the port; ``stop()`` ends it.
+
+    Args:
+        policy: decides batch sizes (wrap it in the guardrails before passing it in).
+        num_workers: job size, or None to take it from the first registration.
+        decision_interval: K, steps between decisions (>= 1).
+        bind: listen address; anything but loopback requires ``token``.
+        port: TCP port, 0 = pick a free one (see :attr:`port` after ``start``).
+        token: shared secret every call must carry as ``x-dynamix-token`` metadata; None = no check.
+        run_dir: directory of ``decisions.jsonl``; None = no decision log.
+        metrics_port: Prometheus port, 0 = pick, None = off.
+        max_threads: handler threads; handlers never wait on clients, so a few suffice.
+
+    Raises:
+        ConfigurationError: bad arguments (non-loopback bind without a token, K < 1, ...).
+        SchedulerStartError: from ``start()`` when a port cannot be bound.
+    """
+
+    def __init__(self, policy: Policy, *, num_workers: int | None = None, decision_interval: int = 10,
+                 bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 run_dir: str | os.PathLike | None = None, metrics_port: int | None = None, max_threads: int = 8):
+        if decision_interval < 1:
+            raise ConfigurationError(f"decision_interval={decision_interval} must be >= 1")
+        if num_workers is not None and not 1 <= num_workers <= 4096:
+            raise ConfigurationError(f"num_workers={num_workers} must be between 1 and 4096")
+        if not token and not is_loopback(bind):
+            raise ConfigurationError(
+                f"binding the scheduler to {bind} makes it reachable from other hosts; "
+                "pass --token or set DYNAMIX_TOKEN to a shared secret (or bind 127.0.0.1)"
+            )
+        self.policy = policy
+        self.policy_name = getattr(policy, "name", type(policy).__name__)
+        self.bind, self._port, self.token = bind, port, token or None
+        self._interceptors = (TokenInterceptor(token),) if token else ()
+        self.decision_interval = decision_interval
+        self.decision_log = DecisionLog(Path(run_dir) / DECISION_LOG) if run_dir is not None else None
+        base = self.decision_log.last_version if self.decision_log else 0
+        self.cluster = Cluster(num_workers, decision_interval, self.policy_name, base_version=base)
+        self.metrics = SchedulerMetrics() if metrics_port is not None else None
+        self._metrics_port = metrics_port
+        self._turn = threading.Condition()  # decisions one at a time, in the order they became due
+        self._tickets = self._serving = 0
+        self._max_threads = max_threads
+        self._server: grpc.Server | None = None
+        self._cached: tuple[AssignmentRecord | None, bytes] = (None, b"")
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> int:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_threads, thread_name_prefix="dynamix-scheduler"),
+            handlers=[self._generic_handler()],
+            interceptors=self._interceptors,
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        address = grpc_address(self.bind, self._port)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as error:
+            port = 0
+            detail = str(error)
+        else:
+            detail = "address in use or not local"
+        if not port:
+            raise SchedulerStartError(f"cannot listen on {address}: {detail}")
+        if self.metrics is not None:
+            self.metrics_port = self.metrics.serve(self.bind, self._metrics_port)
+        server.start()
+        self._server, self.port = server, port
+        return port
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.decision_log is not None:
+            self.decision_log.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout) if self._server else True
+
+    def __enter__(self) -> "SchedulerServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def address(self) -> str:
+        return grpc_address(self.bind, self.port)
+
+    # ---- the service ----------------------------------------------------------------------
+
+    def _generic_handler(self):
+        def method(fn, request_type, serialize):
+            def handle(raw: bytes, context):
+                return self._call(fn, request_type, raw, context)
+            # Raw bytes in: parsing in the handler lets malformed input get INVALID_ARGUMENT (gRPC says INTERNAL).
+            return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None, response_serializer=serialize)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Register": method(self.register, dynamix_pb2.WorkerInfo, dynamix_pb2.RegisterReply.SerializeToString),
+            "ReportMetrics": method(self._report_bytes, dynamix_pb2.Report, None),  # returns cached bytes
+        })
+
+    def _call(self, fn, request_type, raw, context):
+        try:
+            return fn(request_type.FromString(raw))
+        except DecodeError as error:
+            code, text = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.DESCRIPTOR.name} message: {error}"
+        except Rejected as rejected:
+            code, text = grpc.StatusCode[rejected.code], rejected.message
+        except Exception:  # never let a handler bug reach gRPC as a crash
+            log.exception("scheduler handler failed")
+            code, text = grpc.StatusCode.INTERNAL, "internal error in the scheduler; see its log"
+        if self.metrics is not None:
+            self.metrics.rejected.labels(code=code.name).inc()
+        context.abort(code, text)
+
+    def register(self, info) -> dynamix_pb2.RegisterReply:
+        """``Register``: record the worker, answer with the assignment in force and K."""
+        with self.cluster.lock:
+            current = self.cluster.register_locked(info)
+            registered = len(self.cluster.workers)
+        if self.metrics is not None:
+            self.metrics.registered.set(registered)
+            self.metrics.assignment(current)
+        log.info("rank %d registered from %r (batch %d, bounds [%d, %s]); %d workers registered",
+                 info.rank, info.host, info.batch_size, info.min_batch or 1, info.max_batch or "-", registered)
+        return dynamix_pb2.RegisterReply(assignment=_to_proto(current), decision_interval=self.decision_interval)
+
+    def report(self, report) -> dynamix_pb2.Assignment:
+        """``ReportMetrics`` in-process: store the report, decide if the interval is complete."""
+        return dynamix_pb2.Assignment.FromString(self._report_bytes(report))
+
+    def _report_bytes(self, report) -> bytes:
+        with self.cluster.lock:
+            current, snap = self.cluster.report_locked(report)
+            if snap is not None:  # a ticket taken under the state lock: decisions run in interval order
+                ticket, self._tickets = self._tickets, self._tickets + 1
+        if self.metrics is not None:
+            self.metrics.report(report)
+        if snap is not None:
+            with self._turn:
+                while self._serving != ticket:
+                    self._turn.wait()
+            try:
+                current = self._decide(snap)
+            finally:
+                with self._turn:
+                    self._serving += 1
+                    self._turn.notify_all()
+        cached, data = self._cached
+        if cached is not current:
+            data = _to_proto(current).SerializeToString()
+            self._cached = (current, data)
+        return data
+
+    # ---- decisions ------------------------------------------------------------------------
+
+    def _decide(self, snap: Snapshot) -> AssignmentRecord:
+        t0 = time.perf_counter()
+        state = cluster_state(snap)
+        t1 = time.perf_counter()
+        error = None
+        try:
+            decision = self.policy.decide(state)
+            sizes, clamped = self._checked_sizes(decision.batch_sizes, snap)
+            reason = str(decision.reason)[:MAX_REASON_LEN]
+            gain, terms = float(decision.predicted_gain), decision.terms
+        except Exception as exc:  # a policy bug keeps the assignment in force; training goes on
+            log.exception("policy %s failed; keeping the current assignment", self.policy_name)
+            error = f"{type(exc).__name__}: {exc}"[:MAX_REASON_LEN]
+            sizes, clamped, reason, gain, terms = snap.current.batch_sizes, [], f"policy error, kept: {error}", 0.0, {}
+        t2 = time.perf_counter()
+        lr_scale = terms.get("lr_scale") if isinstance(terms, dict) else None
+        if not isinstance(lr_scale, (int, float)) or not math.isfinite(lr_scale) or lr_scale <= 0:
+            lr_scale = sum(sizes) / sum(snap.initial_batch_sizes)
+        with self.cluster.lock:
+            new = self.cluster.publish_locked(snap, sizes, reason, float(lr_scale))
+            index = self.cluster.decisions
+        action = "error" if error else ("change" if new is not snap.current else "keep")
+        timing = {"policy_s": t2 - t1, "decision_s": time.perf_counter() - t0}
+        if self.decision_log is not None:
+            self.decision_log.submit(
+                lambda: self._log_record(index, snap, state, new, action, reason, gain, terms, clamped, error, timing))
+        if self.metrics is not None:
+            self.metrics.decisions.labels(action=action).inc()
+            self.metrics.assignment(new)
+            self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        if action == "change":
+            log.info("decision %d at step %d: version %d %s (%s)", index, snap.step, new.version, list(new.batch_sizes), reason)
+        return new
+
+    @staticmethod
+    def _checked_sizes(proposed, snap: Snapshot) -> tuple[tuple[int, ...], list[int]]:
+        """Integers, one per rank, clamped into each worker's bounds; also the ranks that were clamped."""
+        sizes = [operator.index(b) for b in proposed]
+        if len(sizes) != len(snap.workers):
+            raise ValueError(f"policy returned {len(sizes)} batch sizes for {len(snap.workers)} workers")
+        out = tuple(b if w.min_batch <= b and (w.max_batch is None or b <= w.max_batch) else w.clamp(b)
+                    for w, b in zip(snap.workers, sizes))
+        return out, [r for r, (a, b) in enumerate(zip(sizes, out)) if a != b]
+
+    def _log_record(self, index, snap, state, new, action, reason, gain, terms, clamped, error, timing) -> dict:
+        """One decision-log line. ``state.workers`` is columnar: one list per field, index = rank."""
+        ws = state.workers
+        workers = {
+            "rank": [w.rank for w in ws],
+            "batch_size": [w.batch_size for w in ws],
+            "compute_s": [w.compute_s for w in ws],
+            "push_pull_s": [w.push_pull_s for w in ws],
+            "samples_per_s": [w.samples_per_s for w in ws],
+            "min_batch": [w.min_batch for w in ws],
+            "max_batch": [w.max_batch for w in ws],
+            "loss": [_num(iv.loss / iv.count) for iv in snap.intervals],
+            "reports": [iv.count for iv in snap.intervals],
+            "node": [w.node for w in ws],
+        }
+        step_time = max((w.compute_s + w.push_pull_s for w in state.workers), default=0.0)
+        history = state.loss_history
+        loss = history[-1] if history else None
+        change = history[-1] - history[-2] if len(history) >= 2 else None
+        return {
+            "time": time.time(),
+            "decision": index,
+            "step": snap.step,
+            "policy": self.policy_name,
+            "action": action,
+            "version": new.version,
+            "previous_version": snap.current.version,
+            "effective_step": new.effective_step,
+            "batch_sizes_before": list(snap.current.batch_sizes),
+            "batch_sizes": list(new.batch_sizes),
+            "lr_scale": _num(new.lr_scale),
+            "reason": reason,
+            "predicted_gain": _num(gain),
+            "terms": _jsonable(terms),
+            "clamped_ranks": clamped,
+            "error": error,
+            "state": {
+                "workers": workers,
+                "initial_batch_sizes": list(state.initial_batch_sizes),
+                "loss_history_tail": [_num(x) for x in history[-8:]],
+                "grad_sq": _num(state.grad_sq),
+                "trace_cov": _num(state.trace_cov),
+                "noise_scale": _num(state.noise_scale),
+                "dataset_size": state.dataset_size,
+            },
+            "reward": {
+                "throughput_samples_per_s": state.global_batch / step_time if step_time > 0 else None,
+                "step_time_s": step_time,
+                "loss": _num(loss),
+                "loss_change": _num(change),
+            },
+            "timing": timing,
+        }
+
+
+def _to_proto(a: AssignmentRecord) -> dynamix_pb2.Assignment:
+    return dynamix_pb2.Assignment(
+        version=a.version, effective_step=a.effective_step, batch_sizes=a.batch_sizes,
+        lr_scale=a.lr_scale, policy=a.policy, reason=a.reason,
+    )
