@@ -236,6 +236,27 @@ def test_corrupt_files_raise_value_error(isolated, damage):
     assert culprit.name in str(e.value)
 
 
+@pytest.mark.parametrize("keep", ["half", "no_trailer", "header_only"])
+def test_truncated_gzip_is_reported_as_truncated(isolated, keep):
+    write_idx_set(isolated / "bad", gz=True)
+    path = isolated / "bad" / "train-images-idx3-ubyte.gz"
+    raw = path.read_bytes()
+    path.write_bytes(raw[: {"half": len(raw) // 2, "no_trailer": len(raw) - 8, "header_only": 25}[keep]])
+    with pytest.raises(ValueError, match="gzip file is truncated or corrupt") as e:
+        load_mnist("train", root=isolated / "bad")
+    assert path.name in str(e.value)
+    assert "holds" not in str(e.value)  # not the trailer of a truncated file read as a size
+
+
+def test_gzip_whose_header_lies_reports_the_real_size(isolated):
+    write_idx_set(isolated / "bad", gz=True)
+    path = isolated / "bad" / "train-labels-idx1-ubyte.gz"
+    path.write_bytes(gzip.compress(struct.pack(">II", 0x801, 13) + bytes(12)))
+    with pytest.raises(ValueError, match=r"header says \(13,\) \(21 bytes\), file holds 20 bytes") as e:
+        load_mnist("train", root=isolated / "bad")
+    assert path.name in str(e.value)
+
+
 def test_bad_labels_and_csv_raise_value_error(isolated):
     folder = isolated / "bad"
     data = write_idx_set(folder, gz=False)

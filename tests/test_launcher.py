@@ -8,6 +8,7 @@ does not reap orphans).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -125,6 +126,9 @@ def env_lines(stdout: bytes) -> dict[int, dict]:
         (["--num-workers", "2", "--port", "0", "--", "true"], b"--port"),
         (["--num-workers", "2", "--port", "70000", "--", "true"], b"--port"),
         (["--num-workers", "2", "--timeout", "-1", "--", "true"], b"--timeout"),
+        (["--num-workers", "2", "--timeout", "1e10", "--", "true"], b"--timeout"),
+        (["--num-workers", "2", "--grace-period", "1e300", "--", "true"], b"--grace-period"),
+        (["--num-workers", "4097", "--", "dynamix-no-such-command-xyz"], b"--num-workers"),
         (["--num-workers", "2", "--engine", "mpi", "--", "true"], b"--engine"),
         (["--num-workers", "2", "--"], b"no command"),
         (["--num-workers", "2"], b"no command"),
@@ -135,6 +139,37 @@ def test_bad_usage_exits_2_with_message(args, needle):
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
     assert b"usage: bpslaunch" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_longest_timeout_and_grace_period_are_accepted():
+    result = run_launcher(["-n", "1", "--timeout", "604800", "--grace-period", "604800", "--", sys.executable, WORKER, "env"])
+    assert result.returncode == 0, result.stderr
+    assert float(env_lines(result.stdout)[0]["DYNAMIX_TIMEOUT"]) == 604800.0
+
+
+@pytest.mark.timeout(60)
+def test_unusable_log_file_exits_2_before_any_worker_starts(tmp_path):
+    log_dir = tmp_path / "logs"
+    (log_dir / "worker-1.log").mkdir(parents=True)
+    result = run_launcher(["--num-workers", "2", "--log-dir", str(log_dir), "--", sys.executable, WORKER, "env"])
+    assert result.returncode == 2, result.stderr
+    assert str(log_dir / "worker-1.log").encode() in result.stderr
+    assert b"Traceback" not in result.stderr
+    assert result.stdout == b""  # no worker ran
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("byteps") is not None, reason="BytePS is installed")
+@pytest.mark.parametrize("env_mode", [False, True], ids=["local", "env"])
+def test_byteps_engine_without_byteps_exits_1_before_any_worker_starts(env_mode):
+    args = ["--engine", "byteps", "--", sys.executable, WORKER, "env"]
+    env = clean_env(**ENV_WORKER, DMLC_NUM_SERVER="1") if env_mode else clean_env()
+    result = run_launcher(args if env_mode else ["-n", "2"] + args, env=env)
+    assert result.returncode == 1, result.stderr
+    assert b"CUDA" in result.stderr and b"--engine gloo" in result.stderr
+    assert b"Traceback" not in result.stderr
+    assert result.stdout == b""  # no worker ran
 
 
 @pytest.mark.timeout(60)
@@ -261,6 +296,44 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
         kill_all(proc, pids)
 
 
+@pytest.mark.timeout(60)
+def test_daemon_holding_the_pipes_delays_exit_by_one_grace_period_only(tmp_path):
+    pids = []
+    try:
+        start = time.monotonic()
+        # Before: each of the 8 output threads was joined with its own 1 s timeout.
+        result = run_launcher(["--num-workers", "4", "--grace-period", "1", "--", sys.executable, WORKER, "daemon", str(tmp_path)])
+        elapsed = time.monotonic() - start
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pids")]
+        assert result.returncode == 0, result.stderr
+        assert len(pids) == 4
+        assert elapsed < 5.5, f"bpslaunch took {elapsed:.1f} s to exit"
+    finally:
+        kill_all(None, pids)
+
+
+@pytest.mark.timeout(60)
+def test_carriage_returns_and_long_lines_are_forwarded_in_bounded_pieces(tmp_path):
+    proc = None
+    try:
+        log_dir = tmp_path / "logs"
+        proc = start_launcher(["-n", "1", "--log-dir", str(log_dir), "--", sys.executable, WORKER, "output", str(tmp_path)], tmp_path)
+        # A progress bar shows before any newline is written.
+        assert wait_until(lambda: b"[0] step 1\r" in (tmp_path / "launcher.out").read_bytes(), timeout=15)
+        (tmp_path / "go").touch()
+        assert proc.wait(timeout=40) == 0
+    finally:
+        kill_all(proc, [])
+    out = (tmp_path / "launcher.out").read_bytes()
+    assert out.startswith(b"[0] step 1\r[0] step 2\r[0] step 3\r\n[0] zzz")
+    assert out.endswith(b"\n[0] last\n")
+    pieces = out.split(b"[0] ")
+    assert max(map(len, pieces)) <= 64 * 1024 + 1  # a piece, plus the newline that ends a cut one
+    assert b"".join(p.rstrip(b"\n") for p in pieces[4:-1]) == b"z" * (1 << 20)
+    # The log is the raw output, byte for byte.
+    assert (log_dir / "worker-0.log").read_bytes() == b"step 1\rstep 2\rstep 3\r\n" + b"z" * (1 << 20) + b"\nlast"
+
+
 # ---- BytePS environment mode ---------------------------------------------------------------------
 
 ENV_WORKER = dict(
@@ -287,6 +360,14 @@ def test_env_mode_invalid_variable_exits_2_naming_it(name, value):
     result = run_launcher(["--", sys.executable, WORKER, "env"], env=clean_env(**dict(ENV_WORKER, **{name: value})))
     assert result.returncode == 2, result.stderr
     assert f"{name}=".encode() in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_env_mode_local_size_is_capped():
+    env = clean_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="4097")
+    result = run_launcher(["--", "dynamix-no-such-command-xyz"], env=env)
+    assert result.returncode == 2, result.stderr
+    assert b"BYTEPS_LOCAL_SIZE=4097" in result.stderr
 
 
 @pytest.mark.timeout(60)

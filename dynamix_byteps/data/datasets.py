@@ -104,6 +104,17 @@ def _stored_size(path: Path) -> Optional[int]:
         return struct.unpack("<I", f.read(4))[0]
 
 
+def _gzip_size(path: Path) -> int:
+    """Uncompressed size of a .gz file, by decompressing it; a truncated file raises EOFError."""
+    size = 0
+    with gzip.open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                return size
+            size += len(chunk)
+
+
 def _size_modulus(path: Path) -> int:
     return 2**32 if path.suffix == ".gz" else 2**63
 
@@ -128,6 +139,8 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
             expected = int(np.prod(dims, dtype=np.int64))
             stored = _stored_size(path)
             if stored is not None and stored != (len(header) + expected) % _size_modulus(path):
+                if path.suffix == ".gz":  # the trailer of a truncated file is noise: decompress to know
+                    stored = _gzip_size(path)
                 raise ValueError(
                     f"{path}: IDX {kind} file size does not match its header: header says "
                     f"{dims} ({len(header) + expected} bytes), file holds {stored} bytes"
@@ -139,6 +152,8 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         if isinstance(e, FileNotFoundError):
             raise
+        if path.suffix == ".gz" and isinstance(e, (EOFError, zlib.error, gzip.BadGzipFile)):
+            raise ValueError(f"{path}: gzip file is truncated or corrupt ({e}); replace it with a complete copy") from e
         raise ValueError(f"{path}: cannot read IDX {kind} file: {e}") from e
     return out
 

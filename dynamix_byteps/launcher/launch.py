@@ -38,6 +38,8 @@ from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 PROG = "bpslaunch"
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
+MAX_SECONDS = 7 * 24 * 3600.0  # upper bound of --timeout and --grace-period (as env.MAX_TIMEOUT_S)
+MAX_WORKERS = 4096  # worker processes one bpslaunch starts; the scheduler's world-size limit
 _ENV_MODE_HINT = (
     "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
     "DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT"
@@ -61,6 +63,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _num_workers(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{value} workers is more than the limit of {MAX_WORKERS}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -68,6 +77,8 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text} must be at most {MAX_SECONDS:.0f} seconds (7 days)")
     return value
 
 
@@ -112,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument(
-        "-n", "--num-workers", type=_positive_int, metavar="N",
-        help="run N local worker processes on this machine (local mode); "
+        "-n", "--num-workers", type=_num_workers, metavar="N",
+        help=f"run N (at most {MAX_WORKERS}) local worker processes on this machine (local mode); "
         "without it, the DMLC_* environment decides (BytePS environment mode)",
     )
     parser.add_argument(
@@ -126,10 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=_port, metavar="P",
         help="rendezvous port (local mode default: a free port on 127.0.0.1; overrides DMLC_PS_ROOT_PORT)",
     )
-    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="seconds a collective waits for its peers (DYNAMIX_TIMEOUT)")
+    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="seconds a collective waits for its peers, at most 7 days (DYNAMIX_TIMEOUT)")
     parser.add_argument(
         "--grace-period", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
-        help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})",
+        help=f"seconds between SIGTERM and SIGKILL when stopping workers, at most 7 days (default {DEFAULT_GRACE_S:g})",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
     return parser
@@ -204,6 +215,15 @@ def _engine(args: argparse.Namespace, env: Mapping[str, str]) -> str:
     return engine
 
 
+def _require_byteps(role: str) -> None:
+    if importlib.util.find_spec("byteps") is None:
+        raise ConfigurationError(
+            f"the byteps engine needs the byteps package for the {role} role, and {sys.executable} cannot import it. "
+            "BytePS requires CUDA and NCCL: install it on a GPU machine (see docker/ for the GPU image), "
+            "or use the embedded default engine: --engine gloo / DYNAMIX_ENGINE=gloo"
+        )
+
+
 def worker_specs(
     args: argparse.Namespace,
     env: Mapping[str, str],
@@ -217,6 +237,8 @@ def worker_specs(
     notes: list[str],
 ) -> list[ChildSpec]:
     """One :class:`ChildSpec` per local worker, with the environment contract filled in."""
+    if engine == "byteps":
+        _require_byteps("worker")
     base = dict(env)
     base.update(
         DMLC_ROLE="worker",
@@ -292,7 +314,7 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
         raise UsageError(f"environment variable DMLC_PS_ROOT_URI is not set; set it to the host of global rank 0, or {_ENV_MODE_HINT}")
     root_port = args.port if args.port is not None else _env_int(env, "DMLC_PS_ROOT_PORT", "the rendezvous TCP port", 1, 65535)
     if env.get("BYTEPS_LOCAL_SIZE", "").strip():
-        local_size = _env_int(env, "BYTEPS_LOCAL_SIZE", "the number of worker processes on this node", 1)
+        local_size = _env_int(env, "BYTEPS_LOCAL_SIZE", "the number of worker processes on this node", 1, MAX_WORKERS)
     else:
         local_size = _visible_gpu_count(env)
     if engine == "byteps" and num_nodes > 1:
@@ -316,14 +338,26 @@ def _server_specs(args: argparse.Namespace, env: Mapping[str, str], role: str, e
         child_env["DMLC_PS_ROOT_PORT"] = str(args.port)
     else:
         _env_int(env, "DMLC_PS_ROOT_PORT", "the scheduler's TCP port", 1, 65535)
-    if importlib.util.find_spec("byteps") is None:
-        raise ConfigurationError(
-            f"the byteps engine needs the byteps package for the {role} role, and {sys.executable} cannot import it; "
-            "install BytePS (see docker/ for the GPU image) or use --engine gloo"
-        )
+    _require_byteps(role)
     log_path = None if args.log_dir is None else args.log_dir / f"{role}.log"
     # As BytePS does: importing byteps.server starts the server (or scheduler) and blocks.
     return [ChildSpec(label=role, argv=[sys.executable, "-c", "import byteps.server"], env=child_env, log_path=log_path)]
+
+
+def _prepare_log_files(log_dir: Path, specs: Sequence[ChildSpec]) -> None:
+    """Create ``log_dir`` and check that every child's log file can be written, before any starts."""
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"argument --log-dir: cannot create {log_dir}: {error.strerror}") from None
+    for spec in specs:
+        if spec.log_path is None:
+            continue
+        try:
+            with open(spec.log_path, "ab"):
+                pass
+        except OSError as error:
+            raise UsageError(f"argument --log-dir: cannot write the log file {spec.log_path}: {error.strerror}") from None
 
 
 # ---- entry point ------------------------------------------------------------------------------
@@ -342,6 +376,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     notes: list[str] = []
     try:
         specs = local_mode(args, env, notes) if args.num_workers is not None else env_mode(args, env, notes)
+        if specs and args.log_dir is not None:
+            _prepare_log_files(args.log_dir, specs)
     except UsageError as error:
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -353,12 +389,6 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"{PROG}: {note}", file=sys.stderr, flush=True)
     if not specs:
         return 0
-    if args.log_dir is not None:
-        try:
-            args.log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            print(f"{PROG}: error: cannot create --log-dir {args.log_dir}: {error.strerror}", file=sys.stderr)
-            return 1
     return Supervisor(specs, grace_s=args.grace_period).run()
 
 

@@ -7,7 +7,9 @@ the children's groups, grandchildren included, if the launcher dies without clea
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
 with a ``[label] `` prefix, one whole line at a time, and raw to the child's log file when
-one is given. The first child to exit non-zero decides the exit code; the others then get
+one is given. A line ends at ``\\n`` or at ``\\r`` (kept, so progress bars update in
+place); a line longer than 64 KiB is forwarded in 64 KiB pieces, each prefixed and ended
+with a newline. The first child to exit non-zero decides the exit code; the others then get
 SIGTERM, and SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher
 is forwarded to every group the same way and the launcher returns ``128 + signal``.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,6 +33,8 @@ from dynamix_byteps.launcher._guardian import group_alive
 _PR_SET_PDEATHSIG = 1
 _GUARDIAN = Path(__file__).with_name("_guardian.py")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_MAX_LINE = 64 * 1024  # longest piece of output forwarded at once; bounds the memory per pipe
+_LINE_END = re.compile(rb"\r\n|\n|\r(?=.)", re.DOTALL)  # a final \r waits: a \n may follow
 
 try:  # Linux only; elsewhere children still get their own group and the guardian.
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -67,6 +72,23 @@ class SpawnError(Exception):
 def exit_code_of(returncode: int) -> int:
     """Shell-style exit code of a ``Popen.returncode``: ``-N`` (killed by signal N) → ``128 + N``."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
+    """Cut ``data`` into lines, each ending in ``\\n``, ``\\r\\n`` or ``\\r`` and at most
+    ``_MAX_LINE`` bytes long; returns them and the unfinished rest (shorter than ``_MAX_LINE``)."""
+    pieces: list[bytes] = []
+    start = 0
+    for match in _LINE_END.finditer(data):
+        while match.end() - start > _MAX_LINE:
+            pieces.append(data[start : start + _MAX_LINE])
+            start += _MAX_LINE
+        pieces.append(data[start : match.end()])
+        start = match.end()
+    while len(data) - start >= _MAX_LINE:
+        pieces.append(data[start : start + _MAX_LINE])
+        start += _MAX_LINE
+    return pieces, data[start:]
 
 
 def _signal_name(signum: int) -> str:
@@ -144,6 +166,8 @@ class Supervisor:
                 except (OSError, ValueError):
                     pass
             if sink is not None:
+                if prefix is not None and not line.endswith((b"\n", b"\r")):
+                    line += b"\n"  # a cut long line or a last one without newline: the next starts a line
                 try:
                     sink.write(line if prefix is None else prefix + line)
                     sink.flush()
@@ -152,11 +176,14 @@ class Supervisor:
 
     def _pump(self, pipe: IO[bytes], sink: BinaryIO, child: _Child) -> None:
         prefix = f"[{child.spec.label}] ".encode()
+        rest = b""
         with pipe:
-            for line in iter(pipe.readline, b""):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                self._write(sink, line, prefix, child.log)
+            for data in iter(lambda: pipe.read1(_MAX_LINE), b""):
+                lines, rest = _split_lines(rest + data)
+                for line in lines:
+                    self._write(sink, line, prefix, child.log)
+        if rest:
+            self._write(sink, rest, prefix, child.log)
 
     # ---- signals ------------------------------------------------------------------------
 
@@ -328,8 +355,10 @@ class Supervisor:
         self._stop_all(signal.SIGTERM)
         for child in self._children:
             child.proc.wait()
+        # One deadline for all: a daemonised grandchild may hold every pipe open.
+        deadline = time.monotonic() + self.grace_s
         for thread in self._pumps:
-            thread.join(timeout=self.grace_s)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for child in self._children:
             if child.log is not None:
                 with self._lock:

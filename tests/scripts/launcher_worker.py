@@ -8,6 +8,10 @@ Usage:
                                             DIR/<rank>.pids = "<own pid> <grandchild pid>", then
                                             sleep; rank FAIL_RANK instead exits CODE once every
                                             rank has written its file
+    launcher_worker.py daemon DIR           start a `sleep` in its own session that keeps the
+                                            output pipes open, write DIR/<rank>.pids, exit 0
+    launcher_worker.py output DIR           write progress pieces ending in \r, wait for
+                                            DIR/go, then a 1 MiB line and a last unterminated one
 """
 
 import json
@@ -55,8 +59,32 @@ def job_mode(directory: str, fail_rank: int, code: int) -> int:
     return 0
 
 
+def daemon_mode(directory: str) -> int:
+    daemon = subprocess.Popen(["sleep", "60"], start_new_session=True)  # inherits stdout/stderr
+    with open(os.path.join(directory, f"{rank()}.pids"), "w") as f:
+        f.write(f"{daemon.pid}")
+    print(f"done {rank()}", flush=True)
+    return 0
+
+
+def output_mode(directory: str) -> int:
+    out = sys.stdout.buffer
+    out.write(b"step 1\rstep 2\r")
+    out.flush()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(directory, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out.write(b"step 3\r\n" + b"z" * (1 << 20) + b"\nlast")
+    out.flush()
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "env":
         sys.exit(env_mode(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    if sys.argv[1] == "daemon":
+        sys.exit(daemon_mode(sys.argv[2]))
+    if sys.argv[1] == "output":
+        sys.exit(output_mode(sys.argv[2]))
     fail_rank, code = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, 0)
     sys.exit(job_mode(sys.argv[2], fail_rank, code))
