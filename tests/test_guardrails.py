@@ -193,3 +193,11 @@ def test_guarded_answers_are_always_valid(data):
         c_lo, c_hi = math.ceil(c / max_change - 1e-9), math.floor(c * max_change + 1e-9)
         if max(l, c_lo) <= min(h if h is not None else math.inf, c_hi):   # window meets the bounds
             assert c_lo <= b <= c_hi
+
+
+def test_a_flat_noisy_loss_that_ticks_up_three_times_is_not_divergence():
+    inner = Fixed([100, 28], gain=1.0)
+    s = make_state([96, 32], initial=[64, 64], loss=[2.30, 2.31, 2.32, 2.33])
+    d = Guarded(inner, divergence_window=3).decide(s)
+    assert d.batch_sizes != (64, 64)
+    assert "rose" not in d.reason

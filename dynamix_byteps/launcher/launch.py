@@ -28,14 +28,17 @@ import importlib.util
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from dynamix_byteps.env import ENGINES, WorkerEnv
+from dynamix_byteps.assignment import parse_batch_sizes
+from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, WorkerEnv
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 
 PROG = "bpslaunch"
+POLICIES = ("static", "proportional", "goodput", "ppo")
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
 MAX_SECONDS = 7 * 24 * 3600.0  # upper bound of --timeout and --grace-period (as env.MAX_TIMEOUT_S)
@@ -142,8 +145,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace-period", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
         help=f"seconds between SIGTERM and SIGKILL when stopping workers, at most 7 days (default {DEFAULT_GRACE_S:g})",
     )
+    control = parser.add_argument_group(
+        "dynamic batch sizes (a scheduler on node 0 decides them; without --policy none runs)")
+    control.add_argument("--policy", choices=POLICIES, help="batch-size policy of the scheduler")
+    control.add_argument("--policy-path", type=Path, metavar="DIR", help="trained policy for --policy ppo")
+    control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH)")
+    control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH)")
+    control.add_argument("--decision-interval", type=_positive_int, default=DEFAULT_DECISION_INTERVAL, metavar="K",
+                         help=f"steps between reports and decisions (default {DEFAULT_DECISION_INTERVAL})")
+    control.add_argument("--lr-scaling", choices=("none", "linear", "sqrt", "adascale"),
+                         help="how the learning rate follows the global batch (DYNAMIX_LR_SCALING)")
+    control.add_argument("--scheduler-port", type=_port, metavar="P", help="scheduler's gRPC port (default: a free one)")
+    control.add_argument("--bind", metavar="ADDR", help="scheduler's listen address (default 127.0.0.1; the first "
+                         "of --hosts on multi-host jobs, which then need DYNAMIX_TOKEN)")
+    control.add_argument("--slowdown", action="append", default=[], type=_slowdown, metavar="RANK=FACTOR",
+                         help="emulate a straggler: stretch RANK's compute time by FACTOR >= 1 (repeatable; "
+                         "for benchmarks and tests)")
+    multi = parser.add_argument_group("several machines (run bpslaunch once per host)")
+    multi.add_argument("--hosts", type=_hosts, metavar="H0,H1,...",
+                       help="the worker hosts; H0 runs rank 0's rendezvous and the scheduler (needs --port)")
+    multi.add_argument("--node-rank", type=int, metavar="I", help="this host's index in --hosts")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
     return parser
+
+
+def _slowdown(text: str) -> tuple[int, float]:
+    rank, sep, factor = text.partition("=")
+    try:
+        parsed = int(rank), float(factor)
+    except ValueError:
+        parsed = None
+    if not sep or parsed is None or parsed[0] < 0 or not 1.0 <= parsed[1] <= 1000.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RANK=FACTOR with a rank >= 0 and 1 <= FACTOR <= 1000")
+    return parsed
+
+
+def _hosts(text: str) -> list[str]:
+    hosts = [h.strip() for h in text.split(",")]
+    if not all(hosts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hosts")
+    return hosts
 
 
 def parse_args(argv: Sequence[str], parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -235,6 +276,7 @@ def worker_specs(
     root_addr: str,
     root_port: int,
     notes: list[str],
+    scheduler: str | None = None,
 ) -> list[ChildSpec]:
     """One :class:`ChildSpec` per local worker, with the environment contract filled in."""
     if engine == "byteps":
@@ -256,6 +298,13 @@ def worker_specs(
         base["DYNAMIX_TIMEOUT"] = repr(args.timeout)
     if args.log_dir is not None:
         base["DYNAMIX_LOG_DIR"] = str(args.log_dir)
+    for flag, variable in (("min_batch", "DYNAMIX_MIN_BATCH"), ("max_batch", "DYNAMIX_MAX_BATCH"),
+                           ("lr_scaling", "DYNAMIX_LR_SCALING")):
+        if getattr(args, flag, None) is not None:
+            base[variable] = getattr(args, flag)
+    if scheduler is not None:
+        base.update(DYNAMIX_SCHEDULER=scheduler, DYNAMIX_DECISION_INTERVAL=str(args.decision_interval))
+    slowdowns = dict(args.slowdown)
     if local_size > 1 and not env.get("OMP_NUM_THREADS"):
         base["OMP_NUM_THREADS"] = "1"
         notes.append(
@@ -265,8 +314,11 @@ def worker_specs(
     specs = []
     for local_rank in range(local_size):
         child_env = dict(base, BYTEPS_LOCAL_RANK=str(local_rank))
+        rank = node_rank * local_size + local_rank
+        if rank in slowdowns:
+            child_env["DYNAMIX_SLOWDOWN"] = repr(slowdowns[rank])
         try:
-            rank = WorkerEnv.from_environ(child_env).rank  # the contract a worker will read
+            WorkerEnv.from_environ(child_env)  # the contract a worker will read
         except ConfigurationError as error:
             raise UsageError(str(error)) from None
         log_path = None if args.log_dir is None else args.log_dir / f"worker-{rank}.log"
@@ -280,16 +332,76 @@ def _require_command(args: argparse.Namespace) -> None:
 
 
 def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
-    """``--num-workers N``: N workers on this machine, rendezvous on 127.0.0.1."""
+    """``--num-workers N``: N workers on this machine (and, with ``--hosts``, on each host);
+    with ``--policy``, the scheduler first, on node 0."""
     _require_command(args)
     engine = _engine(args, env)
-    if args.port is not None:
-        _check_port_free(args.port)
+    hosts, node_rank = _topology(args)
+    if len(hosts) > 1 and args.port is None:
+        raise UsageError("--hosts needs --port: every host must use the same rendezvous port")
+    if node_rank == 0 and args.port is not None:
+        _check_port_free(args.port, hosts[0] if len(hosts) > 1 else LOCAL_HOST)
     port = args.port if args.port is not None else _free_port()
-    return worker_specs(
-        args, env, engine=engine, num_nodes=1, node_rank=0, local_size=args.num_workers,
-        root_addr=LOCAL_HOST, root_port=port, notes=notes,
+    for flag in ("min_batch", "max_batch"):
+        if getattr(args, flag) is not None:
+            try:
+                parse_batch_sizes(getattr(args, flag), len(hosts) * args.num_workers)
+            except ConfigurationError as error:
+                raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
+    total = len(hosts) * args.num_workers
+    for rank, _ in args.slowdown:
+        if rank >= total:
+            raise UsageError(f"argument --slowdown: rank {rank} is not in this job of {total} workers")
+    services, scheduler = _scheduler_specs(args, env, hosts, node_rank, total)
+    return services + worker_specs(
+        args, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=args.num_workers,
+        root_addr=hosts[0] if len(hosts) > 1 else LOCAL_HOST, root_port=port, notes=notes, scheduler=scheduler,
     )
+
+
+def _topology(args: argparse.Namespace) -> tuple[list[str], int]:
+    if args.hosts is None:
+        if args.node_rank not in (None, 0):
+            raise UsageError("--node-rank needs --hosts")
+        return [LOCAL_HOST], 0
+    if args.node_rank is None or not 0 <= args.node_rank < len(args.hosts):
+        raise UsageError(f"--hosts names {len(args.hosts)} hosts; give this host's --node-rank in 0..{len(args.hosts) - 1}")
+    return args.hosts, args.node_rank
+
+
+def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: list[str], node_rank: int,
+                     total: int) -> tuple[list[ChildSpec], str | None]:
+    """The scheduler's ChildSpec (on node 0 only) and the ``host:port`` every worker reports to."""
+    if args.policy is None:
+        for flag in ("policy_path", "scheduler_port", "bind"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
+        return [], None
+    if args.policy == "ppo" and args.policy_path is None:
+        raise UsageError("--policy ppo needs --policy-path DIR (a policy exported by 'dynamix policy export')")
+    multi_host = len(hosts) > 1
+    if multi_host and args.scheduler_port is None:
+        raise UsageError("--hosts with --policy needs --scheduler-port: the workers on every host must find it")
+    if multi_host and not env.get("DYNAMIX_TOKEN"):
+        raise UsageError("a multi-host job's scheduler listens beyond loopback: set DYNAMIX_TOKEN to a shared "
+                         "secret on every host")
+    bind = args.bind or (hosts[0] if multi_host else LOCAL_HOST)
+    port = args.scheduler_port if args.scheduler_port is not None else _free_port()
+    address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
+    if node_rank != 0:
+        return [], address
+    run_dir = args.log_dir if args.log_dir is not None else Path(tempfile.mkdtemp(prefix="dynamix-run-"))
+    ready = run_dir / f".scheduler-{os.getpid()}.port"
+    ready.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "dynamix_byteps.cli", "scheduler", "--port", str(port), "--port-file", str(ready),
+            "--bind", bind, "--policy", args.policy, "--num-workers", str(total),
+            "--decision-interval", str(args.decision_interval), "--run-dir", str(run_dir)]
+    if args.policy_path is not None:
+        argv += ["--policy-option", f"path={args.policy_path}"]
+    log_path = None if args.log_dir is None else args.log_dir / "scheduler.log"
+    spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path,
+                     service=True, ready_file=ready)
+    return [spec], address
 
 
 def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
@@ -298,6 +410,8 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
     Returns an empty list when this role needs no process (server/scheduler with gloo).
     Raises :class:`UsageError` naming the first missing or invalid variable.
     """
+    if args.policy is not None or args.hosts is not None:
+        raise UsageError("--policy and --hosts need --num-workers; BytePS environment mode runs workers only")
     role = env.get("DMLC_ROLE", "").strip()
     if not role:
         raise UsageError(f"environment variable DMLC_ROLE is not set; {_ENV_MODE_HINT}")

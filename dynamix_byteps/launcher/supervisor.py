@@ -33,6 +33,7 @@ from dynamix_byteps.launcher._guardian import group_alive
 _PR_SET_PDEATHSIG = 1
 _GUARDIAN = Path(__file__).with_name("_guardian.py")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+READY_TIMEOUT_S = 60.0
 _MAX_LINE = 64 * 1024  # longest piece of output forwarded at once; bounds the memory per pipe
 _LINE_END = re.compile(rb"\r\n|\n|\r(?=.)", re.DOTALL)  # a final \r waits: a \n may follow
 
@@ -52,12 +53,18 @@ class ChildSpec:
         argv: the command and its arguments; ``argv[0]`` is looked up on ``PATH``.
         env: the complete environment of the child.
         log_path: file that receives the child's raw stdout and stderr, or ``None``.
+        service: a helper the job can run without (the scheduler): started before the
+            workers, stopped once they have all exited, and its own exit never ends the job.
+        ready_file: the next child starts only once this file exists (the service writes it
+            when it is ready), within ``READY_TIMEOUT_S``.
     """
 
     label: str
     argv: Sequence[str]
     env: Mapping[str, str]
     log_path: Path | None = None
+    service: bool = False
+    ready_file: Path | None = None
 
 
 class SpawnError(Exception):
@@ -277,6 +284,9 @@ class Supervisor:
                     if self._signum is not None:
                         break
                     self._children.append(self._spawn(spec))
+                    if spec.ready_file is not None and not self._await_ready(self._children[-1]):
+                        self._stop_all(signal.SIGTERM)
+                        return 1
             except SpawnError as error:
                 self.note(str(error))
                 self._stop_all(signal.SIGTERM)
@@ -292,8 +302,20 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _await_ready(self, child: _Child) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not child.spec.ready_file.exists():
+            if child.proc.poll() is not None or time.monotonic() > deadline or self._signum is not None:
+                self.note(f"[{child.spec.label}] did not become ready "
+                          + (f"(exited with code {child.proc.returncode})" if child.proc.returncode is not None
+                             else f"within {READY_TIMEOUT_S:g} s"))
+                return False
+            time.sleep(self.poll_s)
+        return True
+
     def _wait(self) -> int:
         exit_code: int | None = None
+        services_stopping = False
         stopping_since: float | None = None
         signals_at_stop = 0
         killed = False
@@ -310,6 +332,10 @@ class Supervisor:
                 if rc is None:
                     continue
                 child.returncode = rc
+                if child.spec.service:
+                    if not services_stopping:
+                        self.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
+                    continue
                 if rc != 0 and exit_code is None:
                     exit_code = exit_code_of(rc)
                     how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
@@ -319,6 +345,11 @@ class Supervisor:
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if self._count_live() == 0:
                 return 0 if exit_code is None else exit_code
+            if not services_stopping and all(c.returncode is not None for c in self._children if not c.spec.service):
+                services_stopping = True
+                self._signal_live(signal.SIGTERM)
+                if stopping_since is None:
+                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if not killed and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
                 if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:

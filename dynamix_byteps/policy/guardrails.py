@@ -4,7 +4,8 @@
 rules, applied in this order:
 
 1. **Fallback.** If the newest entry of ``state.loss_history`` is NaN/inf, or the loss rose in
-   each of the last ``divergence_window`` intervals (``window + 1`` finite values, strictly
+   each of the last ``divergence_window`` intervals, by more than ``DIVERGENCE_TOLERANCE`` (10%)
+   in all (``window + 1`` finite values, strictly
    increasing), answer ``state.initial_batch_sizes`` (clamped to the bounds) at once; the wrapped
    policy is not consulted and rules 3–4 do not apply (getting back to a known-good allocation
    must not be slowed down).
@@ -50,6 +51,8 @@ def _clamp(b: int, lo: int, hi: float) -> int:
     b = max(int(lo), int(b))
     return int(min(b, hi)) if math.isfinite(hi) else b
 
+
+DIVERGENCE_TOLERANCE = 0.10  # relative rise over the window that counts as divergence
 
 class Guarded(Policy):
     """A policy with guardrails (module docstring); ``name`` is the wrapped policy's.
@@ -105,7 +108,9 @@ class Guarded(Policy):
         w = self.divergence_window
         if w > 0 and len(loss_history) >= w + 1:
             recent = [float(x) for x in loss_history[-(w + 1):]]
-            if all(math.isfinite(x) for x in recent) and all(b > a for a, b in zip(recent, recent[1:])):
+            # A noisy but flat loss rises three times in a row by chance; demand a real rise too.
+            if (all(math.isfinite(x) for x in recent) and all(b > a for a, b in zip(recent, recent[1:]))
+                    and recent[-1] - recent[0] > DIVERGENCE_TOLERANCE * abs(recent[0])):
                 return f"loss rose in each of the last {w} intervals ({recent[0]:.4g} → {recent[-1]:.4g})"
         return None
 

@@ -1,0 +1,116 @@
+"""The control loop end to end: bpslaunch, the scheduler, real workers, on loopback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from multiworker import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests/scripts/control_worker.py"
+
+
+def bpslaunch(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, **(env or {})), start_new_session=True)
+
+
+def logs(out_dir, n):
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def reap(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def descendants_gone(pids):
+    return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.timeout(300)
+def test_proportional_shrinks_the_straggler_and_keeps_the_global_batch(tmp_path):
+    job = bpslaunch("-n", 4, "--policy", "proportional", "--slowdown", "3=3.0", "--decision-interval", 5,
+                    "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, 150)
+    try:
+        output, _ = job.communicate(timeout=280)
+    finally:
+        reap(job)
+    assert job.returncode == 0, output
+    ranks = logs(tmp_path, 4)
+    assert all(step[1] == 256 for rank in ranks for step in rank), "the global batch changed"
+    for step in range(150):  # every worker applies each assignment at the same step
+        assert len({tuple(r[step]) for r in ranks}) == 1 or len({r[step][1] for r in ranks}) == 1
+    sizes_per_step = [[r[step][0] for r in ranks] for step in range(150)]
+    changes = [s for s in range(1, 150) if sizes_per_step[s] != sizes_per_step[s - 1]]
+    assert changes, "the policy never changed a batch size"
+    final = sizes_per_step[-1]
+    assert final[3] < 0.5 * min(final[:3]), final
+    decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert decisions and any(d.get("action") for d in decisions)
+
+
+@pytest.mark.timeout(300)
+def test_training_survives_a_killed_scheduler_and_reconnects_to_a_new_one(tmp_path):
+    port = free_port()
+    scheduler_cmd = [sys.executable, "-m", "dynamix_byteps.cli", "scheduler", "--port", str(port),
+                     "--policy", "proportional", "--num-workers", "2", "--decision-interval", "5",
+                     "--run-dir", str(tmp_path)]
+    scheduler = subprocess.Popen(scheduler_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = bpslaunch("-n", 2, "--slowdown", "1=2.0", "--", sys.executable, WORKER, tmp_path, 400, 32,
+                    env={"DYNAMIX_SCHEDULER": f"127.0.0.1:{port}", "DYNAMIX_DECISION_INTERVAL": "5"})
+    decisions = tmp_path / "decisions.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (decisions.exists() and decisions.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and job.poll() is None, "no decision before the kill"
+            time.sleep(0.2)
+        scheduler.kill()
+        scheduler.wait()
+        time.sleep(3)
+        assert job.poll() is None, "training stopped with the scheduler"
+        before = decisions.read_text().count("\n")
+        scheduler = subprocess.Popen(scheduler_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        output, _ = job.communicate(timeout=200)
+        assert job.returncode == 0, output
+        assert decisions.read_text().count("\n") > before, "workers did not reconnect to the new scheduler"
+        assert "unreachable" in output
+    finally:
+        reap(job)
+        scheduler.kill()
+        scheduler.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_ends_the_job_and_its_scheduler_within_ten_seconds(tmp_path):
+    job = bpslaunch("-n", 3, "--policy", "static", "--log-dir", tmp_path, "--",
+                    sys.executable, WORKER, tmp_path, 100000)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            children = psutil.Process(job.pid).children(recursive=True)
+            workers = [p for p in children if str(WORKER) in " ".join(p.cmdline())]
+            if len(workers) == 3 and (tmp_path / "worker-1.log").exists():
+                break
+            assert time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        time.sleep(3)
+        pids = [p.pid for p in children]
+        workers[1].kill()
+        killed_at = time.monotonic()
+        job.wait(timeout=30)
+        assert time.monotonic() - killed_at < 10
+        assert job.returncode != 0
+        time.sleep(0.5)
+        assert descendants_gone(pids)
+    finally:
+        reap(job)
