@@ -114,3 +114,33 @@ def test_a_killed_worker_ends_the_job_and_its_scheduler_within_ten_seconds(tmp_p
         assert descendants_gone(pids)
     finally:
         reap(job)
+
+
+@pytest.mark.timeout(300)
+def test_two_hosts_run_one_job_with_the_scheduler_on_the_first(tmp_path):
+    """Two bpslaunch invocations, as on two machines (both on loopback here)."""
+    port, scheduler_port = free_port(), free_port()
+    common = ["--hosts", "127.0.0.1,127.0.0.1", "-n", 2, "--port", port, "--policy", "proportional",
+              "--scheduler-port", scheduler_port, "--decision-interval", 5, "--slowdown", "3=3.0"]
+    env = {"DYNAMIX_TOKEN": "s3cret"}
+    hosts = [bpslaunch(*common, "--node-rank", i, "--log-dir", tmp_path / f"host{i}", "--",
+                       sys.executable, WORKER, tmp_path, 100, env=env) for i in (0, 1)]
+    try:
+        outputs = [h.communicate(timeout=280)[0] for h in hosts]
+    finally:
+        for h in hosts:
+            reap(h)
+    assert [h.returncode for h in hosts] == [0, 0], outputs
+    ranks = logs(tmp_path, 4)
+    assert all(step[1] == 256 for rank in ranks for step in rank)
+    assert ranks[3][-1][0] < ranks[0][-1][0]
+    assert (tmp_path / "host0" / "decisions.jsonl").exists() and not (tmp_path / "host1" / "decisions.jsonl").exists()
+
+
+def test_multi_host_policy_without_a_token_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "--hosts", "127.0.0.1,127.0.0.1",
+                           "--node-rank", "0", "-n", "1", "--port", str(free_port()), "--policy", "static",
+                           "--scheduler-port", str(free_port()),
+                           "--", "true"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "DYNAMIX_TOKEN"}, timeout=60)
+    assert proc.returncode == 2 and "DYNAMIX_TOKEN" in proc.stderr
