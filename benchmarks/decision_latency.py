@@ -27,12 +27,13 @@ import gc
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import write_report
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no GOAWAY chatter when a server stops
 
@@ -202,13 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         "description": "report -> decision -> assignment round trip on loopback; scheduler in its own process, "
                        "clients in one process (one gRPC channel each); trivial policy; K=1",
         "target": "trigger p99 < 2 ms at 32 workers",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__,
-                    "platform": platform.platform()},
+        "grpcio": grpc.__version__,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

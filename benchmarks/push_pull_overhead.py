@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import write_report
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -128,10 +130,9 @@ def main(argv=None) -> int:
     overhead = variants["DistributedOptimizer"]["median_ms"] / variants["all_reduce"]["median_ms"] - 1
     result = {"benchmark": "push_pull_overhead", "workers": args.workers, "batch_size": args.batch_size,
               "model": "examples/torch_fashion_mnist.py:Net", "variants": variants,
-              "overhead_pct": 100 * overhead, "target_pct": 3.0, "cpu_count": os.cpu_count()}
+              "overhead_pct": 100 * overhead, "target_pct": 3.0}
     print(_table(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_report(args.out, result)
     return 0
 
 

@@ -11,13 +11,13 @@ and drained between runs, so only the success path is timed. Prints a table, wri
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from common import print_ns_table, write_report
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "timing_ring_overhead.json"
 
@@ -88,23 +88,15 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
 
-    width = max(len(r["case"]) for r in results)
-    print(f"{'case':<{width}}  {'median ns/call':>14}  {'min ns/call':>11}")
-    for r in results:
-        print(f"{r['case']:<{width}}  {r['ns_per_call_median']:>14.1f}  {r['ns_per_call_min']:>11.1f}")
+    print_ns_table(results)
 
     report = {
         "benchmark": "timing_ring_overhead",
         "calls_per_run": args.calls,
         "runs": args.runs,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

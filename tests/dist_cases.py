@@ -126,7 +126,7 @@ def weighted_training(batch_sizes: list[int], steps: int, passes: int) -> dict:
 
 def too_many_passes() -> str:
     model = _model()
-    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    _opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     x = torch.randn(4, 6, dtype=torch.float64)
     model(x).sum().backward()
     try:

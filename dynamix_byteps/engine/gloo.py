@@ -15,7 +15,6 @@ from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
 
 try:
-    import torch
     import torch.distributed as dist
 except ImportError as exc:  # pragma: no cover - torch is an install requirement
     raise EngineUnavailableError(
