@@ -113,7 +113,7 @@ def main():
         sampler.set_epoch(epoch)
         model.train()
         stats = torch.zeros(2, dtype=torch.float64)  # [sum of losses, samples] on this worker
-        t0 = time.time()
+        t0, steps = time.time(), 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False) if show_bar else loader
         for x, y in batches:
             optimizer.zero_grad()
@@ -122,14 +122,15 @@ def main():
             optimizer.step()
             bps.report_loss(loss)  # the loss trend the batch-size policy watches
             stats += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+            steps += 1
         stats = bps.push_pull(stats, average=False, name="train_stats")
         elapsed = time.time() - t0
         train_s += elapsed
         train_samples += int(stats[1])
         noise = bps.gradient_noise_scale()
         log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / stats[1]:.4f} "
-            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s global_batch={optimizer.global_batch_size} "
-            f"lr_scale={optimizer.lr_scale:.3f} noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
+            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s mean_global_batch={stats[1] / steps:.0f} "
+            f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
 
     # Each worker evaluates every size-th test image; the sums cover the 10k images exactly once.
     model.eval()
