@@ -17,6 +17,7 @@ def test_generated_modules_describe_the_v1_protocol():
     assert {m.name: (m.input_type.name, m.output_type.name) for m in service.methods} == {
         "Register": ("WorkerInfo", "RegisterReply"),
         "ReportMetrics": ("Report", "Assignment"),
+        "ReportNode": ("NodeReport", "NodeReportReply"),
     }
     for cls in ("SchedulerStub", "SchedulerServicer", "add_SchedulerServicer_to_server"):
         assert hasattr(dynamix_pb2_grpc, cls)

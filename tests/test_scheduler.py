@@ -389,3 +389,22 @@ def test_cli_bad_usage_exits_2(tmp_path):
     from dynamix_byteps.cli import build_parser
 
     assert build_parser().parse_args(["scheduler", "--bind", "0.0.0.0", "--token", TOKEN]).bind == "0.0.0.0"
+
+
+@pytest.mark.timeout(60)
+def test_node_agent_metrics_reach_the_policy_and_bad_ones_are_rejected():
+    policy = ScriptedPolicy()
+    with running(policy, decision_interval=1) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md, world=2)
+        node = dynamix_pb2.NodeMetrics(rtt_s=0.02, retransmits=7, cpu_util=0.5)
+        stub.ReportNode(dynamix_pb2.NodeReport(host="h", workers=[dynamix_pb2.WorkerNode(rank=1, node=node)]))
+        code, _ = code_of(stub.ReportNode, dynamix_pb2.NodeReport(workers=[dynamix_pb2.WorkerNode(
+            rank=0, node=dynamix_pb2.NodeMetrics(cpu_util=7.0))]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        code, _ = code_of(stub.ReportNode, dynamix_pb2.NodeReport(workers=[dynamix_pb2.WorkerNode(rank=5)]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        for rank in (0, 1):
+            stub.ReportMetrics(report(rank, 1), metadata=md)
+        state = policy.states[-1]
+        assert state.workers[1].node == {"cpu_util": 0.5, "rtt_s": 0.02, "retransmits": 7}
+        assert state.workers[0].node == {}

@@ -147,6 +147,23 @@ def validate_worker_info(info, world_size: int | None) -> WorkerRecord:
     )
 
 
+def validate_node(msg) -> dict:
+    """The fields of a ``NodeMetrics`` message that are present, checked; raises :class:`Rejected`."""
+    node = {}
+    for name in _NODE_FRACTIONS:
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not 0.0 <= value <= 1.0:  # also rejects NaN
+                raise _invalid(f"node.{name}={value!r} must be between 0 and 1")
+            node[name] = value
+    for name in _NODE_AMOUNTS:
+        if msg.HasField(name):
+            node[name] = _check_duration(getattr(msg, name), f"node.{name}")
+    if msg.HasField("retransmits"):
+        node["retransmits"] = msg.retransmits
+    return node
+
+
 def validate_report(report, worker: WorkerRecord) -> ReportRecord:
     """Check a ``Report`` from the registered ``worker``; raises :class:`Rejected` naming the bad field.
 
@@ -159,19 +176,7 @@ def validate_report(report, worker: WorkerRecord) -> ReportRecord:
             f"local_batch_size={b} is outside rank {worker.rank}'s registered bounds "
             f"[{worker.min_batch}, {worker.max_batch or 'unbounded'}]"
         )
-    node = {}
-    if report.HasField("node"):
-        for name in _NODE_FRACTIONS:
-            if report.node.HasField(name):
-                value = getattr(report.node, name)
-                if not 0.0 <= value <= 1.0:  # also rejects NaN
-                    raise _invalid(f"node.{name}={value!r} must be between 0 and 1")
-                node[name] = value
-        for name in _NODE_AMOUNTS:
-            if report.node.HasField(name):
-                node[name] = _check_duration(getattr(report.node, name), f"node.{name}")
-        if report.node.HasField("retransmits"):
-            node["retransmits"] = report.node.retransmits
+    node = validate_node(report.node) if report.HasField("node") else {}
     return ReportRecord(
         rank=report.rank,
         step=report.step,
@@ -220,6 +225,7 @@ class Snapshot:
     initial_batch_sizes: tuple[int, ...]
     loss_history: tuple[float, ...]
     dataset_size: int | None
+    node_metrics: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -250,6 +256,7 @@ class Cluster:
         self.next_step: int | None = None  # decision due when every rank reported a step >= this
         self.initial_batch_sizes: tuple[int, ...] | None = None
         self.loss_history: list[float] = []
+        self.node_metrics: dict[int, dict] = {}  # rank -> newest metrics from its node agent
         self.decisions = 0
         self.current = self._partial_assignment()
 
@@ -315,6 +322,15 @@ class Cluster:
             self.ready = {r for r, s in self.last_step.items() if s >= self.next_step}
         return self.current
 
+    def node_report_locked(self, report) -> None:
+        """Store a node agent's metrics for registered ranks (all entries checked before any is kept)."""
+        checked = {}
+        for entry in report.workers:
+            if self.world_size is None or entry.rank >= self.world_size:
+                raise _invalid(f"workers[].rank={entry.rank} is not a rank of this job")
+            checked[entry.rank] = validate_node(entry.node)
+        self.node_metrics.update(checked)
+
     def report_locked(self, report) -> tuple[AssignmentRecord, Snapshot | None]:
         """Store a report; returns the current assignment and, when a decision is due, a snapshot.
 
@@ -352,6 +368,7 @@ class Cluster:
             initial_batch_sizes=self.initial_batch_sizes,
             loss_history=tuple(self.loss_history),
             dataset_size=max(datasets) if datasets else None,
+            node_metrics={rank: dict(node) for rank, node in self.node_metrics.items()},
         )
         self.intervals = {}
         self.ready = set()
@@ -389,7 +406,7 @@ def cluster_state(snap: Snapshot) -> ClusterState:
                 samples_per_s=iv.samples_per_s / iv.count,
                 min_batch=w.min_batch,
                 max_batch=w.max_batch,
-                node=dict(last.node),
+                node={**last.node, **snap.node_metrics.get(w.rank, {})},
             )
         )
         if last.grad_sq is not None:

@@ -311,6 +311,7 @@ class SchedulerServer:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Register": method(self.register, dynamix_pb2.WorkerInfo, dynamix_pb2.RegisterReply.SerializeToString),
             "ReportMetrics": method(self._report_bytes, dynamix_pb2.Report, None),  # returns cached bytes
+            "ReportNode": method(self.report_node, dynamix_pb2.NodeReport, dynamix_pb2.NodeReportReply.SerializeToString),
         })
 
     def _call(self, fn, request_type, raw, context):
@@ -338,6 +339,12 @@ class SchedulerServer:
         log.info("rank %d registered from %r (batch %d, bounds [%d, %s]); %d workers registered",
                  info.rank, info.host, info.batch_size, info.min_batch or 1, info.max_batch or "-", registered)
         return dynamix_pb2.RegisterReply(assignment=_to_proto(current), decision_interval=self.decision_interval)
+
+    def report_node(self, report) -> dynamix_pb2.NodeReportReply:
+        """``ReportNode``: keep a node agent's metrics for the next decision."""
+        with self.cluster.lock:
+            self.cluster.node_report_locked(report)
+        return dynamix_pb2.NodeReportReply()
 
     def report(self, report) -> dynamix_pb2.Assignment:
         """``ReportMetrics`` in-process: store the report, decide if the interval is complete."""
