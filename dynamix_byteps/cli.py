@@ -170,6 +170,58 @@ def _run_scheduler(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- dynamix agent ---------------------------------------------------------------------------
+
+
+def _add_agent(sub) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run the node agent of this host (network, CPU, GPU metrics of its workers)",
+        description=(
+            "Find the workers of JOB on this host through their shared-memory mailboxes, measure\n"
+            "their TCP traffic (eBPF, or TCP_INFO and /proc), CPU and GPU, and report to the scheduler."
+        ),
+        epilog=(
+            "--monitor: auto (eBPF if it loads, else proc; the reason is logged once), ebpf (exit 2\n"
+            "with the reason if it cannot load), proc, off. eBPF needs root or CAP_BPF+CAP_PERFMON.\n\n"
+            "exit status: 0 after SIGTERM/SIGINT, 1 on failure, 2 on bad usage."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--job", required=True, metavar="JOB", help="job id the workers got in DYNAMIX_JOB_ID")
+    p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    p.add_argument("--monitor", choices=("auto", "ebpf", "proc", "off"), default="auto")
+    p.add_argument("--interval", type=_float_at_least(0.05), default=1.0, metavar="SECONDS",
+                   help="seconds between samples (default 1)")
+    p.add_argument("--ready-file", type=Path, metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
+    p.set_defaults(func=_run_agent)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from dynamix_byteps.agent.base import CollectorUnavailable
+    from dynamix_byteps.agent.node_agent import NodeAgent
+    from dynamix_byteps.control.security import TOKEN_ENV
+
+    try:
+        agent = NodeAgent(args.job, args.scheduler, os.environ.get(TOKEN_ENV) or None, args.monitor, args.interval)
+    except CollectorUnavailable as why:
+        raise UsageError(f"argument --monitor {args.monitor}: {why}") from None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logging.getLogger("dynamix_byteps.agent").info(
+        "node agent for job %s monitoring with %s, reporting to %s", args.job,
+        agent.collector.name if agent.collector else "nothing", args.scheduler)
+    if args.ready_file is not None:
+        _write_port_file(args.ready_file, os.getpid())
+    try:
+        agent.run(stop)
+    finally:
+        agent.close()
+    return 0
+
+
 # ---- entry point ------------------------------------------------------------------------------
 
 
@@ -177,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="dynamix_byteps: per-worker dynamic batch sizes for data-parallel training.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_scheduler(sub)
+    _add_agent(sub)
     return parser
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024
 TOKEN_METADATA_KEY = "x-dynamix-token"
 RPC_TIMEOUT_S = 2.0
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -43,7 +43,7 @@ class SchedulerClient:
         self.address = address
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         self._worker_info = worker_info
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._cond = threading.Condition()
         self._pending: dynamix_pb2.Report | None = None

@@ -9,6 +9,10 @@ gradient aggregation) and push_pull time (the step's span in the timing ring). E
    all workers from the first step none of them has drawn yet (``set_batch_sizes``), so all
    switch at the same step. A scheduler that is slow or gone changes nothing.
 
+With ``DYNAMIX_JOB_ID`` set (``bpslaunch --monitor``), the worker also publishes each step's
+compute time, push_pull time and samples to a shared-memory mailbox, where the node agent of its
+host finds it (and its pid) to add network and GPU metrics.
+
 ``DYNAMIX_SLOWDOWN`` (set by ``bpslaunch --slowdown RANK=FACTOR``) emulates a straggler: before
 aggregation the worker sleeps (FACTOR - 1) × its measured compute time, so its compute time
 grows in proportion to its batch. It is an emulation for benchmarks and tests.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -63,6 +68,12 @@ class StepMonitor:
         self._samples: list[int] = []
         self._scheduler_version_seen = -1
         self._client = None
+        self._mailbox = None
+        job = os.environ.get("DYNAMIX_JOB_ID")
+        if job:
+            from dynamix_byteps.control.mailbox import Mailbox, mailbox_name
+
+            self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
         timing.ring().end_step()
 
     def before_aggregation(self) -> None:
@@ -79,6 +90,8 @@ class StepMonitor:
         self._samples.append(samples or 0)
         self._last_end = end
         self.steps += 1
+        if self._mailbox is not None:
+            self._mailbox.publish_metrics(self.steps, (self._compute_s[-1], push_pull_s, samples or 0))
         if self.env.scheduler is not None and self.steps % self.env.decision_interval == 0:
             self._report(noise)
             self._apply_newest_assignment()

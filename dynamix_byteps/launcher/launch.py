@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--scheduler-port", type=_port, metavar="P", help="scheduler's gRPC port (default: a free one)")
     control.add_argument("--bind", metavar="ADDR", help="scheduler's listen address (default 127.0.0.1; the first "
                          "of --hosts on multi-host jobs, which then need DYNAMIX_TOKEN)")
+    control.add_argument("--monitor", choices=("auto", "ebpf", "proc", "off"), default="auto",
+                         help="node agent per host with --policy: eBPF if it loads, else TCP_INFO and /proc "
+                         "(auto, the default); ebpf fails when eBPF cannot load; off runs no agent")
     control.add_argument("--slowdown", action="append", default=[], type=_slowdown, metavar="RANK=FACTOR",
                          help="emulate a straggler: stretch RANK's compute time by FACTOR >= 1 (repeatable; "
                          "for benchmarks and tests)")
@@ -304,6 +307,8 @@ def worker_specs(
             base[variable] = getattr(args, flag)
     if scheduler is not None:
         base.update(DYNAMIX_SCHEDULER=scheduler, DYNAMIX_DECISION_INTERVAL=str(args.decision_interval))
+        if args.monitor != "off":
+            base["DYNAMIX_JOB_ID"] = _job_id(root_port)
     slowdowns = dict(args.slowdown)
     if local_size > 1 and not env.get("OMP_NUM_THREADS"):
         base["OMP_NUM_THREADS"] = "1"
@@ -353,10 +358,29 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
         if rank >= total:
             raise UsageError(f"argument --slowdown: rank {rank} is not in this job of {total} workers")
     services, scheduler = _scheduler_specs(args, env, hosts, node_rank, total)
+    if scheduler is not None and args.monitor != "off":
+        run_dir = args.log_dir if args.log_dir is not None else Path(tempfile.mkdtemp(prefix="dynamix-agent-"))
+        services.append(_agent_spec(args, env, scheduler, port, run_dir))
     return services + worker_specs(
         args, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=args.num_workers,
         root_addr=hosts[0] if len(hosts) > 1 else LOCAL_HOST, root_port=port, notes=notes, scheduler=scheduler,
     )
+
+
+def _job_id(root_port: int) -> str:
+    """Names the job's mailboxes on every host: the rendezvous port is the same on all of them."""
+    return f"job{root_port}"
+
+
+def _agent_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler: str, root_port: int,
+                run_dir: Path) -> ChildSpec:
+    ready = run_dir / f".agent-{os.getpid()}.ready"
+    ready.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "dynamix_byteps.cli", "agent", "--job", _job_id(root_port), "--scheduler", scheduler,
+            "--monitor", args.monitor, "--ready-file", str(ready)]
+    log_path = None if args.log_dir is None else args.log_dir / "agent.log"
+    return ChildSpec(label="agent", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path,
+                     service=True, ready_file=ready)
 
 
 def _topology(args: argparse.Namespace) -> tuple[list[str], int]:

@@ -1,0 +1,154 @@
+"""The node agent: one per host, it adds network, CPU and GPU metrics of the workers on its host.
+
+It finds the workers of job ``job`` through their shared-memory mailboxes
+(``/dev/shm/dynamix.<job>.<rank>``, whose header names the worker's pid), samples a network
+collector (eBPF when it can load, else TCP_INFO and /proc) every ``interval_s`` seconds, turns
+cumulative counters into rates, and sends them to the scheduler with ``ReportNode``. It never
+blocks a worker: a slow or absent scheduler only costs a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from dynamix_byteps.agent.base import CollectorUnavailable, NetworkCollector, ProcessNetStats
+from dynamix_byteps.agent.gpu import GpuMonitor
+from dynamix_byteps.agent.procfs import HostMonitor, ProcCollector
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
+from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
+from dynamix_byteps.control.mailbox import Mailbox
+
+log = logging.getLogger(__name__)
+
+MONITORS = ("auto", "ebpf", "proc", "off")
+SHM_DIR = Path("/dev/shm")
+
+
+def make_collector(monitor: str) -> NetworkCollector | None:
+    """The collector for ``--monitor``: ``auto`` tries eBPF, then falls back to /proc (saying why once).
+
+    Raises:
+        CollectorUnavailable: ``ebpf`` or ``proc`` was asked for and cannot run here.
+    """
+    if monitor == "off":
+        return None
+    if monitor in ("auto", "ebpf"):
+        try:
+            from dynamix_byteps.agent.ebpf import EbpfCollector
+
+            return EbpfCollector()
+        except CollectorUnavailable as why:
+            if monitor == "ebpf":
+                raise
+            log.warning("eBPF monitoring unavailable (%s); using TCP_INFO and /proc instead", why)
+    return ProcCollector()
+
+
+def discover_workers(job: str) -> dict[int, int]:
+    """``{rank: pid}`` of the live workers of ``job`` on this host, from their mailboxes."""
+    workers = {}
+    prefix = f"dynamix.{job}."
+    for path in SHM_DIR.glob(prefix + "*"):
+        rank = path.name[len(prefix):]
+        if not rank.isdigit():
+            continue
+        try:
+            with Mailbox.open(path.name) as box:
+                pid = box.owner_pid
+        except (OSError, ValueError):
+            continue  # being created or removed right now
+        if pid > 0 and Path(f"/proc/{pid}").exists():
+            workers[int(rank)] = pid
+    return workers
+
+
+def _rates(now: ProcessNetStats, before: ProcessNetStats | None, dt: float) -> dict:
+    metrics = {}
+    if before is not None and dt > 0:
+        metrics["tx_bytes_per_s"] = max(now.bytes_sent - before.bytes_sent, 0) / dt
+        metrics["rx_bytes_per_s"] = max(now.bytes_received - before.bytes_received, 0) / dt
+        metrics["retransmits"] = max(now.retransmits - before.retransmits, 0)
+    if now.srtt_s is not None:
+        metrics["rtt_s"] = now.srtt_s
+    return metrics
+
+
+class NodeAgent:
+    """Samples the workers of ``job`` on this host and reports to the scheduler at ``scheduler``."""
+
+    def __init__(self, job: str, scheduler: str, token: str | None = None, monitor: str = "auto",
+                 interval_s: float = 1.0):
+        self.job = job
+        self.interval_s = interval_s
+        self.collector = make_collector(monitor)
+        self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        self._channel = grpc.insecure_channel(scheduler, options=CHANNEL_OPTIONS)
+        self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
+        self._previous: dict[int, tuple[float, ProcessNetStats]] = {}
+        self._failing = False
+        self._host = socket.gethostname()
+        self.gpu = GpuMonitor()
+        self.host = HostMonitor()
+
+    def _network(self, pids: set[int]) -> dict[int, ProcessNetStats]:
+        if self.collector is None:
+            return {}
+        try:
+            return self.collector.sample(pids)
+        except CollectorUnavailable as why:
+            log.warning("network monitoring stopped: %s", why)
+            self.collector.close()
+            self.collector = None
+            return {}
+
+    def sample(self) -> dynamix_pb2.NodeReport:
+        """One round: every worker of the job on this host with its metrics."""
+        workers = discover_workers(self.job)
+        net = self._network(set(workers.values()))
+        gpu = self.gpu.sample(set(workers.values()))
+        host_now = self.host.sample()
+        host = {"cpu_util": host_now.cpu_util, "memory_used_bytes": float(host_now.mem_used_bytes)}
+        now = time.monotonic()
+        report = dynamix_pb2.NodeReport(host=self._host)
+        for rank, pid in sorted(workers.items()):
+            metrics = dict(host)
+            if pid in net:
+                before = self._previous.get(pid)
+                metrics.update(_rates(net[pid], before[1] if before else None, now - before[0] if before else 0.0))
+                self._previous[pid] = (now, net[pid])
+            stats = gpu.get(pid)
+            if stats is not None:
+                metrics.update({k: v for k, v in (("gpu_util", stats.util), ("gpu_memory_used_bytes", stats.mem_used_bytes))
+                                if v is not None})
+            report.workers.add(rank=rank, node=dynamix_pb2.NodeMetrics(**metrics))
+        return report
+
+    def send(self, report: dynamix_pb2.NodeReport) -> None:
+        try:
+            self._stub.ReportNode(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if not self._failing:
+                log.warning("scheduler refused or missed a node report (%s); retrying every interval",
+                            exc.code().name)
+            self._failing = True
+        else:
+            self._failing = False
+
+    def run(self, stop: threading.Event) -> None:
+        """Sample and report every ``interval_s`` until ``stop`` is set."""
+        while not stop.wait(self.interval_s):
+            report = self.sample()
+            if report.workers:
+                self.send(report)
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
+        self._channel.close()
+

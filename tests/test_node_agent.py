@@ -1,0 +1,73 @@
+"""The node agent: worker discovery through mailboxes, sampling, and reports to a real scheduler."""
+
+import os
+import socket
+import threading
+
+import pytest
+
+from dynamix_byteps.agent.node_agent import NodeAgent, discover_workers
+from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control.mailbox import Mailbox, mailbox_name
+from dynamix_byteps.control.scheduler import SchedulerServer
+from dynamix_byteps.policy.base import Decision, Policy
+
+
+class Remember(Policy):
+    name = "remember"
+
+    def __init__(self):
+        self.states = []
+
+    def decide(self, state):
+        self.states.append(state)
+        return Decision(state.batch_sizes, "keep")
+
+
+@pytest.fixture
+def job():
+    return f"t{os.getpid()}x{threading.get_ident() % 10000}"
+
+
+@pytest.mark.timeout(60)
+def test_workers_are_found_through_their_mailboxes(job):
+    with Mailbox.create(mailbox_name(job, 3)), Mailbox.create(mailbox_name(job, 0)):
+        assert discover_workers(job) == {0: os.getpid(), 3: os.getpid()}
+    assert discover_workers(job) == {}
+
+
+@pytest.mark.timeout(60)
+def test_agent_reports_traffic_and_host_metrics_that_reach_the_policy(job):
+    policy = Remember()
+    server = SchedulerServer(policy, num_workers=1, decision_interval=1)
+    server.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(listener.getsockname())
+    conn, _ = listener.accept()
+    try:
+        with Mailbox.create(mailbox_name(job, 0)):
+            agent = NodeAgent(job, server.address, monitor="proc", interval_s=0.1)
+            try:
+                agent.sample()  # first sample: counters start
+                peer.sendall(b"x" * 100_000)
+                received = 0
+                while received < 100_000:
+                    received += len(conn.recv(65536))
+                report = agent.sample()
+                agent.send(report)
+            finally:
+                agent.close()
+        (worker,) = report.workers
+        assert worker.rank == 0
+        assert worker.node.tx_bytes_per_s > 0 and worker.node.rx_bytes_per_s > 0
+        assert 0.0 <= worker.node.cpu_util <= 1.0 and worker.node.memory_used_bytes > 0
+        assert not worker.node.HasField("gpu_util")  # no GPU here: unavailable, not zero
+        stub_info = dynamix_pb2.WorkerInfo(rank=0, world_size=1, batch_size=8)
+        server.register(stub_info)
+        server.report(dynamix_pb2.Report(rank=0, step=1, local_batch_size=8, compute_s=0.1, push_pull_s=0.0,
+                                         samples_per_s=80.0))
+        assert policy.states[-1].workers[0].node["tx_bytes_per_s"] > 0
+    finally:
+        for s in (peer, conn, listener):
+            s.close()
+        server.stop(grace=None)
