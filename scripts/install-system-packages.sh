@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Debian packages the project needs: Fashion-MNIST (the main job's data) and a C++ compiler
-# for the native core. Uses sudo when not root; skips what is already installed.
+# Debian packages the project needs: Fashion-MNIST (the main job's data), a C++ compiler
+# for the native core, the eBPF collector's toolchain and loader library (clang, llvm,
+# libbpf-dev, bpftool, libbpf1) and what its tests use (nftables, iproute2).
+# Uses sudo when not root; skips what is already installed.
 set -euo pipefail
-packages=(dataset-fashion-mnist g++)
+packages=(dataset-fashion-mnist g++ clang llvm libbpf-dev libbpf1 bpftool nftables iproute2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
