@@ -129,7 +129,9 @@ class AssignmentSchedule:
         if self.dataset_size is not None and sum(sizes) > self.dataset_size:
             raise InvalidAssignmentError(
                 f"global batch {sum(sizes)} is larger than the dataset ({self.dataset_size} samples)")
-        if _not_int(assignment.effective_step) or assignment.effective_step < self._planned_until:
+        if _not_int(assignment.effective_step):
+            raise InvalidAssignmentError(f"at_step must be an integer step, got {assignment.effective_step!r}")
+        if assignment.effective_step < self._planned_until:
             raise InvalidAssignmentError(
                 f"assignment for step {assignment.effective_step} comes too late: steps up to "
                 f"{self._planned_until - 1} were already drawn; use at_step >= {self._planned_until}")
@@ -164,6 +166,11 @@ class AssignmentSchedule:
     def next_open_step(self) -> int:
         """The first step whose batch has not been drawn yet; assignments may start here or later."""
         return self._planned_until
+
+    def rewind(self, step: int) -> None:
+        """Steps from ``step`` on are drawn again (a resume or an abandoned prefetch), so open them."""
+        with self._lock:
+            self._planned_until = step
 
     def freeze_through(self, step: int) -> Assignment:
         """Mark ``step`` as drawn (no later assignment may change it) and return its assignment."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from typing import Sequence
 
 from dynamix_byteps import engine as _engine
@@ -20,16 +21,26 @@ from dynamix_byteps.negotiation import negotiate, round_lock
 
 _lock = threading.Lock()
 _schedule: AssignmentSchedule | None = None
-_draws: collections.deque[tuple[int, int]] = collections.deque()
+_draws: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)  # bounded when nobody consumes
+_consumed = False  # an optimizer takes the draws: unconsumed ones are prefetched, not trained on
 _noise: GradientNoiseScale | None = None
 
 
 def install(schedule: AssignmentSchedule) -> None:
-    """Make ``schedule`` the process's schedule (the sampler does this) and forget old draws."""
-    global _schedule
+    """Make ``schedule`` the process's schedule (the sampler does this) and forget old draws.
+
+    One DynamicBatchSampler drives a job: a newer one replaces an older one that has drawn
+    batches, with a warning (use a plain DataLoader for validation).
+    """
+    global _schedule, _consumed
     with _lock:
+        if _schedule is not None and _consumed:
+            warnings.warn("a new DynamicBatchSampler replaces the one training has used so far: set_batch_sizes "
+                          "and DistributedOptimizer now follow the new one; use a plain DataLoader for "
+                          "validation data", stacklevel=3)
         _schedule = schedule
         _draws.clear()
+        _consumed = False
 
 
 def schedule() -> AssignmentSchedule | None:
@@ -42,15 +53,20 @@ def record_draw(step: int, samples: int) -> None:
         _draws.append((step, samples))
 
 
-def forget_draws() -> None:
-    """Drop draws not yet trained on (a new pass over the loader discards prefetched batches)."""
+def forget_draws() -> int | None:
+    """Drop draws not yet trained on (a new pass over the loader discards prefetched batches);
+    returns the step of the oldest one, which the sampler then draws again, or None."""
     with _lock:
+        oldest = _draws[0][0] if _draws and _consumed else None
         _draws.clear()
+        return oldest
 
 
 def take_draw() -> tuple[int, int] | None:
     """The oldest ``(step, samples)`` not yet consumed by the optimizer, or None."""
+    global _consumed
     with _lock:
+        _consumed = True
         return _draws.popleft() if _draws else None
 
 

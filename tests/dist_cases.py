@@ -349,3 +349,45 @@ def fusion_mismatch() -> None:
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     model(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
     opt.step()
+
+
+def second_break_test() -> dict:
+    """Found by a tester: LR scheduler built before wrapping, a new optimizer for the same model,
+    and leaving an epoch early with a prefetching loader."""
+    rank, out = bps.rank(), {}
+    model = _model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = bps.DistributedOptimizer(base, model.named_parameters())
+    x = torch.full((2, 6), float(rank + 1), dtype=torch.float64)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    scheduler.step()
+    out["scheduler_first"] = _digest(model.parameters())
+    out["lr_after_scheduler"] = opt.param_groups[0]["lr"]
+
+    opt2 = bps.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), model.named_parameters())
+    for _ in range(2):
+        opt2.zero_grad()
+        model(x).sum().backward()
+        opt2.step()
+    out["second_optimizer"] = _digest(model.parameters())
+
+    dataset, sampler, model3, opt3 = _sgd_job([4, 4], 64)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=1, prefetch_factor=2)
+    seen = []
+    for step, (x, y, index) in enumerate(loader):
+        opt3.zero_grad()
+        torch.nn.functional.cross_entropy(model3(x), y).backward()
+        opt3.step()
+        seen += index.tolist()
+        if step == 1:
+            break
+    for x, y, index in loader:
+        opt3.zero_grad()
+        torch.nn.functional.cross_entropy(model3(x), y).backward()
+        opt3.step()
+        seen += index.tolist()
+    out["epoch_indices"] = sorted(seen)
+    return out

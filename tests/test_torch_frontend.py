@@ -130,3 +130,13 @@ def test_push_pull_from_two_threads_never_aborts_and_bad_types_are_refused():
 @pytest.mark.timeout(120)
 def test_different_fusion_sizes_raise_instead_of_aborting():
     assert [r.get("error") for r in run_workers(2, "dist_cases:fusion_mismatch")] == ["TensorMismatchError"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_scheduler_before_wrapping_new_optimizers_and_early_epoch_exit():
+    results = _ok(run_workers(2, "dist_cases:second_break_test"))
+    for key in ("scheduler_first", "second_optimizer"):
+        assert results[0][key] == results[1][key], key
+    assert results[0]["lr_after_scheduler"] == pytest.approx(0.05)
+    together = sorted(results[0]["epoch_indices"] + results[1]["epoch_indices"])
+    assert together == list(range(64)), "samples lost or repeated after leaving an epoch early"

@@ -21,6 +21,8 @@ MAX_WORLD_SIZE = 4096
 MAX_BATCH = 1 << 24  # samples; anything larger is a bug in the client, not a batch size
 MAX_HOST_LEN = 255
 MAX_NAME_LEN = 64
+MAX_STEP = 2**53  # steps; a larger one would make every later real report look old
+MAX_BATCH = 2**31 - 1  # samples
 LOSS_HISTORY_LEN = 256  # decision intervals kept for ClusterState.loss_history
 
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
@@ -170,8 +172,10 @@ def validate_report(report, worker: WorkerRecord) -> ReportRecord:
     ``loss`` may be NaN or ±inf (a diverging run; the guardrails act on it); ``grad_sq`` and
     ``trace_cov`` that are not finite are recorded as unknown.
     """
+    if report.step > MAX_STEP:
+        raise _invalid(f"step={report.step} is beyond any real run (limit {MAX_STEP})")
     b = report.local_batch_size
-    if b < 1 or not worker.within_bounds(b):
+    if b < 1 or b > MAX_BATCH or not worker.within_bounds(b):
         raise _invalid(
             f"local_batch_size={b} is outside rank {worker.rank}'s registered bounds "
             f"[{worker.min_batch}, {worker.max_batch or 'unbounded'}]"
@@ -397,10 +401,11 @@ def cluster_state(snap: Snapshot) -> ClusterState:
     grad_sq, trace_cov = [], []
     for w, iv in zip(snap.workers, snap.intervals):
         last = iv.last
+        in_force = snap.current.batch_sizes  # what was published, not the reported averages
         workers.append(
             WorkerState(
                 rank=w.rank,
-                batch_size=last.batch_size,
+                batch_size=in_force[w.rank] if len(in_force) == len(snap.workers) else last.batch_size,
                 compute_s=iv.compute_s / iv.count,
                 push_pull_s=iv.push_pull_s / iv.count,
                 samples_per_s=iv.samples_per_s / iv.count,

@@ -430,7 +430,7 @@ class SchedulerServer:
             "samples_per_s": [w.samples_per_s for w in ws],
             "min_batch": [w.min_batch for w in ws],
             "max_batch": [w.max_batch for w in ws],
-            "loss": [_num(iv.loss / iv.count) for iv in snap.intervals],
+            "loss": [_num(iv.loss / iv.loss_count) if iv.loss_count else None for iv in snap.intervals],
             "reports": [iv.count for iv in snap.intervals],
             "node": [w.node for w in ws],
         }

@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from dynamix_byteps.assignment import parse_batch_sizes
+from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, WorkerEnv
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
@@ -347,24 +348,48 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
     if node_rank == 0 and args.port is not None:
         _check_port_free(args.port, hosts[0] if len(hosts) > 1 else LOCAL_HOST)
     port = args.port if args.port is not None else _free_port()
-    for flag in ("min_batch", "max_batch"):
-        if getattr(args, flag) is not None:
-            try:
-                parse_batch_sizes(getattr(args, flag), len(hosts) * args.num_workers)
-            except ConfigurationError as error:
-                raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
     total = len(hosts) * args.num_workers
+    _check_bounds(args, total)
     for rank, _ in args.slowdown:
         if rank >= total:
             raise UsageError(f"argument --slowdown: rank {rank} is not in this job of {total} workers")
     services, scheduler = _scheduler_specs(args, env, hosts, node_rank, total)
     if scheduler is not None and args.monitor != "off":
-        run_dir = args.log_dir if args.log_dir is not None else Path(tempfile.mkdtemp(prefix="dynamix-agent-"))
-        services.append(_agent_spec(args, env, scheduler, port, run_dir))
+        services.append(_agent_spec(args, env, scheduler, port, _run_dir(args)))
     return services + worker_specs(
         args, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=args.num_workers,
         root_addr=hosts[0] if len(hosts) > 1 else LOCAL_HOST, root_port=port, notes=notes, scheduler=scheduler,
     )
+
+
+def _check_bounds(args: argparse.Namespace, total: int) -> None:
+    """--min-batch/--max-batch/--batch-size agree, so a bad combination is a usage error here."""
+    bounds = {}
+    for flag in ("min_batch", "max_batch"):
+        if getattr(args, flag) is not None:
+            try:
+                bounds[flag] = BatchBounds.build(total, **{flag: parse_batch_sizes(getattr(args, flag), total)})
+            except ConfigurationError as error:
+                raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
+    try:
+        bounds = BatchBounds.build(total, bounds["min_batch"].min_batch if "min_batch" in bounds else 1,
+                                   bounds["max_batch"].max_batch if "max_batch" in bounds else None)
+    except ConfigurationError as error:
+        raise UsageError(f"arguments --min-batch/--max-batch: {error}") from None
+    if args.batch_size is not None:
+        for rank, (low, high) in enumerate(zip(bounds.min_batch, bounds.max_batch)):
+            if not low <= args.batch_size <= (high or args.batch_size):
+                raise UsageError(f"argument --batch-size: {args.batch_size} is outside rank {rank}'s bounds "
+                                 f"[{low}, {high or 'unbounded'}]")
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    """Where the scheduler and agent write: ``--log-dir``, else a temporary folder removed at exit."""
+    if args.log_dir is not None:
+        return args.log_dir
+    if getattr(args, "temp_run_dir", None) is None:
+        args.temp_run_dir = Path(tempfile.mkdtemp(prefix="dynamix-run-"))
+    return args.temp_run_dir
 
 
 def _job_id(root_port: int) -> str:
@@ -401,8 +426,9 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         return [], None
-    if args.policy == "ppo" and args.policy_path is None:
-        raise UsageError("--policy ppo needs --policy-path DIR (a policy exported by 'dynamix policy export')")
+    if args.policy == "ppo":
+        raise UsageError("--policy ppo is not available yet (the DYNAMIX agent is being built); "
+                         "use static, proportional or goodput")
     multi_host = len(hosts) > 1
     if multi_host and args.scheduler_port is None:
         raise UsageError("--hosts with --policy needs --scheduler-port: the workers on every host must find it")
@@ -414,7 +440,7 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
     address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
     if node_rank != 0:
         return [], address
-    run_dir = args.log_dir if args.log_dir is not None else Path(tempfile.mkdtemp(prefix="dynamix-run-"))
+    run_dir = _run_dir(args)
     ready = run_dir / f".scheduler-{os.getpid()}.port"
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "dynamix_byteps.cli", "scheduler", "--port", str(port), "--port-file", str(ready),
@@ -511,6 +537,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return stop.code if isinstance(stop.code, int) else 2
     if args.log_dir is not None:
         args.log_dir = args.log_dir.expanduser().resolve()
+    try:
+        return _launch(args, env, parser)
+    finally:
+        if getattr(args, "temp_run_dir", None) is not None:
+            shutil.rmtree(args.temp_run_dir, ignore_errors=True)
+
+
+def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser) -> int:
     notes: list[str] = []
     try:
         specs = local_mode(args, env, notes) if args.num_workers is not None else env_mode(args, env, notes)

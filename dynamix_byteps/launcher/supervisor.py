@@ -284,6 +284,7 @@ class Supervisor:
                     if self._signum is not None:
                         break
                     self._children.append(self._spawn(spec))
+                    self._start_pumps(self._children[-1])  # a service's startup error must be shown
                     if spec.ready_file is not None and not self._await_ready(self._children[-1]):
                         self._stop_all(signal.SIGTERM)
                         return 1
@@ -291,16 +292,17 @@ class Supervisor:
                 self.note(str(error))
                 self._stop_all(signal.SIGTERM)
                 return error.exit_code
-            for child in self._children:
-                for pipe, sink in ((child.proc.stdout, self._out), (child.proc.stderr, self._err)):
-                    thread = threading.Thread(target=self._pump, args=(pipe, sink, child), daemon=True)
-                    thread.start()
-                    self._pumps.append(thread)
             return self._wait()
         finally:
             self._cleanup()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _start_pumps(self, child: _Child) -> None:
+        for pipe, sink in ((child.proc.stdout, self._out), (child.proc.stderr, self._err)):
+            thread = threading.Thread(target=self._pump, args=(pipe, sink, child), daemon=True)
+            thread.start()
+            self._pumps.append(thread)
 
     def _await_ready(self, child: _Child) -> bool:
         deadline = time.monotonic() + READY_TIMEOUT_S

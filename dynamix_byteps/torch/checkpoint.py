@@ -9,6 +9,7 @@ repeated.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -75,16 +76,23 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
-                    sampler=None) -> dict:
+                    sampler=None, trusted: bool = False) -> dict:
     """Restore what :func:`save_checkpoint` saved into the given objects; return its ``extra``.
 
-    Every worker reads the file (it must be visible to all of them).
+    Every worker reads the file (it must be visible to all of them). By default only tensors and
+    plain containers are unpickled (``torch.load(weights_only=True)``), so a foreign file cannot
+    run code; pass ``trusted=True`` for checkpoints whose ``extra`` holds other objects.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ConfigurationError: the file is not a dynamix_byteps checkpoint, or lacks a part asked for.
+        ConfigurationError: the file is not a dynamix_byteps checkpoint, lacks a part asked for,
+            or holds objects that need ``trusted=True``.
     """
-    state = torch.load(Path(path), map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(Path(path), map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as error:
+        raise ConfigurationError(f"{path} cannot be read as a dynamix_byteps checkpoint ({error}); if you "
+                                 "wrote it yourself with objects in extra=, load it with trusted=True") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (format {FORMAT_VERSION})")
     for name, target in (("model", model), ("optimizer", optimizer), ("sampler", sampler)):
@@ -97,5 +105,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
             optimizer.load_dynamix_state_dict(state["dynamix"])
     if sampler is not None:
-        sampler.load_state_dict(state["sampler"])
-    return state["extra"]
+        try:
+            sampler.load_state_dict(state["sampler"])
+        except (KeyError, TypeError) as error:
+            raise ConfigurationError(f"{path} holds no valid sampler state ({error!r})") from None
+    return state.get("extra", {})

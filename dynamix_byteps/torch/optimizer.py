@@ -43,6 +43,9 @@ from dynamix_byteps.torch.compression import Compression, Compressor
 DEFAULT_FUSION_BYTES = 64 << 20
 MAX_SAMPLES = 2**31
 _UNSET = -1
+# Parameter attribute holding its backward-pass counting hook: a new DistributedOptimizer over
+# the same model removes the old one's, which would otherwise count (and refuse) the new passes.
+_PASS_HOOK_ATTR = "_dynamix_pass_hook"
 
 
 def _not_count(value) -> bool:
@@ -145,7 +148,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p.requires_grad:
                     named.append((self._names.get(p, f"Gradient.group{g}.{i}"), p))
                     if p not in self._hooks:
+                        previous = getattr(p, _PASS_HOOK_ATTR, None)
+                        if previous is not None:  # an earlier DistributedOptimizer of this model
+                            previous.remove()
                         self._hooks[p] = p.register_post_accumulate_grad_hook(self._count_pass)
+                        setattr(p, _PASS_HOOK_ATTR, self._hooks[p])
         return named
 
     def _step_description(self, named) -> str:
@@ -356,5 +363,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    # An LR scheduler built on ``optimizer`` patched its instance ``step``; that copy would bypass
+    # the aggregation. The scheduler keeps working: it edits the shared ``param_groups``.
+    wrapped.__dict__.pop("step", None)
     wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size)
     return wrapped

@@ -65,7 +65,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
         if max_batch is None:
             max_batch = env_batch_sizes("DYNAMIX_MAX_BATCH", self.num_replicas)
         bounds = BatchBounds.build(self.num_replicas, min_batch, max_batch)
-        initial = batch_size if isinstance(batch_size, Sequence) else [batch_size] * self.num_replicas
+        initial = [batch_size] * self.num_replicas if isinstance(batch_size, int) else list(batch_size)
         self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
         self._position = Position()
         self._history: dict[int, Position] = {}
@@ -82,7 +82,11 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             self._position = Position(int(epoch), 0, self._position.step)
 
     def __iter__(self) -> Iterator[list[int]]:
-        batching.forget_draws()
+        # Batches a prefetching loader drew but nobody trained on are drawn again (same indices).
+        untrained = batching.forget_draws()
+        if untrained is not None and untrained in self._history:
+            self._position = self._history[untrained]
+            self.schedule.rewind(untrained)
         order = permutation(self.dataset_size, self.seed, self._position.epoch, self.shuffle)
         while True:
             position = self._position
@@ -154,8 +158,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
                 {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]})
         self._position = position
         self._history.clear()
-        if position.step > 0:
-            self.schedule.freeze_through(position.step - 1)
+        self.schedule.rewind(position.step)
 
     def _resplit(self, global_batch: int) -> tuple[int, ...]:
         even = tail_sizes(global_batch, [1] * self.num_replicas)
