@@ -71,3 +71,38 @@ def test_agent_reports_traffic_and_host_metrics_that_reach_the_policy(job):
         for s in (peer, conn, listener):
             s.close()
         server.stop(grace=None)
+
+
+def _ebpf_refuses(monkeypatch):
+    """Where eBPF cannot load (tests/test_ebpf_collector.py shows the real refusals as non-root),
+    the collector raises CollectorUnavailable; here its constructor is made to, as root cannot be
+    refused otherwise."""
+    from dynamix_byteps.agent import ebpf
+    from dynamix_byteps.agent.base import CollectorUnavailable
+
+    def refuse(self, *args, **kwargs):
+        raise CollectorUnavailable("loading BPF programs is not permitted (needs CAP_BPF and CAP_PERFMON)")
+    monkeypatch.setattr(ebpf.EbpfCollector, "__init__", refuse)
+
+
+@pytest.mark.timeout(60)
+def test_monitor_ebpf_that_cannot_load_exits_2_with_the_reason(monkeypatch, capsys):
+    from dynamix_byteps import cli
+
+    _ebpf_refuses(monkeypatch)
+    assert cli.main(["agent", "--job", "j", "--scheduler", "127.0.0.1:1", "--monitor", "ebpf"]) == 2
+    assert "CAP_BPF" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_monitor_auto_falls_back_to_proc(monkeypatch, caplog):
+    from dynamix_byteps.agent.node_agent import make_collector
+
+    _ebpf_refuses(monkeypatch)
+    collector = make_collector("auto")
+    try:
+        assert collector.name == "proc"
+        assert "CAP_BPF" in caplog.text
+    finally:
+        collector.close()
+    assert make_collector("off") is None
