@@ -9,7 +9,7 @@ INSTALLED := $(VENV)/.installed
 
 install: $(INSTALLED)
 
-$(INSTALLED): setup.py pyproject.toml protos/dynamix.proto $(wildcard csrc/*)
+$(INSTALLED): setup.py pyproject.toml protos/dynamix.proto $(wildcard csrc/*) $(wildcard ebpf/*.c) scripts/install-system-packages.sh
 	scripts/install-system-packages.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
