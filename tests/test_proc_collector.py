@@ -1,16 +1,15 @@
 """The no-eBPF collectors: TCP_INFO through pidfd_getfd, /proc readers, host metrics, NVML absent.
 
-The TCP tests run two peer processes (this file's PEER script) driven line by line over their
+The TCP tests run two peer processes (tests/tcp_peers.py) driven line by line over their
 stdin/stdout, so every byte count is known exactly. The retransmit test needs root, ``ip`` and
-``nft``; it builds two network namespaces (``dxf_`` prefix) joined by a veth and drops 10% of
-what reaches the receiver.
+``nft``; it builds two network namespaces (``dxf_`` prefix, tests/tcp_peers.py) joined by a veth
+and drops 10% of what reaches the receiver.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -18,6 +17,13 @@ import time
 from unittest import mock
 
 import pytest
+from tcp_peers import (
+    Peer,
+    connect_peers,
+    lossy_namespace_pair,
+    missing_netns_tools,
+    move_bytes,
+)
 
 from dynamix_byteps.agent.base import NetworkCollector
 from dynamix_byteps.agent.gpu import GpuMonitor, GpuStats
@@ -28,92 +34,6 @@ from dynamix_byteps.agent.procfs import (
     process_cpu_seconds,
     read_proc_io,
 )
-
-PEER = r"""
-import socket, struct, sys
-role, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-def out(*a):
-    print(*a, flush=True)
-s = None
-if role == "server":
-    ls = socket.socket()
-    ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    ls.bind((host, port))
-    ls.listen()
-    out("port", ls.getsockname()[1])
-for line in sys.stdin:
-    cmd, *args = line.split()
-    if cmd == "accept":
-        s, _ = ls.accept()
-        out("accepted")
-    elif cmd == "connect":
-        s = socket.create_connection((host, port), timeout=20)
-        s.settimeout(None)
-        out("connected")
-    elif cmd == "send":
-        n = int(args[0])
-        s.sendall(b"x" * n)
-        out("sent", n)
-    elif cmd == "recv":
-        n, got = int(args[0]), 0
-        while got < n:
-            d = s.recv(min(1 << 20, n - got))
-            if not d:
-                break
-            got += len(d)
-        out("recv", got)
-    elif cmd == "eof":
-        s.settimeout(float(args[0]))
-        try:
-            out("eof", s.recv(1) == b"")
-        except socket.timeout:
-            out("eof", False)
-    elif cmd == "state":
-        out("state", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0])
-    elif cmd == "close":
-        s.close()
-        out("closed")
-    elif cmd == "exit":
-        break
-"""
-
-
-class Peer:
-    """A child process holding one TCP socket, driven by text commands."""
-
-    def __init__(self, role: str, host: str, port: int, netns: str | None = None):
-        argv = [sys.executable, "-c", PEER, role, host, str(port)]
-        if netns is not None:
-            argv = ["ip", "netns", "exec", netns, *argv]  # ip execs python: same pid
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.pid = self.proc.pid
-        self.port = int(self.read()[1]) if role == "server" else port
-
-    def read(self, timeout: float = 30.0) -> list[str]:
-        result: list[str] = []
-        t = threading.Thread(target=lambda: result.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        if not result or not result[0]:
-            raise AssertionError(f"peer {self.pid} gave no answer (rc={self.proc.poll()})")
-        return result[0].split()
-
-    def cmd(self, line: str, timeout: float = 30.0) -> list[str]:
-        self.send(line)
-        return self.read(timeout)
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("exit")
-                self.proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(timeout=5)
 
 
 @pytest.fixture
@@ -130,26 +50,18 @@ def _own_fds() -> int:
 @pytest.mark.timeout(60)
 def test_loopback_exchange_exact_bytes_and_close(collector: ProcCollector):
     assert isinstance(collector, NetworkCollector) and collector.name == "proc"
-    server = Peer("server", "127.0.0.1", 0)
-    client = Peer("client", "127.0.0.1", server.port)
-    pids = {server.pid, client.pid}
-    try:
+    with Peer("server", "127.0.0.1", 0) as server, Peer("client", "127.0.0.1", server.port) as client:
+        pids = {server.pid, client.pid}
         # First sight before the connection exists: everything the connection carries counts.
         first = collector.sample(pids)
         assert set(first) == pids
         assert first[server.pid].sockets == 0  # its listening socket is not a connection
         assert first[client.pid].bytes_sent == 0 and first[client.pid].srtt_s is None
 
-        server.send("accept")
-        assert client.cmd("connect") == ["connected"]
-        assert server.read() == ["accepted"]
+        connect_peers(server, client)
         n_up, n_down = 1_000_003, 300_007
-        client.send(f"send {n_up}")
-        assert server.cmd(f"recv {n_up}") == ["recv", str(n_up)]
-        assert client.read() == ["sent", str(n_up)]
-        server.send(f"send {n_down}")
-        assert client.cmd(f"recv {n_down}") == ["recv", str(n_down)]
-        assert server.read() == ["sent", str(n_down)]
+        move_bytes(client, server, n_up)
+        move_bytes(server, client, n_down)
 
         fds_before = _own_fds()
         stats = collector.sample(pids)
@@ -202,87 +114,46 @@ def test_loopback_exchange_exact_bytes_and_close(collector: ProcCollector):
         client.stop()
         assert client.pid not in collector.sample(pids)
         assert server.pid in collector.sample(pids)
-    finally:
-        client.stop()
-        server.stop()
 
 
 @pytest.mark.timeout(60)
 def test_sockets_open_at_first_sight_count_from_then(collector: ProcCollector):
-    server = Peer("server", "127.0.0.1", 0)
-    client = Peer("client", "127.0.0.1", server.port)
-    pids = {server.pid, client.pid}
-    try:
-        server.send("accept")
-        assert client.cmd("connect") == ["connected"]
-        assert server.read() == ["accepted"]
-        client.send("send 5000")
-        assert server.cmd("recv 5000") == ["recv", "5000"]
-        client.read()
+    with Peer("server", "127.0.0.1", 0) as server, Peer("client", "127.0.0.1", server.port) as client:
+        pids = {server.pid, client.pid}
+        connect_peers(server, client)
+        move_bytes(client, server, 5000)
         base = collector.sample(pids)  # history before this is the baseline
         assert base[client.pid].bytes_sent == 0 and base[server.pid].bytes_received == 0
         assert base[client.pid].sockets == 1
-        client.send("send 7000")
-        assert server.cmd("recv 7000") == ["recv", "7000"]
-        client.read()
+        move_bytes(client, server, 7000)
         now = collector.sample(pids)
         assert now[client.pid].bytes_sent == 7000
         assert now[server.pid].bytes_received == 7000
-    finally:
-        client.stop()
-        server.stop()
-
-
-def _sh(*argv: str) -> None:
-    subprocess.run(argv, check=True, timeout=20, capture_output=True)
 
 
 @pytest.fixture
 def lossy_link():
-    """Namespaces dxf_s<pid> (receiver, 10.231.0.1) and dxf_c<pid> (sender, 10.231.0.2) on a veth;
-    the receiver drops 10% of what arrives from the sender."""
+    """Sender and receiver namespaces (``dxf_`` prefix) on a veth; the receiver drops 10% of what
+    arrives from the sender. Skips where they cannot be built."""
     if os.geteuid() != 0:
         pytest.skip("needs root for network namespaces")
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool} (apt-get install iproute2 nftables)")
-    tag = str(os.getpid())
-    ns_s, ns_c = f"dxf_s{tag}", f"dxf_c{tag}"
-    veth_s, veth_c = f"dxf_vs{tag}"[:15], f"dxf_vc{tag}"[:15]
+    missing = missing_netns_tools()
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (apt-get install iproute2 nftables)")
     try:
-        _sh("ip", "netns", "add", ns_s)
-        _sh("ip", "netns", "add", ns_c)
-        _sh("ip", "link", "add", veth_s, "type", "veth", "peer", "name", veth_c)
-        _sh("ip", "link", "set", veth_s, "netns", ns_s)
-        _sh("ip", "link", "set", veth_c, "netns", ns_c)
-        _sh("ip", "-n", ns_s, "addr", "add", "10.231.0.1/24", "dev", veth_s)
-        _sh("ip", "-n", ns_c, "addr", "add", "10.231.0.2/24", "dev", veth_c)
-        for ns, dev in ((ns_s, veth_s), (ns_c, veth_c)):
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        nft = ("ip", "netns", "exec", ns_s, "nft")
-        _sh(*nft, "add", "table", "inet", "dxf")
-        _sh(*nft, "add", "chain", "inet", "dxf", "in", "{ type filter hook prerouting priority 0; }")
-        _sh(*nft, "add", "rule", "inet", "dxf", "in", "ip", "saddr", "10.231.0.2",
-            "numgen", "random", "mod", "100", "<", "10", "counter", "drop")
-        yield ns_s, ns_c
+        with lossy_namespace_pair("dxf", subnet="10.231.0") as link:
+            yield link
     except subprocess.CalledProcessError as e:
         pytest.skip(f"cannot build the lossy link: {e.cmd}: {e.stderr.decode(errors='replace').strip()}")
-    finally:
-        for ns in (ns_s, ns_c):  # deleting a namespace deletes its veth end and nft table
-            subprocess.run(["ip", "netns", "del", ns], check=False, timeout=20, capture_output=True)
 
 
 @pytest.mark.timeout(60)
 def test_retransmits_rise_under_receiver_side_loss(collector: ProcCollector, lossy_link):
-    ns_s, ns_c = lossy_link
-    server = Peer("server", "10.231.0.1", 5201, netns=ns_s)
-    client = Peer("client", "10.231.0.1", 5201, netns=ns_c)
-    pids = {server.pid, client.pid}
-    try:
-        server.send("accept")
-        assert client.cmd("connect") == ["connected"]
-        assert server.read() == ["accepted"]
+    link = lossy_link
+    with Peer("server", link.receiver_addr, 5201, netns=link.receiver_ns) as server, \
+            Peer("client", link.receiver_addr, 5201, netns=link.sender_ns) as client:
+        pids = {server.pid, client.pid}
+        connect_peers(server, client)
         history = [collector.sample(pids)[client.pid].retransmits]
         n = 4_000_000
         client.send(f"send {n}")
@@ -303,9 +174,6 @@ def test_retransmits_rise_under_receiver_side_loss(collector: ProcCollector, los
         assert final[client.pid].bytes_sent == n
         assert final[server.pid].bytes_received == n
         assert final[server.pid].retransmits == 0  # the receiver sent no data
-    finally:
-        client.stop()
-        server.stop()
 
 
 @pytest.mark.timeout(60)
