@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
@@ -20,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 
 PROG = "dynamix"
@@ -27,31 +28,6 @@ PROG = "dynamix"
 
 class UsageError(ConfigurationError):
     """Bad flags; ``main`` prints the usage and exits 2."""
-
-
-def _int_in(low: int, high: int | None = None, what: str = "value"):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            bound = f"between {low} and {high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{what} {value} must be {bound}")
-        return value
-    return parse
-
-
-def _float_at_least(low: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be a finite number >= {low:g}")
-        return value
-    return parse
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -86,19 +62,19 @@ def _add_scheduler(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--port", type=_int_in(0, 65535, "port"), default=0, metavar="P", help="gRPC port (default 0: pick a free one)")
+    p.add_argument("--port", type=int_in(0, 65535, "port"), default=0, metavar="P", help="gRPC port (default 0: pick a free one)")
     p.add_argument("--port-file", type=Path, metavar="FILE", help="write the bound port to FILE (atomically) once listening")
     p.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="listen address (default 127.0.0.1; others require a token)")
     p.add_argument("--token", metavar="T", help="shared secret the workers send (default: $DYNAMIX_TOKEN)")
     p.add_argument("--policy", default="static", metavar="NAME", help="static | proportional | goodput | ppo (default static)")
     p.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
-    p.add_argument("--num-workers", type=_int_in(1, 4096, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
-    p.add_argument("--decision-interval", type=_int_in(1, what="--decision-interval"), default=10, metavar="K", help="steps between decisions (default 10)")
+    p.add_argument("--num-workers", type=int_in(1, MAX_WORKERS, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
+    p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=10, metavar="K", help="steps between decisions (default 10)")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
-    p.add_argument("--metrics-port", type=_int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
-    p.add_argument("--max-change", type=_float_at_least(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")
-    p.add_argument("--hysteresis", type=_float_at_least(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")
+    p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
+    p.add_argument("--max-change", type=float_in(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")
+    p.add_argument("--hysteresis", type=float_in(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")
     p.set_defaults(func=_run_scheduler)
 
 
@@ -192,7 +168,7 @@ def _add_agent(sub) -> None:
     p.add_argument("--job", required=True, metavar="JOB", help="job id the workers got in DYNAMIX_JOB_ID")
     p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
     p.add_argument("--monitor", choices=("auto", "ebpf", "proc", "off"), default="auto")
-    p.add_argument("--interval", type=_float_at_least(0.05), default=1.0, metavar="SECONDS",
+    p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")
     p.add_argument("--ready-file", type=Path, metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
     p.set_defaults(func=_run_agent)

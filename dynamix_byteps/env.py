@@ -22,6 +22,7 @@ ENGINES = ("gloo", "byteps")
 DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_WORKERS = 4096  # worker processes in one job (launcher, scheduler and protocol limit)
 DEFAULT_DECISION_INTERVAL = 20
 
 

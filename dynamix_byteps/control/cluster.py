@@ -15,9 +15,10 @@ import math
 import threading
 from dataclasses import dataclass, field
 
+from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.policy.base import ClusterState, WorkerState
 
-MAX_WORLD_SIZE = 4096
+MAX_WORLD_SIZE = MAX_WORKERS
 MAX_BATCH = 1 << 24  # samples; anything larger is a bug in the client, not a batch size
 MAX_HOST_LEN = 255
 MAX_NAME_LEN = 64

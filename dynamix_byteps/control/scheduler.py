@@ -40,7 +40,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from dynamix_byteps.control import dynamix_pb2
-from dynamix_byteps.control.cluster import AssignmentRecord, Cluster, Rejected, Snapshot, cluster_state
+from dynamix_byteps.control.cluster import MAX_WORLD_SIZE, AssignmentRecord, Cluster, Rejected, Snapshot, cluster_state
 from dynamix_byteps.control.security import MAX_CONCURRENT_RPCS, SERVER_OPTIONS, TokenInterceptor, grpc_address, is_loopback
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.base import Policy
@@ -225,8 +225,8 @@ class SchedulerServer:
                  run_dir: str | os.PathLike | None = None, metrics_port: int | None = None, max_threads: int = 8):
         if decision_interval < 1:
             raise ConfigurationError(f"decision_interval={decision_interval} must be >= 1")
-        if num_workers is not None and not 1 <= num_workers <= 4096:
-            raise ConfigurationError(f"num_workers={num_workers} must be between 1 and 4096")
+        if num_workers is not None and not 1 <= num_workers <= MAX_WORLD_SIZE:
+            raise ConfigurationError(f"num_workers={num_workers} must be between 1 and {MAX_WORLD_SIZE}")
         if not token and not is_loopback(bind):
             raise ConfigurationError(
                 f"binding the scheduler to {bind} makes it reachable from other hosts; "

@@ -33,8 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
-from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, WorkerEnv
+from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 
@@ -42,8 +43,6 @@ PROG = "bpslaunch"
 POLICIES = ("static", "proportional", "goodput", "ppo")
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
-MAX_SECONDS = 7 * 24 * 3600.0  # upper bound of --timeout and --grace-period (as env.MAX_TIMEOUT_S)
-MAX_WORKERS = 4096  # worker processes one bpslaunch starts; the scheduler's world-size limit
 _ENV_MODE_HINT = (
     "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
     "DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT"
@@ -57,43 +56,10 @@ class UsageError(ConfigurationError):
 # ---- argument parsing -----------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def _num_workers(text: str) -> int:
-    value = _positive_int(text)
-    if value > MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"{value} workers is more than the limit of {MAX_WORKERS}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
-    if value > MAX_SECONDS:
-        raise argparse.ArgumentTypeError(f"{text} must be at most {MAX_SECONDS:.0f} seconds (7 days)")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port number") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (1-65535)")
-    return value
+_positive_int = int_in(1)
+_num_workers = int_in(1, MAX_WORKERS, "number of workers")
+_seconds = float_in(0.0, MAX_TIMEOUT_S, low_open=True, unit=" seconds (at most 7 days)")
+_port = int_in(1, 65535, "TCP port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=_port, metavar="P",
         help="rendezvous port (local mode default: a free port on 127.0.0.1; overrides DMLC_PS_ROOT_PORT)",
     )
-    parser.add_argument("--timeout", type=_positive_float, metavar="SECONDS", help="seconds a collective waits for its peers, at most 7 days (DYNAMIX_TIMEOUT)")
+    parser.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="seconds a collective waits for its peers, at most 7 days (DYNAMIX_TIMEOUT)")
     parser.add_argument(
-        "--grace-period", type=_positive_float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+        "--grace-period", type=_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
         help=f"seconds between SIGTERM and SIGKILL when stopping workers, at most 7 days (default {DEFAULT_GRACE_S:g})",
     )
     control = parser.add_argument_group(
