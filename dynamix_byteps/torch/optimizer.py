@@ -48,6 +48,11 @@ _UNSET = -1
 _PASS_HOOK_ATTR = "_dynamix_pass_hook"
 
 
+def _squared_norm(tensor: torch.Tensor) -> float:
+    """|t|², accumulated in float64 (one reduction, not a float64 copy and its square)."""
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
+
+
 def _not_count(value) -> bool:
     return isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
 
@@ -221,7 +226,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         with round_lock, torch.no_grad():
             for p in (p for _, p in named if p.grad is None):
                 p.grad = torch.zeros_like(p)
-            local_sq = float(sum(p.grad.double().pow(2).sum() for _, p in named))
+            local_sq = sum(_squared_norm(p.grad) for _, p in named)
             table = negotiate(engine, "DistributedOptimizer step", self._step_description(named),
                               samples, int(np.float64(local_sq).view(np.int64)))
             sizes, local_sq_norms = table[:, 0], np.ascontiguousarray(table[:, 1]).view(np.float64)
@@ -232,7 +237,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for work, wire, ctx, bucket in in_flight:
                 work.wait()
                 flat = self._compression.decompress(wire, ctx)
-                global_sq += float(flat.double().pow(2).sum())
+                global_sq += _squared_norm(flat)
                 offset = 0
                 for p in bucket:
                     n = p.grad.numel()
