@@ -9,6 +9,26 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cnn_worker(batch_size: int):
+    """Join the job as a worker with one torch thread, and return what the step-time benchmarks
+    train: ``(bps, Net, x, y, loss_fn)``, the example's CNN class and one fixed synthetic batch
+    (``x`` float32 of shape (batch_size, 1, 28, 28), ``y`` int64 labels 0-9)."""
+    import torch
+
+    import dynamix_byteps.torch as bps
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from torch_fashion_mnist import Net
+
+    torch.set_num_threads(1)
+    bps.init()
+    torch.manual_seed(0)
+    x = torch.randn(batch_size, 1, 28, 28)
+    y = torch.randint(0, 10, (batch_size,))
+    return bps, Net, x, y, torch.nn.CrossEntropyLoss()
 
 
 def machine() -> dict:
@@ -23,6 +43,12 @@ def print_ns_table(results: list[dict]) -> None:
     print(f"{'case':<{width}}  {'median ns/call':>14}  {'min ns/call':>11}")
     for r in results:
         print(f"{r['case']:<{width}}  {r['ns_per_call_median']:>14.1f}  {r['ns_per_call_min']:>11.1f}")
+
+
+def report_ns_per_call(out: Path, benchmark: str, calls: int, runs: int, results: list[dict]) -> None:
+    """Print the ns/call table of ``results`` and write it with the run sizes to ``out``."""
+    print_ns_table(results)
+    write_report(out, {"benchmark": benchmark, "calls_per_run": calls, "runs": runs, "results": results})
 
 
 def write_report(out: Path, report: dict) -> None:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import print_ns_table, write_report
+from common import report_ns_per_call
 
 import numpy as np
 
@@ -150,15 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if busy:
         print(f"warning: {busy} reads gave up on a write in progress (none expected uncontended)", file=sys.stderr)
 
-    print_ns_table(results)
-
-    report = {
-        "benchmark": "mailbox_overhead",
-        "calls_per_run": args.calls,
-        "runs": args.runs,
-        "results": results,
-    }
-    write_report(args.out, report)
+    report_ns_per_call(args.out, "mailbox_overhead", args.calls, args.runs, results)
     return 0
 
 

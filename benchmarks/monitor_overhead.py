@@ -49,10 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import write_report
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
+from common import REPO, cnn_worker, write_report
 
 MODES = ("off", "proc", "ebpf")
 STEP_TARGET_PCT = 1.0
@@ -68,15 +65,7 @@ _BPF_ENABLE_STATS, _BPF_STATS_RUN_TIME = 32, 0
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
-    import dynamix_byteps.torch as bps
-    from torch_fashion_mnist import Net
-
-    torch.set_num_threads(1)
-    bps.init()
-    torch.manual_seed(0)
-    x = torch.randn(args.batch_size, 1, 28, 28)
-    y = torch.randint(0, 10, (args.batch_size,))
-    loss_fn = torch.nn.CrossEntropyLoss()
+    bps, Net, x, y, loss_fn = cnn_worker(args.batch_size)
     model = Net()
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters())

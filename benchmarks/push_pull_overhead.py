@@ -27,25 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import write_report
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
+from common import REPO, cnn_worker, write_report
 
 
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import dynamix_byteps.torch as bps
-    from torch_fashion_mnist import Net
-
-    torch.set_num_threads(1)
-    bps.init()
-    torch.manual_seed(0)
-    x = torch.randn(args.batch_size, 1, 28, 28)
-    y = torch.randint(0, 10, (args.batch_size,))
-    loss_fn = torch.nn.CrossEntropyLoss()
+    bps, Net, x, y, loss_fn = cnn_worker(args.batch_size)
 
     def hand_written(model, opt):
         opt.zero_grad()

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import print_ns_table, write_report
+from common import report_ns_per_call
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "timing_ring_overhead.json"
 
@@ -88,15 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
 
-    print_ns_table(results)
-
-    report = {
-        "benchmark": "timing_ring_overhead",
-        "calls_per_run": args.calls,
-        "runs": args.runs,
-        "results": results,
-    }
-    write_report(args.out, report)
+    report_ns_per_call(args.out, "timing_ring_overhead", args.calls, args.runs, results)
     return 0
 
 
