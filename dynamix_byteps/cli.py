@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
@@ -167,7 +168,7 @@ def _add_agent(sub) -> None:
     )
     p.add_argument("--job", required=True, metavar="JOB", help="job id the workers got in DYNAMIX_JOB_ID")
     p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
-    p.add_argument("--monitor", choices=("auto", "ebpf", "proc", "off"), default="auto")
+    p.add_argument("--monitor", choices=MONITORS, default="auto")
     p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")
     p.add_argument("--ready-file", type=Path, metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")

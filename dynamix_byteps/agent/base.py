@@ -10,6 +10,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+MONITORS = ("auto", "ebpf", "proc", "off")
+"""Values of ``--monitor``: eBPF falling back to proc, eBPF only, TCP_INFO and /proc only, none."""
+
 
 @dataclass(frozen=True)
 class ProcessNetStats:

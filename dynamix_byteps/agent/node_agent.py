@@ -26,7 +26,6 @@ from dynamix_byteps.control.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
 
-MONITORS = ("auto", "ebpf", "proc", "off")
 SHM_DIR = Path("/dev/shm")
 
 

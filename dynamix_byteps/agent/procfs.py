@@ -290,7 +290,7 @@ class ProcCollector(NetworkCollector):
             # The kernel reports IPPROTO_TCP only for AF_INET/AF_INET6 stream sockets (MPTCP is 262).
             if s.proto != socket.IPPROTO_TCP:
                 return None
-            info = parse_tcp_info(s.getsockopt(SOL_TCP, TCP_INFO, _TCPI_LEN_WANTED))
+            info = tcp_info(s)
             outq = inq = 0
             if info.state != TCP_LISTEN:
                 buf = bytearray(4)

@@ -20,11 +20,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc  # noqa: E402
+from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024
-TOKEN_METADATA_KEY = "x-dynamix-token"
 RPC_TIMEOUT_S = 2.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

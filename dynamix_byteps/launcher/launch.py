@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--scheduler-port", type=_port, metavar="P", help="scheduler's gRPC port (default: a free one)")
     control.add_argument("--bind", metavar="ADDR", help="scheduler's listen address (default 127.0.0.1; the first "
                          "of --hosts on multi-host jobs, which then need DYNAMIX_TOKEN)")
-    control.add_argument("--monitor", choices=("auto", "ebpf", "proc", "off"), default="auto",
+    control.add_argument("--monitor", choices=MONITORS, default="auto",
                          help="node agent per host with --policy: eBPF if it loads, else TCP_INFO and /proc "
                          "(auto, the default); ebpf fails when eBPF cannot load; off runs no agent")
     control.add_argument("--slowdown", action="append", default=[], type=_slowdown, metavar="RANK=FACTOR",
