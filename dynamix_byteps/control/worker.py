@@ -26,8 +26,8 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from dynamix_byteps import batching, timing
@@ -38,20 +38,40 @@ from dynamix_byteps.negotiation import negotiate, round_lock
 log = logging.getLogger(__name__)
 
 _losses_lock = threading.Lock()
-_losses: list[float] = []
+_loss_sum = 0.0  # of the losses reported since the last report (NaN/inf propagate: divergence)
+_loss_count = 0
 
 
 def report_loss(loss) -> None:
     """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler."""
+    global _loss_sum, _loss_count
     value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     with _losses_lock:
-        _losses.append(value)
+        _loss_sum += value
+        _loss_count += 1
 
 
 def _take_mean_loss() -> float | None:
+    global _loss_sum, _loss_count
     with _losses_lock:
-        values, _losses[:] = list(_losses), []
-    return float(np.mean(values)) if values else None
+        total, count, _loss_sum, _loss_count = _loss_sum, _loss_count, 0.0, 0
+    return total / count if count else None
+
+
+@dataclass
+class _IntervalSums:
+    """Sums over the steps since the last report (constant memory however long a job runs)."""
+
+    steps: int = 0
+    compute_s: float = 0.0
+    push_pull_s: float = 0.0
+    samples: int = 0
+
+    def add(self, compute_s: float, push_pull_s: float, samples: int) -> None:
+        self.steps += 1
+        self.compute_s += compute_s
+        self.push_pull_s += push_pull_s
+        self.samples += samples
 
 
 class StepMonitor:
@@ -63,9 +83,7 @@ class StepMonitor:
         self.optimizer_family = optimizer_family
         self.steps = 0
         self._last_end = time.perf_counter()
-        self._compute_s: list[float] = []
-        self._push_pull_s: list[float] = []
-        self._samples: list[int] = []
+        self._interval = _IntervalSums()
         self._scheduler_version_seen = -1
         self._client = None
         self._mailbox = None
@@ -85,13 +103,12 @@ class StepMonitor:
         """Called after every optimizer step, on every worker, with this step's local samples."""
         end = time.perf_counter()
         push_pull_s = timing.ring().end_step()["span_ns"] / 1e9
-        self._compute_s.append(max(end - self._last_end - push_pull_s, 0.0))
-        self._push_pull_s.append(push_pull_s)
-        self._samples.append(samples or 0)
+        compute_s = max(end - self._last_end - push_pull_s, 0.0)
+        self._interval.add(compute_s, push_pull_s, samples or 0)
         self._last_end = end
         self.steps += 1
         if self._mailbox is not None:
-            self._mailbox.publish_metrics(self.steps, (self._compute_s[-1], push_pull_s, samples or 0))
+            self._mailbox.publish_metrics(self.steps, (compute_s, push_pull_s, samples or 0))
         if self.env.scheduler is not None and self.steps % self.env.decision_interval == 0:
             self._report(noise)
             self._apply_newest_assignment()
@@ -100,16 +117,14 @@ class StepMonitor:
     def _report(self, noise) -> None:
         from dynamix_byteps.control import dynamix_pb2
 
-        compute = float(np.sum(self._compute_s))
-        samples = int(np.sum(self._samples))
+        iv, self._interval = self._interval, _IntervalSums()
         report = dynamix_pb2.Report(
-            rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(samples / len(self._samples)), 1),
-            compute_s=float(np.mean(self._compute_s)), push_pull_s=float(np.mean(self._push_pull_s)),
-            samples_per_s=samples / compute if compute > 0 else 0.0, loss=_take_mean_loss(),
+            rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(iv.samples / iv.steps), 1),
+            compute_s=iv.compute_s / iv.steps, push_pull_s=iv.push_pull_s / iv.steps,
+            samples_per_s=iv.samples / iv.compute_s if iv.compute_s > 0 else 0.0, loss=_take_mean_loss(),
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
             trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
         )
-        self._compute_s, self._push_pull_s, self._samples = [], [], []
         if self._client is None:
             from dynamix_byteps.control.client import SchedulerClient
 
