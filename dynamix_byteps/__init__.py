@@ -7,6 +7,9 @@ framework frontends are ``dynamix_byteps.torch`` (and, later, ``dynamix_byteps.t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.errors import (
     CommunicationError,
@@ -35,6 +38,8 @@ __all__ = [
     "rank",
     "shutdown",
     "size",
+    "step_statistics",
+    "untimed",
 ]
 
 
@@ -79,3 +84,30 @@ def local_rank() -> int:
 def local_size() -> int:
     """Number of worker processes on this node."""
     return _engine.current().local_size
+
+
+def untimed():
+    """Context manager: leave the enclosed code out of this worker's step and training times.
+
+    Wrap evaluation, checkpointing or logging between training steps in it, so the throughput
+    the batch-size policy sees (and the ``FACTOR@START-END`` straggler windows) count training
+    only. A no-op before a ``DistributedOptimizer`` exists.
+    """
+    from dynamix_byteps.control.worker import active_monitor
+
+    monitor = active_monitor()
+    return monitor.untimed() if monitor is not None else contextlib.nullcontext()
+
+
+def step_statistics():
+    """This worker's sums since its ``DistributedOptimizer`` was created.
+
+    Returns:
+        :class:`~dynamix_byteps.control.worker.StepStatistics`: ``steps``, ``samples``,
+        ``compute_s`` and ``push_pull_s`` (seconds), and ``samples_per_s``, the compute-only
+        throughput θ_i (samples/s). All zero before a ``DistributedOptimizer`` exists.
+    """
+    from dynamix_byteps.control.worker import StepStatistics, active_monitor
+
+    monitor = active_monitor()
+    return dataclasses.replace(monitor.totals) if monitor is not None else StepStatistics()

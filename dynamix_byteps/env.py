@@ -12,6 +12,7 @@ what ``python train.py`` without a launcher gives.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -58,7 +59,9 @@ class WorkerEnv:
         token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
         decision_interval: steps between reports and assignment boundaries (``DYNAMIX_DECISION_INTERVAL``).
         slowdown: straggler emulation, this worker's compute is stretched by this factor
-            (``DYNAMIX_SLOWDOWN``, >= 1; for benchmarks and tests).
+            (``DYNAMIX_SLOWDOWN``, ``FACTOR`` or ``FACTOR@START-END``, >= 1; for benchmarks and tests).
+        slowdown_window: ``(start_s, end_s)``, seconds of training (since the worker's first step,
+            untimed sections excluded) during which ``slowdown`` applies; ``(0, inf)`` = always.
     """
 
     num_nodes: int = 1
@@ -73,6 +76,7 @@ class WorkerEnv:
     token: str | None = None
     decision_interval: int = DEFAULT_DECISION_INTERVAL
     slowdown: float = 1.0
+    slowdown_window: tuple[float, float] = (0.0, math.inf)
 
     @property
     def rank(self) -> int:
@@ -111,11 +115,9 @@ class WorkerEnv:
         if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
             raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")
         try:
-            slowdown = float(env.get("DYNAMIX_SLOWDOWN") or 1.0)
-        except ValueError:
-            raise ConfigurationError(f"DYNAMIX_SLOWDOWN={env['DYNAMIX_SLOWDOWN']!r} is not a number") from None
-        if not 1.0 <= slowdown < float("inf"):
-            raise ConfigurationError(f"DYNAMIX_SLOWDOWN={slowdown} must be a factor >= 1")
+            slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
+        except ValueError as error:
+            raise ConfigurationError(f"DYNAMIX_SLOWDOWN: {error}") from None
         return cls(
             num_nodes=num_nodes,
             node_rank=node_rank,
@@ -129,4 +131,25 @@ class WorkerEnv:
             token=env.get("DYNAMIX_TOKEN") or None,
             decision_interval=_int_var(env, "DYNAMIX_DECISION_INTERVAL", DEFAULT_DECISION_INTERVAL, 1),
             slowdown=slowdown,
+            slowdown_window=slowdown_window,
         )
+
+
+def parse_slowdown(text: str) -> tuple[float, tuple[float, float]]:
+    """Parse a straggler emulation ``FACTOR`` or ``FACTOR@START-END`` (seconds of training).
+
+    Returns ``(factor, (start_s, end_s))``; without a window it is ``(0, inf)``.
+
+    Raises:
+        ValueError: not that form, ``FACTOR`` outside 1–1000, or not ``0 <= START < END``.
+    """
+    factor_text, at, window = text.strip().partition("@")
+    try:
+        factor = float(factor_text)
+        start, end = (float(x) for x in window.split("-")) if at else (0.0, math.inf)
+    except ValueError:
+        factor = start = end = math.nan
+    if not (1.0 <= factor <= 1000.0 and 0.0 <= start < end):
+        raise ValueError(f"{text!r} is not FACTOR or FACTOR@START-END with 1 <= FACTOR <= 1000 "
+                         "and 0 <= START < END seconds")
+    return factor, (start, end)

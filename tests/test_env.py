@@ -31,6 +31,10 @@ def test_global_rank_follows_byteps():
     ({"DYNAMIX_TIMEOUT": "nan"}, "DYNAMIX_TIMEOUT"),
     ({"DYNAMIX_TIMEOUT": "1e300"}, "DYNAMIX_TIMEOUT"),
     ({"DYNAMIX_SLOWDOWN": "0.5"}, "DYNAMIX_SLOWDOWN"),
+    ({"DYNAMIX_SLOWDOWN": "3@10-5"}, "DYNAMIX_SLOWDOWN"),
+    ({"DYNAMIX_SLOWDOWN": "3@-1-5"}, "DYNAMIX_SLOWDOWN"),
+    ({"DYNAMIX_SLOWDOWN": "3@5"}, "DYNAMIX_SLOWDOWN"),
+    ({"DYNAMIX_SLOWDOWN": "nan"}, "DYNAMIX_SLOWDOWN"),
     ({"DYNAMIX_SCHEDULER": "nohost"}, "DYNAMIX_SCHEDULER"),
 ])
 def test_bad_variables_are_named(variables, named):
@@ -54,3 +58,9 @@ def test_single_process_init_and_shutdown(monkeypatch):
         bps.shutdown()
     bps.shutdown()
     assert not bps.is_initialized()
+
+
+def test_slowdown_with_and_without_a_window():
+    assert WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "2.5"}).slowdown_window == (0.0, float("inf"))
+    env = WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "3@40-80.5"})
+    assert (env.slowdown, env.slowdown_window) == (3.0, (40.0, 80.5))

@@ -130,6 +130,8 @@ def env_lines(stdout: bytes) -> dict[int, dict]:
         (["--num-workers", "2", "--grace-period", "1e300", "--", "true"], b"--grace-period"),
         (["--num-workers", "4097", "--", "dynamix-no-such-command-xyz"], b"--num-workers"),
         (["--num-workers", "2", "--engine", "mpi", "--", "true"], b"--engine"),
+        (["--num-workers", "2", "--slowdown", "1=3@9-3", "--", "true"], b"--slowdown"),
+        (["--num-workers", "2", "--slowdown", "1=0.5", "--", "true"], b"--slowdown"),
         (["--num-workers", "2", "--"], b"no command"),
         (["--num-workers", "2"], b"no command"),
     ],

@@ -19,3 +19,50 @@ def test_a_non_finite_loss_makes_the_interval_non_finite():
     report_loss(1.0)
     report_loss(float("nan"))
     assert math.isnan(_take_mean_loss())
+
+
+class _OneWorker:
+    rank, size, name = 0, 1, "test"
+
+
+def _monitor(slowdown="1", steps=0):
+    from dynamix_byteps.control.worker import StepMonitor
+    from dynamix_byteps.env import WorkerEnv
+
+    monitor = StepMonitor(_OneWorker(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")
+    for _ in range(steps):
+        monitor.before_aggregation()
+        monitor.after_step(8, None)
+    return monitor
+
+
+def test_untimed_sections_are_left_out_of_compute_and_training_time():
+    import time
+
+    import dynamix_byteps as bps
+
+    monitor = _monitor(steps=1)
+    with bps.untimed():
+        time.sleep(0.3)
+    monitor.before_aggregation()
+    monitor.after_step(8, None)
+    stats = bps.step_statistics()
+    assert (stats.steps, stats.samples) == (2, 16)
+    assert stats.compute_s < 0.2  # the 0.3 s inside untimed() is not compute
+    assert monitor.training_seconds() < 0.2
+    assert stats.samples_per_s == stats.samples / stats.compute_s
+
+
+def test_slowdown_applies_only_inside_its_window():
+    import time
+
+    def one_step(slowdown):
+        monitor = _monitor(slowdown)
+        time.sleep(0.01)
+        monitor.before_aggregation()
+        monitor.after_step(8, None)
+        return monitor
+
+    inside, outside = one_step("50@0-1000"), one_step("50@1000-2000")
+    # 50x of >= 10 ms of compute is >= 0.5 s inside the window, nothing added outside it
+    assert inside.totals.compute_s >= 0.5 > outside.totals.compute_s

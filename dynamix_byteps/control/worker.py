@@ -20,6 +20,7 @@ grows in proportion to its batch. It is an emulation for benchmarks and tests.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -59,8 +60,16 @@ def _take_mean_loss() -> float | None:
 
 
 @dataclass
-class _IntervalSums:
-    """Sums over the steps since the last report (constant memory however long a job runs)."""
+class StepStatistics:
+    """Sums over steps of one worker: since the last report, or since the job started.
+
+    Attributes:
+        steps: optimizer steps.
+        compute_s: seconds computing (forward, backward, data loading, straggler emulation),
+            without push_pull and without :func:`untimed` sections.
+        push_pull_s: seconds in gradient aggregation.
+        samples: local samples trained on.
+    """
 
     steps: int = 0
     compute_s: float = 0.0
@@ -73,6 +82,19 @@ class _IntervalSums:
         self.push_pull_s += push_pull_s
         self.samples += samples
 
+    @property
+    def samples_per_s(self) -> float:
+        """Compute-only throughput θ_i = samples / compute_s (samples/s); 0 before any compute."""
+        return self.samples / self.compute_s if self.compute_s > 0 else 0.0
+
+
+_active: StepMonitor | None = None
+
+
+def active_monitor() -> StepMonitor | None:
+    """The step monitor of this process's ``DistributedOptimizer``, None before one exists."""
+    return _active
+
 
 class StepMonitor:
     """Per-step timing and the decision boundary of one worker (see the module docstring)."""
@@ -82,8 +104,10 @@ class StepMonitor:
         self.env = env
         self.optimizer_family = optimizer_family
         self.steps = 0
-        self._last_end = time.perf_counter()
-        self._interval = _IntervalSums()
+        self._start = self._last_end = time.perf_counter()
+        self._untimed_s = 0.0
+        self._interval = StepStatistics()
+        self.totals = StepStatistics()
         self._scheduler_version_seen = -1
         self._client = None
         self._mailbox = None
@@ -93,10 +117,28 @@ class StepMonitor:
 
             self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
         timing.ring().end_step()
+        global _active
+        _active = self
+
+    def training_seconds(self) -> float:
+        """Seconds since this monitor started, without :meth:`untimed` sections."""
+        return time.perf_counter() - self._start - self._untimed_s
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Leave the enclosed code (evaluation, checkpointing) out of step and training times."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - begin
+            self._last_end += spent
+            self._untimed_s += spent
 
     def before_aggregation(self) -> None:
         """Called when the gradients are ready; applies the straggler emulation."""
-        if self.env.slowdown > 1.0:
+        start, end = self.env.slowdown_window
+        if self.env.slowdown > 1.0 and start <= self.training_seconds() < end:
             time.sleep((self.env.slowdown - 1.0) * (time.perf_counter() - self._last_end))
 
     def after_step(self, samples: int | None, noise) -> None:
@@ -105,6 +147,7 @@ class StepMonitor:
         push_pull_s = timing.ring().end_step()["span_ns"] / 1e9
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
         self._interval.add(compute_s, push_pull_s, samples or 0)
+        self.totals.add(compute_s, push_pull_s, samples or 0)
         self._last_end = end
         self.steps += 1
         if self._mailbox is not None:
@@ -117,11 +160,11 @@ class StepMonitor:
     def _report(self, noise) -> None:
         from dynamix_byteps.control import dynamix_pb2
 
-        iv, self._interval = self._interval, _IntervalSums()
+        iv, self._interval = self._interval, StepStatistics()
         report = dynamix_pb2.Report(
             rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(iv.samples / iv.steps), 1),
             compute_s=iv.compute_s / iv.steps, push_pull_s=iv.push_pull_s / iv.steps,
-            samples_per_s=iv.samples / iv.compute_s if iv.compute_s > 0 else 0.0, loss=_take_mean_loss(),
+            samples_per_s=iv.samples_per_s, loss=_take_mean_loss(),
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
             trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
         )

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
-from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv
+from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 
@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--monitor", choices=MONITORS, default="auto",
                          help="node agent per host with --policy: eBPF if it loads, else TCP_INFO and /proc "
                          "(auto, the default); ebpf fails when eBPF cannot load; off runs no agent")
-    control.add_argument("--slowdown", action="append", default=[], type=_slowdown, metavar="RANK=FACTOR",
-                         help="emulate a straggler: stretch RANK's compute time by FACTOR >= 1 (repeatable; "
-                         "for benchmarks and tests)")
+    control.add_argument("--slowdown", action="append", default=[], type=_slowdown, metavar="RANK=FACTOR[@START-END]",
+                         help="emulate a straggler: stretch RANK's compute time by FACTOR >= 1, optionally only "
+                         "from START to END seconds of training (repeatable; for benchmarks and tests)")
     multi = parser.add_argument_group("several machines (run bpslaunch once per host)")
     multi.add_argument("--hosts", type=_hosts, metavar="H0,H1,...",
                        help="the worker hosts; H0 runs rank 0's rendezvous and the scheduler (needs --port)")
@@ -140,15 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _slowdown(text: str) -> tuple[int, float]:
-    rank, sep, factor = text.partition("=")
+def _slowdown(text: str) -> tuple[int, str]:
+    rank, sep, spec = text.partition("=")
     try:
-        parsed = int(rank), float(factor)
+        parse_slowdown(spec)
+        parsed = int(rank)
     except ValueError:
-        parsed = None
-    if not sep or parsed is None or parsed[0] < 0 or not 1.0 <= parsed[1] <= 1000.0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not RANK=FACTOR with a rank >= 0 and 1 <= FACTOR <= 1000")
-    return parsed
+        parsed = -1
+    if not sep or parsed < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not RANK=FACTOR or RANK=FACTOR@START-END with a rank >= 0, 1 <= FACTOR <= 1000 "
+            "and 0 <= START < END seconds of training")
+    return parsed, spec
 
 
 def _hosts(text: str) -> list[str]:
@@ -289,7 +292,7 @@ def worker_specs(
         child_env = dict(base, BYTEPS_LOCAL_RANK=str(local_rank))
         rank = node_rank * local_size + local_rank
         if rank in slowdowns:
-            child_env["DYNAMIX_SLOWDOWN"] = repr(slowdowns[rank])
+            child_env["DYNAMIX_SLOWDOWN"] = slowdowns[rank]
         try:
             WorkerEnv.from_environ(child_env)  # the contract a worker will read
         except ConfigurationError as error:

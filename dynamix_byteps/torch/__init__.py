@@ -7,7 +7,17 @@ gradient by its batch, scales the learning rate with the global batch and estima
 gradient noise scale; the default engine is gloo (CPU, no servers).
 """
 
-from dynamix_byteps import init, is_initialized, local_rank, local_size, rank, shutdown, size
+from dynamix_byteps import (
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    step_statistics,
+    untimed,
+)
 from dynamix_byteps.batching import gradient_noise_scale, gradient_statistics, set_batch_sizes
 from dynamix_byteps.control.worker import report_loss
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
@@ -51,5 +61,7 @@ __all__ = [
     "set_batch_sizes",
     "shutdown",
     "size",
+    "step_statistics",
     "synchronize",
+    "untimed",
 ]
