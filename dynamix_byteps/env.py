@@ -6,6 +6,12 @@ BytePS names the cluster with ``DMLC_*`` variables: ``DMLC_NUM_WORKER`` worker *
 processes with ``BYTEPS_LOCAL_RANK`` 0..local_size-1. As in BytePS, the global rank is
 ``worker_id * local_size + local_rank`` and the size is ``num_worker * local_size``.
 
+Hosts with different numbers of workers (``bpslaunch --hosts H0:3,H1:1``) cannot use that
+formula, so ``bpslaunch`` also sets ``DYNAMIX_RANK_OFFSET`` (the global rank of this node's
+local rank 0) and ``DYNAMIX_SIZE`` (workers in the job); when both are set, the global rank is
+``rank_offset + local_rank`` and the size is ``DYNAMIX_SIZE``. BytePS's environment mode sets
+neither and keeps BytePS's formula.
+
 A process started with none of these variables is a single worker (rank 0 of 1), which is
 what ``python train.py`` without a launcher gives.
 """
@@ -62,6 +68,10 @@ class WorkerEnv:
             (``DYNAMIX_SLOWDOWN``, ``FACTOR`` or ``FACTOR@START-END``, >= 1; for benchmarks and tests).
         slowdown_window: ``(start_s, end_s)``, seconds of training (since the worker's first step,
             untimed sections excluded) during which ``slowdown`` applies; ``(0, inf)`` = always.
+        rank_offset: global rank of this node's local rank 0 (``DYNAMIX_RANK_OFFSET``), for
+            nodes with different numbers of workers; None = BytePS's ``node_rank * local_size``.
+        world_size: workers in the job (``DYNAMIX_SIZE``), set together with ``rank_offset``;
+            None = BytePS's ``num_nodes * local_size``.
     """
 
     num_nodes: int = 1
@@ -77,14 +87,18 @@ class WorkerEnv:
     decision_interval: int = DEFAULT_DECISION_INTERVAL
     slowdown: float = 1.0
     slowdown_window: tuple[float, float] = (0.0, math.inf)
+    rank_offset: int | None = None
+    world_size: int | None = None
 
     @property
     def rank(self) -> int:
+        if self.rank_offset is not None:
+            return self.rank_offset + self.local_rank
         return self.node_rank * self.local_size + self.local_rank
 
     @property
     def size(self) -> int:
-        return self.num_nodes * self.local_size
+        return self.world_size if self.world_size is not None else self.num_nodes * self.local_size
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -98,7 +112,8 @@ class WorkerEnv:
             raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
         if local_rank >= local_size:
             raise ConfigurationError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
-        distributed = num_nodes * local_size > 1
+        rank_offset, world_size = _rank_layout(env, local_size)
+        distributed = (world_size or num_nodes * local_size) > 1
         root_port = _int_var(env, "DMLC_PS_ROOT_PORT", None if distributed else 0, 0) or None
         if root_port is not None and root_port > 65535:
             raise ConfigurationError(f"DMLC_PS_ROOT_PORT={root_port} is not a TCP port (1-65535)")
@@ -132,7 +147,27 @@ class WorkerEnv:
             decision_interval=_int_var(env, "DYNAMIX_DECISION_INTERVAL", DEFAULT_DECISION_INTERVAL, 1),
             slowdown=slowdown,
             slowdown_window=slowdown_window,
+            rank_offset=rank_offset,
+            world_size=world_size,
         )
+
+
+def _rank_layout(env: Mapping[str, str], local_size: int) -> tuple[int | None, int | None]:
+    """``(DYNAMIX_RANK_OFFSET, DYNAMIX_SIZE)``, both or neither, with this node's ranks inside the job."""
+    if not env.get("DYNAMIX_RANK_OFFSET") and not env.get("DYNAMIX_SIZE"):
+        return None, None
+    for name in ("DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE"):
+        if not env.get(name):
+            raise ConfigurationError(f"environment variable {name} is not set; DYNAMIX_RANK_OFFSET and DYNAMIX_SIZE "
+                                     "go together (bpslaunch sets both): set both or neither")
+    rank_offset = _int_var(env, "DYNAMIX_RANK_OFFSET", None, 0)
+    world_size = _int_var(env, "DYNAMIX_SIZE", None, 1)
+    if world_size > MAX_WORKERS:
+        raise ConfigurationError(f"DYNAMIX_SIZE={world_size} must be <= {MAX_WORKERS}")
+    if rank_offset + local_size > world_size:
+        raise ConfigurationError(f"DYNAMIX_RANK_OFFSET={rank_offset} + BYTEPS_LOCAL_SIZE={local_size} must be "
+                                 f"<= DYNAMIX_SIZE={world_size}: this node's ranks must lie inside the job")
+    return rank_offset, world_size
 
 
 def parse_slowdown(text: str) -> tuple[float, tuple[float, float]]:

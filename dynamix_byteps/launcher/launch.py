@@ -5,6 +5,12 @@ Local mode, one machine, N workers (global ranks 0..N-1)::
     bpslaunch --num-workers 4 -- python train.py --epochs 3
     bpslaunch --num-workers 2 --engine gloo --batch-size 64 --log-dir runs/a -- python train.py
 
+Several hosts, one ``bpslaunch`` on each, with this host's ``--node-rank``; ``H:S`` gives host H
+S workers, ranks in host order (here 0-2 on h0, 3 on h1)::
+
+    bpslaunch --hosts h0:3,h1:1 --node-rank 0 --port 29500 -- python train.py    # on h0
+    bpslaunch --hosts h0:3,h1:1 --node-rank 1 --port 29500 -- python train.py    # on h1
+
 BytePS environment mode, when ``--num-workers`` is not given: the ``DMLC_*`` variables name
 the cluster exactly as for BytePS's own ``bpslaunch``::
 
@@ -30,8 +36,11 @@ import shutil
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
+
+import psutil
 
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
@@ -86,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
             "each worker gets DMLC_ROLE, DMLC_NUM_WORKER, DMLC_WORKER_ID, BYTEPS_LOCAL_SIZE,\n"
             "BYTEPS_LOCAL_RANK, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT, DYNAMIX_ENGINE and, when\n"
             "given, DYNAMIX_BATCH_SIZE, DYNAMIX_LOG_DIR, DYNAMIX_TIMEOUT. Global rank =\n"
-            "DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK.\n\n"
+            "DMLC_WORKER_ID * BYTEPS_LOCAL_SIZE + BYTEPS_LOCAL_RANK in environment mode; bpslaunch's\n"
+            "own modes also set DYNAMIX_RANK_OFFSET and DYNAMIX_SIZE: global rank =\n"
+            "DYNAMIX_RANK_OFFSET + BYTEPS_LOCAL_RANK, of DYNAMIX_SIZE workers.\n\n"
             "exit status: 0 if every worker succeeds; else the first worker's non-zero code;\n"
             "2 bad usage or environment; 127 command not found; 128+N on signal N."
         ),
@@ -133,8 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="emulate a straggler: stretch RANK's compute time by FACTOR >= 1, optionally only "
                          "from START to END seconds of training (repeatable; for benchmarks and tests)")
     multi = parser.add_argument_group("several machines (run bpslaunch once per host)")
-    multi.add_argument("--hosts", type=_hosts, metavar="H0,H1,...",
-                       help="the worker hosts; H0 runs rank 0's rendezvous and the scheduler (needs --port)")
+    multi.add_argument("--hosts", type=_hosts, metavar="H0[:S0],H1[:S1],...",
+                       help="the worker hosts, each with --num-workers workers, or S0, S1, ... workers when "
+                       "given (ranks in host order: H0 gets 0..S0-1); H0 runs rank 0's rendezvous and the "
+                       "scheduler (needs --port); gloo binds to the interface that reaches H0 unless "
+                       "GLOO_SOCKET_IFNAME names one")
     multi.add_argument("--node-rank", type=int, metavar="I", help="this host's index in --hosts")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
     return parser
@@ -154,10 +168,21 @@ def _slowdown(text: str) -> tuple[int, str]:
     return parsed, spec
 
 
-def _hosts(text: str) -> list[str]:
-    hosts = [h.strip() for h in text.split(",")]
-    if not all(hosts):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hosts")
+def _hosts(text: str) -> list[tuple[str, int | None]]:
+    """``H0,H1`` -> ``[(H0, None), (H1, None)]``; ``H0:3,H1:1`` -> ``[(H0, 3), (H1, 1)]`` (slots per host)."""
+    hosts = []
+    for item in (h.strip() for h in text.split(",")):
+        name, sep, slots = item.rpartition(":")
+        if not sep or ":" in name:  # no slots (an IPv6 address has colons of its own)
+            name, slots = item, None
+        elif not slots.isdigit() or int(slots) < 1:
+            raise argparse.ArgumentTypeError(f"host {item!r}: the slots after ':' must be a number of workers >= 1")
+        if not name:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hosts H or H:SLOTS")
+        hosts.append((name, None if slots is None else int(slots)))
+    if len({slots is None for _, slots in hosts}) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r} gives slots for some hosts only; give H:SLOTS for every host, "
+                                         "or none and --num-workers per host")
     return hosts
 
 
@@ -251,8 +276,14 @@ def worker_specs(
     root_port: int,
     notes: list[str],
     scheduler: str | None = None,
+    rank_offset: int | None = None,
+    world_size: int | None = None,
 ) -> list[ChildSpec]:
-    """One :class:`ChildSpec` per local worker, with the environment contract filled in."""
+    """One :class:`ChildSpec` per local worker, with the environment contract filled in.
+
+    ``rank_offset``/``world_size`` (local mode) number the workers ``rank_offset + local_rank``
+    of ``world_size`` (``DYNAMIX_RANK_OFFSET``, ``DYNAMIX_SIZE``); None keeps BytePS's formula.
+    """
     if engine == "byteps":
         _require_byteps("worker")
     base = dict(env)
@@ -266,6 +297,10 @@ def worker_specs(
         DYNAMIX_ENGINE=engine,
         PYTHONUNBUFFERED="1",
     )
+    for variable in ("DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE"):
+        base.pop(variable, None)
+    if rank_offset is not None:
+        base.update(DYNAMIX_RANK_OFFSET=str(rank_offset), DYNAMIX_SIZE=str(world_size))
     if args.batch_size is not None:
         base["DYNAMIX_BATCH_SIZE"] = str(args.batch_size)
     if args.timeout is not None:
@@ -290,7 +325,7 @@ def worker_specs(
     specs = []
     for local_rank in range(local_size):
         child_env = dict(base, BYTEPS_LOCAL_RANK=str(local_rank))
-        rank = node_rank * local_size + local_rank
+        rank = (node_rank * local_size if rank_offset is None else rank_offset) + local_rank
         if rank in slowdowns:
             child_env["DYNAMIX_SLOWDOWN"] = slowdowns[rank]
         try:
@@ -308,17 +343,24 @@ def _require_command(args: argparse.Namespace) -> None:
 
 
 def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
-    """``--num-workers N``: N workers on this machine (and, with ``--hosts``, on each host);
-    with ``--policy``, the scheduler first, on node 0."""
+    """``--num-workers N``: N workers on this machine (and, with ``--hosts``, on each host, or
+    the host's slots of ``--hosts H:S,...``); with ``--policy``, the scheduler first, on node 0."""
     _require_command(args)
     engine = _engine(args, env)
-    hosts, node_rank = _topology(args)
+    topology = _topology(args)
+    hosts, node_rank, total = topology.hosts, topology.node_rank, topology.size
     if len(hosts) > 1 and args.port is None:
         raise UsageError("--hosts needs --port: every host must use the same rendezvous port")
+    if engine == "byteps" and len(set(topology.slots)) > 1:
+        raise UsageError("--hosts with different slots per host needs --engine gloo: BytePS numbers ranks as "
+                         "node_rank * local_size + local_rank, which needs the same number of workers on every host")
     if node_rank == 0 and args.port is not None:
         _check_port_free(args.port, hosts[0] if len(hosts) > 1 else LOCAL_HOST)
     port = args.port if args.port is not None else _free_port()
-    total = len(hosts) * args.num_workers
+    if len(hosts) > 1 and engine == "gloo" and not env.get("GLOO_SOCKET_IFNAME"):
+        env = dict(env, GLOO_SOCKET_IFNAME=_interface_towards(hosts[0]))
+        notes.append(f"gloo binds to {env['GLOO_SOCKET_IFNAME']}, the interface that reaches {hosts[0]}; "
+                     "set GLOO_SOCKET_IFNAME to choose another")
     _check_bounds(args, total)
     for rank, _ in args.slowdown:
         if rank >= total:
@@ -327,8 +369,9 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
     if scheduler is not None and args.monitor != "off":
         services.append(_agent_spec(args, env, scheduler, port, _run_dir(args)))
     return services + worker_specs(
-        args, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=args.num_workers,
+        args, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=topology.local_size,
         root_addr=hosts[0] if len(hosts) > 1 else LOCAL_HOST, root_port=port, notes=notes, scheduler=scheduler,
+        rank_offset=topology.rank_offset, world_size=total,
     )
 
 
@@ -378,14 +421,71 @@ def _agent_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler: str
                      service=True, ready_file=ready)
 
 
-def _topology(args: argparse.Namespace) -> tuple[list[str], int]:
+@dataclass(frozen=True)
+class Topology:
+    """The job's hosts, this host's index among them, and the workers on each (ranks in host order)."""
+
+    hosts: list[str]
+    slots: list[int]
+    node_rank: int
+
+    @property
+    def local_size(self) -> int:
+        return self.slots[self.node_rank]
+
+    @property
+    def rank_offset(self) -> int:
+        """Global rank of this host's first worker: the workers on the hosts before it."""
+        return sum(self.slots[: self.node_rank])
+
+    @property
+    def size(self) -> int:
+        return sum(self.slots)
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    """Hosts and slots from ``--hosts``/``--node-rank``/``--num-workers``; raises UsageError when they disagree."""
     if args.hosts is None:
         if args.node_rank not in (None, 0):
             raise UsageError("--node-rank needs --hosts")
-        return [LOCAL_HOST], 0
-    if args.node_rank is None or not 0 <= args.node_rank < len(args.hosts):
-        raise UsageError(f"--hosts names {len(args.hosts)} hosts; give this host's --node-rank in 0..{len(args.hosts) - 1}")
-    return args.hosts, args.node_rank
+        return Topology([LOCAL_HOST], [args.num_workers], 0)
+    hosts = [name for name, _ in args.hosts]
+    if args.node_rank is None or not 0 <= args.node_rank < len(hosts):
+        raise UsageError(f"--hosts names {len(hosts)} hosts; give this host's --node-rank in 0..{len(hosts) - 1}")
+    slots = [n for _, n in args.hosts]
+    if slots[0] is None:
+        if args.num_workers is None:
+            raise UsageError("--hosts H0,H1,... needs --num-workers N (workers on each host), or give each host "
+                             "its workers as --hosts H0:S0,H1:S1,...")
+        slots = [args.num_workers] * len(hosts)
+    elif args.num_workers not in (None, slots[args.node_rank]):
+        raise UsageError(f"--num-workers {args.num_workers} disagrees with --hosts, which gives this host "
+                         f"(--node-rank {args.node_rank}) {slots[args.node_rank]} workers; omit --num-workers")
+    if sum(slots) > MAX_WORKERS:
+        raise UsageError(f"--hosts gives {sum(slots)} workers in all; a job has at most {MAX_WORKERS}")
+    return Topology(hosts, slots, args.node_rank)
+
+
+def _interface_towards(host: str) -> str:
+    """The name of this machine's network interface that carries traffic to ``host`` (IPv4).
+
+    gloo binds its sockets to one interface; by default it resolves this machine's hostname,
+    which is often 127.0.0.1 and unreachable from other hosts. Raises UsageError when ``host``
+    does not resolve or no interface holds the source address the kernel picks for it.
+    """
+    try:
+        address = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # a UDP connect sends nothing; it only chooses the route
+            source = probe.getsockname()[0]
+    except OSError as error:
+        raise UsageError(f"argument --hosts: cannot find a route to {host} ({error}); set GLOO_SOCKET_IFNAME to "
+                         "the network interface that reaches it") from None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == source for a in addresses):
+            return name
+    raise UsageError(f"argument --hosts: no network interface holds {source}, this machine's address towards "
+                     f"{host}; set GLOO_SOCKET_IFNAME to the interface that reaches it")
 
 
 def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: list[str], node_rank: int,
@@ -430,8 +530,8 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
     Returns an empty list when this role needs no process (server/scheduler with gloo).
     Raises :class:`UsageError` naming the first missing or invalid variable.
     """
-    if args.policy is not None or args.hosts is not None:
-        raise UsageError("--policy and --hosts need --num-workers; BytePS environment mode runs workers only")
+    if args.policy is not None:
+        raise UsageError("--policy needs --num-workers or --hosts; BytePS environment mode runs workers only")
     role = env.get("DMLC_ROLE", "").strip()
     if not role:
         raise UsageError(f"environment variable DMLC_ROLE is not set; {_ENV_MODE_HINT}")
@@ -517,7 +617,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser) -> int:
     notes: list[str] = []
     try:
-        specs = local_mode(args, env, notes) if args.num_workers is not None else env_mode(args, env, notes)
+        local = args.num_workers is not None or args.hosts is not None
+        specs = local_mode(args, env, notes) if local else env_mode(args, env, notes)
         if specs and args.log_dir is not None:
             _prepare_log_files(args.log_dir, specs)
     except UsageError as error:

@@ -1,0 +1,170 @@
+"""``bpslaunch --hosts H:S,...``: parsing, rank assignment in host order, the DYNAMIX_RANK_OFFSET /
+DYNAMIX_SIZE contract read by WorkerEnv, and one real two-launcher gloo job on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from multiworker import free_port
+
+from dynamix_byteps.env import MAX_WORKERS, WorkerEnv
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.launcher import launch
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_WORKER = str(REPO / "tests" / "scripts" / "rank_worker.py")
+
+
+def specs_for(argv: list[str], env: dict[str, str] | None = None) -> tuple[list, list[str]]:
+    """The ChildSpecs bpslaunch would start for ``argv`` (nothing is started), and its notes."""
+    args = launch.parse_args(argv)
+    notes: list[str] = []
+    return launch.local_mode(args, dict(env or {}), notes), notes
+
+
+def worker_envs(specs) -> dict[int, WorkerEnv]:
+    return {int(s.label): WorkerEnv.from_environ(s.env) for s in specs if not s.service}
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("a,b", [("a", None), ("b", None)]),
+    ("a:3,b:1", [("a", 3), ("b", 1)]),
+    (" 10.0.0.1:2 , h-2.example:7 ", [("10.0.0.1", 2), ("h-2.example", 7)]),
+    ("fe80::1,fe80::2", [("fe80::1", None), ("fe80::2", None)]),
+])
+def test_hosts_parse(text, hosts):
+    assert launch._hosts(text) == hosts
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("a:0,b:1", "slots after ':'"),
+    ("a:x,b:1", "slots after ':'"),
+    ("a:-1", "slots after ':'"),
+    ("a:3,b", "slots for some hosts only"),
+    ("a,,b", "comma-separated"),
+    (":3", "comma-separated"),
+])
+def test_bad_hosts_are_refused(text, needle):
+    with pytest.raises(Exception, match=needle):
+        launch._hosts(text)
+
+
+@pytest.mark.parametrize("slots, node_rank, ranks", [
+    ((3, 1), 0, [0, 1, 2]),
+    ((3, 1), 1, [3]),
+    ((1, 2, 3), 1, [1, 2]),
+    ((1, 2, 3), 2, [3, 4, 5]),
+])
+def test_ranks_follow_host_order(slots, node_rank, ranks):
+    hosts = ",".join(f"127.0.0.1:{s}" for s in slots)
+    specs, _ = specs_for(["--hosts", hosts, "--node-rank", str(node_rank), "--port", str(free_port()), "--", "true"])
+    envs = worker_envs(specs)
+    assert sorted(envs) == ranks
+    for rank, env in envs.items():
+        assert (env.rank, env.size) == (rank, sum(slots))
+        assert (env.local_size, env.local_rank) == (slots[node_rank], rank - ranks[0])
+        assert (env.num_nodes, env.node_rank, env.root_addr) == (len(slots), node_rank, "127.0.0.1")
+
+
+def test_plain_hosts_keep_num_workers_per_host():
+    specs, notes = specs_for(["--hosts", "127.0.0.1,127.0.0.1", "--node-rank", "1", "-n", "2",
+                              "--port", str(free_port()), "--", "true"])
+    envs = worker_envs(specs)
+    assert {r: (e.rank, e.size) for r, e in envs.items()} == {2: (2, 4), 3: (3, 4)}
+    assert all(s.env["GLOO_SOCKET_IFNAME"] == "lo" for s in specs)
+    assert any("GLOO_SOCKET_IFNAME" in n for n in notes)
+
+
+def test_agreeing_num_workers_and_user_interface_are_kept():
+    specs, notes = specs_for(["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "-n", "1",
+                              "--port", str(free_port()), "--", "true"], {"GLOO_SOCKET_IFNAME": "eth7"})
+    assert [s.label for s in specs] == ["3"]
+    assert specs[0].env["GLOO_SOCKET_IFNAME"] == "eth7" and not any("GLOO" in n for n in notes)
+
+
+def test_single_host_sets_the_same_contract():
+    specs, _ = specs_for(["-n", "2", "--", "true"])
+    assert [(s.env["DYNAMIX_RANK_OFFSET"], s.env["DYNAMIX_SIZE"]) for s in specs] == [("0", "2")] * 2
+    assert "GLOO_SOCKET_IFNAME" not in specs[0].env
+
+
+def test_slowdown_and_bounds_use_the_uneven_total():
+    specs, _ = specs_for(["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--port", str(free_port()),
+                          "--slowdown", "3=2", "--max-batch", "8,8,8,4", "--", "true"])
+    assert specs[0].env["DYNAMIX_SLOWDOWN"].startswith("2")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "-n", "2"], b"--num-workers 2 disagrees"),
+    (["--hosts", "127.0.0.1,127.0.0.1", "--node-rank", "1"], b"needs --num-workers"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "2"], b"--node-rank in 0..1"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1"], b"--node-rank in 0..1"),
+    (["--hosts", f"127.0.0.1:{MAX_WORKERS},127.0.0.1:1", "--node-rank", "1"], b"at most 4096"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:0", "--node-rank", "1"], b"slots after ':'"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--slowdown", "4=2"], b"rank 4 is not in this job of 4"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--engine", "byteps"], b"needs --engine gloo"),
+    (["--hosts", "no-such-host.invalid:3,127.0.0.1:1", "--node-rank", "1"], b"GLOO_SOCKET_IFNAME"),
+])
+def test_bad_slots_exit_2_naming_the_problem(extra, needle):
+    proc = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", *extra, "--port", str(free_port()),
+                           "--", "true"], check=False, capture_output=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "DYNAMIX_", "GLOO_"))})
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and b"usage: bpslaunch" in proc.stderr
+
+
+@pytest.mark.parametrize("variables, named", [
+    ({"DYNAMIX_RANK_OFFSET": "1"}, "DYNAMIX_SIZE"),
+    ({"DYNAMIX_SIZE": "4"}, "DYNAMIX_RANK_OFFSET"),
+    ({"DYNAMIX_RANK_OFFSET": "-1", "DYNAMIX_SIZE": "4"}, "DYNAMIX_RANK_OFFSET"),
+    ({"DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4", "BYTEPS_LOCAL_SIZE": "2"}, "DYNAMIX_RANK_OFFSET=3"),
+    ({"DYNAMIX_RANK_OFFSET": "0", "DYNAMIX_SIZE": str(MAX_WORKERS + 1)}, "DYNAMIX_SIZE"),
+])
+def test_bad_rank_layout_is_named(variables, named):
+    with pytest.raises(ConfigurationError, match=named):
+        WorkerEnv.from_environ({"DMLC_PS_ROOT_PORT": "1234", **variables})
+
+
+def test_rank_offset_overrides_the_byteps_formula():
+    env = WorkerEnv.from_environ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "1",
+                                  "BYTEPS_LOCAL_RANK": "0", "DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4",
+                                  "DMLC_PS_ROOT_PORT": "1234"})
+    assert (env.rank, env.size) == (3, 4)
+
+
+def test_env_mode_drops_a_stale_rank_offset():
+    """BytePS's environment mode keeps BytePS's formula even if the caller's environment has our variables."""
+    args = launch.parse_args(["--", "true"])
+    env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": "1234", "BYTEPS_LOCAL_SIZE": "2", "DYNAMIX_RANK_OFFSET": "0", "DYNAMIX_SIZE": "9"}
+    envs = worker_envs(launch.env_mode(args, env, []))
+    assert {r: (e.rank, e.size) for r, e in envs.items()} == {2: (2, 4), 3: (3, 4)}
+
+
+@pytest.mark.timeout(240)
+def test_two_launchers_with_uneven_slots_run_one_gloo_job(tmp_path):
+    """3 + 1 workers from two bpslaunch invocations on loopback: every rank 0..3 once, one all-reduce."""
+    common = ["--hosts", "127.0.0.1:3,127.0.0.1:1", "--port", str(free_port()), "--timeout", "120"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "DYNAMIX_", "GLOO_"))}
+    procs = [subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", *common, "--node-rank", str(i), "--",
+                               sys.executable, RANK_WORKER, str(tmp_path)], env=env, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=220)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert [r["local_rank"] for r in results] == [0, 1, 2, 0]
+    assert all(r["rank_sum"] == 0 + 1 + 2 + 3 for r in results)
