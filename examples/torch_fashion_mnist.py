@@ -5,6 +5,8 @@
 
     bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py \
         --batch-size 32,48,80,96 --batch-schedule "100:64"      # per-worker batches
+    bpslaunch -n 4 --policy proportional -- python examples/torch_fashion_mnist.py \
+        --time-budget 120 --eval-every 15 --output run.json     # accuracy against training time
 
 Porting a byteps.torch script means changing one import. ``DynamicBatchSampler`` gives each
 worker its own batch size (changeable at any step with ``bps.set_batch_sizes``); gradients are
@@ -30,7 +32,7 @@ MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0
 
 
 class Net(nn.Module):
-    """conv32-pool-conv64-pool-fc128-fc10 (421,642 parameters)."""
+    """conv32-pool-conv64-pool-fc128-fc10 (421,642 parameters); ``--model cnn``."""
 
     def __init__(self):
         super().__init__()
@@ -45,6 +47,40 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 conv-BN layers with an identity (or 1x1 strided) shortcut (He et al. 2016)."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet8(nn.Module):
+    """ResNet-8 for 28x28 inputs: conv16, three basic blocks (16, 32, 64 channels), fc10 (77,754 parameters); ``--model resnet8``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.blocks = nn.Sequential(BasicBlock(16, 16, 1), BasicBlock(16, 32, 2), BasicBlock(32, 64, 2))
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1).flatten(1))
+
+
+MODELS = {"cnn": Net, "resnet8": ResNet8}
+
+
 def to_tensors(images, labels):
     """uint8 (N, 28, 28) -> float (N, 1, 28, 28), normalised; int64 labels."""
     x = torch.from_numpy(images).unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
@@ -53,7 +89,12 @@ def to_tensors(images, labels):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2, help="epochs to train (with --time-budget: at most)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this many seconds of training (evaluation not counted)")
+    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
+                   help="also evaluate on the test set every this many seconds of training")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or "64",
                    help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
                         "(default: $DYNAMIX_BATCH_SIZE or 64)")
@@ -70,6 +111,37 @@ def parse_args():
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
     p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
     return p.parse_args()
+
+
+def evaluate(model, test_x, test_y, rank, size):
+    """Test loss and accuracy: each worker scores every size-th image, the sums cover all once."""
+    model.eval()
+    stats = torch.zeros(3, dtype=torch.float64)  # [sum of losses, correct, samples]
+    with torch.no_grad():
+        for x, y in zip(test_x[rank::size].split(1000), test_y[rank::size].split(1000)):
+            out = model(x)
+            stats += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
+                                   (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+    model.train()
+    stats = bps.push_pull(stats, average=False, name="test_stats")
+    return (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
+
+
+def training_clock(rank, seconds):
+    """Rank 0's ``seconds``, the same number on every worker (a collective)."""
+    mine = torch.tensor([seconds if rank == 0 else 0.0], dtype=torch.float64)
+    return bps.push_pull(mine, average=False, name="training_clock").item()
+
+
+def worker_statistics(rank, size):
+    """Every worker's step statistics (steps, samples, compute_s, push_pull_s), one row per rank."""
+    rows = torch.zeros(size, 4, dtype=torch.float64)
+    stats = bps.step_statistics()
+    rows[rank] = torch.tensor([stats.steps, stats.samples, stats.compute_s, stats.push_pull_s], dtype=torch.float64)
+    rows = bps.push_pull(rows, average=False, name="worker_statistics")
+    return [{"rank": r, "steps": int(row[0]), "samples": int(row[1]), "compute_s": row[2].item(),
+             "push_pull_s": row[3].item(), "samples_per_s": row[1].item() / row[2].item() if row[2] > 0 else 0.0}
+            for r, row in enumerate(rows)]
 
 
 def main():
@@ -93,7 +165,7 @@ def main():
         bps.set_batch_sizes(sizes, at_step=step)
     loader = DataLoader(train_set, batch_sampler=sampler)
 
-    model = Net()
+    model = MODELS[args.model]()
     lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -106,14 +178,18 @@ def main():
         from tqdm import tqdm
     except ImportError:
         show_bar, tqdm = False, None
-    log(f"workers={size} batch_sizes={list(batch_sizes)} lr={lr:g} train_samples={len(train_set)}", flush=True)
+    log(f"workers={size} model={args.model} batch_sizes={list(batch_sizes)} lr={lr:g} "
+        f"train_samples={len(train_set)}", flush=True)
 
-    start, train_s, train_samples = time.time(), 0.0, 0
+    budget = args.time_budget if args.time_budget is not None else float("inf")
+    next_eval = args.eval_every if args.eval_every else float("inf")
+    curve = []  # (seconds of training, global samples, test accuracy, test loss)
+    started = time.perf_counter()
+    clock, untimed_s, samples_seen, out_of_time = 0.0, 0.0, 0, False
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        model.train()
         stats = torch.zeros(2, dtype=torch.float64)  # [sum of losses, samples] on this worker
-        t0, steps = time.time(), 0
+        t0, steps = time.perf_counter(), 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False) if show_bar else loader
         for x, y in batches:
             optimizer.zero_grad()
@@ -123,32 +199,43 @@ def main():
             bps.report_loss(loss)  # the loss trend the batch-size policy watches
             stats += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
             steps += 1
+            if budget == float("inf") and next_eval == float("inf"):
+                continue
+            pause = time.perf_counter()
+            with bps.untimed():  # the clock, evaluation and logging are not training
+                clock = training_clock(rank, pause - started - untimed_s)
+                if clock >= next_eval or clock >= budget:
+                    seen = samples_seen + int(bps.push_pull(stats[1:].clone(), average=False, name="seen"))
+                    test_loss, accuracy = evaluate(model, test_x, test_y, rank, size)
+                    curve.append((clock, seen, accuracy, test_loss))
+                    log(f"t={clock:.1f}s samples={seen} test_accuracy={accuracy:.4f}", flush=True)
+                    next_eval += args.eval_every or float("inf")
+            untimed_s += time.perf_counter() - pause
+            if clock >= budget:
+                out_of_time = True
+                break
         stats = bps.push_pull(stats, average=False, name="train_stats")
-        elapsed = time.time() - t0
-        train_s += elapsed
-        train_samples += int(stats[1])
+        elapsed = time.perf_counter() - t0
+        samples_seen += int(stats[1])
         noise = bps.gradient_noise_scale()
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / stats[1]:.4f} "
-            f"samples/s={stats[1] / elapsed:.0f} time={elapsed:.1f}s mean_global_batch={stats[1] / steps:.0f} "
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / max(stats[1], 1):.4f} "
+            f"steps={steps} mean_global_batch={stats[1] / max(steps, 1):.0f} time={elapsed:.1f}s "
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
+        if out_of_time:
+            break
 
-    # Each worker evaluates every size-th test image; the sums cover the 10k images exactly once.
-    model.eval()
-    stats = torch.zeros(3, dtype=torch.float64)  # [sum of losses, correct, samples]
-    with torch.no_grad():
-        for x, y in zip(test_x[rank::size].split(1000), test_y[rank::size].split(1000)):
-            out = model(x)
-            stats += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
-                                   (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-    stats = bps.push_pull(stats, average=False, name="test_stats")
-    accuracy, test_loss = (stats[1] / stats[2]).item(), (stats[0] / stats[2]).item()
-    wall = time.time() - start  # training + evaluation, after data loading and set-up
-
+    workers = worker_statistics(rank, size)
+    test_loss, accuracy = evaluate(model, test_x, test_y, rank, size)
+    wall = time.perf_counter() - started
     if rank == 0:
-        metrics = {"test_accuracy": accuracy, "test_loss": test_loss, "epochs": args.epochs,
-                   "wall_s": wall, "samples_per_s": train_samples / train_s if train_s else 0.0,
+        train_clock = wall if not curve else max(clock, curve[-1][0])
+        metrics = {"test_accuracy": accuracy, "test_loss": test_loss, "epochs": args.epochs, "model": args.model,
+                   "wall_s": wall, "train_s": train_clock, "samples": samples_seen,
+                   "samples_per_s": samples_seen / train_clock if train_clock else 0.0,
                    "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
-                   "lr": lr, "lr_scaling": args.lr_scaling, "test_samples": int(stats[2])}
+                   "lr": lr, "lr_scaling": args.lr_scaling, "test_samples": len(test_y),
+                   "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in curve],
+                   "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
             with open(args.output, "w") as f:
                 json.dump(metrics, f, indent=2)

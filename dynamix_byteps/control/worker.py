@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynamix_byteps import batching, timing
+from dynamix_byteps import batching, progress, summaries, timing
 from dynamix_byteps.assignment import InvalidAssignmentError
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.negotiation import negotiate, round_lock
@@ -88,6 +88,16 @@ class StepStatistics:
         return self.samples / self.compute_s if self.compute_s > 0 else 0.0
 
 
+def _interval_scalars(iv: StepStatistics, loss: float | None, lr_scale: float, noise) -> dict:
+    """One interval's per-step means, by :data:`~dynamix_byteps.summaries.WORKER_TAGS` name."""
+    compute_s, push_pull_s = iv.compute_s / iv.steps, iv.push_pull_s / iv.steps
+    known = iv.samples > 0  # samples come from the sampler or set_local_batch_size
+    return {"batch_size": iv.samples / iv.steps if known else None,
+            "samples_per_s": iv.samples_per_s if known else None,
+            "compute_s": compute_s, "push_pull_s": push_pull_s, "step_s": compute_s + push_pull_s,
+            "loss": loss, "lr_scale": lr_scale, "noise_scale": getattr(noise, "noise_scale", None)}
+
+
 _active: StepMonitor | None = None
 
 
@@ -104,6 +114,7 @@ class StepMonitor:
         self.env = env
         self.optimizer_family = optimizer_family
         self.steps = 0
+        self.global_step = 0  # steps completed in the job (across restarts when a sampler knows them)
         self._start = self._last_end = time.perf_counter()
         self._untimed_s = 0.0
         self._interval = StepStatistics()
@@ -116,6 +127,8 @@ class StepMonitor:
             from dynamix_byteps.control.mailbox import Mailbox, mailbox_name
 
             self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
+        self._progress = progress.writer_from_env()
+        summaries.worker_writer()  # with a log dir, the event file's first event marks the start
         timing.ring().end_step()
         global _active
         _active = self
@@ -136,13 +149,20 @@ class StepMonitor:
             self._untimed_s += spent
 
     def before_aggregation(self) -> None:
-        """Called when the gradients are ready; applies the straggler emulation."""
+        """Called when the gradients are ready; applies the straggler emulation.
+
+        Collectives recorded since the last step (the user's own, e.g. metrics) are dropped from
+        the timing ring, so the step's push_pull span covers gradient aggregation only.
+        """
+        timing.ring().end_step()
         start, end = self.env.slowdown_window
         if self.env.slowdown > 1.0 and start <= self.training_seconds() < end:
             time.sleep((self.env.slowdown - 1.0) * (time.perf_counter() - self._last_end))
 
-    def after_step(self, samples: int | None, noise) -> None:
-        """Called after every optimizer step, on every worker, with this step's local samples."""
+    def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None) -> None:
+        """Called after every optimizer step, on every worker, with this step's local samples, the
+        gradient noise statistics, the learning-rate factor applied, and the global step completed
+        (None: this monitor's count of steps)."""
         end = time.perf_counter()
         push_pull_s = timing.ring().end_step()["span_ns"] / 1e9
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
@@ -150,21 +170,32 @@ class StepMonitor:
         self.totals.add(compute_s, push_pull_s, samples or 0)
         self._last_end = end
         self.steps += 1
+        self.global_step = self.steps if step is None else step
         if self._mailbox is not None:
             self._mailbox.publish_metrics(self.steps, (compute_s, push_pull_s, samples or 0))
-        if self.env.scheduler is not None and self.steps % self.env.decision_interval == 0:
-            self._report(noise)
-            self._apply_newest_assignment()
-            self._last_end = time.perf_counter()  # the boundary's collectives are not compute
+        if self._progress is not None:
+            self._progress.update(self.global_step)
+        if self.steps % self.env.decision_interval == 0:
+            self._end_interval(noise, lr_scale)
 
-    def _report(self, noise) -> None:
+    def _end_interval(self, noise, lr_scale: float) -> None:
+        """The report boundary: TensorBoard scalars, then the report and assignment round."""
+        iv, self._interval = self._interval, StepStatistics()
+        loss = _take_mean_loss()
+        if summaries.worker_writer() is not None:
+            summaries.write_interval(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
+        if self.env.scheduler is not None:
+            self._report(iv, loss, noise)
+            self._apply_newest_assignment()
+        self._last_end = time.perf_counter()  # the boundary's collectives and logging are not compute
+
+    def _report(self, iv: StepStatistics, loss: float | None, noise) -> None:
         from dynamix_byteps.control import dynamix_pb2
 
-        iv, self._interval = self._interval, StepStatistics()
         report = dynamix_pb2.Report(
             rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(iv.samples / iv.steps), 1),
             compute_s=iv.compute_s / iv.steps, push_pull_s=iv.push_pull_s / iv.steps,
-            samples_per_s=iv.samples_per_s, loss=_take_mean_loss(),
+            samples_per_s=iv.samples_per_s, loss=loss,
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
             trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
         )

@@ -1,0 +1,50 @@
+"""benchmarks/time_to_accuracy.py: its pure parts, and a --quick run end to end (slow, in CI)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from time_to_accuracy import straggler_efficiency, time_to_target  # noqa: E402
+
+
+def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
+    curve = [{"train_s": 10.0, "test_accuracy": 0.5}, {"train_s": 20.0, "test_accuracy": 0.7}]
+    assert time_to_target(curve, 0.6) == pytest.approx(15.0)
+    assert time_to_target(curve, 0.3) == pytest.approx(5.0)  # from (0 s, 0.1)
+    assert time_to_target(curve, 0.7) == pytest.approx(20.0)
+    assert time_to_target(curve, 0.71) is None
+    assert time_to_target([], 0.5) is None
+
+
+def test_straggler_efficiency_is_achieved_over_summed_compute_throughput():
+    # 1 of 4 workers 3x slower, uniform batch, no communication: 4/(3 + 1/3) / 3... = 0.4
+    result = {"samples_per_s": 4 * 100 / 3,
+              "worker_statistics": [{"samples_per_s": 100.0}] * 3 + [{"samples_per_s": 100 / 3}]}
+    assert straggler_efficiency(result) == pytest.approx(0.4)
+    assert math.isnan(straggler_efficiency({"samples_per_s": 1.0, "worker_statistics": []}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_quick_benchmark_writes_every_column(tmp_path):
+    out = tmp_path / "tta.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/time_to_accuracy.py"), "--quick", "--scenario", "straggler",
+         "--runs-dir", str(tmp_path / "runs"), "--out", str(out)],
+        capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["config"] for r in report["rows"]] == ["static64", "static128", "proportional", "goodput"]
+    for row in report["rows"]:
+        for column, value in row.items():
+            assert value is not None and value == value, (row["config"], column)  # filled, not NaN
+        assert 0.0 < row["straggler_efficiency"] <= 1.05
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "straggler eff." in proc.stdout
