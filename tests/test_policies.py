@@ -254,8 +254,8 @@ def test_make_policy_passes_options():
     assert make_policy("goodput", candidates=10, comm="mean").candidates == 10
 
 
-def test_make_policy_ppo_is_not_available_yet():
-    with pytest.raises(ConfigurationError, match="DYNAMIX agent issue"):
+def test_make_policy_ppo_without_a_path_names_the_flag():
+    with pytest.raises(ConfigurationError, match="--policy-path DIR"):
         make_policy("ppo")
 
 

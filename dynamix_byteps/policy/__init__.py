@@ -6,7 +6,8 @@
 * ``proportional``: keep the global batch, ``b_i ∝`` measured throughput (LB-BSP, SoCC'20).
 * ``goodput``: the global batch maximising throughput × statistical efficiency, split
   proportionally (Pollux, OSDI'21).
-* ``ppo``: the DYNAMIX agent; not available yet (it arrives with the DYNAMIX agent issue).
+* ``ppo``: the DYNAMIX agent, a trained network served by ONNX Runtime; needs ``path=DIR``
+  (a directory from ``dynamix policy train`` / ``export``), see :mod:`.ppo`.
 
 Wrap any of them in :class:`Guarded` for bounds, maximum change, hysteresis and the fallback on
 divergence: ``Guarded(make_policy("proportional"), max_change=2.0)``.
@@ -18,6 +19,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState
 from dynamix_byteps.policy.goodput import GoodputPolicy
 from dynamix_byteps.policy.guardrails import Guarded
+from dynamix_byteps.policy.ppo import PPOPolicy
 from dynamix_byteps.policy.proportional import ProportionalPolicy
 from dynamix_byteps.policy.static import StaticPolicy
 
@@ -27,6 +29,7 @@ __all__ = [
     "Decision",
     "GoodputPolicy",
     "Guarded",
+    "PPOPolicy",
     "Policy",
     "ProportionalPolicy",
     "StaticPolicy",
@@ -39,6 +42,7 @@ POLICIES: dict[str, type[Policy]] = {
     StaticPolicy.name: StaticPolicy,
     ProportionalPolicy.name: ProportionalPolicy,
     GoodputPolicy.name: GoodputPolicy,
+    PPOPolicy.name: PPOPolicy,
 }
 
 
@@ -46,15 +50,10 @@ def make_policy(name: str, **options) -> Policy:
     """Build the policy called ``name`` with its keyword ``options``.
 
     Raises:
-        ConfigurationError: (a ``ValueError``) for ``"ppo"``, which is not available yet, for an
-            unknown name, or for options the policy does not accept.
+        ConfigurationError: (a ``ValueError``) for an unknown name, for options the policy does
+            not accept, or a policy that cannot load (``ppo`` without a valid ``path``).
     """
     key = str(name).strip().lower()
-    if key == "ppo":
-        raise ConfigurationError(
-            "policy 'ppo' (the DYNAMIX agent) is not available yet: it arrives with the DYNAMIX "
-            "agent issue; use --policy static, proportional or goodput"
-        )
     cls = POLICIES.get(key)
     if cls is None:
         raise ConfigurationError(
@@ -62,5 +61,7 @@ def make_policy(name: str, **options) -> Policy:
         )
     try:
         return cls(**options)
+    except ConfigurationError:
+        raise
     except (TypeError, ValueError) as exc:
         raise ConfigurationError(f"invalid options for policy {key!r}: {exc}") from exc

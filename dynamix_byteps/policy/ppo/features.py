@@ -1,0 +1,228 @@
+"""The PPO agent's observation: one feature row per worker, computed from a :class:`ClusterState`.
+
+The simulator (:mod:`dynamix_byteps.policy.sim`) and the scheduler's ``ppo`` policy call the same
+:func:`observation`, so the network sees in production exactly the quantities, transforms and
+clipping it was trained on. numpy only (no torch, no Ray): this module is on the decision path.
+
+Each row is ``WORKER_FEATURES`` (worker i's own state) followed by ``GLOBAL_FEATURES`` (the same
+on every row). Every value is a fixed transform, then clipped to ``[-CLIP, CLIP]``; there are no
+running statistics, so nothing but this code and :data:`FEATURE_VERSION` defines the
+normalisation (recorded in ``features.json`` by :func:`spec`, checked by :func:`check_spec`).
+Unknown inputs (a missing node metric, no gradient noise estimate, no loss yet) give 0 and the
+matching ``*_known`` flag 0.
+
+Worker features (``b_i`` local batch, ``b̄0`` mean initial local batch, ``c_i`` compute_s,
+``p_i`` push_pull_s, ``θ_i`` samples_per_s):
+
+======================  ==================================================================
+``log2_batch``          log2(b_i / b̄0)
+``log2_batch_to_min``   log2(b_i / min_batch_i)                      (>= 0; 0 at the bound)
+``log2_batch_to_max``   log2(max_batch_i / b_i), CLIP when unbounded (>= 0; 0 at the bound)
+``log2_speed``          log2(θ_i / mean_j θ_j)                       (0 when unknown)
+``log2_compute_to_max`` log2(c_i / max_j c_j)                        (<= 0; 0 = the straggler)
+``wait_fraction``       p_i / (c_i + p_i): barrier wait plus communication share of the step
+``cpu_util``            node agent's host CPU busy fraction, 0–1
+``log10_rtt_ms``        log10(rtt_s · 1000): TCP smoothed RTT
+``log1p_retransmits``   log(1 + retransmits) per agent sample
+``node_known``          1 when the node agent reported any of the three above
+======================  ==================================================================
+
+Global features (``M`` global batch, ``M0`` initial global batch, ``L_t`` the loss history):
+
+======================  ==================================================================
+``log2_global_batch``   log2(M / M0)
+``log2_noise_to_batch`` log2(B_noise / M), B_noise = tr(Σ)/|G|² (McCandlish et al. 2018, eq. 2.8)
+``noise_known``         1 when B_noise is known
+``log2_loss_ratio``     log2(L_now / L_first): training progress, 0 at the start
+``loss_trend``          10 · (mean(L[-2:]) − mean(L[-4:-2])) / L_first: slope per interval
+``comm_fraction``       min_i p_i / max_i (c_i + p_i): pure communication share of a step
+======================  ==================================================================
+
+``min_j``/``max_j`` use the workers whose value is finite; a non-finite loss is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.base import ClusterState
+
+__all__ = [
+    "CLIP",
+    "FEATURES",
+    "FEATURE_VERSION",
+    "GLOBAL_FEATURES",
+    "NUM_FEATURES",
+    "WORKER_FEATURES",
+    "check_spec",
+    "observation",
+    "spec",
+]
+
+#: Bumped whenever a feature's meaning, order or transform changes: policies trained on another
+#: version are refused by :func:`check_spec`.
+FEATURE_VERSION = 1
+CLIP = 5.0
+
+WORKER_FEATURES = (
+    "log2_batch",
+    "log2_batch_to_min",
+    "log2_batch_to_max",
+    "log2_speed",
+    "log2_compute_to_max",
+    "wait_fraction",
+    "cpu_util",
+    "log10_rtt_ms",
+    "log1p_retransmits",
+    "node_known",
+)
+GLOBAL_FEATURES = (
+    "log2_global_batch",
+    "log2_noise_to_batch",
+    "noise_known",
+    "log2_loss_ratio",
+    "loss_trend",
+    "comm_fraction",
+)
+FEATURES = WORKER_FEATURES + GLOBAL_FEATURES
+NUM_FEATURES = len(FEATURES)
+
+_TINY = 1e-12
+
+
+def _array(values: list) -> np.ndarray:
+    """float64 array; None and non-numbers become NaN."""
+    try:
+        return np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        out = np.empty(len(values), dtype=np.float64)
+        for i, v in enumerate(values):
+            try:
+                out[i] = float(v)
+            except (TypeError, ValueError):
+                out[i] = math.nan
+        return out
+
+
+def _log2_ratio(num: np.ndarray, den) -> np.ndarray:
+    """Element-wise log2(num/den), 0 where it is not finite (a zero, negative, NaN or inf input)."""
+    with np.errstate(all="ignore"):
+        out = np.log2(num / den)
+    out[~np.isfinite(out)] = 0.0
+    return out
+
+
+def _loss_terms(history) -> tuple[float, float]:
+    losses = [float(x) for x in history if x is not None and math.isfinite(float(x)) and float(x) > 0]
+    if not losses:
+        return 0.0, 0.0
+    first = losses[0]
+    ratio = math.log2(losses[-1] / first)
+    if len(losses) >= 4:
+        trend = 10.0 * (sum(losses[-2:]) - sum(losses[-4:-2])) / 2.0 / first
+    elif len(losses) >= 2:
+        trend = 10.0 * (losses[-1] - losses[-2]) / first
+    else:
+        trend = 0.0
+    return ratio, trend
+
+
+def observation(state: ClusterState) -> np.ndarray:
+    """The observation of ``state``: float32 array of shape ``(len(state.workers), NUM_FEATURES)``.
+
+    Never raises on odd but valid input (zeros, NaN, missing metrics); an empty cluster gives
+    shape ``(0, NUM_FEATURES)``.
+    """
+    ws = state.workers
+    n = len(ws)
+    obs = np.zeros((n, NUM_FEATURES), dtype=np.float64)
+    if n == 0:
+        return obs.astype(np.float32)
+    b = _array([w.batch_size for w in ws])
+    c = _array([w.compute_s for w in ws])
+    p = _array([w.push_pull_s for w in ws])
+    theta = _array([w.samples_per_s for w in ws])
+    lo = _array([max(1, int(w.min_batch or 1)) for w in ws])
+    hi = _array([w.max_batch if w.max_batch else math.inf for w in ws])
+
+    init = [float(x) for x in state.initial_batch_sizes if x]
+    b0 = sum(init) / len(init) if init else float(np.nanmean(b))
+    m = float(np.nansum(b))
+    m0 = sum(init) if len(init) == n else b0 * n
+
+    obs[:, 0] = _log2_ratio(b, b0)
+    obs[:, 1] = _log2_ratio(b, lo)
+    obs[:, 2] = np.where(np.isfinite(hi), _log2_ratio(hi, b), CLIP)
+    valid_theta = np.isfinite(theta) & (theta > 0)
+    if valid_theta.any():
+        obs[:, 3] = _log2_ratio(theta, theta[valid_theta].mean())
+    valid_c = np.isfinite(c) & (c > 0)
+    if valid_c.any():
+        obs[:, 4] = _log2_ratio(c, c[valid_c].max())
+    valid_p = np.isfinite(p) & (p >= 0)
+    pp = np.where(valid_p, p, 0.0)
+    step = np.where(valid_c, c, 0.0) + pp
+    obs[:, 5] = np.divide(pp, step, out=np.zeros(n), where=step > _TINY)
+
+    for i, w in enumerate(ws):
+        node = w.node or {}
+        known = 0.0
+        util = node.get("cpu_util")
+        if util is not None and math.isfinite(util):
+            obs[i, 6] = min(max(float(util), 0.0), 1.0)
+            known = 1.0
+        rtt = node.get("rtt_s")
+        if rtt is not None and math.isfinite(rtt) and rtt > 0:
+            obs[i, 7] = math.log10(float(rtt) * 1000.0)
+            known = 1.0
+        retrans = node.get("retransmits")
+        if retrans is not None and math.isfinite(retrans) and retrans >= 0:
+            obs[i, 8] = math.log1p(float(retrans))
+            known = 1.0
+        obs[i, 9] = known
+
+    g = len(WORKER_FEATURES)
+    obs[:, g] = math.log2(m / m0) if m > 0 and m0 > 0 else 0.0
+    noise = state.noise_scale
+    if noise is not None and math.isfinite(noise) and noise > 0 and m > 0:
+        obs[:, g + 1] = math.log2(noise / m)
+        obs[:, g + 2] = 1.0
+    obs[:, g + 3], obs[:, g + 4] = _loss_terms(state.loss_history)
+    step_max = float(step.max())
+    if step_max > _TINY and valid_p.any():
+        obs[:, g + 5] = float(pp[valid_p].min()) / step_max
+    np.clip(obs, -CLIP, CLIP, out=obs)
+    obs[~np.isfinite(obs)] = 0.0
+    return obs.astype(np.float32)
+
+
+def spec() -> dict:
+    """What ``features.json`` records about the observation (see :func:`check_spec`)."""
+    return {
+        "feature_version": FEATURE_VERSION,
+        "worker_features": list(WORKER_FEATURES),
+        "global_features": list(GLOBAL_FEATURES),
+        "num_features": NUM_FEATURES,
+        "clip": CLIP,
+        "source": "dynamix_byteps.policy.ppo.features",
+    }
+
+
+def check_spec(recorded: dict, where: str = "features.json") -> None:
+    """Raise :class:`ConfigurationError` unless ``recorded`` matches this code's :func:`spec`.
+
+    Args:
+        recorded: the ``observation`` section of a policy's ``features.json``.
+        where: the file, for the message.
+    """
+    mine = spec()
+    for key in ("feature_version", "worker_features", "global_features", "num_features", "clip"):
+        if recorded.get(key) != mine[key]:
+            raise ConfigurationError(
+                f"{where}: the policy was trained on observation {key}={recorded.get(key)!r}, this version of "
+                f"dynamix_byteps computes {mine[key]!r}; retrain it with `dynamix policy train` or use a "
+                "matching dynamix_byteps version"
+            )

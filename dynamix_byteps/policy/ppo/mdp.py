@@ -1,0 +1,143 @@
+"""The agent's actions and reward (the MDP of DYNAMIX, arXiv 2510.08522 §III), shared by the
+simulator and the scheduler's ``ppo`` policy. numpy only.
+
+**Action.** One index per worker into :data:`LADDER`, a geometric ladder of factors
+(÷2, ÷1.4, keep, ×1.4, ×2). The new local batch is ``round(b_i · factor)``, kept within
+``[ceil(b_i/2), floor(2·b_i)]`` (the guardrails' default maximum change, so they never clip a
+ladder step) and then within the worker's ``[min_batch, max_batch]``; see :func:`apply_ladder`.
+
+**Reward** per decision interval (:func:`reward`)::
+
+    r = w_progress · ΔP − λ · Δt / t_ref − μ · mean_i |log2(b_i' / b_i)|   (+ w_acc · (acc − acc*) at the end)
+
+* ``ΔP``: training progress in the interval, the loss decrease as a fraction of the way from
+  the initial loss to the target loss (sums to 1 over an episode that reaches the target);
+* ``Δt / t_ref``: the interval's wall-clock seconds over the reference interval (the initial
+  allocation's step time × K at the start of the run), so ``λ`` is the cost of one
+  static-speed interval;
+* ``mean |log2 change|``: batch churn (each change costs a re-partition and an LR jump);
+* terminal: ``acc`` the final accuracy proxy, ``acc*`` the proxy at the target loss without
+  generalisation gap, so the term is ≈ −w_acc · gap when the target is reached.
+
+Weights are :class:`RewardWeights`. Defaults: λ = 0.03 per reference interval, μ = 0.02,
+w_acc = 30, so one point of final accuracy (0.3) weighs as much as 10 reference intervals, about
+10 % of the reference job's time to target; with them, neither "never change the global batch"
+nor "maximise goodput" is the best schedule of the simulator's reference job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.base import ClusterState
+from dynamix_byteps.policy.proportional import worker_bounds
+
+__all__ = ["KEEP", "LADDER", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "reward"]
+
+#: Batch-size factors an action index selects (index :data:`KEEP` = no change).
+LADDER = (0.5, 1.0 / 1.4, 1.0, 1.4, 2.0)
+KEEP = 2
+MAX_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class RewardWeights:
+    """Reward weights (module docstring). All >= 0.
+
+    Attributes:
+        progress: w_progress, per unit of normalised progress ΔP.
+        step_time: λ, per reference interval of wall-clock time.
+        batch_change: μ, per unit of mean |log2 batch change| across workers.
+        accuracy: w_acc, per unit (1.0 = 100 points) of final accuracy proxy.
+    """
+
+    progress: float = 1.0
+    step_time: float = 0.03
+    batch_change: float = 0.02
+    accuracy: float = 30.0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigurationError(f"reward weight {f.name}={v!r} must be a finite number >= 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> RewardWeights:
+        """Build from a (possibly partial) dict; unknown keys raise :class:`ConfigurationError`."""
+        data = dict(data or {})
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigurationError(f"unknown reward weight(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+        return cls(**{k: float(v) for k, v in data.items()})
+
+
+def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """New local batch sizes for ladder ``actions``.
+
+    Args:
+        batch: current sizes, int array (N,), each >= 1.
+        actions: ladder indices, int array (N,), each in ``[0, len(LADDER))``.
+        low, high: inclusive bounds, arrays (N,) (``high`` may hold ``inf``).
+
+    Returns:
+        int64 array (N,) (module docstring for the rule).
+
+    Raises:
+        ValueError: on mismatched shapes or an index outside the ladder.
+    """
+    batch = np.asarray(batch, dtype=np.int64)
+    actions = np.asarray(actions, dtype=np.int64)
+    if batch.shape != actions.shape or batch.shape != np.shape(low) or batch.shape != np.shape(high):
+        raise ValueError(f"batch {batch.shape}, actions {actions.shape}, bounds {np.shape(low)}/{np.shape(high)} differ")
+    if actions.size and (actions.min() < 0 or actions.max() >= len(LADDER)):
+        raise ValueError(f"action indices must be in 0..{len(LADDER) - 1}, got {actions.tolist()}")
+    factors = np.asarray(LADDER)[actions]
+    b = batch.astype(np.float64)
+    new = np.rint(b * factors)
+    new = np.clip(new, np.ceil(b / MAX_FACTOR - 1e-9), np.floor(b * MAX_FACTOR + 1e-9))
+    new = np.minimum(np.maximum(new, np.asarray(low, dtype=np.float64)), np.asarray(high, dtype=np.float64))
+    return np.maximum(new, 1).astype(np.int64)
+
+
+def apply_actions(state: ClusterState, actions) -> tuple[int, ...]:
+    """:func:`apply_ladder` on a :class:`ClusterState` (bounds from each worker's min/max_batch)."""
+    bounds = [worker_bounds(w) for w in state.workers]
+    new = apply_ladder(
+        np.array([max(1, int(w.batch_size)) for w in state.workers], dtype=np.int64),
+        np.asarray(actions, dtype=np.int64).reshape(-1),
+        np.array([lo for lo, _ in bounds], dtype=np.float64),
+        np.array([hi for _, hi in bounds], dtype=np.float64),
+    )
+    return tuple(int(x) for x in new)
+
+
+def reward(weights: RewardWeights, progress: float, interval_s: float, ref_interval_s: float,
+           before: np.ndarray, after: np.ndarray, terminal_accuracy: float | None = None) -> tuple[float, dict]:
+    """One decision's reward and its terms (module docstring).
+
+    Args:
+        progress: ΔP, dimensionless.
+        interval_s: the interval's wall-clock seconds; ``ref_interval_s`` the reference (> 0).
+        before, after: local batch sizes before and after the decision, arrays (N,).
+        terminal_accuracy: ``acc − acc*`` at the end of an episode, else None.
+
+    Returns:
+        ``(r, terms)`` with ``terms`` holding each weighted part (``progress``, ``step_time``,
+        ``batch_change``, ``accuracy``) for the decision log.
+    """
+    change = float(np.mean(np.abs(np.log2(np.asarray(after, float) / np.asarray(before, float))))) if len(before) else 0.0
+    terms = {
+        "progress": weights.progress * progress,
+        "step_time": -weights.step_time * interval_s / ref_interval_s,
+        "batch_change": -weights.batch_change * change,
+        "accuracy": weights.accuracy * terminal_accuracy if terminal_accuracy is not None else 0.0,
+    }
+    return sum(terms.values()), terms

@@ -1,0 +1,148 @@
+"""The scheduler's ``ppo`` policy: a trained network served by ONNX Runtime (no Ray, no torch).
+
+A policy directory (written by ``dynamix policy train`` or ``dynamix policy export``) holds
+
+* ``policy.onnx``: input ``obs`` float32 ``(batch, workers, F)``, output ``logits`` float32
+  ``(batch, workers, A)``; both leading axes are dynamic, so one file serves any N;
+* ``features.json``: format and version, the observation spec
+  (:func:`dynamix_byteps.policy.ppo.features.spec`), the action ladder, the reward weights it
+  was trained with, the ONNX file's SHA-256 and parameter count, and training metadata.
+
+:class:`PPOPolicy` checks all of it at load (a wrong feature version, ladder, hash or graph
+signature is a :class:`~dynamix_byteps.errors.ConfigurationError` naming the fix), then per
+decision computes :func:`~dynamix_byteps.policy.ppo.features.observation`, runs the graph on one
+intra-op thread and applies the greedy ladder step per worker
+(:func:`~dynamix_byteps.policy.ppo.mdp.apply_actions`). It makes no step-time prediction, so the
+guardrails skip their hysteresis for it (``reports_gain = False``): the learned "keep" action
+and the batch-change cost in its reward play that role. Bounds, the ×2 limit and the fallback on
+divergence apply as for every policy (:class:`~dynamix_byteps.policy.guardrails.Guarded`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy
+from dynamix_byteps.policy.ppo.features import NUM_FEATURES, check_spec, observation
+from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER, apply_actions
+
+__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "POLICY_FILE", "PPOPolicy", "read_metadata", "sha256"]
+
+POLICY_FILE = "policy.onnx"
+FEATURES_FILE = "features.json"
+FORMAT = "dynamix-ppo-policy"
+FORMAT_VERSION = 1
+INPUT = "obs"
+OUTPUT = "logits"
+RL_EXTRA = "pip install 'dynamix-byteps[rl]'"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _policy_dir(path) -> Path:
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigurationError(f"policy path {path} does not exist; pass the directory written by "
+                                 "`dynamix policy train --out DIR` or `dynamix policy export --out DIR`")
+    return path
+
+
+def read_metadata(path) -> tuple[Path, dict]:
+    """``(directory, features.json content)`` of a policy directory, validated against this code.
+
+    Raises:
+        ConfigurationError: missing files, another format or version, a feature spec or ladder
+            this version does not compute, or an ONNX file whose hash differs from the record.
+    """
+    directory = _policy_dir(path)
+    meta_path = directory / FEATURES_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise ConfigurationError(f"{meta_path} is missing: {directory} is not a policy directory "
+                                 "(expected policy.onnx and features.json from `dynamix policy export`)") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigurationError(f"cannot read {meta_path}: {error}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
+                                 "`dynamix policy export CHECKPOINT --out DIR`")
+    check_spec(meta.get("observation") or {}, str(meta_path))
+    actions = meta.get("actions") or {}
+    if [round(x, 9) for x in actions.get("ladder", [])] != [round(x, 9) for x in LADDER] or actions.get("keep") != KEEP:
+        raise ConfigurationError(f"{meta_path}: the policy's action ladder {actions.get('ladder')} differs from this "
+                                 f"version's {list(LADDER)}; retrain it")
+    onnx_path = directory / POLICY_FILE
+    if not onnx_path.is_file():
+        raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
+    recorded = (meta.get("onnx") or {}).get("sha256")
+    if recorded != sha256(onnx_path):
+        raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
+                                 "file from another export); re-export the policy")
+    return directory, meta
+
+
+class PPOPolicy(Policy):
+    """The ONNX-served DYNAMIX agent (module docstring).
+
+    Args:
+        path: a policy directory (or its ``policy.onnx`` / ``features.json``).
+
+    Raises:
+        ConfigurationError: the directory is not a valid policy for this version (see
+            :func:`read_metadata`), or onnxruntime is not installed (names ``pip install
+            'dynamix-byteps[rl]'``).
+    """
+
+    name = "ppo"
+    reports_gain = False
+
+    def __init__(self, *, path=None):
+        if path is None or str(path) == "":
+            raise ConfigurationError("policy 'ppo' needs a trained policy: --policy-path DIR (bpslaunch) or "
+                                     "--policy-option path=DIR (dynamix scheduler); train one with `dynamix policy train`")
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise ConfigurationError(f"policy 'ppo' needs onnxruntime: {RL_EXTRA}") from None
+        self.directory, self.metadata = read_metadata(path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.directory / POLICY_FILE), options,
+                                                providers=["CPUExecutionProvider"])
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise ConfigurationError(f"ONNX Runtime cannot load {self.directory / POLICY_FILE}: {error}") from None
+        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
+        if [i.name for i in inputs] != [INPUT] or OUTPUT not in [o.name for o in outputs] \
+                or inputs[0].shape[-1] != NUM_FEATURES:
+            raise ConfigurationError(f"{self.directory / POLICY_FILE} does not take '{INPUT}' (batch, workers, "
+                                     f"{NUM_FEATURES}) and give '{OUTPUT}'; re-export the policy")
+
+    def logits(self, obs: np.ndarray) -> np.ndarray:
+        """Network output for observations ``(B, N, F)`` float32: logits ``(B, N, len(LADDER))``."""
+        return self.session.run([OUTPUT], {INPUT: np.ascontiguousarray(obs, dtype=np.float32)})[0]
+
+    def actions(self, state: ClusterState) -> np.ndarray:
+        """Greedy ladder index per worker, int64 ``(N,)``."""
+        return self.logits(observation(state)[None])[0].argmax(axis=-1)
+
+    def decide(self, state: ClusterState) -> Decision:
+        if not state.workers:
+            return Decision((), "ppo: no workers")
+        actions = self.actions(state)
+        sizes = apply_actions(state, actions)
+        changed = sum(a != b for a, b in zip(sizes, state.batch_sizes))
+        reason = f"ppo: {changed} of {len(sizes)} batch sizes changed, global batch {state.global_batch} → {sum(sizes)}"
+        terms = {"actions": actions.tolist(), "factors": [LADDER[a] for a in actions], "global_batch": sum(sizes)}
+        return Decision(sizes, reason, 0.0, terms)

@@ -1,0 +1,162 @@
+"""Train the DYNAMIX agent with RLlib PPO in the simulator; write checkpoint, ONNX and features.
+
+Imports torch and Ray RLlib (``pip install 'dynamix-byteps[rl]'``). The layout follows the
+measurements in research/rllib.md: the new API stack, sampling and learning in the driver
+(``num_env_runners=0``, ``num_learners=0``) with 4 vectorised environments, one torch thread,
+and a private local Ray instance (``num_cpus=2``, no dashboard, a capped object store, its own
+temporary directory, removed afterwards) that is shut down even when training fails.
+
+Determinism: RLlib seeds the global ``random``/numpy/torch generators and the environments
+from ``seed``; on one machine with one torch thread the same seed gives the same network.
+
+Output directory::
+
+    DIR/checkpoint/        RLlib's own format (Algorithm.save_to_path): resume or fine-tune
+    DIR/policy.onnx        the network, served by ``--policy ppo --policy-path DIR``
+    DIR/features.json      observation spec, ladder, reward weights, hashes, training metadata
+    DIR/training.json      per-iteration mean episode return and timings
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from dynamix_byteps.policy.ppo.mdp import RewardWeights
+from dynamix_byteps.policy.ppo.module import (
+    PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
+)
+
+__all__ = ["PPO_SETTINGS", "ppo_config", "ray_session", "train"]
+
+#: PPO hyper-parameters (RLlib names). Returns are O(1), so the value-loss clip is lifted.
+PPO_SETTINGS = {
+    "train_batch_size_per_learner": 2000,
+    "minibatch_size": 250,
+    "num_epochs": 8,
+    "lr": 5e-4,
+    "gamma": 0.99,
+    "lambda_": 0.95,
+    "entropy_coeff": 0.01,
+    "clip_param": 0.2,
+    "vf_clip_param": 100.0,
+}
+ENVS_PER_RUNNER = 4
+
+
+def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, **overrides):
+    """The ``PPOConfig`` used for training (module docstring); ``overrides`` replace :data:`PPO_SETTINGS`."""
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from dynamix_byteps.policy.sim.env import DynamixSimEnv
+
+    settings = {**PPO_SETTINGS, **overrides}
+    return (
+        PPOConfig()
+        .environment(DynamixSimEnv, env_config=env_config)
+        .env_runners(num_env_runners=0, num_envs_per_env_runner=ENVS_PER_RUNNER)
+        .learners(num_learners=0)
+        .training(**settings)
+        .rl_module(rl_module_spec=RLModuleSpec(module_class=PerWorkerPPOModule,
+                                               model_config={"hidden": hidden, "dynamix": metadata or {}}))
+        .debugging(seed=seed, log_level="ERROR")
+    )
+
+
+@contextlib.contextmanager
+def ray_session():
+    """A private local Ray instance for the duration of the block (module docstring)."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="dynamix-ray-")  # short: Ray's socket paths must fit 107 bytes
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 object_store_memory=200 * 2**20, _temp_dir=temp_dir)
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def train(out_dir, scenarios, *, iterations: int = 100, seed: int = 0, workers: int = 4,
+          reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
+          randomise: bool = True, hidden: int = 64, progress: bool = True, **ppo_overrides) -> dict:
+    """Train, save the checkpoint, export ONNX + features; return a summary dict.
+
+    Args:
+        out_dir: output directory (created; an existing ``checkpoint/`` inside is replaced).
+        scenarios: scenario names for the simulator (one is drawn per episode).
+        iterations: PPO iterations of ``train_batch_size_per_learner`` environment steps.
+        seed: seeds RLlib, numpy, torch and the environments.
+        workers: simulated workers N.
+        reward: reward weights (default :class:`RewardWeights`).
+        scenario_file, params, randomise: passed to :class:`~dynamix_byteps.policy.sim.env.DynamixSimEnv`.
+        hidden: width of the network.
+        progress: show a tqdm progress bar on stderr.
+        ppo_overrides: replace entries of :data:`PPO_SETTINGS`.
+
+    Returns:
+        ``{"iterations", "seconds", "returns": [...], "final_return", "checkpoint", "policy"}``.
+
+    Raises:
+        ConfigurationError: a bad scenario, worker count or reward weight (before Ray starts).
+    """
+    import torch
+    from tqdm import tqdm
+
+    from dynamix_byteps.policy.ppo.export import export_module, load_module
+    from dynamix_byteps.policy.sim.env import DynamixSimEnv
+
+    out = Path(out_dir)
+    reward = reward or RewardWeights()
+    scenarios = [scenarios] if isinstance(scenarios, str) else list(scenarios)
+    env_config = {"scenarios": scenarios, "workers": int(workers), "randomise": bool(randomise),
+                  "reward": reward.to_dict(), "scenario_file": str(scenario_file) if scenario_file else None,
+                  "params": params}
+    DynamixSimEnv(env_config)  # validate the configuration before starting Ray
+    metadata = {"scenarios": scenarios, "workers": int(workers), "seed": int(seed), "iterations": int(iterations),
+                "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides}}
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    history = []
+    started = time.monotonic()
+    with ray_session(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, **ppo_overrides).build_algo()
+        try:
+            bar = tqdm(range(iterations), desc="PPO", unit="it", disable=not progress, dynamic_ncols=True)
+            for i in bar:
+                t0 = time.monotonic()
+                result = algo.train()
+                value = result.get("env_runners", {}).get("episode_return_mean")
+                value = float(value) if value is not None and math.isfinite(value) else None
+                history.append({"iteration": i + 1, "episode_return_mean": value,
+                                "seconds": time.monotonic() - t0})
+                if value is not None:
+                    bar.set_postfix(mean_return=f"{value:.3f}")
+            checkpoint = out / "checkpoint"
+            staging = out / f".checkpoint.{os.getpid()}.tmp"
+            shutil.rmtree(staging, ignore_errors=True)
+            algo.save_to_path(str(staging))
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            os.replace(staging, checkpoint)
+        finally:
+            algo.stop()
+    seconds = time.monotonic() - started
+    export_module(load_module(checkpoint), out, {"seconds": seconds})
+    returns = [h["episode_return_mean"] for h in history]
+    summary = {"iterations": iterations, "seconds": seconds, "returns": returns,
+               "final_return": next((r for r in reversed(returns) if r is not None), None),
+               "checkpoint": str(checkpoint), "policy": str(out)}
+    tmp = out / f".training.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({**summary, "history": history, "metadata": metadata}, indent=2) + "\n")
+    os.replace(tmp, out / "training.json")
+    return summary

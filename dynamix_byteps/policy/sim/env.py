@@ -1,0 +1,90 @@
+"""The gymnasium environment the PPO agent trains in: one step = one decision interval.
+
+Observation: :func:`dynamix_byteps.policy.ppo.features.observation` of the simulated
+:class:`~dynamix_byteps.policy.base.ClusterState`, flattened to ``Box(-CLIP, CLIP,
+(workers × NUM_FEATURES,), float32)`` (row-major: worker 0's features first). Action:
+``MultiDiscrete([len(LADDER)] × workers)``, applied by :func:`~dynamix_byteps.policy.ppo.mdp.apply_actions`
+exactly as the scheduler's ``ppo`` policy applies it. Reward: :func:`~dynamix_byteps.policy.ppo.mdp.reward`.
+
+Config keys (a dict, as RLlib's ``env_config``):
+
+* ``scenarios``: scenario names (default ``["homogeneous"]``); each episode picks one uniformly;
+* ``scenario_file``: a TOML file of the same schema as ``scenarios.toml`` (default: the packaged one);
+* ``workers``: N (default 4); scenario patterns are tiled to N (:func:`~.params.from_scenario`);
+* ``params``: a :meth:`SimParams.to_dict` to use as the base job (default :func:`~.params.reference`);
+* ``randomise``: domain randomisation per episode (:mod:`.randomise`, default True);
+* ``reward``: :class:`~dynamix_byteps.policy.ppo.mdp.RewardWeights` fields to override.
+
+All randomness comes from ``self.np_random`` (seeded by ``reset(seed=...)``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import gymnasium as gym
+import numpy as np
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES, observation
+from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, apply_actions
+from dynamix_byteps.policy.sim.dynamics import Simulator
+from dynamix_byteps.policy.sim.params import SimParams, from_scenario, reference
+from dynamix_byteps.policy.sim.randomise import randomised
+from dynamix_byteps.scenarios import scenario
+
+__all__ = ["DynamixSimEnv", "scenario_params"]
+
+
+def scenario_params(names, workers: int, base: SimParams | None = None, scenario_file=None) -> list[SimParams]:
+    """One :class:`SimParams` per scenario name, ``workers`` workers each.
+
+    Raises:
+        ConfigurationError: an unknown scenario (the message lists the known ones), or no names.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ConfigurationError("no scenario given; name at least one, e.g. --scenario straggler")
+    base = base or reference(workers)
+    return [from_scenario(scenario(n, scenario_file), workers=workers, base=base) for n in names]
+
+
+class DynamixSimEnv(gym.Env):
+    """Batch-size control of a simulated synchronous data-parallel job (module docstring)."""
+
+    metadata: ClassVar[dict] = {"render_modes": []}
+
+    def __init__(self, config: dict | None = None):
+        config = dict(config or {})
+        unknown = set(config) - {"scenarios", "scenario_file", "workers", "params", "randomise", "reward"}
+        if unknown:
+            raise ConfigurationError(f"unknown environment option(s) {sorted(unknown)}")
+        self.workers = int(config.get("workers", 4))
+        if self.workers < 1:
+            raise ConfigurationError(f"workers={self.workers} must be >= 1")
+        base = SimParams.from_dict(config["params"]) if config.get("params") else None
+        self.jobs = scenario_params(config.get("scenarios") or ["homogeneous"], self.workers, base,
+                                    config.get("scenario_file"))
+        self.randomise = bool(config.get("randomise", True))
+        self.weights = RewardWeights.from_dict(config.get("reward"))
+        self.observation_space = gym.spaces.Box(-CLIP, CLIP, (self.workers * NUM_FEATURES,), np.float32)
+        self.action_space = gym.spaces.MultiDiscrete([len(LADDER)] * self.workers)
+        self.sim: Simulator | None = None
+        self.state = None
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        params = self.jobs[int(self.np_random.integers(len(self.jobs)))]
+        if self.randomise:
+            params = randomised(params, self.np_random)
+        self.sim = Simulator(params, self.weights, self.np_random)
+        self.state = self.sim.reset()
+        return observation(self.state).reshape(-1), {"scenario": params.scenario}
+
+    def step(self, action):
+        if self.sim is None:
+            raise RuntimeError("call reset() before step()")
+        out = self.sim.step(apply_actions(self.state, action))
+        self.state = self.sim.cluster_state()
+        info = dict(out.info, terms=out.terms)
+        return observation(self.state).reshape(-1), float(out.reward), out.terminated, out.truncated, info

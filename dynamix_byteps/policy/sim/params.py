@@ -1,0 +1,279 @@
+"""Parameters of the training simulator: one frozen dataclass tree, serialisable to JSON.
+
+:class:`SimParams` holds everything :class:`~dynamix_byteps.policy.sim.dynamics.Simulator` needs:
+
+* per worker (:class:`WorkerParams`): compute time per step ``(a_i + b_i/θ_i) · slowdown_i(f)``
+  with lognormal jitter, and an optional own link bandwidth;
+* communication (:class:`CommParams`): ``latency + 2 · model_bytes / min_i bandwidth_i`` per
+  step (push then pull; a synchronous round waits for the slowest link);
+* the statistical model (:class:`StatParams`, formulas in :mod:`.dynamics`);
+* the job: initial local batches, bounds, decision interval K, episode cap, dataset size.
+
+``f`` in a slowdown window is the fraction of the way from the initial loss to the target loss,
+the simulator's "budget" (scenario windows are fractions of a run's budget, see
+:mod:`dynamix_byteps.scenarios`). ``to_json``/``from_json`` round-trip exactly; ``from_dict``
+rejects unknown keys so a fitted file from a newer version fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.scenarios import Scenario
+
+__all__ = ["CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "reference"]
+
+SCHEMA_VERSION = 1
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ConfigurationError(f"simulator parameter {what}")
+
+
+def _positive(x, name: str) -> None:
+    _check(isinstance(x, (int, float)) and math.isfinite(x) and x > 0, f"{name}={x!r} must be a finite number > 0")
+
+
+def _non_negative(x, name: str) -> None:
+    _check(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0, f"{name}={x!r} must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Compute ``factor`` (>= 1) times slower while the progress fraction is in ``[start, end)``."""
+
+    factor: float
+    start: float = 0.0
+    end: float = 1.0
+
+    def __post_init__(self):
+        _check(math.isfinite(self.factor) and self.factor >= 1.0, f"slowdown factor={self.factor!r} must be >= 1")
+        _check(0.0 <= self.start < self.end <= 1.0, f"slowdown window [{self.start}, {self.end}) must satisfy 0 <= start < end <= 1")
+
+
+@dataclass(frozen=True)
+class WorkerParams:
+    """One worker.
+
+    Attributes:
+        fixed_s: a_i, seconds per step that do not depend on the batch (framework, data loading).
+        samples_per_s: θ_i, throughput of the batch-dependent part (samples/s).
+        jitter: relative standard deviation of one step's compute time (lognormal, mean 1).
+        slowdowns: time-varying slowdown windows (factors multiply where they overlap).
+        bandwidth_bytes_per_s: this worker's link, None = :attr:`CommParams.bandwidth_bytes_per_s`.
+    """
+
+    fixed_s: float = 0.01
+    samples_per_s: float = 2000.0
+    jitter: float = 0.05
+    slowdowns: tuple[Window, ...] = ()
+    bandwidth_bytes_per_s: float | None = None
+
+    def __post_init__(self):
+        _non_negative(self.fixed_s, "fixed_s")
+        _positive(self.samples_per_s, "samples_per_s")
+        _non_negative(self.jitter, "jitter")
+        if self.bandwidth_bytes_per_s is not None:
+            _positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+
+    def slowdown_at(self, fraction: float) -> float:
+        """Product of the factors of the windows containing ``fraction``."""
+        out = 1.0
+        for w in self.slowdowns:
+            if w.start <= fraction < w.end:
+                out *= w.factor
+        return out
+
+
+@dataclass(frozen=True)
+class CommParams:
+    """Push/pull per step: ``latency_s + 2 · model_bytes / bandwidth`` (slowest link), jittered.
+
+    Attributes:
+        model_bytes: gradient bytes per step (4 × parameters for float32).
+        bandwidth_bytes_per_s: default link bandwidth (bytes/s).
+        latency_s: fixed per-step latency (all collective rounds together), seconds.
+        jitter: relative standard deviation per step (lognormal, mean 1).
+    """
+
+    model_bytes: float = 1.7e6
+    bandwidth_bytes_per_s: float = 1.25e8
+    latency_s: float = 5e-4
+    jitter: float = 0.05
+
+    def __post_init__(self):
+        _non_negative(self.model_bytes, "model_bytes")
+        _positive(self.bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+        _non_negative(self.latency_s, "latency_s")
+        _non_negative(self.jitter, "comm jitter")
+
+
+@dataclass(frozen=True)
+class StatParams:
+    """Statistical efficiency, loss and accuracy model (formulas in :mod:`.dynamics`).
+
+    Attributes:
+        initial_loss, min_loss, target_loss: L0 > target > L_min (the episode ends at the target).
+        steps_scale: τ, noise-free optimiser steps per e-fold of ``L − L_min``.
+        noise_scale: B_noise at the initial loss (samples).
+        noise_growth: γ in ``B_noise(L) = noise_scale · ((L0 − L_min)/(L − L_min))^γ``.
+        gap_per_doubling: accuracy lost per doubling of the global batch above
+            ``gap_free_ratio × M0``, once the gap has settled.
+        gap_free_ratio: global batch (relative to the initial M0) without generalisation penalty.
+        gap_steps: τ_g, noise-free steps over which the gap follows the batch size in use.
+        chance_accuracy, max_accuracy: accuracy proxy at L0 and at L_min.
+        loss_noise: relative standard deviation of one reported interval loss at M0.
+        noise_scale_noise: relative (lognormal) standard deviation of the reported B_noise.
+    """
+
+    initial_loss: float = 2.3
+    min_loss: float = 0.15
+    target_loss: float = 0.4
+    steps_scale: float = 120.0
+    noise_scale: float = 200.0
+    noise_growth: float = 1.0
+    gap_per_doubling: float = 0.02
+    gap_free_ratio: float = 1.0
+    gap_steps: float = 50.0
+    chance_accuracy: float = 0.1
+    max_accuracy: float = 0.92
+    loss_noise: float = 0.02
+    noise_scale_noise: float = 0.2
+
+    def __post_init__(self):
+        for f in fields(self):
+            _non_negative(getattr(self, f.name), f.name)
+        for name in ("steps_scale", "noise_scale", "gap_free_ratio", "gap_steps"):
+            _positive(getattr(self, name), name)
+        _check(self.initial_loss > self.target_loss > self.min_loss,
+               f"losses must satisfy initial_loss > target_loss > min_loss, got {self.initial_loss}, "
+               f"{self.target_loss}, {self.min_loss}")
+        _check(self.max_accuracy > self.chance_accuracy, "max_accuracy must exceed chance_accuracy")
+
+
+@dataclass(frozen=True)
+class SimParams:
+    """A simulated job (module docstring). ``len(workers) == len(initial_batch)``.
+
+    Attributes:
+        workers: one :class:`WorkerParams` per rank.
+        initial_batch: starting local batch per rank (samples).
+        min_batch, max_batch: bounds of every local batch.
+        decision_interval: K, optimiser steps per decision.
+        max_decisions: episode cap (truncation) in decisions.
+        dataset_size: samples per epoch (reported to policies).
+        node_metrics: whether node-agent metrics (cpu_util, rtt_s, retransmits) are reported.
+        comm, stats: :class:`CommParams`, :class:`StatParams`.
+        scenario: the scenario it was built from, for reports.
+    """
+
+    workers: tuple[WorkerParams, ...]
+    initial_batch: tuple[int, ...]
+    min_batch: int = 8
+    max_batch: int = 1024
+    decision_interval: int = 20
+    max_decisions: int = 250
+    dataset_size: int = 60000
+    node_metrics: bool = True
+    comm: CommParams = field(default_factory=CommParams)
+    stats: StatParams = field(default_factory=StatParams)
+    scenario: str = ""
+
+    def __post_init__(self):
+        _check(len(self.workers) >= 1, "workers must hold at least one worker")
+        _check(len(self.initial_batch) == len(self.workers),
+               f"initial_batch has {len(self.initial_batch)} entries for {len(self.workers)} workers")
+        _check(1 <= self.min_batch <= self.max_batch, f"bounds [{self.min_batch}, {self.max_batch}] must satisfy 1 <= min <= max")
+        _check(all(self.min_batch <= b <= self.max_batch for b in self.initial_batch),
+               f"initial_batch {list(self.initial_batch)} must lie within [{self.min_batch}, {self.max_batch}]")
+        _check(self.decision_interval >= 1 and self.max_decisions >= 1 and self.dataset_size >= 1,
+               "decision_interval, max_decisions and dataset_size must be >= 1")
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SimParams:
+        """Inverse of :meth:`to_dict`. Raises :class:`ConfigurationError` on unknown or bad fields."""
+        data = dict(data)
+        version = data.pop("schema_version", SCHEMA_VERSION)
+        _check(version == SCHEMA_VERSION, f"schema_version={version!r}; this version reads {SCHEMA_VERSION}")
+        try:
+            workers = tuple(
+                _build(WorkerParams, dict(w, slowdowns=tuple(_build(Window, s) for s in w.get("slowdowns", ()))))
+                for w in data.pop("workers")
+            )
+            comm = _build(CommParams, data.pop("comm", {}))
+            stats = _build(StatParams, data.pop("stats", {}))
+            data["initial_batch"] = tuple(int(b) for b in data.pop("initial_batch"))
+        except (KeyError, TypeError, AttributeError) as error:
+            raise ConfigurationError(f"simulator parameters are malformed: {error!r}") from None
+        return _build(cls, dict(data, workers=workers, comm=comm, stats=stats))
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write atomically (tmp file + ``os.replace``)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> SimParams:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise ConfigurationError(f"cannot read simulator parameters {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ConfigurationError(f"simulator parameters {path} are not JSON: {error}") from None
+        return cls.from_dict(data)
+
+
+def _build(cls, data: dict):
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    _check(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}")
+    return cls(**data)
+
+
+def reference(workers: int = 4) -> SimParams:
+    """The reference job: ``workers`` equal workers at 32 samples each, the field defaults.
+
+    It stands for a small CNN (1.7 MB of float32 gradients, like ``examples/torch_fashion_mnist.py``)
+    on CPUs behind 1 Gbit/s links; ``dynamix sim fit`` replaces it with a run's own numbers.
+    """
+    return SimParams(workers=(WorkerParams(),) * workers, initial_batch=(32,) * workers)
+
+
+def from_scenario(scenario: Scenario, workers: int | None = None, base: SimParams | None = None) -> SimParams:
+    """``base`` (default: :func:`reference`) shaped by a named scenario.
+
+    With ``workers`` larger than the scenario's, rank ``r`` takes the role of scenario rank
+    ``r mod scenario.workers`` (the pattern is tiled); ``base.workers[r mod len(base.workers)]``
+    gives its speed. Slowdowns become :class:`Window`\\ s; a link's ``rate_mbit`` becomes
+    that worker's ``bandwidth_bytes_per_s`` (rate × 10⁶ / 8).
+    """
+    n = int(workers or scenario.workers)
+    _check(n >= 1, f"workers={workers!r} must be >= 1")
+    base = base or reference()
+    links = {link.rank: link.rate_mbit * 1e6 / 8.0 for link in scenario.links}
+    out = []
+    for r in range(n):
+        role = r % scenario.workers
+        w = base.workers[r % base.num_workers]
+        windows = tuple(Window(s.factor, s.start, s.end) for s in scenario.slowdowns if s.rank == role)
+        out.append(replace(w, slowdowns=w.slowdowns + windows,
+                           bandwidth_bytes_per_s=links.get(role, w.bandwidth_bytes_per_s)))
+    initial = tuple(base.initial_batch[r % base.num_workers] for r in range(n))
+    return replace(base, workers=tuple(out), initial_batch=initial, scenario=scenario.name)

@@ -1,0 +1,51 @@
+"""Domain randomisation: a perturbed copy of a job's :class:`SimParams` for each training episode.
+
+A policy trained on one exact simulator learns its numbers; trained on perturbed copies it has
+to read the observation (throughput, communication share, B_noise ratio, loss progress) and so
+transfers to jobs it has not seen. Each draw (log-uniform ``×[1/s, s]`` unless stated):
+
+* all workers' θ ×[1/2, 2] together, then each worker ×[1/1.2, 1.2] (mild heterogeneity);
+  ``fixed_s`` ×[1/3, 3]; jitter uniform in [0.02, 0.15];
+* ``model_bytes`` ×[1/5, 5] (communication from a few ms to ~0.15 s per step at 1 Gbit/s),
+  ``latency_s`` ×[1/2, 2];
+* B_noise at the start ×[1/2.5, 2.5], its growth γ uniform in [0.7, 1.3], τ ×[1/1.4, 1.4];
+* the initial local batch ×{1/2, 1, 2} (every worker alike, within the bounds);
+* node-agent metrics present with probability 1/2.
+
+The scenario's slowdown windows and links are kept as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from dynamix_byteps.policy.sim.params import SimParams
+
+__all__ = ["randomised"]
+
+
+def _log_uniform(rng: np.random.Generator, spread: float) -> float:
+    return float(np.exp(rng.uniform(-np.log(spread), np.log(spread))))
+
+
+def randomised(params: SimParams, rng: np.random.Generator) -> SimParams:
+    """A perturbed copy of ``params`` (module docstring); every draw comes from ``rng``."""
+    speed = _log_uniform(rng, 2.0)
+    fixed = _log_uniform(rng, 3.0)
+    jitter = float(rng.uniform(0.02, 0.15))
+    workers = tuple(
+        replace(w, samples_per_s=w.samples_per_s * speed * _log_uniform(rng, 1.2), fixed_s=w.fixed_s * fixed,
+                jitter=jitter)
+        for w in params.workers
+    )
+    comm = replace(params.comm, model_bytes=params.comm.model_bytes * _log_uniform(rng, 5.0),
+                   latency_s=params.comm.latency_s * _log_uniform(rng, 2.0))
+    s = params.stats
+    stats = replace(s, noise_scale=s.noise_scale * _log_uniform(rng, 2.5), noise_growth=float(rng.uniform(0.7, 1.3)),
+                    steps_scale=s.steps_scale * _log_uniform(rng, 1.4))
+    factor = float(rng.choice([0.5, 1.0, 2.0]))
+    initial = tuple(int(min(max(round(b * factor), params.min_batch), params.max_batch)) for b in params.initial_batch)
+    return replace(params, workers=workers, comm=comm, stats=stats, initial_batch=initial,
+                   node_metrics=bool(rng.random() < 0.5))
