@@ -3,6 +3,7 @@
 Subcommands (one function ``_add_<name>(subparsers)`` each, which sets ``func``)::
 
     dynamix scheduler --num-workers 4 --policy proportional --run-dir runs/a --port-file runs/a/port
+    dynamix policy train --scenario straggler,two-speed --out policies/p   (also: policy eval, policy export)
 
 Exit status: 0 on success (and on SIGTERM/SIGINT after a graceful stop), 1 on failure
 (a port that cannot be bound, a policy that cannot be loaded), 2 on bad usage.
@@ -23,6 +24,7 @@ from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
+from dynamix_byteps.policy.ppo.commands import add_policy_parser
 
 PROG = "dynamix"
 
@@ -207,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_scheduler(sub)
     _add_agent(sub)
+    add_policy_parser(sub, UsageError)
     return parser
 
 
