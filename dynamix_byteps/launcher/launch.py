@@ -497,8 +497,17 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         return [], None
     if args.policy == "ppo":
-        raise UsageError("--policy ppo is not available yet (the DYNAMIX agent is being built); "
-                         "use static, proportional or goodput")
+        if args.policy_path is None:
+            raise UsageError("--policy ppo needs --policy-path DIR (a policy directory written by "
+                             "`dynamix policy train --out DIR` or `dynamix policy export`)")
+        from dynamix_byteps.policy.ppo.serve import read_metadata
+
+        try:
+            read_metadata(args.policy_path)
+        except ConfigurationError as error:
+            raise UsageError(f"--policy-path: {error}") from None
+    elif args.policy_path is not None:
+        raise UsageError(f"--policy-path is for --policy ppo, not --policy {args.policy}")
     multi_host = len(hosts) > 1
     if multi_host and args.scheduler_port is None:
         raise UsageError("--hosts with --policy needs --scheduler-port: the workers on every host must find it")
