@@ -136,6 +136,10 @@ setup(
         "nvidia-ml-py",
         "prometheus-client",
         "tqdm",
+        # TensorBoard scalars (tensorboardX writes, tensorboard reads) and `dynamix report`'s PNGs
+        "tensorboardX",
+        "tensorboard",
+        "matplotlib",
     ],
     zip_safe=False,
 )

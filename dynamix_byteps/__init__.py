@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 
 from dynamix_byteps import engine as _engine
+from dynamix_byteps import summaries as _summaries
 from dynamix_byteps.errors import (
     CommunicationError,
     ConfigurationError,
@@ -35,6 +36,7 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "log_scalar",
     "rank",
     "shutdown",
     "size",
@@ -58,7 +60,9 @@ def init(lazy: bool = True) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job and release the engine. Safe to call twice."""
+    """Leave the job and release the engine; flushes and closes this worker's TensorBoard
+    events. Safe to call twice."""
+    _summaries.close()
     _engine.stop()
 
 
@@ -111,3 +115,6 @@ def step_statistics():
 
     monitor = active_monitor()
     return dataclasses.replace(monitor.totals) if monitor is not None else StepStatistics()
+
+
+log_scalar = _summaries.log_scalar

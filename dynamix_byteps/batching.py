@@ -21,7 +21,9 @@ from dynamix_byteps.negotiation import negotiate, round_lock
 
 _lock = threading.Lock()
 _schedule: AssignmentSchedule | None = None
-_draws: collections.deque[tuple[int, int]] = collections.deque(maxlen=4096)  # bounded when nobody consumes
+# (step, samples, epoch, epoch samples drawn through this step); bounded when nobody consumes
+_draws: collections.deque[tuple[int, int, int, int]] = collections.deque(maxlen=4096)
+_trained: tuple[int, int] | None = None  # (epoch, samples) of the newest draw the optimizer took
 _consumed = False  # an optimizer takes the draws: unconsumed ones are prefetched, not trained on
 _noise: GradientNoiseScale | None = None
 
@@ -32,7 +34,7 @@ def install(schedule: AssignmentSchedule) -> None:
     One DynamicBatchSampler drives a job: a newer one replaces an older one that has drawn
     batches, with a warning (use a plain DataLoader for validation).
     """
-    global _schedule, _consumed
+    global _schedule, _consumed, _trained
     with _lock:
         if _schedule is not None and _consumed:
             warnings.warn("a new DynamicBatchSampler replaces the one training has used so far: set_batch_sizes "
@@ -40,17 +42,18 @@ def install(schedule: AssignmentSchedule) -> None:
                           "validation data", stacklevel=3)
         _schedule = schedule
         _draws.clear()
-        _consumed = False
+        _consumed, _trained = False, None
 
 
 def schedule() -> AssignmentSchedule | None:
     return _schedule
 
 
-def record_draw(step: int, samples: int) -> None:
-    """The sampler handed out ``samples`` indices for global ``step``."""
+def record_draw(step: int, samples: int, epoch: int = 0, epoch_samples: int = 0) -> None:
+    """The sampler handed out ``samples`` indices for global ``step``, in ``epoch``, whose
+    global batches through this step hold ``epoch_samples`` samples."""
     with _lock:
-        _draws.append((step, samples))
+        _draws.append((step, samples, epoch, epoch_samples))
 
 
 def forget_draws() -> int | None:
@@ -64,10 +67,20 @@ def forget_draws() -> int | None:
 
 def take_draw() -> tuple[int, int] | None:
     """The oldest ``(step, samples)`` not yet consumed by the optimizer, or None."""
-    global _consumed
+    global _consumed, _trained
     with _lock:
         _consumed = True
-        return _draws.popleft() if _draws else None
+        if not _draws:
+            return None
+        step, samples, epoch, epoch_samples = _draws.popleft()
+        _trained = (epoch, epoch_samples)
+        return step, samples
+
+
+def trained_position() -> tuple[int, int] | None:
+    """``(epoch, samples)`` of the newest step the optimizer took from the sampler: the epoch and
+    how many of its samples (all workers together) were drawn through that step; None before."""
+    return _trained
 
 
 def register_noise(noise: GradientNoiseScale) -> None:

@@ -9,7 +9,9 @@ gets it too.
 
 Observability: each decision, "keep" included, is one JSON line in ``<run_dir>/decisions.jsonl``
 (written off the RPC path by one thread, one ``write`` per line on an ``O_APPEND`` descriptor,
-so never a half line; a torn tail left by a crash is cut off at start) and Prometheus gauges are served on ``metrics_port``.
+so never a half line; a torn tail left by a crash is cut off at start), then TensorBoard scalars
+in ``<run_dir>/tensorboard/scheduler`` by the same thread (:mod:`dynamix_byteps.summaries`), and
+Prometheus gauges are served on ``metrics_port``.
 
 Robustness: requests are parsed in the handler (so malformed bytes get INVALID_ARGUMENT, not
 INTERNAL), validated completely before the state changes, and any handler exception is turned
@@ -44,6 +46,7 @@ from dynamix_byteps.control.cluster import MAX_WORLD_SIZE, AssignmentRecord, Clu
 from dynamix_byteps.control.security import MAX_CONCURRENT_RPCS, SERVER_OPTIONS, TokenInterceptor, grpc_address, is_loopback
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.base import Policy
+from dynamix_byteps.summaries import ScalarWriter, decision_scalars, scheduler_logdir
 
 log = logging.getLogger("dynamix_byteps.scheduler")
 
@@ -83,11 +86,13 @@ class DecisionLog:
     descriptor (no user-space buffer), so the file never holds a half line from this process;
     a torn last line left by a crash is cut off when the file is reopened. Writing happens off
     the RPC path, so a slow run directory (NFS, a full disk) cannot stall the workers; ``close``
-    drains what was submitted.
+    drains what was submitted. ``on_record``, when given, is then called with each record on
+    the same thread (the TensorBoard scalars).
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, on_record=None):
         self.path = Path(path)
+        self._on_record = on_record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.last_version = self._repair_and_scan()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -121,12 +126,19 @@ class DecisionLog:
     def _run(self) -> None:
         while (make_record := self._queue.get()) is not None:
             try:
-                data = (json.dumps(make_record(), allow_nan=False, separators=(",", ":")) + "\n").encode()
+                record = make_record()
+                data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
                 view = memoryview(data)
                 while view:
                     view = view[os.write(self._fd, view):]
             except Exception:  # one bad record or a full disk must not end the log thread
                 log.exception("cannot append a decision to %s", self.path)
+                continue
+            if self._on_record is not None:
+                try:
+                    self._on_record(record)
+                except Exception:
+                    log.exception("cannot record decision %s in TensorBoard", record.get("decision"))
 
     def close(self, timeout: float = 10.0) -> None:
         if self._fd < 0:
@@ -211,7 +223,7 @@ class SchedulerServer:
         bind: listen address; anything but loopback requires ``token``.
         port: TCP port, 0 = pick a free one (see :attr:`port` after ``start``).
         token: shared secret every call must carry as ``x-dynamix-token`` metadata; None = no check.
-        run_dir: directory of ``decisions.jsonl``; None = no decision log.
+        run_dir: directory of ``decisions.jsonl`` and ``tensorboard/scheduler``; None = neither.
         metrics_port: Prometheus port, 0 = pick, None = off.
         max_threads: handler threads; handlers never wait on clients, so a few suffice.
 
@@ -237,7 +249,8 @@ class SchedulerServer:
         self.bind, self._port, self.token = bind, port, token or None
         self._interceptors = (TokenInterceptor(token),) if token else ()
         self.decision_interval = decision_interval
-        self.decision_log = DecisionLog(Path(run_dir) / DECISION_LOG) if run_dir is not None else None
+        self.summaries = ScalarWriter(scheduler_logdir(run_dir)) if run_dir is not None else None
+        self.decision_log = DecisionLog(Path(run_dir) / DECISION_LOG, self._record_scalars) if run_dir is not None else None
         base = self.decision_log.last_version if self.decision_log else 0
         self.cluster = Cluster(num_workers, decision_interval, self.policy_name, base_version=base)
         self.metrics = SchedulerMetrics() if metrics_port is not None else None
@@ -284,6 +297,8 @@ class SchedulerServer:
             self.metrics.close()
         if self.decision_log is not None:
             self.decision_log.close()
+        if self.summaries is not None:
+            self.summaries.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout) if self._server else True
@@ -374,6 +389,11 @@ class SchedulerServer:
         return data
 
     # ---- decisions ------------------------------------------------------------------------
+
+    def _record_scalars(self, record: dict) -> None:
+        """A logged decision into ``<run_dir>/tensorboard/scheduler`` (on the decision-log thread)."""
+        self.summaries.add(decision_scalars(record), record["step"], record["time"])
+        self.summaries.flush()
 
     def _decide(self, snap: Snapshot) -> AssignmentRecord:
         t0 = time.perf_counter()

@@ -30,6 +30,7 @@ missing/invalid variable, 127 when the command cannot be found, ``128 + N`` on s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -48,6 +49,7 @@ from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
 
 PROG = "bpslaunch"
 POLICIES = ("static", "proportional", "goodput", "ppo")
@@ -641,7 +643,13 @@ def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser
         print(f"{PROG}: {note}", file=sys.stderr, flush=True)
     if not specs:
         return 0
-    return Supervisor(specs, grace_s=args.grace_period).run()
+    if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
+        return Supervisor(specs, grace_s=args.grace_period).run()
+    # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
+    with ConsoleProgress(_run_dir(args) / PROGRESS_FILE) as bar:
+        specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
+                 for s in specs]
+        return Supervisor(specs, grace_s=args.grace_period, write_guard=bar.write_guard).run()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ is forwarded to every group the same way and the launcher returns ``128 + signal
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -26,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, Mapping, Sequence
+from typing import IO, BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.launcher._guardian import group_alive
 
@@ -132,6 +133,8 @@ class Supervisor:
         stdout, stderr: binary streams that receive the prefixed lines; default the
             launcher's own ``sys.stdout.buffer`` / ``sys.stderr.buffer``.
         poll_s: seconds between checks of the children's state.
+        write_guard: returns a context manager held around each write to ``stdout``/``stderr``
+            (the console progress bar clears and redraws itself there); default none.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class Supervisor:
         stdout: BinaryIO | None = None,
         stderr: BinaryIO | None = None,
         poll_s: float = 0.05,
+        write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
     ):
         if not specs:
             raise ValueError("Supervisor needs at least one ChildSpec")
@@ -149,6 +153,7 @@ class Supervisor:
         self.specs = list(specs)
         self.grace_s = grace_s
         self.poll_s = poll_s
+        self._write_guard = write_guard
         self._out = stdout if stdout is not None else _binary(sys.stdout)
         self._err = stderr if stderr is not None else _binary(sys.stderr)
         self._lock = threading.Lock()
@@ -176,8 +181,9 @@ class Supervisor:
                 if prefix is not None and not line.endswith((b"\n", b"\r")):
                     line += b"\n"  # a cut long line or a last one without newline: the next starts a line
                 try:
-                    sink.write(line if prefix is None else prefix + line)
-                    sink.flush()
+                    with self._write_guard():
+                        sink.write(line if prefix is None else prefix + line)
+                        sink.flush()
                 except (OSError, ValueError):
                     pass  # e.g. `bpslaunch ... | head`: keep draining so children never block
 

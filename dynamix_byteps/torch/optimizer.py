@@ -311,7 +311,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 group["lr"] = lr
         self._synchronized = False
         self._samples = _UNSET
-        self._monitor.after_step(self._step_samples, self.gradient_noise)
+        self._monitor.after_step(self._step_samples, self.gradient_noise, self.lr_scale, self.next_step)
         return loss
 
     def _lr_factor(self) -> float:

@@ -98,7 +98,7 @@ class DynamicBatchSampler(torch.utils.data.Sampler):
             self.schedule.freeze_through(position.step)
             self._remember(position)
             indices = rank_indices(order, position, sizes, self.rank)
-            batching.record_draw(position.step, len(indices))
+            batching.record_draw(position.step, len(indices), position.epoch, self._position.offset)
             yield indices.tolist()
         self._position = Position(self._position.epoch + 1, 0, self._position.step)
 

@@ -1,0 +1,209 @@
+"""TensorBoard scalars of a run, written with tensorboardX.
+
+The run directory is ``bpslaunch --log-dir DIR`` (workers get it as ``DYNAMIX_LOG_DIR``, the
+scheduler as ``--run-dir``). Layout::
+
+    DIR/tensorboard/worker-<rank>/events.out.tfevents.*    one directory per worker
+    DIR/tensorboard/scheduler/events.out.tfevents.*        the scheduler's decisions
+
+View it with ``tensorboard --logdir DIR/tensorboard`` (each worker is a run, so one chart
+overlays all workers), or draw PNGs with ``dynamix report DIR``. Without a run directory
+nothing is created and every call returns at once.
+
+Worker tags, one value per report interval (``decision_interval`` steps), x = global step (steps
+completed), wall time = end of the interval (see :data:`WORKER_TAGS`). Users add their own with
+:func:`log_scalar` (e.g. ``test/accuracy``). Scheduler tags, one value per decision, x = the
+decision's step: ``batch_size/worker-<rank>`` (assigned local batch), ``global_batch``,
+``lr_scale``, ``predicted_gain``, ``noise_scale``, ``reward/<term>`` and ``terms/<term>`` (the
+policy's numeric terms; nested dicts joined with ``/``, lists left out).
+
+Durability: workers flush their event file at every interval (tensorboardX's writer thread also
+flushes every :data:`FLUSH_SECS`), so a crash loses at most the newest interval's values;
+writers are closed by ``bps.shutdown()``, the scheduler's stop, or at exit.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+LOG_DIR_ENV = "DYNAMIX_LOG_DIR"
+TENSORBOARD_DIR = "tensorboard"
+SCHEDULER_RUN = "scheduler"
+WORKER_RUN_PREFIX = "worker-"
+FLUSH_SECS = 10  # the writer thread's own flush period, for scalars logged between intervals
+
+WORKER_TAGS = {
+    "batch_size": "mean local batch size over the interval, samples",
+    "samples_per_s": "compute-only throughput θ_i = samples / compute seconds, samples/s",
+    "compute_s": "mean compute time per step (forward, backward, data), seconds",
+    "push_pull_s": "mean push_pull (gradient aggregation) time per step, seconds",
+    "step_s": "mean step time = compute_s + push_pull_s, seconds",
+    "loss": "mean of the losses given to bps.report_loss in the interval",
+    "lr_scale": "learning-rate factor DistributedOptimizer applied at the interval's last step",
+    "noise_scale": "gradient noise scale B_noise (McCandlish et al. 2018), samples; once estimated",
+}
+
+
+def worker_logdir(run_dir: str | os.PathLike, rank: int) -> Path:
+    """``<run_dir>/tensorboard/worker-<rank>``."""
+    return Path(run_dir) / TENSORBOARD_DIR / f"{WORKER_RUN_PREFIX}{rank}"
+
+
+def scheduler_logdir(run_dir: str | os.PathLike) -> Path:
+    """``<run_dir>/tensorboard/scheduler``."""
+    return Path(run_dir) / TENSORBOARD_DIR / SCHEDULER_RUN
+
+
+class ScalarWriter:
+    """Scalars into one TensorBoard run directory (a ``tensorboardX.SummaryWriter``).
+
+    The event file is created on :meth:`open` or the first :meth:`add` (importing tensorboardX,
+    which imports torch when installed: the scheduler does it on its decision-log thread).
+    Writing is asynchronous (tensorboardX's writer thread); :meth:`flush` pushes what that
+    thread has written to the operating system.
+    """
+
+    def __init__(self, logdir: str | os.PathLike):
+        self.logdir = Path(logdir)
+        self._writer = None
+
+    def open(self) -> None:
+        """Create the event file now; its first event records the wall time of this call."""
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.logdir), max_queue=1000, flush_secs=FLUSH_SECS)
+
+    def add(self, scalars: Mapping[str, float | None], step: int, walltime: float | None = None) -> None:
+        """One event per tag at global ``step``, wall time ``walltime`` (seconds since the epoch,
+        default now). None and non-finite values are left out: TensorBoard draws no point for them."""
+        self.open()
+        walltime = time.time() if walltime is None else walltime
+        for tag, value in scalars.items():
+            if value is not None and math.isfinite(value):
+                self._writer.add_scalar(tag, float(value), int(step), walltime=walltime)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# ---- the worker process's writer ----------------------------------------------------------------
+
+_lock = threading.Lock()
+_writer: ScalarWriter | None = None
+_resolved = False  # DYNAMIX_LOG_DIR was looked at (None writer: no run directory)
+
+
+def _rank() -> int:
+    from dynamix_byteps import engine
+    from dynamix_byteps.env import WorkerEnv
+
+    return engine.current().rank if engine.is_started() else WorkerEnv.from_environ().rank
+
+
+def worker_writer() -> ScalarWriter | None:
+    """This process's writer into ``<DYNAMIX_LOG_DIR>/tensorboard/worker-<rank>``, opened on first
+    use; None when ``DYNAMIX_LOG_DIR`` is unset."""
+    global _writer, _resolved
+    if not _resolved:
+        with _lock:
+            if not _resolved:
+                run_dir = os.environ.get(LOG_DIR_ENV)
+                if run_dir:
+                    _writer = ScalarWriter(worker_logdir(run_dir, _rank()))
+                    _writer.open()
+                _resolved = True
+    return _writer
+
+
+def write_interval(scalars: Mapping[str, float | None], step: int) -> None:
+    """The step monitor's per-interval scalars (:data:`WORKER_TAGS`), flushed; no-op without a run directory."""
+    writer = worker_writer()
+    if writer is not None:
+        writer.add(scalars, step)
+        writer.flush()
+
+
+def log_scalar(tag: str, value, step: int | None = None) -> None:
+    """Record ``value`` under ``tag`` in this worker's TensorBoard run (``bpslaunch --log-dir``).
+
+    For a script's own metrics, e.g. ``bps.log_scalar("test/accuracy", 0.87)`` after an
+    evaluation; ``dynamix report`` plots tags containing ``accuracy`` and ``test/loss``
+    against wall time. A no-op (after checking the arguments) when the job has no log directory.
+
+    Args:
+        tag: TensorBoard tag, a non-empty string; ``/`` groups charts (``test/accuracy``).
+        value: a real number (float, int, numpy scalar, or 0-dim tensor).
+        step: x coordinate; default: the global step, i.e. optimizer steps completed so far
+            (0 before a ``DistributedOptimizer`` has stepped).
+
+    Raises:
+        ValueError: ``tag`` is empty or not a string, ``value`` is not a real number, or
+            ``step`` is not an integer >= 0.
+    """
+    if not isinstance(tag, str) or not tag.strip():
+        raise ValueError(f"log_scalar needs a non-empty string tag, got {tag!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"log_scalar({tag!r}, ...) needs a real number (or a 0-dim tensor), got {value!r}") from None
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
+        raise ValueError(f"log_scalar({tag!r}, ...) needs step=None or an integer >= 0, got {step!r}")
+    writer = worker_writer()
+    if writer is None:
+        return
+    if step is None:
+        from dynamix_byteps.control.worker import active_monitor
+
+        monitor = active_monitor()
+        step = monitor.global_step if monitor is not None else 0
+    writer.add({tag: number}, step)
+
+
+def close() -> None:
+    """Flush and close this process's writer (``bps.shutdown`` calls it); a later scalar reopens one."""
+    global _writer, _resolved
+    with _lock:
+        writer, _writer, _resolved = _writer, None, False
+    if writer is not None:
+        writer.close()
+
+
+# ---- the scheduler's scalars --------------------------------------------------------------------
+
+
+def _numbers(prefix: str, values, out: dict[str, float], depth: int = 0) -> None:
+    """Numeric leaves of nested dicts as ``prefix/key/...`` (bools, strings and lists left out)."""
+    if isinstance(values, Mapping) and depth < 4:
+        for key, value in values.items():
+            _numbers(f"{prefix}/{key}", value, out, depth + 1)
+    elif isinstance(values, numbers.Real) and not isinstance(values, bool) and math.isfinite(values):
+        out[prefix] = float(values)
+
+
+def decision_scalars(record: Mapping) -> dict[str, float]:
+    """Scalars of one decision-log record (:meth:`SchedulerServer._log_record`'s dict)."""
+    out: dict[str, float] = {}
+    sizes = record.get("batch_sizes") or []
+    for rank, size in enumerate(sizes):
+        out[f"batch_size/{WORKER_RUN_PREFIX}{rank}"] = float(size)
+    if sizes:
+        out["global_batch"] = float(sum(sizes))
+    for key in ("lr_scale", "predicted_gain"):
+        _numbers(key, record.get(key), out)
+    _numbers("noise_scale", (record.get("state") or {}).get("noise_scale"), out)
+    _numbers("reward", record.get("reward") or {}, out)
+    _numbers("terms", record.get("terms") or {}, out)
+    return out
