@@ -4,6 +4,7 @@ Subcommands (one function ``_add_<name>(subparsers)`` each, which sets ``func``)
 
     dynamix scheduler --num-workers 4 --policy proportional --run-dir runs/a --port-file runs/a/port
     dynamix policy train --scenario straggler,two-speed --out policies/p   (also: policy eval, policy export)
+    dynamix report runs/a
 
 Exit status: 0 on success (and on SIGTERM/SIGINT after a graceful stop), 1 on failure
 (a port that cannot be bound, a policy that cannot be loaded), 2 on bad usage.
@@ -201,6 +202,40 @@ def _run_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- dynamix report --------------------------------------------------------------------------
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="draw PNG plots and print a summary table of a recorded run",
+        description=(
+            "Read the TensorBoard scalars of a run recorded with `bpslaunch --log-dir RUN_DIR` and write\n"
+            "batch_size.png (batch size per worker over wall time), loss_accuracy.png (loss and logged\n"
+            "accuracy against wall time) and step_time.png (step time per worker); print per-worker means\n"
+            "and the job's wall time, steps and final accuracy/loss."
+        ),
+        epilog="exit status: 0 on success, 1 when the plots cannot be written, 2 when RUN_DIR holds no run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir (or its tensorboard/ folder)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="where the PNGs go (default: RUN_DIR)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from dynamix_byteps.report import RunDirError, write_report
+
+    try:
+        paths, table = write_report(args.run_dir, args.out)
+    except RunDirError as error:
+        raise UsageError(f"argument RUN_DIR: {error}") from None
+    print(table)
+    print("plots: " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 # ---- entry point ------------------------------------------------------------------------------
 
 
@@ -210,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheduler(sub)
     _add_agent(sub)
     add_policy_parser(sub, UsageError)
+    _add_report(sub)
     return parser
 
 

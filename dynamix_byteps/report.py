@@ -1,0 +1,289 @@
+"""``dynamix report RUN_DIR``: PNG plots and a summary table from a run's TensorBoard events.
+
+Reads ``RUN_DIR/tensorboard/worker-<rank>/`` and ``RUN_DIR/tensorboard/scheduler/`` (written
+by :mod:`dynamix_byteps.summaries` when the job ran with ``bpslaunch --log-dir RUN_DIR``) with
+tensorboard's ``EventAccumulator`` and writes, with matplotlib's Agg canvas:
+
+- ``batch_size.png``: each worker's local batch size against wall time;
+- ``loss_accuracy.png``: training loss per worker, and the ``*loss`` / ``*accuracy`` tags the
+  script logged with ``bps.log_scalar`` (e.g. ``test/accuracy``), against wall time;
+- ``step_time.png``: each worker's step time (solid) and push_pull time (dashed).
+
+Wall time is seconds since the earliest event of the run (a worker's event file is created
+when its ``DistributedOptimizer`` is). The table gives per worker the means over report
+intervals of the local batch, the compute-only throughput θ_i, the step time and the push_pull
+time, and for the job its wall time, steps, and the final logged accuracy and losses.
+
+A worker's first interval is warm-up: its first step's compute time also holds what ran between
+creating the optimizer and that step (the parameter broadcast, the loader's start), so the step
+time plot and the table's means leave it out when there are later intervals.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.summaries import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
+
+
+class RunDirError(ConfigurationError):
+    """RUN_DIR holds no readable per-worker TensorBoard scalars; the message says how to record them."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """One tag's events, in file order: ``step`` int64, ``wall`` float64 (seconds since the
+    run's start) and ``value`` float64 arrays of equal length."""
+
+    step: np.ndarray
+    wall: np.ndarray
+    value: np.ndarray
+
+
+@dataclass
+class RunData:
+    """A run's scalars: ``workers[rank][tag]``, ``scheduler[tag]``; ``start``: wall time (seconds
+    since the Unix epoch) of its earliest event; ``end``: seconds from ``start`` to its last event."""
+
+    workers: dict[int, dict[str, Series]] = field(default_factory=dict)
+    scheduler: dict[str, Series] = field(default_factory=dict)
+    start: float = 0.0
+    end: float = 0.0
+
+
+def _event_accumulator():
+    """tensorboard's event reader. tensorboard imports TensorFlow (seconds, and log noise) when it
+    is installed; unless the process already has it, select tensorboard's TF-free stub the way
+    its own ``no_tensorflow`` build does: a ``tensorboard.compat.notf`` module (see
+    ``tensorboard.compat.tf``)."""
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+    from tensorboard.backend.event_processing import event_accumulator
+
+    logging.getLogger("tensorboard").setLevel(logging.WARNING)  # one INFO line per file read
+
+    return event_accumulator
+
+
+def _tensorboard_dir(run_dir: Path) -> Path:
+    """``RUN_DIR/tensorboard``, or RUN_DIR itself when it is that directory."""
+    nested = run_dir / TENSORBOARD_DIR
+    return nested if nested.is_dir() else run_dir
+
+
+def _no_events(run_dir: Path, why: str) -> RunDirError:
+    return RunDirError(
+        f"{run_dir} {why}; expected TensorBoard event files in "
+        f"{run_dir / TENSORBOARD_DIR / (WORKER_RUN_PREFIX + '<rank>')}/events.out.tfevents.*. "
+        f"Record a run with `bpslaunch --log-dir {run_dir} ... -- python train.py` (the workers write "
+        "their scalars every --decision-interval steps), then run `dynamix report` on it"
+    )
+
+
+def load_run(run_dir: str | os.PathLike) -> RunData:
+    """Read every scalar of the run.
+
+    Raises:
+        RunDirError: ``run_dir`` is not a directory or has no per-worker scalars.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise _no_events(run_dir, "is not a directory")
+    tb_dir = _tensorboard_dir(run_dir)
+    ea = _event_accumulator()
+    raw: dict[str, tuple[float, dict[str, list]]] = {}
+    for path in sorted(tb_dir.iterdir()):
+        name = path.name
+        is_worker = name.startswith(WORKER_RUN_PREFIX) and name[len(WORKER_RUN_PREFIX):].isdigit()
+        if not path.is_dir() or not (is_worker or name == SCHEDULER_RUN):
+            continue
+        acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
+        acc.Reload()
+        try:
+            first = acc.FirstEventTimestamp()
+        except ValueError:  # an empty event file
+            continue
+        raw[name] = (first, {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]})
+    if not any(name.startswith(WORKER_RUN_PREFIX) and tags for name, (_, tags) in raw.items()):
+        why = "has no TensorBoard scalars of any worker yet" if raw else "has no TensorBoard event files"
+        raise _no_events(run_dir, why)
+    start = min(first for first, _ in raw.values())
+    data = RunData(start=start)
+    for name, (_, tags) in raw.items():
+        series = {tag: Series(np.array([e.step for e in events], dtype=np.int64),
+                              np.array([e.wall_time - start for e in events], dtype=np.float64),
+                              np.array([e.value for e in events], dtype=np.float64))
+                  for tag, events in tags.items() if events}
+        data.end = max([data.end] + [float(s.wall[-1]) for s in series.values()])
+        if name == SCHEDULER_RUN:
+            data.scheduler = series
+        else:
+            data.workers[int(name[len(WORKER_RUN_PREFIX):])] = series
+    data.workers = dict(sorted(data.workers.items()))
+    return data
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+
+def _after_warmup(s: Series) -> Series:
+    """``s`` without its first interval (see the module docstring), unless that is all it has."""
+    return Series(s.step[1:], s.wall[1:], s.value[1:]) if len(s.value) > 1 else s
+
+
+def _mean(series: dict[str, Series], tag: str) -> float:
+    s = series.get(tag)
+    return float(np.mean(_after_warmup(s).value)) if s is not None and len(s.value) else math.nan
+
+
+def _last_logged(data: RunData, keyword: str, exclude: str | None = None) -> tuple[str, float] | None:
+    """The newest value of the first tag containing ``keyword`` (rank 0 first), and its tag."""
+    for rank in data.workers:
+        for tag in sorted(data.workers[rank]):
+            if keyword in tag and tag != exclude:
+                return f"{tag} (worker {rank})", float(data.workers[rank][tag].value[-1])
+    return None
+
+
+def summary(data: RunData) -> tuple[list[dict], dict]:
+    """Per-worker rows (``rank, batch_size, samples_per_s, step_s, push_pull_s, intervals``: means over
+    report intervals after the first, in samples, samples/s and seconds) and the job's figures (``wall_s``,
+    ``steps``, ``final_train_loss``: the mean of the workers' last ``loss``, and the newest
+    logged accuracy and test loss when any)."""
+    rows = []
+    for rank, series in data.workers.items():
+        rows.append({"rank": rank, "batch_size": _mean(series, "batch_size"),
+                     "samples_per_s": _mean(series, "samples_per_s"), "step_s": _mean(series, "step_s"),
+                     "push_pull_s": _mean(series, "push_pull_s"),
+                     "intervals": max((len(s.value) for s in series.values()), default=0)})
+    steps = max((int(s.step.max()) for series in data.workers.values() for s in series.values()), default=0)
+    last_losses = [float(s["loss"].value[-1]) for s in data.workers.values() if "loss" in s]
+    job = {"wall_s": data.end, "steps": steps,
+           "final_train_loss": float(np.mean(last_losses)) if last_losses else None,
+           "accuracy": _last_logged(data, "accuracy"), "test_loss": _last_logged(data, "loss", exclude="loss")}
+    return rows, job
+
+
+def format_summary(rows: list[dict], job: dict) -> str:
+    """The table ``dynamix report`` prints."""
+    def num(x, fmt):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+    lines = [f"{'worker':>6} {'mean batch':>10} {'mean θ (samples/s)':>18} {'mean step (ms)':>14} "
+             f"{'mean push_pull (ms)':>19} {'intervals':>9}"]
+    for r in rows:
+        lines.append(f"{r['rank']:>6} {num(r['batch_size'], '.1f'):>10} {num(r['samples_per_s'], '.1f'):>18} "
+                     f"{num(r['step_s'] * 1e3, '.1f'):>14} {num(r['push_pull_s'] * 1e3, '.1f'):>19} "
+                     f"{r['intervals']:>9}")
+    lines.append("")
+    lines.append(f"job: {job['wall_s']:.1f} s wall time, {job['steps']} steps, "
+                 f"final training loss {num(job['final_train_loss'], '.4f')}")
+    for key, what in (("accuracy", "final accuracy"), ("test_loss", "final logged loss")):
+        if job[key] is not None:
+            tag, value = job[key]
+            lines.append(f"{what}: {value:.4f} ({tag})")
+        elif key == "accuracy":
+            lines.append("final accuracy: not logged (call bps.log_scalar('test/accuracy', value) in the script)")
+    return "\n".join(lines)
+
+
+# ---- the plots ----------------------------------------------------------------------------------
+
+
+def _figure(ncols: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4 * ncols, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+
+
+def _save(fig, path: Path) -> Path:
+    """Write the PNG through a temporary file, so a reader never sees half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _per_worker(ax, data: RunData, tag: str, warmup: bool = True, **style) -> None:
+    for rank, series in data.workers.items():
+        if tag in series:
+            s = series[tag] if warmup else _after_warmup(series[tag])
+            ax.plot(s.wall, s.value, label=f"worker {rank}", color=f"C{rank % 10}", **style)
+
+
+def _finish(ax, title: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def plot_batch_sizes(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    _per_worker(ax, data, "batch_size", drawstyle="steps-pre", marker=".")
+    _finish(ax, "Local batch size per worker (mean per report interval)", "samples")
+    return _save(fig, path)
+
+
+def plot_loss_accuracy(data: RunData, path: Path) -> Path:
+    fig, (loss_ax, acc_ax) = _figure(2)
+    _per_worker(loss_ax, data, "loss", alpha=0.7)
+    for rank, series in data.workers.items():
+        for tag in sorted(series):
+            s = series[tag]
+            if "loss" in tag and tag != "loss":
+                loss_ax.plot(s.wall, s.value, marker="o", color="black", label=f"{tag} (worker {rank})")
+            if "accuracy" in tag:
+                acc_ax.plot(s.wall, s.value, marker="o", label=f"{tag} (worker {rank})")
+    _finish(loss_ax, "Loss", "loss")
+    if not acc_ax.lines:
+        acc_ax.text(0.5, 0.5, "no accuracy logged:\ncall bps.log_scalar('test/accuracy', value)",
+                    ha="center", va="center", transform=acc_ax.transAxes)
+    _finish(acc_ax, "Accuracy", "accuracy")
+    return _save(fig, path)
+
+
+def plot_step_times(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    _per_worker(ax, data, "step_s", warmup=False)
+    for rank, series in data.workers.items():
+        if "push_pull_s" in series:
+            s = _after_warmup(series["push_pull_s"])
+            ax.plot(s.wall, s.value, linestyle="--", color=f"C{rank % 10}", alpha=0.7)
+    _finish(ax, "Step time per worker (dashed: push_pull; after warm-up)", "seconds per step")
+    return _save(fig, path)
+
+
+PLOTS = {"batch_size.png": plot_batch_sizes, "loss_accuracy.png": plot_loss_accuracy,
+         "step_time.png": plot_step_times}
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[list[Path], str]:
+    """Draw :data:`PLOTS` into ``out_dir`` (default ``run_dir``) and return their paths and the table.
+
+    Raises:
+        RunDirError: no per-worker scalars in ``run_dir``.
+        OSError: ``out_dir`` cannot be created or written.
+    """
+    data = load_run(run_dir)
+    out = Path(out_dir if out_dir is not None else run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [draw(data, out / name) for name, draw in PLOTS.items()]
+    return paths, format_summary(*summary(data))
