@@ -60,6 +60,25 @@ class Scenario:
     slowdowns: tuple[Slowdown, ...] = ()
     links: tuple[Link, ...] = ()
 
+    def host_layout(self) -> tuple[list[int], dict[int, float]]:
+        """Emulated hosts for :class:`dynamix_byteps.testing.netns.Testbed`: ``(slots, rates_mbit)``.
+
+        The ranks without a link share host 0 (the root namespace); each rank behind a link gets
+        a host of its own, in rank order, whose link runs at that rate. ``network`` (rank 3 of 4
+        behind a link) gives ``([3, 1], {1: rate})``; a scenario without links gives one host.
+
+        Raises:
+            ConfigurationError: rank 0 is behind a link, or a rank behind a link is followed by
+                one without (bpslaunch numbers ranks in host order, so linked ranks come last).
+        """
+        rates = {link.rank: link.rate_mbit for link in self.links}
+        first = min(rates, default=self.workers)
+        if first == 0 or any(rank not in rates for rank in range(first, self.workers)):
+            raise ConfigurationError(f"scenario {self.name!r}: the ranks behind links must be the highest ones and "
+                                     f"not rank 0 (host 0 holds ranks 0..k-1), got links on {sorted(rates)}")
+        slots = [first] + [1] * (self.workers - first)
+        return slots, {host: rates[first + host - 1] for host in range(1, len(slots))}
+
     def speed_factors(self, fraction: float) -> tuple[float, ...]:
         """Per-rank compute slowdown factor (>= 1) at ``fraction`` of the budget."""
         factors = [1.0] * self.workers

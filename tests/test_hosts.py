@@ -168,3 +168,16 @@ def test_two_launchers_with_uneven_slots_run_one_gloo_job(tmp_path):
     assert [(r["rank"], r["size"]) for r in results] == [(0, 4), (1, 4), (2, 4), (3, 4)]
     assert [r["local_rank"] for r in results] == [0, 1, 2, 0]
     assert all(r["rank_sum"] == 0 + 1 + 2 + 3 for r in results)
+
+
+def test_network_scenario_maps_to_hosts():
+    """The linked ranks come last, one emulated host each; the rest share host 0."""
+    from dynamix_byteps.scenarios import Link, Scenario, scenario
+
+    slots, rates = scenario("network").host_layout()
+    assert slots == [3, 1] and set(rates) == {1} and rates[1] > 0
+    assert Scenario("s", 5, links=(Link(3, 10.0), Link(4, 5.0))).host_layout() == ([3, 1, 1], {1: 10.0, 2: 5.0})
+    assert Scenario("s", 2).host_layout() == ([2], {})
+    for links in ((Link(0, 10.0),), (Link(2, 10.0),)):
+        with pytest.raises(ConfigurationError, match="highest"):
+            Scenario("s", 4, links=links).host_layout()

@@ -1,7 +1,8 @@
 """Worker for tests/test_hosts.py and tests/test_netns.py: joins the job, all-reduces its rank, and
 writes ``<OUT_DIR>/rank<r>.json`` = {rank, size, local_rank, rank_sum, address}; with STEPS > 0 it
-then trains a small MLP (about 20k parameters) for STEPS steps through DynamicBatchSampler, so
-that a scheduler given with --policy receives reports. Usage: rank_worker.py OUT_DIR [STEPS]"""
+then trains a 64-HIDDEN-10 MLP (default HIDDEN 256: 19k parameters, 76 KB of gradients per step)
+for STEPS steps through DynamicBatchSampler, so that a scheduler given with --policy receives
+reports. Usage: rank_worker.py OUT_DIR [STEPS [HIDDEN]]"""
 
 import json
 import os
@@ -14,6 +15,7 @@ import dynamix_byteps.torch as bps
 
 out_dir = Path(sys.argv[1])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+hidden = int(sys.argv[3]) if len(sys.argv) > 3 else 256
 torch.set_num_threads(1)
 bps.init()
 total = bps.push_pull(torch.tensor([float(bps.rank())]), average=False, name="rank_sum")
@@ -23,7 +25,7 @@ if steps:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(8192, 64, generator=g), torch.randint(0, 10, (8192,), generator=g))
     sampler = bps.DynamicBatchSampler(data, 32, seed=1)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
     done, epoch = 0, 0
     while done < steps:

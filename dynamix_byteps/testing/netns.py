@@ -1,0 +1,508 @@
+"""Emulated hosts on one Linux machine: network namespaces, a bridge, and rate-limited links.
+
+A :class:`Testbed` of ``n`` hosts makes host 0 the root network namespace (where the caller
+runs: the parameter-server host, with the scheduler and rank 0) and hosts 1..n-1 one network
+namespace each. Every namespaced host is joined to a bridge in the root namespace by a veth
+pair; the bridge holds host 0's address, so all hosts share one /24 subnet, chosen at random
+in 10.200.0.0/13 among subnets this machine does not use::
+
+      host 0 (root ns)                      host 1 (netns)        host 2 (netns)
+      bridge dxtb<tag>b 10.a.b.1  ──veth──  10.a.b.2      ──veth──  10.a.b.3  ...
+
+A host given a rate has a tbf qdisc of that rate on both ends of its veth, so what it sends and
+what it receives are each limited to the rate (netem is not available on every kernel, so
+there is no added delay or loss here; queueing behind tbf does raise the RTT). Processes run
+on a host with :meth:`Testbed.popen`; on a namespaced host they get a private ``/dev/shm`` (a
+new tmpfs per call), so node agents see only their own host's workers, as on separate machines.
+
+Requirements (:func:`available` says which one is missing): Linux, root, iproute2's ``ip`` and
+``tc``, ``mount``, and kernel support for network namespaces, veth, bridges and tbf.
+
+Clean-up: every object is named with the prefix ``dxtb`` and a tag unique to the instance,
+and records its owner's pid (in the namespace name, in the link alias). :meth:`Testbed.close`
+(called on ``with``-block exit, also on an exception, and on SIGTERM/SIGHUP while the bed is
+open in the main thread) stops the processes it started and deletes everything;
+:func:`cleanup_stale`, run at every start, deletes what a SIGKILLed owner left behind.
+
+Example (as root)::
+
+    from dynamix_byteps.testing.netns import Testbed, run_job
+    with Testbed(2, rates_mbit={1: 20}) as bed:
+        result = run_job(bed, [3, 1], ["python", "train.py"], ["--policy", "proportional"])
+        assert result.ok, result.outputs
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Self
+
+from dynamix_byteps.errors import DynamixError
+
+__all__ = ["PREFIX", "Host", "JobResult", "Testbed", "TestbedError", "available", "cleanup_stale", "owned_objects",
+           "run_job", "stop"]
+
+PREFIX = "dxtb"  # every namespace and link of a test bed starts with this
+SUBNETS = ipaddress.ip_network("10.200.0.0/13")  # the /24s a test bed picks from
+TBF_LATENCY_MS = 50  # longest a packet may wait in a tbf queue before it is dropped
+COMMAND_TIMEOUT_S = 20.0  # per ip/tc call
+MAX_HOSTS = 250  # one /24 (host i gets .i+1)
+_ALIAS = "dynamix-testbed pid="
+_NETNS_NAME = re.compile(rf"^{PREFIX}_([0-9a-f]+)_(\d+)_h\d+$")
+# Runs in a namespaced host: a private /dev/shm (this mount namespace is ip netns exec's own), then the command.
+_PRIVATE_SHM = 'mount -t tmpfs -o mode=1777 dxtb-shm /dev/shm && exec "$@"'
+
+
+class TestbedError(DynamixError, RuntimeError):
+    """Setting up the test bed failed; the message names the command and its error output."""
+
+    __test__ = False  # not a pytest test class
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise TestbedError(f"`{' '.join(argv)}` failed: {error}") from None
+    if check and done.returncode != 0:
+        raise TestbedError(f"`{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")
+    return done
+
+
+def _json(*argv: str) -> list:
+    out = _run(*argv).stdout.strip()
+    return json.loads(out) if out else []
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@cache
+def available() -> str | None:
+    """None when test beds can be built here, else the reason they cannot (for ``pytest.skip``).
+
+    Checks root, the tools, and the kernel (a throwaway namespace with a veth pair, a bridge and
+    a tbf qdisc, deleted again). The answer is cached for the process.
+    """
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "needs root: creates network namespaces, veth pairs, a bridge and tc qdiscs"
+    missing = [tool for tool in ("ip", "tc", "mount") if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found on PATH (install iproute2 / util-linux)"
+    probe = f"{PREFIX}_probe_{os.getpid()}_h0"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
+        _run("ip", "-n", probe, "link", "add", "pb", "type", "bridge")
+        _run("tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "20mbit", "burst", "32kbit",
+             "latency", f"{TBF_LATENCY_MS}ms")
+    except TestbedError as error:
+        return f"this kernel or iproute2 cannot build a test bed: {error}"
+    finally:
+        _run("ip", "netns", "delete", probe, check=False)
+    return None
+
+
+def owned_objects() -> list[tuple[str, str, int]]:
+    """``(kind, name, owner pid)`` of every test-bed object on this machine: kind ``"netns"`` for
+    a namespace, ``"link"`` for a root-namespace bridge or veth end."""
+    found = []
+    for entry in _json("ip", "-j", "netns", "list"):
+        match = _NETNS_NAME.match(entry.get("name", ""))
+        if match:
+            found.append(("netns", entry["name"], int(match.group(2))))
+    for link in _json("ip", "-j", "-d", "link", "show"):
+        alias = link.get("ifalias", "")
+        if link["ifname"].startswith(PREFIX) and alias.startswith(_ALIAS) and alias[len(_ALIAS):].isdigit():
+            found.append(("link", link["ifname"], int(alias[len(_ALIAS):])))
+    return found
+
+
+def cleanup_stale() -> list[str]:
+    """Delete the namespaces and root-namespace links of test beds whose owner process is gone.
+
+    Objects of a live owner (another test running in parallel) are left alone. Returns the
+    names deleted.
+    """
+    deleted = []
+    for kind, name, pid in owned_objects():
+        if not _pid_alive(pid):
+            _run(*(("ip", "netns", "delete") if kind == "netns" else ("ip", "link", "delete")), name, check=False)
+            deleted.append(name)
+    return deleted
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A random /24 of :data:`SUBNETS` that overlaps no route or address of the root namespace."""
+    used = []
+    for route in _json("ip", "-j", "-4", "route", "show", "table", "all"):
+        try:
+            used.append(ipaddress.ip_network(route.get("dst", ""), strict=False))
+        except ValueError:  # "default", or a form this check does not need
+            continue
+    used += [ipaddress.ip_network(f"{a['local']}/32") for link in _json("ip", "-j", "-4", "addr", "show")
+             for a in link.get("addr_info", [])]
+    candidates = list(SUBNETS.subnets(new_prefix=24))
+    for _ in range(100):
+        subnet = secrets.choice(candidates)
+        if not any(subnet.overlaps(u) for u in used):
+            return subnet
+    raise TestbedError(f"no free /24 in {SUBNETS} after 100 tries: this machine routes most of it")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host of a :class:`Testbed`.
+
+    Attributes:
+        index: 0 for the root namespace, 1.. for the namespaced hosts.
+        address: its IPv4 address on the test bed (dotted quad).
+        namespace: its network namespace name (``ip netns``), None for host 0.
+        device: the interface that holds ``address`` in its namespace (host 0: the bridge).
+        rate_mbit: the tbf rate of its link in each direction, Mbit/s (10**6 bit/s); None = unshaped.
+    """
+
+    index: int
+    address: str
+    namespace: str | None
+    device: str
+    rate_mbit: float | None = None
+
+
+class Testbed:
+    """``hosts`` emulated hosts (see the module docstring); a context manager that builds them.
+
+    Args:
+        hosts: number of hosts, 2..250 (host 0 is the root namespace).
+        rates_mbit: ``{host index: Mbit/s}`` for the hosts behind a rate-limited link
+            (index >= 1; host 0 is the caller's own namespace and is never shaped).
+
+    Raises:
+        ValueError: a bad host count or rate.
+        TestbedError: on entry, when :func:`available` gives a reason or a setup command fails
+            (everything built so far is deleted first).
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, hosts: int, rates_mbit: Mapping[int, float] | None = None):
+        if not 2 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"a test bed has 2..{MAX_HOSTS} hosts, not {hosts}")
+        rates = dict(rates_mbit or {})
+        for index, rate in rates.items():
+            if not 1 <= index < hosts:
+                raise ValueError(f"rates_mbit: host {index} is not a namespaced host (1..{hosts - 1}); host 0 is the "
+                                 "root namespace and cannot be shaped, put the slow workers on another host")
+            if not 0 < rate < float("inf"):
+                raise ValueError(f"rates_mbit: host {index} needs a rate > 0 Mbit/s, not {rate}")
+        self.tag = secrets.token_hex(3)
+        self._owner = os.getpid()
+        self._rates = rates
+        self._count = hosts
+        self.hosts: tuple[Host, ...] = ()
+        self.bridge = f"{PREFIX}{self.tag}b"
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._old_handlers: dict[int, object] = {}
+
+    # ---- life cycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        reason = available()
+        if reason is not None:
+            raise TestbedError(f"cannot build a network test bed: {reason}")
+        self._catch_signals()
+        try:
+            cleanup_stale()
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _names(self, index: int) -> tuple[str, str, str]:
+        """(namespace, root-side veth end, namespace-side veth end) of host ``index`` >= 1."""
+        return (f"{PREFIX}_{self.tag}_{self._owner}_h{index}", f"{PREFIX}{self.tag}r{index}",
+                f"{PREFIX}{self.tag}n{index}")
+
+    def _build(self) -> None:
+        subnet = _free_subnet()
+        addresses = [str(a) for a in list(subnet.hosts())[: self._count]]
+        alias = f"{_ALIAS}{self._owner}"
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "alias", alias)
+        _run("ip", "addr", "add", f"{addresses[0]}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        hosts = [Host(0, addresses[0], None, self.bridge)]
+        for index in range(1, self._count):
+            namespace, outer, inner = self._names(index)
+            _run("ip", "netns", "add", namespace)
+            _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", namespace)
+            _run("ip", "link", "set", outer, "alias", alias)
+            _run("ip", "link", "set", outer, "master", self.bridge, "up")
+            _run("ip", "-n", namespace, "addr", "add", f"{addresses[index]}/24", "dev", inner)
+            _run("ip", "-n", namespace, "link", "set", inner, "up")
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            rate = self._rates.get(index)
+            if rate is not None:
+                for netns_args, device in (((), outer), (("-n", namespace), inner)):
+                    _run("tc", *netns_args, "qdisc", "add", "dev", device, "root", *_tbf(rate))
+            hosts.append(Host(index, addresses[index], namespace, inner, rate))
+        self.hosts = tuple(hosts)
+
+    def close(self) -> None:
+        """Stop every process started with :meth:`popen`, then delete the namespaces and links.
+
+        Safe to call more than once. A deletion that fails is reported with a warning, not raised.
+        """
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for proc in procs:
+            stop(proc)
+        for index in range(1, self._count):
+            namespace, outer, _ = self._names(index)
+            _run("ip", "link", "delete", outer, check=False)  # takes the peer in the namespace with it
+            _run("ip", "netns", "delete", namespace, check=False)
+        _run("ip", "link", "delete", self.bridge, check=False)
+        self._restore_signals()
+        left = self.leftovers()
+        if left:
+            warnings.warn(f"test bed {self.tag}: could not delete {', '.join(left)}", RuntimeWarning, stacklevel=2)
+
+    def leftovers(self) -> list[str]:
+        """Names of this bed's namespaces and root-namespace links that still exist."""
+        return [name for _, name, _ in owned_objects()
+                if name.startswith((f"{PREFIX}_{self.tag}_", f"{PREFIX}{self.tag}"))]
+
+    def _catch_signals(self) -> None:
+        """Turn SIGTERM/SIGHUP into SystemExit while open, so ``with`` blocks and ``finally`` clean up.
+
+        Only in the main thread and only for signals still at their default action: a caller's
+        own handler is left in place.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._old_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def popen(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on host ``host`` in a new session (its own process group).
+
+        On a namespaced host it runs through ``ip netns exec`` with a private ``/dev/shm``;
+        ``env`` is its complete environment (default: this process's). Other keyword arguments
+        go to :class:`subprocess.Popen`. The process is stopped by :meth:`close` if still
+        running; stop it earlier with :func:`stop`.
+        """
+        if not self.hosts:
+            raise TestbedError("the test bed is not built; use it as a context manager: with Testbed(...) as bed")
+        if not 0 <= host < len(self.hosts):
+            raise ValueError(f"host {host} is not in this test bed of {len(self.hosts)} hosts")
+        namespace = self.hosts[host].namespace
+        command = list(argv)
+        if namespace is not None:
+            command = ["ip", "netns", "exec", namespace, "sh", "-c", _PRIVATE_SHM, "sh", *command]
+        proc = subprocess.Popen(command, env=dict(os.environ if env is None else env), start_new_session=True,
+                                **kwargs)
+        with self._lock:
+            self._procs = [p for p in self._procs if p.poll() is None] + [proc]
+        return proc
+
+
+def _tbf(rate_mbit: float) -> list[str]:
+    """tc arguments of a tbf qdisc at ``rate_mbit``: burst = 10 ms of traffic, at least 16 KiB."""
+    burst = max(int(rate_mbit * 1e6 / 8 / 100), 16 * 1024)
+    return ["tbf", "rate", f"{rate_mbit * 1000:.0f}kbit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """SIGTERM ``proc``'s process group, SIGKILL it after ``grace_s`` seconds; returns the exit status.
+
+    ``proc`` must lead its own group (started by :meth:`Testbed.popen` or with
+    ``start_new_session=True``). A process that already exited is only reaped.
+    """
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+# ---- one bpslaunch job across the test bed -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What :func:`run_job` saw.
+
+    Attributes:
+        returncodes: each host's bpslaunch exit status, index = host (a stopped launcher reports
+            ``128 + signal`` or a negative signal number).
+        timed_out: the job ran past ``timeout_s`` and was stopped.
+        outputs: each host's bpslaunch console output (stdout then stderr), index = host.
+    """
+
+    returncodes: tuple[int, ...]
+    timed_out: bool
+    outputs: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Every host's bpslaunch exited 0 within the time limit."""
+        return not self.timed_out and all(code == 0 for code in self.returncodes)
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher_args: Sequence[str] = (), *,
+            env: Mapping[str, str] | None = None, timeout_s: float = 600.0, grace_s: float = 10.0,
+            cwd: str | os.PathLike | None = None) -> JobResult:
+    """Run one ``bpslaunch`` job across ``bed``: ``slots[i]`` workers on host ``i``.
+
+    Host ``i`` runs ``python -m dynamix_byteps.launcher --hosts A0:S0,A1:S1,... --node-rank i
+    --port P [--scheduler-port Q] *launcher_args -- *command``, host 0 in the root namespace and
+    the others inside theirs, so ranks 0..S0-1 are on host 0, the next S1 on host 1, and so on.
+    ``--port`` (and, with ``--policy``, ``--scheduler-port``) are chosen free on host 0 unless
+    ``launcher_args`` gives them; with ``--policy`` and no ``DYNAMIX_TOKEN`` in ``env``, a random
+    token is shared by all hosts. With ``--log-dir D`` in ``launcher_args``, host 0 writes to D
+    (so the scheduler's ``decisions.jsonl`` is ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``.
+
+    Every launcher is stopped (SIGTERM, SIGKILL after ``grace_s`` seconds) as soon as one exits
+    non-zero, when ``timeout_s`` seconds have passed, and on any exception here.
+
+    Args:
+        bed: an open :class:`Testbed`.
+        slots: workers per host, one entry per host of ``bed``, each >= 1.
+        command: the worker program and its arguments.
+        launcher_args: further bpslaunch flags, e.g. ``["--policy", "proportional", "--log-dir", D]``;
+            not ``--hosts`` or ``--node-rank``.
+        env: the launchers' environment (default: this process's).
+        timeout_s: seconds the whole job may take.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping a launcher.
+        cwd: the launchers' working directory (default: this process's).
+
+    Returns:
+        A :class:`JobResult`; ``result.ok`` when every host's bpslaunch exited 0 in time.
+
+    Raises:
+        ValueError: ``slots`` does not match the bed, or ``launcher_args`` sets ``--hosts``/``--node-rank``.
+    """
+    if len(slots) != len(bed.hosts) or any(s < 1 for s in slots):
+        raise ValueError(f"slots {list(slots)} must give >= 1 workers to each of the bed's {len(bed.hosts)} hosts")
+    for flag in ("--hosts", "--node-rank"):
+        if any(arg == flag or arg.startswith(flag + "=") for arg in launcher_args):
+            raise ValueError(f"launcher_args must not set {flag}: run_job sets it for each host")
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    host0 = bed.hosts[0].address
+    extra = list(launcher_args)
+    if _flag_value(extra, "--port") is None:
+        extra += ["--port", str(_free_port(host0))]
+    if _flag_value(extra, "--policy") is not None:
+        if _flag_value(extra, "--scheduler-port") is None:
+            extra += ["--scheduler-port", str(_free_port(host0))]
+        env.setdefault("DYNAMIX_TOKEN", secrets.token_hex(16))
+    log_dir = _flag_value(extra, "--log-dir")
+    hosts = ",".join(f"{h.address}:{s}" for h, s in zip(bed.hosts, slots))
+    launcher = [sys.executable, "-m", "dynamix_byteps.launcher", "--hosts", hosts]
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    with tempfile.TemporaryDirectory(prefix="dxtb-job-") as tmp:
+        outs = [Path(tmp, f"host{i}.out") for i in range(len(slots))]
+        try:
+            for index, out in enumerate(outs):
+                args = list(extra)
+                if log_dir is not None and index > 0:
+                    args = _with_log_dir(args, str(Path(log_dir) / f"host{index}"))
+                with open(out, "wb") as sink:
+                    procs.append(bed.popen(index, [*launcher, "--node-rank", str(index), *args, "--", *command],
+                                           env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=cwd))
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.2)
+        finally:
+            codes = tuple(stop(p, grace_s) for p in procs)
+        outputs = tuple(out.read_text(errors="replace") for out in outs)
+    return JobResult(codes, timed_out, outputs)
+
+
+def _with_log_dir(args: list[str], value: str) -> list[str]:
+    """``args`` with the value of ``--log-dir`` replaced by ``value``."""
+    out = []
+    skip = False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+        elif arg == "--log-dir" and i + 1 < len(args):
+            out += [arg, value]
+            skip = True
+        elif arg.startswith("--log-dir="):
+            out.append(f"--log-dir={value}")
+        else:
+            out.append(arg)
+    return out
