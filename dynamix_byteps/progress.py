@@ -39,16 +39,18 @@ class ProgressWriter:
         self._last = -float("inf")
 
     def update(self, step: int) -> None:
-        now = time.monotonic()
-        if now - self._last < self.min_interval_s:
-            return
-        self._last = now
+        """Publish ``step`` (optimizer steps completed) and the sampler's epoch position; throttled,
+        except for an epoch's last step, so the bar reaches 100%."""
         from dynamix_byteps import batching
 
+        trained, schedule = batching.trained_position(), batching.schedule()
+        known = trained is not None and schedule is not None and bool(schedule.dataset_size)
+        now = time.monotonic()
+        if now - self._last < self.min_interval_s and not (known and trained[1] >= schedule.dataset_size):
+            return
+        self._last = now
         record = {"step": step, "epoch": None, "samples": None, "dataset_size": None}
-        trained = batching.trained_position()
-        schedule = batching.schedule()
-        if trained is not None and schedule is not None and schedule.dataset_size:
+        if known:
             record.update(epoch=trained[0], samples=trained[1], dataset_size=schedule.dataset_size)
         try:
             self._tmp.write_text(json.dumps(record))
@@ -61,6 +63,16 @@ def writer_from_env() -> ProgressWriter | None:
     """A :class:`ProgressWriter` when ``DYNAMIX_PROGRESS_FILE`` is set (rank 0 under a terminal), else None."""
     path = os.environ.get(PROGRESS_ENV)
     return ProgressWriter(path) if path else None
+
+
+def _width(stream) -> dict:
+    """tqdm's size arguments: follow the terminal, or 80x24 where it reports a size of 0 (a
+    pseudo-terminal nobody sized, where tqdm would draw nothing)."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        size = os.terminal_size((0, 0))
+    return {"dynamic_ncols": True} if min(size) > 0 else {"ncols": 80, "nrows": 24}
 
 
 def read_progress(path: str | os.PathLike) -> dict | None:
@@ -123,7 +135,7 @@ class ConsoleProgress:
             self._epoch = epoch if by_epoch else None
             self._bar = tqdm(file=self.stream, desc=f"epoch {epoch}" if by_epoch else "training",
                              total=total if by_epoch else None, unit="sample" if by_epoch else "step",
-                             unit_scale=by_epoch, dynamic_ncols=True, leave=False)
+                             unit_scale=by_epoch, leave=False, **_width(self.stream))
         position = samples if by_epoch else record.get("step", 0)
         if by_epoch:
             self._bar.set_postfix_str(f"step {record.get('step')}", refresh=False)

@@ -1,0 +1,47 @@
+"""Shared fixtures."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
+RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
+
+
+def run_bpslaunch(args, timeout: float, **popen) -> tuple[int, str]:
+    """``bpslaunch ARGS`` in its own session; returns (exit code, stdout+stderr). The whole group is
+    SIGKILLed if it outlives ``timeout`` or the test fails."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.STDOUT)
+    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)], text=True,
+                           start_new_session=True, **popen)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    return job.returncode, output or ""
+
+
+@pytest.fixture(scope="session")
+def recorded_run(tmp_path_factory):
+    """A real 2-worker job, recorded once per session: ``bpslaunch --policy proportional --log-dir``
+    with rank 1 slowed 3x, 3 epochs of tests/scripts/observed_worker.py (64 steps each).
+
+    Attributes: ``dir`` (the --log-dir), ``out`` (the workers' rank<r>.json), ``output``.
+    """
+    out = tmp_path_factory.mktemp("observed")
+    run_dir = out / "run"
+    code, output = run_bpslaunch(
+        ["-n", 2, "--policy", "proportional", "--slowdown", "1=3.0", "--decision-interval", RECORDED_INTERVAL,
+         "--monitor", "off", "--log-dir", run_dir, "--", sys.executable, OBSERVED_WORKER, out, 3],
+        timeout=240)
+    assert code == 0, output
+    return SimpleNamespace(dir=run_dir, out=out, output=output)

@@ -1,0 +1,81 @@
+"""bpslaunch's console progress bar: on a terminal only, fed by rank 0, never inside a worker's line."""
+
+import io
+import json
+import os
+import pty
+import sys
+import threading
+import time
+import tty
+
+import pytest
+from conftest import OBSERVED_WORKER, run_bpslaunch
+
+from dynamix_byteps.progress import ConsoleProgress
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_bar_follows_the_progress_file_epoch_by_epoch(tmp_path):
+    path, stream = tmp_path / "progress.json", io.StringIO()
+    with ConsoleProgress(path, stream=stream, poll_s=0.02):
+        path.write_text(json.dumps({"step": 812, "epoch": 2, "samples": 27000, "dataset_size": 60000}))
+        wait_for(lambda: "27.0k/60.0k" in stream.getvalue())
+        path.write_text(json.dumps({"step": 900, "epoch": 3, "samples": 600, "dataset_size": 60000}))
+        wait_for(lambda: "epoch 3" in stream.getvalue())
+    text = stream.getvalue()
+    assert "epoch 2:  45%" in text and "step 812" in text
+    assert not path.exists(), "the progress file outlives the job"
+
+
+def test_without_a_sampler_the_bar_counts_steps(tmp_path):
+    path, stream = tmp_path / "progress.json", io.StringIO()
+    with ConsoleProgress(path, stream=stream, poll_s=0.02):
+        path.write_text(json.dumps({"step": 42, "epoch": None, "samples": None, "dataset_size": None}))
+        wait_for(lambda: "42step" in stream.getvalue().replace(" ", ""))
+
+
+@pytest.mark.timeout(200)
+def test_on_a_terminal_bpslaunch_draws_the_bar_between_whole_worker_lines(tmp_path):
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no \n -> \r\n translation: the bytes are what bpslaunch wrote
+    chunks = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        # One worker with its compute stretched 20x: 2 epochs of 64 steps take several seconds.
+        code, _ = run_bpslaunch(["-n", 1, "--slowdown", "0=20", "--", sys.executable, OBSERVED_WORKER, tmp_path, 2],
+                                timeout=150, stdout=slave, stderr=slave)
+    finally:
+        os.close(slave)
+        reader.join(10)
+        os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert code == 0, text
+    assert "epoch 0:" in text and "sample" in text, f"no progress bar drawn:\n{text!r}"
+    worker_lines = [line.split("\r")[-1] for line in text.split("\n") if "test_accuracy=" in line]
+    assert len(worker_lines) == 2, text
+    for line in worker_lines:  # the bar was cleared first, so the line stands alone
+        assert line.startswith("[0] epoch "), repr(line)
+
+
+@pytest.mark.timeout(300)
+def test_no_bar_when_stderr_is_not_a_terminal(recorded_run):
+    assert "sample/s" not in recorded_run.output and "%|" not in recorded_run.output

@@ -1,0 +1,97 @@
+"""TensorBoard event files of a run, read back with tensorboard's own event reader."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import RECORDED_INTERVAL
+
+from dynamix_byteps import summaries
+
+
+def read_scalars(path) -> dict:
+    """tag -> list of tensorboard ScalarEvents (wall_time, step, value) of one run directory."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.timeout(300)
+def test_each_worker_has_its_batch_size_series_and_the_interval_scalars(recorded_run):
+    for rank in (0, 1):
+        sizes = json.loads((recorded_run.out / f"rank{rank}.json").read_text())
+        scalars = read_scalars(recorded_run.dir / "tensorboard" / f"worker-{rank}")
+        missing = {"batch_size", "samples_per_s", "compute_s", "push_pull_s", "step_s", "loss", "lr_scale"} - set(scalars)
+        assert not missing, f"worker {rank} lacks {missing}; has {sorted(scalars)}"
+        series = scalars["batch_size"]
+        # x = steps completed, one point per interval; y = the mean local batch the worker trained on
+        assert [e.step for e in series] == list(range(RECORDED_INTERVAL, len(sizes) + 1, RECORDED_INTERVAL))
+        expected = [np.mean(sizes[e.step - RECORDED_INTERVAL:e.step]) for e in series]
+        assert [e.value for e in series] == pytest.approx(expected)
+        walls = [e.wall_time for e in series]
+        assert walls == sorted(walls)
+        for e in scalars["step_s"]:
+            assert e.value > 0
+        assert all(e.value == 1.0 for e in scalars["lr_scale"])  # lr_scaling "none"
+        accuracy = scalars["test/accuracy"]  # bps.log_scalar, once per epoch, at the global step
+        assert [e.step for e in accuracy] == [32, 64, 96]
+        assert all(0.1 < e.value <= 1.0 for e in accuracy)
+        assert len(scalars["test/loss"]) == 3
+
+
+@pytest.mark.timeout(300)
+def test_scheduler_records_each_decision_as_scalars(recorded_run):
+    decisions = [json.loads(line) for line in (recorded_run.dir / "decisions.jsonl").read_text().splitlines()]
+    scalars = read_scalars(recorded_run.dir / "tensorboard" / "scheduler")
+    assert decisions
+    for rank in (0, 1):
+        assigned = scalars[f"batch_size/worker-{rank}"]
+        assert [(e.step, e.value) for e in assigned] == [(d["step"], d["batch_sizes"][rank]) for d in decisions]
+    assert {e.value for e in scalars["global_batch"]} == {128.0}  # proportional keeps the global batch
+    for tag in ("predicted_gain", "lr_scale", "reward/step_time_s", "terms/step_time_now_s"):
+        assert len(scalars[tag]) == len(decisions), tag
+
+
+def test_log_scalar_writes_into_this_workers_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNAMIX_LOG_DIR", str(tmp_path))
+    for name in ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    summaries.close()
+    try:
+        summaries.log_scalar("test/accuracy", 0.5, step=3)
+        summaries.log_scalar("test/accuracy", np.float32(0.75), step=7)
+        summaries.log_scalar("test/loss", float("nan"), step=7)  # TensorBoard draws no point for it
+    finally:
+        summaries.close()
+    scalars = read_scalars(tmp_path / "tensorboard" / "worker-0")
+    assert [(e.step, e.value) for e in scalars["test/accuracy"]] == [(3, 0.5), (7, 0.75)]
+    assert "test/loss" not in scalars
+
+
+def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("DYNAMIX_LOG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    summaries.close()
+    summaries.log_scalar("test/accuracy", 0.5)
+    assert summaries.worker_writer() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [("", 1.0), (3, 1.0), ("acc", "high"), ("acc", None), ("acc", 1.0, -1),
+                                  ("acc", 1.0, 2.5), ("acc", 1.0, True)])
+def test_log_scalar_refuses_bad_arguments(args):
+    with pytest.raises(ValueError, match="log_scalar"):
+        summaries.log_scalar(*args)
+
+
+def test_decision_scalars_keep_numbers_only():
+    record = {"batch_sizes": [30, 98], "lr_scale": 1.0, "predicted_gain": 0.2,
+              "state": {"noise_scale": None}, "reward": {"loss": 0.5, "loss_change": None},
+              "terms": {"comm_s": 0.01, "samples_per_s": [1.0, 2.0], "guard": {"notes": [], "predicted_gain_after_guard": 0.1},
+                        "fallback": "proportional", "flag": True, "bad": float("inf")}}
+    assert summaries.decision_scalars(record) == {
+        "batch_size/worker-0": 30.0, "batch_size/worker-1": 98.0, "global_batch": 128.0, "lr_scale": 1.0,
+        "predicted_gain": 0.2, "reward/loss": 0.5, "terms/comm_s": 0.01, "terms/guard/predicted_gain_after_guard": 0.1,
+    }
