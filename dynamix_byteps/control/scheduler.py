@@ -393,7 +393,6 @@ class SchedulerServer:
     def _record_scalars(self, record: dict) -> None:
         """A logged decision into ``<run_dir>/tensorboard/scheduler`` (on the decision-log thread)."""
         self.summaries.add(decision_scalars(record), record["step"], record["time"])
-        self.summaries.flush()
 
     def _decide(self, snap: Snapshot) -> AssignmentRecord:
         t0 = time.perf_counter()

@@ -182,8 +182,8 @@ class StepMonitor:
         """The report boundary: TensorBoard scalars, then the report and assignment round."""
         iv, self._interval = self._interval, StepStatistics()
         loss = _take_mean_loss()
-        if summaries.worker_writer() is not None:
-            summaries.write_interval(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
+        if (writer := summaries.worker_writer()) is not None:
+            writer.add(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
         if self.env.scheduler is not None:
             self._report(iv, loss, noise)
             self._apply_newest_assignment()
