@@ -1,6 +1,4 @@
-"""``DynamicBatchSampler``: per-worker batch sizes that may change at any step.
-
-Use it as a DataLoader ``batch_sampler``::
+"""``DynamicBatchSampler`` for torch: the framework-neutral sampler as a DataLoader ``batch_sampler``::
 
     sampler = bps.DynamicBatchSampler(train_set, batch_size=64, seed=42)
     loader = DataLoader(train_set, batch_sampler=sampler)
@@ -9,159 +7,16 @@ Use it as a DataLoader ``batch_sampler``::
         for x, y in loader:
             ...
 
-The epoch plan is :mod:`dynamix_byteps.data.partition` (every index once per epoch, the
-same step count on every worker, the end-of-epoch rule); the sizes come from the job's
-:class:`~dynamix_byteps.assignment.AssignmentSchedule`, changed with ``bps.set_batch_sizes``.
+Everything else (the epoch plan, assignments, resuming) is
+:class:`dynamix_byteps.data.sampler.DynamicBatchSampler`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterator, Sequence, Sized
-
 import torch.utils.data
 
-from dynamix_byteps import batching
-from dynamix_byteps import engine as _engine
-from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBounds, env_batch_sizes
-from dynamix_byteps.data.partition import Position, permutation, plan_step, rank_indices, tail_sizes
-from dynamix_byteps.errors import ConfigurationError
-
-_HISTORY_STEPS = 4096
+from dynamix_byteps.data import sampler as _neutral
 
 
-class DynamicBatchSampler(torch.utils.data.Sampler):
-    """Yields this worker's list of dataset indices for each step.
-
-    Args:
-        dataset: the dataset (or its length); every worker must pass the same length.
-        batch_size: local batch size, one for all workers or one per rank.
-        num_replicas, rank: default to ``bps.size()`` and ``bps.rank()``.
-        shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
-        seed: identical on every worker.
-        drop_last: skip an epoch's last partial global batch instead of sharing it out.
-        min_batch, max_batch: inclusive per-worker bounds every assignment must respect
-            (default: ``bpslaunch --min-batch/--max-batch`` through ``DYNAMIX_MIN_BATCH`` and
-            ``DYNAMIX_MAX_BATCH``, else 1 and unbounded).
-
-    Raises:
-        ConfigurationError: bad sizes, bounds, rank or an empty dataset.
-        InvalidAssignmentError: ``batch_size`` breaks the bounds or exceeds the dataset.
-    """
-
-    def __init__(self, dataset: Sized | int, batch_size: int | Sequence[int], *, num_replicas: int | None = None,
-                 rank: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 min_batch: int | Sequence[int] | None = None, max_batch: int | Sequence[int] | None = None):
-        self.dataset_size = dataset if isinstance(dataset, int) else len(dataset)
-        if self.dataset_size < 1:
-            raise ConfigurationError("DynamicBatchSampler needs a dataset with at least one sample")
-        self.num_replicas = _engine.current().size if num_replicas is None else num_replicas
-        self.rank = _engine.current().rank if rank is None else rank
-        if not 0 <= self.rank < self.num_replicas:
-            raise ConfigurationError(f"rank {self.rank} is not in [0, num_replicas={self.num_replicas})")
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
-        if min_batch is None:
-            min_batch = env_batch_sizes("DYNAMIX_MIN_BATCH", self.num_replicas) or 1
-        if max_batch is None:
-            max_batch = env_batch_sizes("DYNAMIX_MAX_BATCH", self.num_replicas)
-        bounds = BatchBounds.build(self.num_replicas, min_batch, max_batch)
-        initial = [batch_size] * self.num_replicas if isinstance(batch_size, int) else list(batch_size)
-        self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
-        self._position = Position()
-        self._history: dict[int, Position] = {}
-        batching.install(self.schedule)
-
-    @property
-    def epoch(self) -> int:
-        return self._position.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning; a no-op for the epoch in progress (so resuming
-        mid-epoch keeps its place). Epochs also advance by themselves when one is exhausted."""
-        if epoch != self._position.epoch:
-            self._position = Position(int(epoch), 0, self._position.step)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # Batches a prefetching loader drew but nobody trained on are drawn again (same indices).
-        untrained = batching.forget_draws()
-        if untrained is not None and untrained in self._history:
-            self._position = self._history[untrained]
-            self.schedule.rewind(untrained)
-        order = permutation(self.dataset_size, self.seed, self._position.epoch, self.shuffle)
-        while True:
-            position = self._position
-            planned = plan_step(position, self.schedule.at(position.step).batch_sizes,
-                                self.dataset_size, self.drop_last)
-            if planned is None:
-                break
-            sizes, self._position = planned
-            self.schedule.freeze_through(position.step)
-            self._remember(position)
-            indices = rank_indices(order, position, sizes, self.rank)
-            batching.record_draw(position.step, len(indices), position.epoch, self._position.offset)
-            yield indices.tolist()
-        self._position = Position(self._position.epoch + 1, 0, self._position.step)
-
-    def __len__(self) -> int:
-        """Steps left in the current epoch under the assignments known now (all of the epoch
-        when it has not started)."""
-        position, steps = self._position, 0
-        while (planned := plan_step(position, self.schedule.at(position.step).batch_sizes,
-                                    self.dataset_size, self.drop_last)) is not None:
-            position, steps = planned[1], steps + 1
-        return steps
-
-    def _remember(self, position: Position) -> None:
-        self._history[position.step] = position
-        self._history.pop(position.step - _HISTORY_STEPS, None)
-
-    def state_dict(self, step: int | None = None) -> dict:
-        """Everything needed to continue: position, assignments and configuration.
-
-        Args:
-            step: save the position *before* global step ``step`` (the first step not yet
-                trained on, which lags the sampler when a DataLoader prefetches); default:
-                the sampler's own position.
-
-        Raises:
-            ValueError: ``step`` is older than the remembered history or not drawn yet.
-        """
-        position = self._position
-        if step is not None and step != position.step:
-            if step not in self._history:
-                raise ValueError(f"step {step} is not among the last {_HISTORY_STEPS} steps drawn "
-                                 f"(next step to draw: {position.step})")
-            position = self._history[step]
-        return {"position": dataclasses.asdict(position), "schedule": self.schedule.state_dict(),
-                "num_replicas": self.num_replicas, "dataset_size": self.dataset_size,
-                "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state``, also with a different number of workers: then the global
-        batch in force is kept and split evenly over the new workers (clamped to the bounds).
-
-        Raises:
-            ConfigurationError: the dataset size, seed or shuffling differs from the saved run.
-        """
-        for key in ("dataset_size", "seed", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ConfigurationError(f"checkpoint was taken with {key}={state[key]!r}, this sampler has "
-                                         f"{key}={getattr(self, key)!r}; they must match to resume the epoch")
-        position = Position(**state["position"])
-        if state["num_replicas"] == self.num_replicas:
-            self.schedule.load_state_dict(state["schedule"])
-        else:
-            saved = [Assignment.from_dict(a) for a in state["schedule"]["assignments"]]
-            current = [a for a in saved if a.effective_step <= position.step][-1]
-            sizes = self._resplit(current.global_batch_size)
-            self.schedule.load_state_dict(
-                {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]})
-        self._position = position
-        self._history.clear()
-        self.schedule.rewind(position.step)
-
-    def _resplit(self, global_batch: int) -> tuple[int, ...]:
-        even = tail_sizes(global_batch, [1] * self.num_replicas)
-        bounds = self.schedule.bounds
-        return tuple(max(low, b if high is None else min(b, high))
-                     for b, low, high in zip(even, bounds.min_batch, bounds.max_batch))
+class DynamicBatchSampler(_neutral.DynamicBatchSampler, torch.utils.data.Sampler):
+    __doc__ = _neutral.DynamicBatchSampler.__doc__
