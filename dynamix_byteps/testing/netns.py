@@ -115,7 +115,7 @@ def available() -> str | None:
     missing = [tool for tool in ("ip", "tc", "mount") if shutil.which(tool) is None]
     if missing:
         return f"{', '.join(missing)} not found on PATH (install iproute2 / util-linux)"
-    probe = f"{PREFIX}_probe_{os.getpid()}_h0"
+    probe = f"{PREFIX}_0_{os.getpid()}_h0"  # named like a bed, so cleanup_stale finds it if we die here
     try:
         _run("ip", "netns", "add", probe)
         _run("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
