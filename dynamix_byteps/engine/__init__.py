@@ -19,13 +19,20 @@ _lock = threading.Lock()
 _current: Engine | None = None
 
 
-def create(env: WorkerEnv) -> Engine:
+def create(env: WorkerEnv, framework: str = "torch") -> Engine:
     """Construct the engine ``env.engine`` (``gloo`` or ``byteps``).
+
+    ``framework`` (``torch`` or ``tensorflow``) picks BytePS's plugin for the ``byteps`` engine;
+    the gloo engine serves both frontends.
 
     Raises:
         EngineUnavailableError: the engine's library is missing or broken; the message says how to fix it.
         CommunicationError: the rendezvous with the other workers failed.
     """
+    if env.engine == "byteps" and framework == "tensorflow":
+        from dynamix_byteps.engine.byteps_tensorflow import BytePSTensorFlowEngine
+
+        return BytePSTensorFlowEngine(env)
     if env.engine == "byteps":
         from dynamix_byteps.engine.byteps import BytePSEngine
 
@@ -35,12 +42,12 @@ def create(env: WorkerEnv) -> Engine:
     return GlooEngine(env)
 
 
-def start(env: WorkerEnv | None = None) -> Engine:
+def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
     """Start the process's engine once; later calls return the running one (like ``bps.init``)."""
     global _current
     with _lock:
         if _current is None:
-            _current = create(env or WorkerEnv.from_environ())
+            _current = create(env or WorkerEnv.from_environ(), framework)
         return _current
 
 

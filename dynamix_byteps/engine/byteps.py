@@ -65,9 +65,13 @@ class BytePSEngine(Engine):
 
     name = "byteps"
 
+    @staticmethod
+    def _import_plugin():
+        return _import_byteps_torch()
+
     def __init__(self, env: WorkerEnv):
         super().__init__(env)
-        self._bps = _import_byteps_torch()
+        self._bps = self._import_plugin()
         self._bps.init()
         self._declared: set[str] = set()
         self._rounds = 0
