@@ -93,11 +93,11 @@ def _json(*argv: str) -> list:
 
 def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError also means it exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
