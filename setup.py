@@ -136,8 +136,7 @@ setup(
         "nvidia-ml-py",
         "prometheus-client",
         "tqdm",
-        # TensorBoard scalars (tensorboardX writes, tensorboard reads) and `dynamix report`'s PNGs
-        "tensorboardX",
+        # TensorBoard event files (written and read with tensorboard's record format) and `dynamix report`'s PNGs
         "tensorboard",
         "matplotlib",
     ],

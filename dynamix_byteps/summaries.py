@@ -1,4 +1,4 @@
-"""TensorBoard scalars of a run, written with tensorboardX.
+"""TensorBoard scalars of a run: event files in TensorBoard's format, written without torch or TensorFlow.
 
 The run directory is ``bpslaunch --log-dir DIR`` (workers get it as ``DYNAMIX_LOG_DIR``, the
 scheduler as ``--run-dir``). Layout::
@@ -17,18 +17,23 @@ decision's step: ``batch_size/worker-<rank>`` (assigned local batch), ``global_b
 ``lr_scale``, ``predicted_gain``, ``noise_scale``, ``reward/<term>`` and ``terms/<term>`` (the
 policy's numeric terms; nested dicts joined with ``/``, lists left out).
 
-Durability: tensorboardX's writer thread flushes and fsyncs the event file every
-:data:`FLUSH_SECS` second while events are pending, off the training thread (an fsync took
-3.6 ms here, too much to pay every interval on the training path), so a crash loses at most the
-last second of scalars: less than one report interval once 20 steps take over a second.
-Writers are closed (everything written) by ``bps.shutdown()``, the scheduler's stop, or at exit.
+Writing: tensorboard's own ``RecordWriter`` (the TFRecord framing with CRCs) and ``Event``
+protos, synchronously, one event per interval or decision, flushed to the operating system at
+once, so a crashed process loses nothing it had written (no fsync: a power cut may). Not
+tensorboardX: its ``SummaryWriter`` imports torch when installed (the scheduler grew from 48 to
+234 MB and took 2.6 s more to start) and its ``flush`` fsyncs but leaves queued events
+unwritten; not tensorboard's ``EventFileWriter``: it imports TensorFlow when installed.
+Writers are closed by ``bps.shutdown()``, the scheduler's stop, or at exit.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import math
 import numbers
 import os
+import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -38,7 +43,8 @@ LOG_DIR_ENV = "DYNAMIX_LOG_DIR"
 TENSORBOARD_DIR = "tensorboard"
 SCHEDULER_RUN = "scheduler"
 WORKER_RUN_PREFIX = "worker-"
-FLUSH_SECS = 1  # tensorboardX's writer thread flushes (and fsyncs) pending events this often
+FILE_VERSION = "brain.Event:2"  # first event of every TensorBoard event file
+_file_ids = itertools.count()
 
 WORKER_TAGS = {
     "batch_size": "mean local batch size over the interval, samples",
@@ -63,38 +69,63 @@ def scheduler_logdir(run_dir: str | os.PathLike) -> Path:
 
 
 class ScalarWriter:
-    """Scalars into one TensorBoard run directory (a ``tensorboardX.SummaryWriter``).
-
-    The event file is created on :meth:`open` or the first :meth:`add` (importing tensorboardX,
-    which imports torch when installed: the scheduler does it on its decision-log thread).
-    Writing is asynchronous: :meth:`add` queues the events for tensorboardX's writer thread,
-    which writes them and flushes every :data:`FLUSH_SECS`.
+    """Scalars into one TensorBoard run directory, in a new event file
+    ``events.out.tfevents.<unix time>.<host>.<pid>.<n>`` created on :meth:`open` or the first
+    :meth:`add`. Thread-safe; each :meth:`add` is written and flushed before it returns (about
+    0.07 ms for the 8 worker tags here, most of it tensorboard's pure-Python CRC).
     """
 
     def __init__(self, logdir: str | os.PathLike):
         self.logdir = Path(logdir)
-        self._writer = None
+        self._records = None
+        self._lock = threading.Lock()
 
     def open(self) -> None:
-        """Create the event file now; its first event records the wall time of this call."""
-        if self._writer is None:
-            from tensorboardX import SummaryWriter
+        """Create the event file now; its first event records the wall time of this call.
 
-            self._writer = SummaryWriter(str(self.logdir), max_queue=1000, flush_secs=FLUSH_SECS)
+        Raises:
+            OSError: the directory or file cannot be created.
+        """
+        with self._lock:
+            if self._records is None:
+                from tensorboard.compat.proto.event_pb2 import Event
+                from tensorboard.summary.writer.record_writer import RecordWriter
+
+                self.logdir.mkdir(parents=True, exist_ok=True)
+                now = time.time()
+                name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
+                self._records = RecordWriter(open(self.logdir / name, "wb"))
+                self._write(Event(wall_time=now, file_version=FILE_VERSION))
+                atexit.register(self.close)
 
     def add(self, scalars: Mapping[str, float | None], step: int, walltime: float | None = None) -> None:
-        """One event per tag at global ``step``, wall time ``walltime`` (seconds since the epoch,
-        default now). None and non-finite values are left out: TensorBoard draws no point for them."""
+        """One event holding every value of ``scalars`` (tag -> value) at global ``step`` and
+        ``walltime`` (seconds since the Unix epoch, default now). None and non-finite values are
+        left out: TensorBoard draws no point for them."""
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
+                  if value is not None and math.isfinite(value)]
+        if not values:
+            return
         self.open()
-        walltime = time.time() if walltime is None else walltime
-        for tag, value in scalars.items():
-            if value is not None and math.isfinite(value):
-                self._writer.add_scalar(tag, float(value), int(step), walltime=walltime)
+        with self._lock:
+            if self._records is not None:  # closed meanwhile
+                self._write(Event(wall_time=time.time() if walltime is None else walltime, step=int(step),
+                                  summary=Summary(value=values)))
+
+    def _write(self, event) -> None:
+        self._records.write(event.SerializeToString())
+        self._records.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Close the event file (a later :meth:`add` starts a new one); safe to call twice."""
+        with self._lock:
+            records, self._records = self._records, None
+        if records is not None:
+            records.close()
+            atexit.unregister(self.close)
 
 
 # ---- the worker process's writer ----------------------------------------------------------------
