@@ -1,0 +1,49 @@
+"""A ``tf.data`` pipeline fed by the dynamic batch sampler, for ``model.fit`` and custom loops.
+
+:func:`dynamic_batch_dataset` turns a :class:`~dynamix_byteps.data.sampler.DynamicBatchSampler`
+and in-memory data into a dataset of this worker's batches: every iteration (every Keras epoch)
+draws the sampler's next epoch, with the batch size in force at each step, so every sample is
+seen once per epoch across the workers and all workers run the same number of steps. The
+sampler runs in Python (``from_generator``), the gathering in TensorFlow.
+
+A new iteration starts again from the oldest batch no optimizer trained on (Keras draws one
+batch to build the model, and abandons an iterator when an epoch ends early), so no sample is
+lost or repeated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from dynamix_byteps.data.sampler import DynamicBatchSampler
+from dynamix_byteps.errors import ConfigurationError
+
+
+def dynamic_batch_dataset(sampler: DynamicBatchSampler, data) -> tf.data.Dataset:
+    """This worker's batches of ``data``, one sampler epoch per iteration.
+
+    Args:
+        sampler: the job's ``DynamicBatchSampler`` over ``len(data)`` samples.
+        data: an array or tensor, or a tuple/dict of them (e.g. ``(images, labels)``), all with
+            the samples along the first axis; kept in memory as TensorFlow tensors.
+
+    Returns:
+        ``tf.data.Dataset`` whose elements have ``data``'s structure, each array with a first
+        axis of this worker's local batch size at that step.
+
+    Raises:
+        ConfigurationError: an array's first axis is not the sampler's dataset size.
+    """
+    tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
+    lengths = {int(t.shape[0]) if t.shape.rank else -1 for t in tf.nest.flatten(tensors)}
+    if lengths != {sampler.dataset_size}:
+        raise ConfigurationError(f"data has {sorted(lengths)} samples along its first axis but the sampler was "
+                                 f"built for {sampler.dataset_size}; build it over the same data")
+
+    def batches():
+        for indices in sampler:
+            yield np.asarray(indices, dtype=np.int64)
+
+    indices = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec([None], tf.int64))
+    return indices.map(lambda batch: tf.nest.map_structure(lambda t: tf.gather(t, batch), tensors))

@@ -1,0 +1,194 @@
+"""Batch-weighted gradient reduction for TensorFlow, and ``DistributedGradientTape``.
+
+:class:`GradientReducer` hands a step's gradients to the framework-neutral
+:class:`~dynamix_byteps.aggregation.GradientAggregator`, the same code the PyTorch optimizer
+runs: gradients cross to the engine through DLPack without a copy, are fused into one buffer per
+dtype (the one copy, each gradient starting on a 64-byte boundary as TensorFlow's kernels
+require; the buffer is then scaled by b_i/Σb and reduced in place), and come back as
+TensorFlow tensors that are views of that buffer. The local batch size b_i comes from
+``local_batch_size`` or from the batches a :class:`~dynamix_byteps.data.sampler.DynamicBatchSampler`
+handed out; the step also feeds the gradient noise scale and the scheduler's step monitor.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+import torch
+
+from dynamix_byteps.aggregation import (
+    MAX_SAMPLES,
+    UNSET,
+    GradientAggregator,
+    plan_buckets,
+)
+from dynamix_byteps.negotiation import describe, fingerprint
+from dynamix_byteps.tensorflow.bridge import (
+    aligned_offsets,
+    call,
+    dense,
+    to_tf,
+    to_torch,
+)
+from dynamix_byteps.tensorflow.ops import variable_name
+from dynamix_byteps.torch.compression import Compression, Compressor
+
+
+def _checked_samples(value) -> int:
+    samples = int(value)
+    if not 0 <= samples < MAX_SAMPLES:
+        raise ValueError(f"local_batch_size must be an integer number of samples in [0, {MAX_SAMPLES}), got {samples}")
+    return samples
+
+
+def _fuse(views: list[torch.Tensor], offsets: list[int], length: int) -> torch.Tensor:
+    """One flat buffer holding ``views`` at ``offsets`` (zeros in the alignment gaps)."""
+    flat = torch.empty(length, dtype=views[0].dtype)
+    end = 0
+    for view, offset in zip(views, offsets):
+        flat[end:offset].zero_()
+        flat[offset:offset + view.numel()].copy_(view.reshape(-1))
+        end = offset + view.numel()
+    flat[end:].zero_()
+    return flat
+
+
+class GradientReducer:
+    """Reduces one step's gradients at a time; keeps the step statistics between steps.
+
+    Args: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+    """
+
+    def __init__(self, optimizer_family: str, compression: type[Compressor] = Compression.none,
+                 lr_scaling=None, base_batch_size: int | None = None):
+        self.aggregator = GradientAggregator(optimizer_family, compression, lr_scaling, base_batch_size)
+        self._descriptions: dict[tuple, str] = {}
+
+    def reduce(self, grads: list, names: list[str], local_batch_size=None) -> tuple[list, tf.Tensor]:
+        """Replace ``grads`` by the batch-weighted mean over all workers.
+
+        Args:
+            grads: one ``tf.Tensor``/``tf.IndexedSlices`` (densified) or None per variable;
+                None stays None and is not reduced (the same on every worker for one model).
+            names: one name per gradient, identical on every worker.
+            local_batch_size: this worker's samples in the step (int or integer tensor); default:
+                the batch the sampler handed out, else BytePS's plain average.
+
+        Returns:
+            ``(reduced gradients, lr_scale)``: the gradients in the same order, and the
+            learning-rate factor for the step as a float32 scalar tensor.
+
+        Raises:
+            TensorMismatchError, ConfigurationError, CommunicationError: as ``GradientAggregator.reduce``
+            (inside ``tf.function`` they reach the caller as TensorFlow errors carrying the message).
+            ValueError: ``local_batch_size`` is negative or too large.
+        """
+        present = [i for i, g in enumerate(grads) if g is not None]
+        tensors = [dense(grads[i]) for i in present]
+        present_names = [names[i] for i in present]
+        inputs = list(tensors)
+        declared = local_batch_size is not None
+        if declared:
+            inputs.append(tf.cast(local_batch_size, tf.int64))
+
+        def now(*values):
+            samples = _checked_samples(values[-1]) if declared else UNSET
+            reduced = self._reduce_now(values[:len(tensors)], present_names, samples)
+            return reduced + [tf.constant(self.aggregator.lr_scale, tf.float32)]
+
+        outputs = call(now, inputs, [t.dtype for t in tensors] + [tf.float32])
+        result = list(grads)
+        for index, tensor, output in zip(present, tensors, outputs):
+            output.set_shape(tensor.shape)
+            result[index] = output
+        lr_scale = outputs[-1]
+        lr_scale.set_shape(())
+        return result, lr_scale
+
+    def _reduce_now(self, grads, names: list[str], declared: int) -> list[tf.Tensor]:
+        aggregator = self.aggregator
+        samples = aggregator.take_samples(declared)
+        aggregator.monitor.before_aggregation()
+        views = [to_torch(g) for g in grads]
+        buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
+        layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
+                   for bucket in buckets]
+        flats = [_fuse([views[i] for i in bucket], offsets, length) for bucket, (offsets, length) in zip(buckets, layouts)]
+        reduced = aggregator.reduce(flats, samples, self._description(names, views))
+        results: list = [None] * len(views)
+        for bucket, (offsets, _), flat in zip(buckets, layouts, reduced):
+            for i, offset in zip(bucket, offsets):
+                results[i] = to_tf(flat[offset:offset + views[i].numel()].view(views[i].shape))
+        aggregator.update_lr_scale()
+        aggregator.after_step(samples)
+        return results
+
+    def _description(self, names: list[str], views) -> str:
+        key = tuple((name, tuple(v.shape), v.dtype) for name, v in zip(names, views))
+        if key not in self._descriptions:
+            digest = fingerprint(describe(name, v) for name, v in zip(names, views))
+            self._descriptions[key] = (
+                f"DistributedOptimizer step over {len(views)} gradients (digest {digest:016x}), "
+                f"compression={self.aggregator.compression.name}, fusion_bytes={self.aggregator.fusion_bytes}")
+        return self._descriptions[key]
+
+
+_tape_lock = threading.Lock()
+_tape_reducers: dict[type, GradientReducer] = {}
+
+
+def _tape_reducer(compression: type[Compressor]) -> GradientReducer:
+    """Tapes are built anew every step; their statistics live in one reducer per compression."""
+    with _tape_lock:
+        if compression not in _tape_reducers:
+            _tape_reducers[compression] = GradientReducer("sgd", compression, lr_scaling="none")
+        return _tape_reducers[compression]
+
+
+def forget_tape_reducers() -> None:
+    """Drop the tapes' step statistics (on ``shutdown``)."""
+    with _tape_lock:
+        _tape_reducers.clear()
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Methods mixed into the user's tape class by :func:`DistributedGradientTape`."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """As ``tf.GradientTape.gradient``, then every gradient is replaced by its batch-weighted
+        mean over all workers (one fused reduction for all of them)."""
+        grads = super(self.__class__, self).gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        names = [f"Gradient.{variable_name(s, i)}" for i, s in enumerate(flat_sources)]
+        reduced, _ = _tape_reducer(self._dynamix_compression).reduce(flat_grads, names, self._dynamix_batch)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
+                            compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
+                            local_batch_size=None) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all workers,
+    weighted by each worker's local batch size: Σ b_i g_i / Σ b_i.
+
+    Build it every step from the step's tape, as with BytePS. The learning rate is not scaled
+    here (a tape has none): for LR scaling use :func:`~dynamix_byteps.tensorflow.keras.DistributedOptimizer`
+    with a plain tape instead (not both: that would reduce twice).
+
+    Args:
+        gradtape: the step's ``tf.GradientTape`` (eager or inside ``tf.function``).
+        device_dense, device_sparse: accepted for BytePS compatibility.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        sparse_as_dense: accepted for BytePS compatibility; sparse gradients are always densified.
+        local_batch_size: this worker's samples in the step (int or integer tensor, e.g.
+            ``tf.shape(x)[0]``); default: the batch a ``DynamicBatchSampler`` handed out, else
+            BytePS's plain average over workers.
+    """
+    del device_dense, device_sparse, sparse_as_dense
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._dynamix_compression = compression
+    tape._dynamix_batch = local_batch_size
+    return tape

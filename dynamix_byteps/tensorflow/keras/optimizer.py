@@ -1,0 +1,111 @@
+"""``DistributedOptimizer`` for Keras 3 optimizers (TensorFlow backend).
+
+``apply`` / ``apply_gradients`` (what ``model.fit``'s train step and custom loops call) first
+replace the gradients by their batch-weighted mean over all workers
+(:class:`~dynamix_byteps.tensorflow.gradients.GradientReducer`), then run the wrapped
+optimizer's update with its learning rate multiplied by the step's LR-scaling factor. The factor
+applies inside that update only: ``optimizer.learning_rate``, schedules and the
+``LearningRateScheduler`` callback keep seeing the base rate.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from dynamix_byteps.data.lr_scaling import optimizer_family_of
+from dynamix_byteps.tensorflow.gradients import GradientReducer
+from dynamix_byteps.tensorflow.ops import variable_name
+from dynamix_byteps.torch.compression import Compression, Compressor
+
+
+class _DistributedOptimizer(keras.optimizers.Optimizer):
+    """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
+
+    def _dynamix_init(self, compression, lr_scaling, base_batch_size) -> None:
+        self.dynamix = GradientReducer(optimizer_family_of(self), compression, lr_scaling, base_batch_size)
+        self._dynamix_lr_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="dynamix_lr_scale")
+        self._dynamix_scaling = False
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Σ b_i of the last step (None when batch sizes were not known)."""
+        return self.dynamix.aggregator.global_batch_size
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning-rate factor of the last step."""
+        return self.dynamix.aggregator.lr_scale
+
+    def apply(self, grads, trainable_variables=None):
+        """Reduce ``grads`` over all workers (batch-weighted), then apply them with the learning
+        rate scaled for this step's global batch. Arguments as Keras' ``Optimizer.apply``."""
+        grads = list(grads)
+        if not grads:
+            return super(self.__class__, self).apply(grads, trainable_variables)
+        variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
+        names = [f"Gradient.{variable_name(v, i)}" for i, v in enumerate(variables)]
+        reduced, lr_scale = self.dynamix.reduce(grads, names)
+        self._dynamix_lr_scale.assign(lr_scale)
+        self._dynamix_scaling = True
+        try:
+            return super(self.__class__, self).apply(reduced, trainable_variables)
+        finally:
+            self._dynamix_scaling = False
+
+    def _get_current_learning_rate(self):
+        rate = super(self.__class__, self)._get_current_learning_rate()
+        if not self._dynamix_scaling:
+            return rate
+        return tf.cast(rate, tf.float32) * self._dynamix_lr_scale
+
+
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
+                         device_sparse: str = "", compression: type[Compressor] = Compression.none,
+                         sparse_as_dense: bool = False, lr_scaling: str | None = None,
+                         base_batch_size: int | None = None) -> keras.optimizers.Optimizer:
+    """Wrap a Keras 3 optimizer so that every update first averages the gradients over all
+    workers, weighted by each worker's local batch size, and scales the learning rate with the
+    global batch.
+
+    The result is an instance of a subclass of ``optimizer``'s class built from its config, so
+    ``model.compile(optimizer=...)``, ``isinstance`` checks and saving work as before. The local
+    batch sizes come from a ``DynamicBatchSampler`` feeding the model (``dynamic_batch_dataset``);
+    without one the gradients are BytePS's plain average and the learning rate is not scaled.
+    Compile with ``jit_compile=False`` on GPU machines: XLA cannot compile the call into the engine.
+
+    Args:
+        optimizer: a Keras 3 optimizer not yet used (its config is copied, not its state).
+        name: a new name for the optimizer (default: the wrapped one's).
+        device_dense, device_sparse, sparse_as_dense: accepted for BytePS compatibility
+            (sparse gradients are always densified).
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        lr_scaling: ``none``, ``linear`` (B/B0), ``sqrt`` or ``adascale`` (AdamScale for
+            Adam/AdamW); default ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
+        base_batch_size: B0, the global batch the learning rate was tuned for; default: the
+            first step's global batch.
+
+    Attributes of the result: ``global_batch_size`` and ``lr_scale`` of the last step, and
+    ``dynamix`` (its :class:`~dynamix_byteps.tensorflow.gradients.GradientReducer`).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras 3 optimizer.
+        ValueError: the optimizer was already built (its state would be lost: wrap it before
+            training), an unknown ``lr_scaling`` rule, or a ``base_batch_size`` below 1.
+    """
+    del device_dense, device_sparse, sparse_as_dense
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), got "
+                        f"{type(optimizer).__name__}")
+    if optimizer.built:
+        raise ValueError("the optimizer was already used, and wrapping copies its config, not its state; "
+                         "wrap it with DistributedOptimizer before training or restoring it")
+    namespace = dict(_DistributedOptimizer.__dict__)
+    namespace["__module__"] = optimizer.__class__.__module__  # saved models name the wrapped class
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
+    wrapped._dynamix_init(compression, lr_scaling, base_batch_size)
+    return wrapped

@@ -1,0 +1,65 @@
+"""The byteps.tensorflow API on real worker processes over loopback (gloo engine).
+
+Each job starts TensorFlow in every worker (slow), so one job runs a batch of checks
+(tests/tf_dist_cases.py) and these tests assert on what it returns.
+"""
+
+import subprocess
+import sys
+
+import pytest
+from multiworker import run_workers
+
+pytest.importorskip("tensorflow")
+
+
+def _ok(results):
+    for rank, result in enumerate(results):
+        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
+    return [result["ok"] for result in results]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_push_pull_broadcast_and_gradients_match_reference(workers):
+    for failures in _ok(run_workers(workers, "tf_dist_cases:collectives", timeout=400)):
+        assert failures == []
+
+
+@pytest.mark.timeout(300)
+def test_non_uniform_batches_match_single_process_training():
+    results = _ok(run_workers(3, "tf_dist_cases:weighted_training", [8, 24, 40], 5, timeout=280))
+    for result in results:
+        assert result["tape"]["grad_error"] < 1e-5
+        assert result["tape"]["param_error"] < 1e-5
+        assert result["fit_param_error"] < 1e-5
+        assert result["fit_steps"] == 5 and result["fit_global_batch"] == 72
+
+
+@pytest.mark.timeout(300)
+def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
+    epochs, size = 2, 300
+    results = _ok(run_workers(3, "tf_dist_cases:fit_with_batch_change", size, [4, 6, 10], "7:12,8,4", epochs,
+                              timeout=280))
+    for rank, result in enumerate(results):
+        steps = result["steps"]
+        assert [s[0] for s in steps] == list(range(len(steps))), "a step was skipped or trained twice"
+        before, after = [s for s in steps if s[0] < 7], [s for s in steps if s[0] >= 7]
+        assert {s[1] for s in before} == {[4, 6, 10][rank]} and {s[2] for s in before} == {20}
+        full = [s for s in after if s[2] == 24]
+        assert full and {s[1] for s in full} == {[12, 8, 4][rank]}
+        assert all(s[3] == pytest.approx(s[2] / 20) for s in steps)  # linear LR scaling, base = first batch
+        assert result["history_epochs"] == epochs
+    for rank in range(1, 3):
+        assert [s[0] for s in results[rank]["steps"]] == [s[0] for s in results[0]["steps"]]
+        assert [s[2] for s in results[rank]["steps"]] == [s[2] for s in results[0]["steps"]]
+        assert results[rank]["weights"] == pytest.approx(results[0]["weights"], rel=1e-6)
+        assert results[rank]["logs"] == results[0]["logs"]  # MetricAverageCallback
+    for epoch in range(epochs):
+        seen = sorted(i for result in results for i in result["trained"][epoch])
+        assert seen == list(range(size)), f"epoch {epoch}: a sample was lost or repeated"
+
+
+def test_torch_users_never_import_tensorflow():
+    code = "import sys, dynamix_byteps, dynamix_byteps.torch; assert 'tensorflow' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

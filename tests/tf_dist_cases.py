@@ -1,0 +1,220 @@
+"""TensorFlow functions run inside real worker processes by ``multiworker.run_workers``.
+
+TensorFlow starts slowly, so each function runs several checks and returns JSON-serialisable
+results; the test in the parent asserts on them. References are computed inside the worker
+from the same seeds: every rank checks against the exact single-process answer.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras
+
+import dynamix_byteps.tensorflow as bps
+import dynamix_byteps.tensorflow.keras as bps_keras
+from dynamix_byteps.data.partition import permutation
+from dynamix_byteps.errors import TensorMismatchError
+
+DTYPES = [tf.float32, tf.float64, tf.int32, tf.int64]
+SHAPES = [(17,), (5, 7), (3, 4, 6)]
+
+
+def _value(rank: int, shape, dtype, round_: int = 0) -> tf.Tensor:
+    base = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    return tf.constant((base % 11) * (rank + 1) + 3 * round_ + rank, dtype=dtype)
+
+
+def _equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.allclose(a.numpy(), b.numpy(), rtol=1e-6))
+
+
+def collectives() -> list[str]:
+    """push_pull sum and average (eager and tf.function), broadcasts, gradients, mismatches."""
+    n, rank, failures = bps.size(), bps.rank(), []
+    in_graph = tf.function(lambda t, average: bps.push_pull(t, average=average, name="graph"))
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            total = sum(_value(r, shape, tf.int64) for r in range(n))
+            mean = tf.cast(total, dtype) / n if dtype.is_floating else total // n
+            mine = _value(rank, shape, dtype)
+            tag = f"{dtype.name}{list(shape)}"
+            if not _equal(bps.push_pull(mine, average=False, name=f"sum.{tag}"), tf.cast(total, dtype)):
+                failures.append(f"eager sum {tag}")
+            if not _equal(bps.push_pull(mine, name=f"avg.{tag}"), tf.cast(mean, dtype)):
+                failures.append(f"eager average {tag}")
+            if not _equal(bps.push_pull(mine, op=bps.Sum), tf.cast(total, dtype)):
+                failures.append(f"op=Sum {tag}")
+            if not _equal(in_graph(mine, False), tf.cast(total, dtype)):
+                failures.append(f"tf.function sum {tag}")
+            if not _equal(in_graph(mine, True), tf.cast(mean, dtype)):
+                failures.append(f"tf.function average {tag}")
+            if not _equal(mine, _value(rank, shape, dtype)):
+                failures.append(f"input modified {tag}")
+    root = 1 % n
+    if not _equal(bps.broadcast(_value(rank, (4, 3), tf.float32), root), _value(root, (4, 3), tf.float32)):
+        failures.append("broadcast")
+    variables = [tf.Variable(_value(rank, (5,), tf.float32)), tf.Variable(_value(rank, (2, 2), tf.int64))]
+    bps.broadcast_variables(variables, root)
+    if not (_equal(variables[0].read_value(), _value(root, (5,), tf.float32))
+            and _equal(variables[1].read_value(), _value(root, (2, 2), tf.int64))):
+        failures.append("broadcast_variables eager")
+    graph_variable = tf.Variable(_value(rank, (3,), tf.float64))
+
+    @tf.function
+    def broadcast_in_graph():
+        bps.broadcast_variables([graph_variable], root)
+
+    broadcast_in_graph()
+    if not _equal(graph_variable.read_value(), _value(root, (3,), tf.float64)):
+        failures.append("broadcast_variables in tf.function")
+    # d/dx of sum_r push_pull(x_r)**2 summed over workers: 2 * n * sum_r x_r on every worker.
+    x = tf.constant([1.0, 2.0]) * (rank + 1)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(bps.push_pull(x, average=False, name="differentiable") ** 2)
+    expected = 2.0 * n * sum(r + 1 for r in range(n)) * np.array([1.0, 2.0])
+    if not np.allclose(tape.gradient(y, x).numpy(), expected):
+        failures.append("push_pull gradient")
+    mismatches = {}
+    for case, call in {"name": lambda: bps.push_pull(tf.ones(4), name=f"t{rank}"),
+                       "shape": lambda: bps.push_pull(tf.ones(4 + rank), name="t")}.items():
+        try:
+            call()
+            mismatches[case] = None
+        except TensorMismatchError as exc:
+            mismatches[case] = str(exc)
+    if n > 1 and not all(m and f"rank {n - 1}:" in m for m in mismatches.values()):
+        failures.append(f"mismatch not raised everywhere: {mismatches}")
+    if bps.push_pull(tf.ones(2), average=False, name="after").numpy().tolist() != [float(n)] * 2:
+        failures.append("job unusable after a mismatch")
+    return failures
+
+
+def _tiny_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def _data(size: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(size, 6)).astype("float32"), rng.integers(0, 3, size).astype("int64")
+
+
+def _loss(model, x, y):
+    logits = model(x, training=True)
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+
+
+def _reference(global_batches, steps_for_grad: int = 0):
+    """Single-process SGD with momentum on the concatenated global batches."""
+    model, opt, first = _tiny_model(0), keras.optimizers.SGD(0.1, momentum=0.9), None
+    for x, y in global_batches:
+        with tf.GradientTape() as tape:
+            loss = _loss(model, x, y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        first = first or [g.numpy() for g in grads]
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return first, [v.numpy() for v in model.trainable_variables]
+
+
+def _relative_error(a, b) -> float:
+    return max(float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(a, b))
+
+
+def weighted_training(batch_sizes: list[int], steps: int) -> dict:
+    """Per-worker batches against single-process training on the concatenated batches:
+    (1) DistributedGradientTape in tf.function with local_batch_size; (2) model.fit with the
+    Keras DistributedOptimizer fed by a DynamicBatchSampler (sizes taken from the sampler)."""
+    rank, total = bps.rank(), sum(batch_sizes)
+    start = sum(batch_sizes[:rank])
+    x_all, y_all = _data(total * steps)
+    global_batches = [(x_all[s * total:(s + 1) * total], y_all[s * total:(s + 1) * total]) for s in range(steps)]
+    ref_grads, ref_params = _reference(global_batches)
+
+    model, opt = _tiny_model(0), keras.optimizers.SGD(0.1, momentum=0.9)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(model, x, y)
+        tape = bps.DistributedGradientTape(tape, local_batch_size=tf.shape(x)[0])
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return grads
+
+    first = None
+    for x, y in global_batches:
+        grads = step(x[start:start + batch_sizes[rank]], y[start:start + batch_sizes[rank]])
+        first = first or [g.numpy() for g in grads]
+    tape_result = {"grad_error": _relative_error(first, ref_grads),
+                   "param_error": _relative_error([v.numpy() for v in model.trainable_variables], ref_params)}
+
+    # model.fit: the sampler cuts one shuffled permutation into the per-worker batches.
+    sampler = bps.DynamicBatchSampler(len(x_all), batch_sizes, seed=5)
+    order = permutation(len(x_all), 5, 0, True)
+    _, fit_ref_params = _reference([(x_all[order[s * total:(s + 1) * total]], y_all[order[s * total:(s + 1) * total]])
+                                    for s in range(steps)])
+    fit_model = _tiny_model(0)
+    fit_opt = bps.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    fit_model.compile(optimizer=fit_opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    fit_model.fit(bps.dynamic_batch_dataset(sampler, (x_all, y_all)), epochs=1, verbose=0, shuffle=False)
+    return {"tape": tape_result, "fit_param_error": _relative_error([v.numpy() for v in fit_model.trainable_variables],
+                                                                    fit_ref_params),
+            "fit_global_batch": fit_opt.global_batch_size, "fit_steps": fit_opt.dynamix.aggregator.monitor.steps}
+
+
+class _RecordingSampler(bps.DynamicBatchSampler):
+    """Remembers the indices it hands out for each global step (a redraw overwrites)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.drawn: dict[int, list[int]] = {}
+
+    def __iter__(self):
+        for indices in super().__iter__():
+            self.drawn[self._position.step - 1] = list(indices)
+            yield indices
+
+
+def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epochs: int) -> dict:
+    """model.fit over a DynamicBatchSampler with BatchSizeCallback(change) and all dynamix
+    callbacks; returns per trained step (global step, local samples, global batch) and the
+    indices trained on, by epoch."""
+    x, y = _data(dataset_size, seed=3)
+    sampler = _RecordingSampler(dataset_size, sizes, seed=11)
+    model = _tiny_model(100 + bps.rank())  # different initial weights: the callback broadcasts rank 0's
+    opt = bps.DistributedOptimizer(keras.optimizers.SGD(0.05), lr_scaling="linear")
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    steps, epoch_of_step, epoch_logs = [], {}, []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            step = opt.dynamix.aggregator.next_step - 1
+            steps.append([step, len(sampler.drawn[step]), opt.global_batch_size, opt.lr_scale])
+            epoch_of_step[step] = self.epoch
+
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_logs.append(dict(logs))
+
+    history = model.fit(bps.dynamic_batch_dataset(sampler, (x, y)), epochs=epochs, verbose=0, shuffle=False,
+                        callbacks=[bps_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   bps_keras.callbacks.MetricAverageCallback(),
+                                   bps_keras.callbacks.BatchSizeCallback(change), Record()])
+    trained = [[] for _ in range(epochs)]
+    for step, epoch in epoch_of_step.items():
+        trained[epoch] += sampler.drawn[step]
+    return {"steps": steps, "trained": trained, "weights": float(sum(np.sum(v) for v in model.get_weights())),
+            "logs": epoch_logs, "history_epochs": len(history.history["loss"])}
