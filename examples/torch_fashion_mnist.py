@@ -124,7 +124,11 @@ def evaluate(model, test_x, test_y, rank, size):
                                    (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
     model.train()
     stats = bps.push_pull(stats, average=False, name="test_stats")
-    return (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
+    test_loss, accuracy = (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
+    if rank == 0:  # TensorBoard, with bpslaunch --log-dir
+        bps.log_scalar("test/accuracy", accuracy)
+        bps.log_scalar("test/loss", test_loss)
+    return test_loss, accuracy
 
 
 def training_clock(rank, seconds):
