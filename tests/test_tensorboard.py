@@ -1,6 +1,8 @@
 """TensorBoard event files of a run, read back with tensorboard's own event reader."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -68,6 +70,16 @@ def test_log_scalar_writes_into_this_workers_run(tmp_path, monkeypatch):
     scalars = read_scalars(tmp_path / "tensorboard" / "worker-0")
     assert [(e.step, e.value) for e in scalars["test/accuracy"]] == [(3, 0.5), (7, 0.75)]
     assert "test/loss" not in scalars
+
+
+def test_a_killed_process_loses_no_scalar_it_had_written(tmp_path):
+    code = ("import os, signal, sys; from dynamix_byteps.summaries import ScalarWriter; w = ScalarWriter(sys.argv[1]); "
+            "w.add({'loss': 0.5, 'step_s': 0.25}, 20); os.kill(os.getpid(), signal.SIGKILL)")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=60)
+    assert result.returncode == -9, result.stderr
+    scalars = read_scalars(tmp_path)
+    assert [(e.step, e.value) for e in scalars["loss"]] == [(20, 0.5)]
+    assert [(e.step, e.value) for e in scalars["step_s"]] == [(20, 0.25)]
 
 
 def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
