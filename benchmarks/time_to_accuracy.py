@@ -94,12 +94,13 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
                "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
                "--model", args.model, "--output", str(output)]
     started = time.perf_counter()
-    if scenario.links:
-        returncode = run_behind_links(scenario, launch, command, args.budget * 4 + 300)
-    else:
-        argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
-        with open(run_dir / "launcher.log", "wb") as log:
-            returncode = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=args.budget * 4 + 300).returncode
+    timeout = args.budget * 4 + 300
+    with open(run_dir / "launcher.log", "wb") as log:
+        if scenario.links:
+            returncode = run_behind_links(scenario, launch, command, timeout, log)
+        else:
+            argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
+            returncode = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if returncode != 0 or not output.exists():
         raise RuntimeError(f"{name} on {scenario.name} failed with exit code {returncode}; see {run_dir}")
     result = json.loads(output.read_text())
@@ -108,14 +109,19 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
     return result
 
 
-def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], timeout: float) -> int:
+def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], timeout: float, log) -> int:
     """Run the job with the linked workers in network namespaces behind their rate limits."""
     from dynamix_byteps.testing import netns
 
     reason = netns.available()
     if reason:
         raise RuntimeError(f"scenario {scenario.name!r} needs network namespaces: {reason}")
-    return netns.run_scenario_job(scenario, launch, command, timeout=timeout)
+    slots, rates = scenario.host_layout()
+    with netns.Testbed(len(slots), rates) as bed:
+        job = netns.run_job(bed, slots, command, launch, timeout_s=timeout, cwd=REPO)
+    for host, output in enumerate(job.outputs):
+        log.write(f"---- host {host} ----\n{output}".encode())
+    return 0 if job.ok else max(job.returncodes, key=abs) or 1
 
 
 def summarise(name: str, result: dict, target: float) -> dict:
