@@ -25,7 +25,7 @@ def test_each_worker_has_its_batch_size_series_and_the_interval_scalars(recorded
     for rank in (0, 1):
         sizes = json.loads((recorded_run.out / f"rank{rank}.json").read_text())
         scalars = read_scalars(recorded_run.dir / "tensorboard" / f"worker-{rank}")
-        missing = {"batch_size", "samples_per_s", "compute_s", "push_pull_s", "step_s", "loss", "lr_scale"} - set(scalars)
+        missing = set(summaries.WORKER_TAGS) - set(scalars)
         assert not missing, f"worker {rank} lacks {missing}; has {sorted(scalars)}"
         series = scalars["batch_size"]
         # x = steps completed, one point per interval; y = the mean local batch the worker trained on
