@@ -60,7 +60,9 @@ def _add_scheduler(sub) -> None:
         epilog=(
             "security: the scheduler binds 127.0.0.1 unless --bind; any other address requires a\n"
             "shared token (--token or $DYNAMIX_TOKEN, preferred: it stays out of `ps`), which every\n"
-            "call must carry as x-dynamix-token metadata. The token authenticates, it does not encrypt.\n\n"
+            "call must carry as x-dynamix-token metadata. The token authenticates, it does not encrypt:\n"
+            "--tls-cert/--tls-key (or $DYNAMIX_TLS_CERT/$DYNAMIX_TLS_KEY) serve TLS only; clients then\n"
+            "verify the certificate against --tls-ca / $DYNAMIX_TLS_CA, and plaintext clients are refused.\n\n"
             "exit status: 0 after SIGTERM/SIGINT, 1 on failure, 2 on bad usage."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -70,6 +72,8 @@ def _add_scheduler(sub) -> None:
     p.add_argument("--port-file", type=Path, metavar="FILE", help="write the bound port to FILE (atomically) once listening")
     p.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="listen address (default 127.0.0.1; others require a token)")
     p.add_argument("--token", metavar="T", help="shared secret the workers send (default: $DYNAMIX_TOKEN)")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate (default: $DYNAMIX_TLS_CERT)")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert (default: $DYNAMIX_TLS_KEY)")
     p.add_argument("--policy", default="static", metavar="NAME", help="static | proportional | goodput | ppo (default static)")
     p.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
@@ -105,8 +109,12 @@ def _write_port_file(path: Path, port: int) -> None:
 
 def _run_scheduler(args: argparse.Namespace) -> int:
     from dynamix_byteps.control.scheduler import SchedulerServer
-    from dynamix_byteps.control.security import TOKEN_ENV, check_token, is_loopback
+    from dynamix_byteps.control.security import TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, check_token, is_loopback
 
+    tls_cert = args.tls_cert or os.environ.get(TLS_CERT_ENV) or None
+    tls_key = args.tls_key or os.environ.get(TLS_KEY_ENV) or None
+    if (tls_cert is None) != (tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together: give the certificate and its private key")
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     if token is not None:
         try:
@@ -119,10 +127,14 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             "set DYNAMIX_TOKEN (or pass --token), or bind 127.0.0.1"
         )
     policy = build_policy(args.policy, dict(args.policy_option), max_change=args.max_change, hysteresis=args.hysteresis)
-    server = SchedulerServer(
-        policy, num_workers=args.num_workers, decision_interval=args.decision_interval, bind=args.bind,
-        port=args.port, token=token, run_dir=args.run_dir, metrics_port=args.metrics_port or None,
-    )
+    try:
+        server = SchedulerServer(
+            policy, num_workers=args.num_workers, decision_interval=args.decision_interval, bind=args.bind,
+            port=args.port, token=token, tls_cert=tls_cert, tls_key=tls_key, run_dir=args.run_dir,
+            metrics_port=args.metrics_port or None,
+        )
+    except ConfigurationError as error:
+        raise UsageError(str(error)) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -132,9 +144,9 @@ def _run_scheduler(args: argparse.Namespace) -> int:
             _write_port_file(args.port_file, server.port)
         log = logging.getLogger("dynamix_byteps.scheduler")
         log.info(
-            "scheduler listening on %s policy=%s workers=%s interval=%d token=%s metrics=%s run_dir=%s",
+            "scheduler listening on %s policy=%s workers=%s interval=%d token=%s tls=%s metrics=%s run_dir=%s",
             server.address, args.policy, args.num_workers or "from-registration", args.decision_interval,
-            "on" if token else "off", server.metrics_port or "off", args.run_dir or "-",
+            "on" if token else "off", "on" if server.tls else "off", server.metrics_port or "off", args.run_dir or "-",
         )
         while not stop.wait(1.0):
             pass
@@ -163,7 +175,13 @@ def _add_agent(sub) -> None:
         ),
         epilog=(
             "--monitor: auto (eBPF if it loads, else proc; the reason is logged once), ebpf (exit 2\n"
-            "with the reason if it cannot load), proc, off. eBPF needs root or CAP_BPF+CAP_PERFMON.\n\n"
+            "with the reason if it cannot load), proc, off.\n\n"
+            "capabilities (instead of root): CAP_BPF+CAP_PERFMON to load eBPF; CAP_SYS_PTRACE for the\n"
+            "proc collector's pidfd_getfd on other users' workers (same-user workers need none when\n"
+            "kernel.yama.ptrace_scope is 0); CAP_DAC_READ_SEARCH to list other users' /proc/PID/fd;\n"
+            "nothing else (it opens /dev/shm mailboxes and talks gRPC). E.g. setpriv --inh-caps\n"
+            "+bpf,+perfmon,+sys_ptrace --ambient-caps +bpf,+perfmon,+sys_ptrace dynamix agent ...\n\n"
+            "TLS: --tls-ca (or $DYNAMIX_TLS_CA) verifies a TLS scheduler; the token is $DYNAMIX_TOKEN.\n\n"
             "exit status: 0 after SIGTERM/SIGINT, 1 on failure, 2 on bad usage."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -175,16 +193,19 @@ def _add_agent(sub) -> None:
     p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")
     p.add_argument("--ready-file", type=Path, metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
+    p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate of a TLS scheduler (default: $DYNAMIX_TLS_CA)")
     p.set_defaults(func=_run_agent)
 
 
 def _run_agent(args: argparse.Namespace) -> int:
     from dynamix_byteps.agent.base import CollectorUnavailable
     from dynamix_byteps.agent.node_agent import NodeAgent
-    from dynamix_byteps.control.security import TOKEN_ENV
+    from dynamix_byteps.control.security import TLS_CA_ENV, TOKEN_ENV
 
+    tls_ca = args.tls_ca or os.environ.get(TLS_CA_ENV) or None
     try:
-        agent = NodeAgent(args.job, args.scheduler, os.environ.get(TOKEN_ENV) or None, args.monitor, args.interval)
+        agent = NodeAgent(args.job, args.scheduler, os.environ.get(TOKEN_ENV) or None, args.monitor, args.interval,
+                          tls_ca=tls_ca)
     except CollectorUnavailable as why:
         raise UsageError(f"argument --monitor {args.monitor}: {why}") from None
     stop = threading.Event()

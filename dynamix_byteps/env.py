@@ -63,6 +63,7 @@ class WorkerEnv:
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
         scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``); None = no control plane.
         token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
+        tls_ca: PEM CA file that verifies a TLS scheduler (``DYNAMIX_TLS_CA``); None = plaintext.
         decision_interval: steps between reports and assignment boundaries (``DYNAMIX_DECISION_INTERVAL``).
         slowdown: straggler emulation, this worker's compute is stretched by this factor
             (``DYNAMIX_SLOWDOWN``, ``FACTOR`` or ``FACTOR@START-END``, >= 1; for benchmarks and tests).
@@ -84,6 +85,7 @@ class WorkerEnv:
     timeout_s: float = DEFAULT_TIMEOUT_S
     scheduler: str | None = None
     token: str | None = None
+    tls_ca: str | None = None
     decision_interval: int = DEFAULT_DECISION_INTERVAL
     slowdown: float = 1.0
     slowdown_window: tuple[float, float] = (0.0, math.inf)
@@ -144,6 +146,7 @@ class WorkerEnv:
             timeout_s=timeout_s,
             scheduler=scheduler,
             token=env.get("DYNAMIX_TOKEN") or None,
+            tls_ca=env.get("DYNAMIX_TLS_CA") or None,
             decision_interval=_int_var(env, "DYNAMIX_DECISION_INTERVAL", DEFAULT_DECISION_INTERVAL, 1),
             slowdown=slowdown,
             slowdown_window=slowdown_window,

@@ -5,6 +5,19 @@ It finds the workers of job ``job`` through their shared-memory mailboxes
 collector (eBPF when it can load, else TCP_INFO and /proc) every ``interval_s`` seconds, turns
 cumulative counters into rates, and sends them to the scheduler with ``ReportNode``. It never
 blocks a worker: a slow or absent scheduler only costs a warning.
+
+Privileges: the agent needs no root, only these capabilities (e.g. ``setpriv --inh-caps
++bpf,+perfmon,+sys_ptrace --ambient-caps +bpf,+perfmon,+sys_ptrace dynamix agent ...``, or
+``AmbientCapabilities=`` in a systemd unit):
+
+* ``CAP_BPF`` + ``CAP_PERFMON`` (Linux >= 5.8; ``CAP_SYS_ADMIN`` on older kernels): load the eBPF
+  programs and attach them to tracepoints (``--monitor ebpf``/``auto``);
+* ``CAP_SYS_PTRACE``: ``pidfd_getfd`` on the workers' sockets for the TCP_INFO collector
+  (``--monitor proc``), when the workers run as another user or ``kernel.yama.ptrace_scope`` >= 1;
+* ``CAP_DAC_READ_SEARCH``: list ``/proc/<pid>/fd`` of another user's workers (same user: not needed).
+
+The mailboxes in ``/dev/shm`` need only read access, and the gRPC client no privilege. With a TLS
+scheduler pass ``tls_ca`` (``--tls-ca``/``DYNAMIX_TLS_CA``), with a token ``DYNAMIX_TOKEN``.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from dynamix_byteps.agent.procfs import HostMonitor, ProcCollector
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
 from dynamix_byteps.control.mailbox import Mailbox
+from dynamix_byteps.control.security import open_channel
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +96,12 @@ class NodeAgent:
     """Samples the workers of ``job`` on this host and reports to the scheduler at ``scheduler``."""
 
     def __init__(self, job: str, scheduler: str, token: str | None = None, monitor: str = "auto",
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, tls_ca: str | None = None):
         self.job = job
         self.interval_s = interval_s
         self.collector = make_collector(monitor)
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
-        self._channel = grpc.insecure_channel(scheduler, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(scheduler, tls_ca, CHANNEL_OPTIONS)
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._previous: dict[int, tuple[float, ProcessNetStats]] = {}
         self._failing = False

@@ -20,7 +20,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc  # noqa: E402
-from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY  # noqa: E402
+from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY, open_channel  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,15 @@ class SchedulerClient:
         address: the scheduler's ``host:port``.
         token: shared secret sent as ``x-dynamix-token`` metadata, or None.
         worker_info: called (on the client thread) whenever the worker must (re-)register.
+        tls_ca: PEM CA file to verify a TLS scheduler with; None = plaintext.
     """
 
-    def __init__(self, address: str, token: str | None, worker_info: Callable[[], dynamix_pb2.WorkerInfo]):
+    def __init__(self, address: str, token: str | None, worker_info: Callable[[], dynamix_pb2.WorkerInfo],
+                 tls_ca: str | None = None):
         self.address = address
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         self._worker_info = worker_info
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, tls_ca, CHANNEL_OPTIONS)
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._cond = threading.Condition()
         self._pending: dynamix_pb2.Report | None = None

@@ -43,7 +43,14 @@ from google.protobuf.message import DecodeError
 
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import MAX_WORLD_SIZE, AssignmentRecord, Cluster, Rejected, Snapshot, cluster_state
-from dynamix_byteps.control.security import MAX_CONCURRENT_RPCS, SERVER_OPTIONS, TokenInterceptor, grpc_address, is_loopback
+from dynamix_byteps.control.security import (
+    MAX_CONCURRENT_RPCS,
+    SERVER_OPTIONS,
+    TokenInterceptor,
+    grpc_address,
+    is_loopback,
+    server_credentials,
+)
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.base import Policy
 from dynamix_byteps.summaries import ScalarWriter, decision_scalars, scheduler_logdir
@@ -223,17 +230,20 @@ class SchedulerServer:
         bind: listen address; anything but loopback requires ``token``.
         port: TCP port, 0 = pick a free one (see :attr:`port` after ``start``).
         token: shared secret every call must carry as ``x-dynamix-token`` metadata; None = no check.
+        tls_cert, tls_key: PEM certificate and private key files: serve TLS only (both or neither).
         run_dir: directory of ``decisions.jsonl`` and ``tensorboard/scheduler``; None = neither.
         metrics_port: Prometheus port, 0 = pick, None = off.
         max_threads: handler threads; handlers never wait on clients, so a few suffice.
 
     Raises:
-        ConfigurationError: bad arguments (non-loopback bind without a token, K < 1, ...).
+        ConfigurationError: bad arguments (non-loopback bind without a token, K < 1, one of
+            ``tls_cert``/``tls_key`` only or an unreadable one, ...).
         SchedulerStartError: from ``start()`` when a port cannot be bound.
     """
 
     def __init__(self, policy: Policy, *, num_workers: int | None = None, decision_interval: int = 10,
                  bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 tls_cert: str | os.PathLike | None = None, tls_key: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None, metrics_port: int | None = None, max_threads: int = 8):
         if decision_interval < 1:
             raise ConfigurationError(f"decision_interval={decision_interval} must be >= 1")
@@ -248,6 +258,8 @@ class SchedulerServer:
         self.policy_name = getattr(policy, "name", type(policy).__name__)
         self.bind, self._port, self.token = bind, port, token or None
         self._interceptors = (TokenInterceptor(token),) if token else ()
+        self._credentials = server_credentials(tls_cert, tls_key)
+        self.tls = self._credentials is not None
         self.decision_interval = decision_interval
         self.summaries = ScalarWriter(scheduler_logdir(run_dir)) if run_dir is not None else None
         self.decision_log = DecisionLog(Path(run_dir) / DECISION_LOG, self._record_scalars) if run_dir is not None else None
@@ -275,7 +287,10 @@ class SchedulerServer:
         )
         address = grpc_address(self.bind, self._port)
         try:
-            port = server.add_insecure_port(address)
+            if self._credentials is not None:
+                port = server.add_secure_port(address, self._credentials)
+            else:
+                port = server.add_insecure_port(address)
         except RuntimeError as error:
             port = 0
             detail = str(error)

@@ -6,19 +6,31 @@
   (:func:`hmac.compare_digest`), and a missing or wrong token is answered UNAUTHENTICATED
   before the request is even parsed.
 
-The token authenticates, it does not encrypt: on an untrusted network put the scheduler behind
-TLS or a VPN.
+The token authenticates, it does not encrypt. On an untrusted network turn on TLS: the scheduler
+serves with a certificate and key (``dynamix scheduler --tls-cert/--tls-key``, or
+``DYNAMIX_TLS_CERT``/``DYNAMIX_TLS_KEY``), and its clients (workers, node agents) verify it against a
+CA certificate (``--tls-ca`` or ``DYNAMIX_TLS_CA``) through gRPC's SSL credentials
+(:func:`server_credentials`, :func:`open_channel`). The certificate must name the address the
+clients dial (a subjectAltName ``IP:10.0.0.1`` or ``DNS:ps0``). A plaintext client of a TLS
+scheduler fails its handshake (UNAVAILABLE); the token is checked on top of TLS.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
+from pathlib import Path
 
 import grpc
 
+from dynamix_byteps.errors import ConfigurationError
+
 TOKEN_METADATA_KEY = "x-dynamix-token"
 TOKEN_ENV = "DYNAMIX_TOKEN"
+TLS_CERT_ENV = "DYNAMIX_TLS_CERT"  # the scheduler's PEM certificate (chain)
+TLS_KEY_ENV = "DYNAMIX_TLS_KEY"  # its PEM private key
+TLS_CA_ENV = "DYNAMIX_TLS_CA"  # the PEM CA certificate(s) clients verify the scheduler with
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_CONCURRENT_RPCS = 8192  # beyond this gRPC answers RESOURCE_EXHAUSTED instead of queueing
 
@@ -54,6 +66,43 @@ def grpc_address(host: str, port: int) -> str:
     """``host:port`` for ``add_insecure_port``, bracketing IPv6 literals."""
     host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def read_pem(path: str | os.PathLike, what: str) -> bytes:
+    """The bytes of the PEM file ``path``; raises ConfigurationError naming ``what`` and the fix."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ConfigurationError(f"cannot read the {what} {path}: {error.strerror}; give the path of a PEM file") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigurationError(f"the {what} {path} is not a PEM file (no -----BEGIN line)")
+    return data
+
+
+def server_credentials(cert: str | os.PathLike | None, key: str | os.PathLike | None) -> grpc.ServerCredentials | None:
+    """gRPC SSL credentials of the scheduler from its certificate and key files; None when both are None.
+
+    Raises:
+        ConfigurationError: only one of the two is given, or a file is unreadable or not PEM.
+    """
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ConfigurationError("TLS needs both the certificate and its private key: pass --tls-cert and --tls-key "
+                                 f"(or set {TLS_CERT_ENV} and {TLS_KEY_ENV})")
+    return grpc.ssl_server_credentials([(read_pem(key, "TLS private key"), read_pem(cert, "TLS certificate"))])
+
+
+def open_channel(address: str, ca: str | os.PathLike | None = None, options=()) -> grpc.Channel:
+    """A channel to ``address`` (``host:port``): TLS verified against the CA file ``ca``, else plaintext.
+
+    Raises:
+        ConfigurationError: ``ca`` is unreadable or not PEM.
+    """
+    if ca is None:
+        return grpc.insecure_channel(address, options=list(options))
+    credentials = grpc.ssl_channel_credentials(root_certificates=read_pem(ca, "TLS CA certificate"))
+    return grpc.secure_channel(address, credentials, options=list(options))
 
 
 def _reject_unauthenticated(request, context):

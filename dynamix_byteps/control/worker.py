@@ -202,7 +202,7 @@ class StepMonitor:
         if self._client is None:
             from dynamix_byteps.control.client import SchedulerClient
 
-            self._client = SchedulerClient(self.env.scheduler, self.env.token, self._worker_info)
+            self._client = SchedulerClient(self.env.scheduler, self.env.token, self._worker_info, self.env.tls_ca)
         self._client.submit(report)
 
     def _step_index(self) -> int:

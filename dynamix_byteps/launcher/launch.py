@@ -139,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     control.add_argument("--scheduler-port", type=_port, metavar="P", help="scheduler's gRPC port (default: a free one)")
     control.add_argument("--bind", metavar="ADDR", help="scheduler's listen address (default 127.0.0.1; the first "
                          "of --hosts on multi-host jobs, which then need DYNAMIX_TOKEN)")
+    control.add_argument("--tls-cert", type=Path, metavar="PEM", help="the scheduler serves TLS with this certificate "
+                         "(it must name the scheduler's address); needs --tls-key, and --tls-ca on every host")
+    control.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert (node 0 only)")
+    control.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate the workers and agents verify a TLS "
+                         "scheduler with (DYNAMIX_TLS_CA)")
     control.add_argument("--monitor", choices=MONITORS, default="auto",
                          help="node agent per host with --policy: eBPF if it loads, else TCP_INFO and /proc "
                          "(auto, the default); ebpf fails when eBPF cannot load; off runs no agent")
@@ -315,6 +320,8 @@ def worker_specs(
             base[variable] = getattr(args, flag)
     if scheduler is not None:
         base.update(DYNAMIX_SCHEDULER=scheduler, DYNAMIX_DECISION_INTERVAL=str(args.decision_interval))
+        if args.tls_ca is not None:
+            base["DYNAMIX_TLS_CA"] = str(args.tls_ca)
         if args.monitor != "off":
             base["DYNAMIX_JOB_ID"] = _job_id(root_port)
     slowdowns = dict(args.slowdown)
@@ -419,6 +426,8 @@ def _agent_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler: str
     argv = [sys.executable, "-m", "dynamix_byteps.cli", "agent", "--job", _job_id(root_port), "--scheduler", scheduler,
             "--monitor", args.monitor, "--ready-file", str(ready)]
     log_path = None if args.log_dir is None else args.log_dir / "agent.log"
+    if args.tls_ca is not None:
+        argv += ["--tls-ca", str(args.tls_ca)]
     return ChildSpec(label="agent", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path,
                      service=True, ready_file=ready)
 
@@ -490,11 +499,30 @@ def _interface_towards(host: str) -> str:
                      f"{host}; set GLOO_SOCKET_IFNAME to the interface that reaches it")
 
 
+def _check_tls(args: argparse.Namespace) -> None:
+    """--tls-cert/--tls-key/--tls-ca: absolute paths of readable PEM files, the first two together."""
+    from dynamix_byteps.control.security import read_pem
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together: give the scheduler's certificate and its private key")
+    if args.tls_cert is not None and args.tls_ca is None:
+        raise UsageError("--tls-cert needs --tls-ca: the workers and agents verify the scheduler with that CA certificate")
+    for flag, what in (("tls_cert", "TLS certificate"), ("tls_key", "TLS private key"), ("tls_ca", "TLS CA certificate")):
+        path = getattr(args, flag)
+        if path is not None:
+            setattr(args, flag, path.expanduser().resolve())
+            try:
+                read_pem(path, what)
+            except ConfigurationError as error:
+                raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
+
+
 def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: list[str], node_rank: int,
                      total: int) -> tuple[list[ChildSpec], str | None]:
     """The scheduler's ChildSpec (on node 0 only) and the ``host:port`` every worker reports to."""
+    _check_tls(args)
     if args.policy is None:
-        for flag in ("policy_path", "scheduler_port", "bind"):
+        for flag in ("policy_path", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         return [], None
@@ -521,6 +549,8 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
     address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
     if node_rank != 0:
         return [], address
+    if args.tls_ca is not None and args.tls_cert is None:
+        raise UsageError("--tls-ca on node 0 needs --tls-cert and --tls-key: its scheduler must serve TLS")
     run_dir = _run_dir(args)
     ready = run_dir / f".scheduler-{os.getpid()}.port"
     ready.unlink(missing_ok=True)
@@ -529,6 +559,8 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
             "--decision-interval", str(args.decision_interval), "--run-dir", str(run_dir)]
     if args.policy_path is not None:
         argv += ["--policy-option", f"path={args.policy_path}"]
+    if args.tls_cert is not None:
+        argv += ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key)]
     log_path = None if args.log_dir is None else args.log_dir / "scheduler.log"
     spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path,
                      service=True, ready_file=ready)
