@@ -37,6 +37,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -55,6 +56,8 @@ PROG = "bpslaunch"
 POLICIES = ("static", "proportional", "goodput", "ppo")
 LOCAL_HOST = "127.0.0.1"
 DEFAULT_GRACE_S = 5.0
+CHECKPOINT_ENV = "DYNAMIX_CHECKPOINT"
+RESTART_ENV = "DYNAMIX_RESTART"
 _ENV_MODE_HINT = (
     "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
     "DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT"
@@ -157,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "scheduler (needs --port); gloo binds to the interface that reaches H0 unless "
                        "GLOO_SOCKET_IFNAME names one")
     multi.add_argument("--node-rank", type=int, metavar="I", help="this host's index in --hosts")
+    elastic = parser.add_argument_group("elastic restart (one host)")
+    elastic.add_argument("--restart-on-failure", type=int_in(0, 1000, "number of restarts"), default=0, metavar="N",
+                         help="when a worker fails, stop the job and start it again with one worker fewer, up to N "
+                         "times (default 0); the command resumes from --checkpoint")
+    elastic.add_argument("--checkpoint", type=Path, metavar="PATH", help="the checkpoint the command saves with "
+                         f"bps.save_checkpoint and resumes from when it exists ({CHECKPOINT_ENV}); needed by "
+                         "--restart-on-failure")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
     return parser
 
@@ -657,7 +667,23 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             shutil.rmtree(args.temp_run_dir, ignore_errors=True)
 
 
-def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser) -> int:
+def _check_elastic(args: argparse.Namespace, env: dict) -> None:
+    """--restart-on-failure/--checkpoint: one host, local mode; sets the variables every child reads."""
+    if args.restart_on_failure:
+        if args.num_workers is None or args.hosts is not None:
+            raise UsageError("--restart-on-failure needs --num-workers N on one host (multi-host jobs are not "
+                             "restarted: restart each host's bpslaunch yourself)")
+        if args.checkpoint is None:
+            raise UsageError("--restart-on-failure needs --checkpoint PATH: the file the command saves with "
+                             "bps.save_checkpoint and resumes from")
+    if args.checkpoint is not None:
+        args.checkpoint = args.checkpoint.expanduser().resolve()
+        env[CHECKPOINT_ENV] = str(args.checkpoint)
+    env[RESTART_ENV] = "0"
+
+
+def _build_specs(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser) -> list[ChildSpec] | int:
+    """The job's children, or the exit code (2 bad usage, 1 configuration error) after printing why."""
     notes: list[str] = []
     try:
         local = args.num_workers is not None or args.hosts is not None
@@ -673,15 +699,54 @@ def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser
         return 1
     for note in notes:
         print(f"{PROG}: {note}", file=sys.stderr, flush=True)
+    return specs
+
+
+def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser) -> int:
+    try:
+        _check_elastic(args, env)
+    except UsageError as error:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    specs = _build_specs(args, env, parser)
+    if isinstance(specs, int):
+        return specs
     if not specs:
         return 0
+    restarts = 0
+    while True:
+        started = time.monotonic()
+        code, failed = _supervise(args, specs)
+        if code == 0 or failed is None or restarts >= args.restart_on_failure:
+            return code
+        if args.num_workers <= 1:
+            print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
+            return code
+        restarts += 1
+        args.num_workers -= 1
+        args.slowdown = [(rank, spec) for rank, spec in args.slowdown if rank < args.num_workers]
+        env[RESTART_ENV] = str(restarts)
+        print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
+              f"{restarts} of {args.restart_on_failure} with {args.num_workers} workers from {args.checkpoint}",
+              file=sys.stderr, flush=True)
+        specs = _build_specs(args, env, parser)
+        if isinstance(specs, int):
+            return code
+        specs = [dataclasses.replace(s, append_log=True) for s in specs]
+
+
+def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, str | None]:
+    """Run the job once; returns its exit code and the label of the worker whose failure ended it."""
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
-        return Supervisor(specs, grace_s=args.grace_period).run()
+        supervisor = Supervisor(specs, grace_s=args.grace_period)
+        return supervisor.run(), supervisor.failed_worker
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(_run_dir(args) / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
-        return Supervisor(specs, grace_s=args.grace_period, write_guard=bar.write_guard).run()
+        supervisor = Supervisor(specs, grace_s=args.grace_period, write_guard=bar.write_guard)
+        return supervisor.run(), supervisor.failed_worker
 
 
 if __name__ == "__main__":

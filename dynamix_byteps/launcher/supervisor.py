@@ -58,6 +58,7 @@ class ChildSpec:
             workers, stopped once they have all exited, and its own exit never ends the job.
         ready_file: the next child starts only once this file exists (the service writes it
             when it is ready), within ``READY_TIMEOUT_S``.
+        append_log: append to ``log_path`` instead of truncating it (a restarted job).
     """
 
     label: str
@@ -66,6 +67,7 @@ class ChildSpec:
     log_path: Path | None = None
     service: bool = False
     ready_file: Path | None = None
+    append_log: bool = False
 
 
 class SpawnError(Exception):
@@ -135,6 +137,9 @@ class Supervisor:
         poll_s: seconds between checks of the children's state.
         write_guard: returns a context manager held around each write to ``stdout``/``stderr``
             (the console progress bar clears and redraws itself there); default none.
+
+    After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
+    the job (None when all succeeded, or a signal or a service ended it).
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class Supervisor:
         self._guardian: subprocess.Popen | None = None
         self._signum: int | None = None
         self._signal_count = 0
+        self.failed_worker: str | None = None
 
     # ---- output -------------------------------------------------------------------------
 
@@ -253,7 +259,7 @@ class Supervisor:
         log = None
         if spec.log_path is not None:
             spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-            log = open(spec.log_path, "wb")
+            log = open(spec.log_path, "ab" if spec.append_log else "wb")
         parent = os.getpid()
         try:
             proc = subprocess.Popen(
@@ -346,6 +352,7 @@ class Supervisor:
                     continue
                 if rc != 0 and exit_code is None:
                     exit_code = exit_code_of(rc)
+                    self.failed_worker = child.spec.label
                     how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
                     others = self._count_live()
                     self.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))

@@ -1,0 +1,87 @@
+"""Elastic restart: ``bpslaunch --restart-on-failure`` continues the epoch on the surviving workers
+from the last atomic checkpoint, with no sample lost or repeated, and a scheduler for the new size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynamix_byteps.control.scheduler import DECISION_LOG
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "scripts" / "elastic_worker.py"
+SAMPLES = 480  # 20 steps of the global batch 24 (4 x 6, then 3 x 8): no epoch tail to pad
+
+
+def bpslaunch(*args, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_runs(out: Path) -> dict[int, dict[int, list[dict]]]:
+    """``{run: {rank: [records]}}`` from the worker's ``rank<r>.run<k>.jsonl`` files."""
+    runs: dict[int, dict[int, list[dict]]] = {}
+    for path in out.glob("rank*.run*.jsonl"):
+        rank, run = (int(part) for part in path.name[len("rank"):-len(".jsonl")].split(".run"))
+        runs.setdefault(run, {})[rank] = [json.loads(line) for line in path.read_text().splitlines()]
+    return runs
+
+
+def trained_indices(runs: dict[int, dict[int, list[dict]]]) -> list[int]:
+    """Indices of every checkpointed step: a run's steps at or after the next run's resume point are undone."""
+    indices = []
+    for run in sorted(runs):
+        limit = None
+        if run + 1 in runs:
+            limit = runs[run + 1][0][0]["resumed_at"]
+        for records in runs[run].values():
+            for record in records:
+                if "step" in record and (limit is None or record["step"] < limit):
+                    indices += record["indices"]
+    return indices
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_lost_mid_epoch_restarts_the_job_on_three_without_losing_or_repeating_a_sample(tmp_path):
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    out.mkdir()
+    proc = bpslaunch("-n", 4, "--batch-size", 6, "--restart-on-failure", 1, "--checkpoint", tmp_path / "ckpt.pt",
+                     "--policy", "proportional", "--decision-interval", 2, "--monitor", "off", "--grace-period", 2,
+                     "--log-dir", run_dir, "--", sys.executable, WORKER, out, SAMPLES, 2, 7, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "worker 2 failed" in proc.stderr and "restart 1 of 1 with 3 workers" in proc.stderr
+    runs = read_runs(out)
+    assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1, 2]
+    resumed = {records[0]["resumed_at"] for records in runs[1].values()}
+    assert resumed == {7}  # the checkpoint after step 6: rank 2 died before training step 7
+    indices = trained_indices(runs)
+    assert sorted(indices) == list(range(SAMPLES))  # every sample exactly once
+    # the restarted scheduler decides for 3 workers
+    decisions = [json.loads(line) for line in (run_dir / DECISION_LOG).read_text().splitlines()]
+    sizes = [len(d["batch_sizes"]) for d in decisions if "batch_sizes" in d]
+    assert 4 in sizes and sizes[-1] == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "2", "--restart-on-failure", "1"], "--checkpoint"),
+    (["--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0", "--port", "29999", "--restart-on-failure", "1",
+      "--checkpoint", "c.pt"], "one host"),
+])
+def test_restart_on_failure_needs_a_checkpoint_and_one_host(flags, message):
+    proc = bpslaunch(*flags, "--", "true", timeout=50)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
+    proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--",
+                     sys.executable, "-c", "import os,sys; sys.exit(3 if os.environ['DYNAMIX_RESTART'] < '9' else 0)",
+                     timeout=110)
+    assert proc.returncode == 3
+    assert proc.stderr.count("restart 1 of 1 with 1 workers") == 1 and "restart 2" not in proc.stderr
