@@ -135,15 +135,16 @@ class GradientReducer:
 
 
 _tape_lock = threading.Lock()
-_tape_reducers: dict[type, GradientReducer] = {}
+_tape_reducers: dict[tuple, GradientReducer] = {}
 
 
-def _tape_reducer(compression: type[Compressor]) -> GradientReducer:
-    """Tapes are built anew every step; their statistics live in one reducer per compression."""
+def _tape_reducer(compression: type[Compressor], lr_scaling, base_batch_size) -> GradientReducer:
+    """Tapes are built anew every step; their statistics live in one reducer per setting."""
+    key = (compression, lr_scaling, base_batch_size)
     with _tape_lock:
-        if compression not in _tape_reducers:
-            _tape_reducers[compression] = GradientReducer("sgd", compression, lr_scaling="none")
-        return _tape_reducers[compression]
+        if key not in _tape_reducers:
+            _tape_reducers[key] = GradientReducer("sgd", compression, lr_scaling, base_batch_size)
+        return _tape_reducers[key]
 
 
 def forget_tape_reducers() -> None:
@@ -158,23 +159,28 @@ class _DistributedGradientTape(tf.GradientTape):
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         """As ``tf.GradientTape.gradient``, then every gradient is replaced by its batch-weighted
-        mean over all workers (one fused reduction for all of them)."""
+        mean over all workers (one fused reduction for all of them); :attr:`lr_scale` is set."""
         grads = super(self.__class__, self).gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         names = [f"Gradient.{variable_name(s, i)}" for i, s in enumerate(flat_sources)]
-        reduced, _ = _tape_reducer(self._dynamix_compression).reduce(flat_grads, names, self._dynamix_batch)
+        reducer = _tape_reducer(*self._dynamix_settings)
+        reduced, self.lr_scale = reducer.reduce(flat_grads, names, self._dynamix_batch)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-                            local_batch_size=None) -> tf.GradientTape:
+                            local_batch_size=None, lr_scaling: str | None = None,
+                            base_batch_size: int | None = None) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all workers,
     weighted by each worker's local batch size: Σ b_i g_i / Σ b_i.
 
-    Build it every step from the step's tape, as with BytePS. The learning rate is not scaled
-    here (a tape has none): for LR scaling use :func:`~dynamix_byteps.tensorflow.keras.DistributedOptimizer`
-    with a plain tape instead (not both: that would reduce twice).
+    Build it every step from the step's tape, as with BytePS. A tape has no learning rate: after
+    ``gradient()``, ``tape.lr_scale`` (float32 scalar tensor) holds the step's factor by the
+    ``lr_scaling`` rule, to multiply your base learning rate with, e.g.
+    ``optimizer.learning_rate.assign(base_lr * tape.lr_scale)``. Or apply plain-tape gradients
+    with :func:`~dynamix_byteps.tensorflow.keras.DistributedOptimizer`, which scales by itself
+    (not both: that would reduce twice).
 
     Args:
         gradtape: the step's ``tf.GradientTape`` (eager or inside ``tf.function``).
@@ -184,11 +190,19 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         local_batch_size: this worker's samples in the step (int or integer tensor, e.g.
             ``tf.shape(x)[0]``); default: the batch a ``DynamicBatchSampler`` handed out, else
             BytePS's plain average over workers.
+        lr_scaling: the rule behind ``tape.lr_scale``: ``none``, ``linear``, ``sqrt`` or
+            ``adascale``; default ``DYNAMIX_LR_SCALING`` (``bpslaunch --lr-scaling``), else ``none``.
+        base_batch_size: B0, the global batch of factor 1; default: the first step's.
+
+    Raises:
+        ValueError: an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1 (at the
+            first ``gradient()`` call).
     """
     del device_dense, device_sparse, sparse_as_dense
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
-    tape._dynamix_compression = compression
+    tape._dynamix_settings = (compression, lr_scaling, base_batch_size)
     tape._dynamix_batch = local_batch_size
+    tape.lr_scale = None
     return tape

@@ -1,0 +1,182 @@
+"""Data-parallel training of a small Keras CNN on Fashion-MNIST with the BytePS TensorFlow API of dynamix_byteps.
+
+    bpslaunch --num-workers 4 -- python examples/tf_fashion_mnist.py            # custom loop
+    bpslaunch --num-workers 4 -- python examples/tf_fashion_mnist.py --fit      # model.fit
+    python examples/tf_fashion_mnist.py --limit-train 5000                      # one worker
+
+    bpslaunch -n 4 --policy proportional --slowdown 3=3.0 -- python examples/tf_fashion_mnist.py --fit
+    bpslaunch -n 4 -- python examples/tf_fashion_mnist.py --batch-size 32,48,80,96 --batch-schedule "100:64"
+
+Porting a byteps.tensorflow script means changing one import. ``DynamicBatchSampler`` with
+``dynamic_batch_dataset`` gives each worker its own batch size (changeable at any step);
+gradients are averaged weighted by batch size and the learning rate follows the global batch.
+The custom loop uses ``DistributedGradientTape``, ``--fit`` the Keras ``DistributedOptimizer``
+and callbacks. Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fashion-mnist`` or
+``--data-dir``.
+"""
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import tensorflow as tf
+
+# Several workers share this machine's cores: one thread each unless OMP_NUM_THREADS says otherwise.
+tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+tf.config.threading.set_inter_op_parallelism_threads(1)
+
+import keras
+
+import dynamix_byteps.tensorflow as bps
+import dynamix_byteps.tensorflow.keras as bps_keras
+from dynamix_byteps.assignment import parse_batch_schedule, parse_batch_sizes
+from dynamix_byteps.data import load_fashion_mnist
+
+MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
+
+
+def build_model() -> keras.Model:
+    """conv32-pool-conv64-pool-fc128-fc10 on uint8 (28, 28) images (421,642 parameters)."""
+    return keras.Sequential([
+        keras.Input((28, 28), dtype="uint8"),
+        keras.layers.Rescaling(1 / (255 * STD), offset=-MEAN / STD),
+        keras.layers.Reshape((28, 28, 1)),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fit", action="store_true", help="train with model.fit instead of the custom loop")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or "64",
+                   help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
+                        "(default: $DYNAMIX_BATCH_SIZE or 64)")
+    p.add_argument("--batch-schedule", default="", metavar="STEP:SIZES;...",
+                   help='change the batch sizes at given global steps, e.g. "300:64;600:96,96,32,32"')
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
+    p.add_argument("--lr-scaling", default=os.environ.get("DYNAMIX_LR_SCALING") or "linear",
+                   choices=["none", "linear", "sqrt", "adascale"],
+                   help="how the learning rate follows the global batch (default: $DYNAMIX_LR_SCALING or linear)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
+    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
+    p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
+    return p.parse_args()
+
+
+def loss_fn(labels, logits):
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
+
+
+def train_custom_loop(args, model, dataset, lr, log) -> int:
+    """DistributedGradientTape in a tf.function; returns the samples this worker trained on."""
+    optimizer = keras.optimizers.SGD(lr, momentum=0.9)
+    optimizer.build(model.trainable_variables)
+    bps.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 28, 28], tf.uint8), tf.TensorSpec([None], tf.int64)])
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = bps.DistributedGradientTape(tape, lr_scaling=args.lr_scaling)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.learning_rate.assign(lr * tape.lr_scale)  # the global batch of this step
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        bps.report_loss(loss)  # the loss trend the batch-size policy watches
+        return loss
+
+    trained = 0
+    for epoch in range(args.epochs):
+        stats = np.zeros(3)  # [sum of losses, samples, steps] on this worker
+        start = time.time()
+        for x, y in dataset:
+            stats += [float(train_step(x, y)) * len(y), len(y), 1]
+        totals = bps.push_pull(tf.constant(stats), average=False, name="train_stats").numpy()
+        elapsed, trained = time.time() - start, trained + int(stats[1])
+        noise = bps.gradient_noise_scale()
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss={totals[0] / totals[1]:.4f} "
+            f"samples/s={totals[1] / elapsed:.0f} time={elapsed:.1f}s mean_global_batch={totals[1] / stats[2]:.0f} "
+            f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}")
+    return trained
+
+
+def train_fit(args, model, dataset, lr, rank) -> int:
+    """model.fit with the Keras DistributedOptimizer and callbacks; returns the samples trained on."""
+    optimizer = bps_keras.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), lr_scaling=args.lr_scaling)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    callbacks = [bps_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                 bps_keras.callbacks.MetricAverageCallback(),
+                 bps_keras.callbacks.BatchSizeCallback(args.batch_schedule)]
+    model.fit(dataset, epochs=args.epochs, shuffle=False, callbacks=callbacks, verbose=2 if rank == 0 else 0)
+    return bps.step_statistics().samples
+
+
+def evaluate(model, images, labels, rank, size) -> tuple[float, float, int]:
+    """Each worker scores every size-th test image; the sums cover the test set exactly once."""
+    stats = np.zeros(3)  # [sum of losses, correct, samples]
+    for start in range(rank, len(images), 1000 * size):
+        x, y = images[start:start + 1000 * size:size], labels[start:start + 1000 * size:size]
+        logits = model(x, training=False)
+        stats += [float(loss_fn(y, logits)) * len(y), int(np.sum(np.argmax(logits, 1) == y)), len(y)]
+    total = bps.push_pull(tf.constant(stats), average=False, name="test_stats").numpy()
+    return total[1] / total[2], total[0] / total[2], int(total[2])
+
+
+def main():
+    args = parse_args()
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    keras.utils.set_random_seed(args.seed)
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+
+    train_x, train_y = load_fashion_mnist("train", root=args.data_dir)
+    test_x, test_y = load_fashion_mnist("test", root=args.data_dir)
+    if args.limit_train:
+        train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
+    batch_sizes = parse_batch_sizes(args.batch_size, size)
+    # One shared permutation per epoch, cut by each worker's batch size: every sample once.
+    sampler = bps.DynamicBatchSampler(len(train_x), batch_sizes, seed=args.seed)
+    if not args.fit:  # with --fit, BatchSizeCallback applies the schedule
+        for step, sizes in parse_batch_schedule(args.batch_schedule, size):
+            bps.set_batch_sizes(sizes, at_step=step)
+    dataset = bps.dynamic_batch_dataset(sampler, (train_x, train_y))
+    model = build_model()
+    lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
+    log(f"workers={size} batch_sizes={list(batch_sizes)} lr={lr:g} train_samples={len(train_x)} "
+        f"mode={'fit' if args.fit else 'custom loop'}")
+
+    start = time.time()
+    trained = train_fit(args, model, dataset, lr, rank) if args.fit else train_custom_loop(args, model, dataset, lr, log)
+    train_s = time.time() - start
+    with bps.untimed():
+        accuracy, test_loss, test_samples = evaluate(model, test_x, test_y, rank, size)
+    samples = bps.push_pull(tf.constant(float(trained), tf.float64), average=False, name="trained").numpy()
+    if rank == 0:
+        metrics = {"test_accuracy": float(accuracy), "test_loss": float(test_loss), "epochs": args.epochs,
+                   "wall_s": time.time() - start, "train_s": train_s, "samples_per_s": float(samples) / train_s,
+                   "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
+                   "lr": lr, "lr_scaling": args.lr_scaling, "mode": "fit" if args.fit else "loop",
+                   "test_samples": test_samples}
+        if args.output:
+            tmp = f"{args.output}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(metrics, f, indent=2)
+            os.replace(tmp, args.output)
+        print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
+    bps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

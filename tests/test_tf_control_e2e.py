@@ -1,0 +1,61 @@
+"""A TensorFlow job driven by the control plane: bpslaunch --policy, the scheduler, real workers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_control_e2e import bpslaunch, logs, reap
+
+pytest.importorskip("tensorflow")
+
+WORKER = Path(__file__).resolve().parent / "scripts/tf_control_worker.py"
+
+
+@pytest.mark.timeout(600)
+def test_proportional_policy_drives_a_keras_fit_job(tmp_path):
+    steps = 120
+    job = bpslaunch("-n", 3, "--policy", "proportional", "--slowdown", "2=3.0", "--decision-interval", 5,
+                    "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, steps)
+    try:
+        output, _ = job.communicate(timeout=580)
+    finally:
+        reap(job)
+    assert job.returncode == 0, output
+    ranks = logs(tmp_path, 3)
+    assert all(len(rank) == steps for rank in ranks)
+    assert all(global_batch == 192 for rank in ranks for _, global_batch in rank), "the global batch changed"
+    sizes_per_step = [[rank[step][0] for rank in ranks] for step in range(steps)]
+    assert all(sum(sizes) == 192 for sizes in sizes_per_step), "workers switched at different steps"
+    changes = [s for s in range(1, steps) if sizes_per_step[s] != sizes_per_step[s - 1]]
+    assert changes, "the policy never changed a batch size"
+    final = sizes_per_step[-1]
+    assert final[2] < 0.5 * min(final[:2]), final
+    decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert decisions and any(d.get("action") for d in decisions)
+
+
+@pytest.mark.timeout(900)
+def test_a_pytorch_trained_ppo_policy_drives_a_keras_fit_job(tmp_path):
+    pytest.importorskip("ray.rllib")
+    pytest.importorskip("onnxruntime")
+    policy = tmp_path / "policy"  # RLlib PPO with torch, exported to ONNX: one short iteration
+    subprocess.run([sys.executable, "-m", "dynamix_byteps.cli", "policy", "train", "--scenario", "straggler",
+                    "--out", str(policy), "--iterations", "1", "--no-randomise", "--quiet"],
+                   check=True, capture_output=True, timeout=600)
+    steps = 40
+    job = bpslaunch("-n", 3, "--policy", "ppo", "--policy-path", policy, "--slowdown", "2=3.0",
+                    "--decision-interval", 5, "--log-dir", tmp_path / "run", "--", sys.executable, WORKER, tmp_path,
+                    steps)
+    try:
+        output, _ = job.communicate(timeout=280)
+    finally:
+        reap(job)
+    assert job.returncode == 0, output
+    decisions = [json.loads(line) for line in (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()]
+    assert decisions and all(d["policy"] == "ppo" and d["error"] is None for d in decisions)
+    ranks = logs(tmp_path, 3)
+    assert all(len(rank) == steps for rank in ranks)
+    for step in range(steps):  # every worker applies each assignment at the same step
+        assert len({rank[step][1] for rank in ranks}) == 1

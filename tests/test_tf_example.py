@@ -1,0 +1,46 @@
+"""The TensorFlow example through bpslaunch on real Fashion-MNIST: 4 workers, one epoch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def train(tmp_path: Path, *flags: str, launcher_flags: tuple = ()) -> tuple[dict, str]:
+    metrics_file = tmp_path / "metrics.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamix_byteps.launcher", "--num-workers", "4", *launcher_flags, "--",
+         sys.executable, str(REPO / "examples/tf_fashion_mnist.py"), "--epochs", "1",
+         "--output", str(metrics_file), *flags],
+        check=False, cwd=tmp_path, capture_output=True, text=True, timeout=1100,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    return json.loads(metrics_file.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_custom_loop_trains_four_workers_to_80_percent(tmp_path):
+    metrics, stdout = train(tmp_path)
+    assert metrics["workers"] == 4 and metrics["mode"] == "loop"
+    assert metrics["test_samples"] == 10_000
+    assert metrics["test_accuracy"] >= 0.80, metrics
+    assert "[0] test_accuracy=" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_model_fit_under_the_proportional_policy_reaches_80_percent(tmp_path):
+    metrics, _ = train(tmp_path, "--fit", "--limit-train", "30000",
+                            launcher_flags=("--policy", "proportional", "--slowdown", "3=2.0",
+                                            "--log-dir", str(tmp_path / "run")))
+    assert metrics["mode"] == "fit"
+    assert metrics["test_accuracy"] >= 0.80, metrics
+    decisions = (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()
+    assert decisions, "the scheduler made no decision for the TensorFlow job"
