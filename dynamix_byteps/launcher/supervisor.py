@@ -407,7 +407,7 @@ class Supervisor:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for child in self._children:
             if child.log is not None:
-                with self._lock:
+                with self._lock, contextlib.suppress(OSError):  # a full disk: what it could not write is lost
                     child.log.close()
         self._stop_guardian()
 
