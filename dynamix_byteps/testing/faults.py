@@ -13,27 +13,29 @@ command line and network namespace.
 Defined outcomes (what the tests in ``tests/test_faults.py`` check, each within 15 s of the fault;
 "host h" = its ``bpslaunch``):
 
-=================  ====================================  =============================================================
-action             what it does                          outcome
-=================  ====================================  =============================================================
-kill_worker        SIGKILL the worker of rank ``target``  its host exits 137 (128 + SIGKILL) and logs ``[r] was killed by
-                                                         SIGKILL; stopping ...``; the other hosts' workers fail their
-                                                         collective and exit non-zero; no process is left
-kill_agent         SIGKILL host ``target``'s node agent   training goes on; the host logs ``[agent] exited with code -9;
-                                                         the workers go on without it``; every host exits 0
-kill_scheduler     SIGKILL the scheduler                  training goes on with the last assignment; host 0 logs
-                                                         ``[scheduler] exited with code -9``, workers log ``scheduler ...
-                                                         is unreachable``; every host exits 0
-pause_scheduler    SIGSTOP the scheduler, SIGCONT after   training goes on (reports time out after 2 s, workers log
-                   ``duration_s``                        ``unreachable`` then ``reachable again``); every host exits 0
-cut_link           drop every packet in and out of host   collectives wait ``--timeout`` seconds, then the workers raise
-                   ``target`` (nft, in its namespace)    CommunicationError and exit 1; the hosts exit non-zero
-slow_link          tbf at ``rate_mbit`` on host           training goes on, slower; every host exits 0
+=================  ========================================  ==================================================================
+action             what it does                              outcome
+=================  ========================================  ==================================================================
+kill_worker        SIGKILL the worker of rank ``target``     its host exits 137 (128 + SIGKILL) and logs ``[r] was killed by
+                                                             SIGKILL; stopping ...``; the other hosts' workers fail their
+                                                             collective and exit non-zero; no process is left
+kill_agent         SIGKILL host ``target``'s node agent      training goes on; the host logs ``[agent] exited with code -9;
+                                                             the workers go on without it``; every host exits 0
+kill_scheduler     SIGKILL the scheduler                     training goes on with the last assignment; host 0 logs
+                                                             ``[scheduler] exited with code -9``, workers log ``scheduler ...
+                                                             is unreachable``; every host exits 0
+pause_scheduler    SIGSTOP the scheduler, SIGCONT after      training goes on (reports time out after 2 s, workers log
+                   ``duration_s``                            ``unreachable`` then ``reachable again``); every host exits 0
+cut_link           drop every packet in and out of host      collectives wait ``--timeout`` seconds (gloo: ``Timed out waiting
+                   ``target`` (nft, in its namespace)        ...ms``), then the workers raise CommunicationError and exit 1;
+                                                             every host exits non-zero
+slow_link          tbf at ``rate_mbit`` on host              training goes on, slower; every host exits 0
                    ``target``'s link, both directions
-fill_disk          fill the file system of ``path``       rank 0's next ``bps.save_checkpoint`` raises OSError ENOSPC (``No
-                   (the run directory) to ENOSPC          space left on device`` on the console); host 0 exits 1; the last
-                                                         complete checkpoint is kept (atomic write)
-=================  ====================================  =============================================================
+fill_disk          fill the file system of ``path``          rank 0's next ``bps.save_checkpoint`` raises OSError ENOSPC (``No
+                   (the run directory) to ENOSPC             space left on device`` on the console); host 0 exits 1, the
+                                                             others are stopped; the last complete checkpoint is kept (atomic
+                                                             write); log lines that no longer fit are dropped
+=================  ========================================  ==================================================================
 
 Requirements: those of the test bed (root, iproute2), plus ``nft`` for ``cut_link`` and ``mount``
 for :func:`small_tmpfs`.
