@@ -36,7 +36,10 @@ from dynamix_byteps.policy.ppo.module import (
 
 __all__ = ["PPO_SETTINGS", "ppo_config", "ray_session", "train"]
 
-#: PPO hyper-parameters (RLlib names). Returns are O(1), so the value-loss clip is lifted.
+#: PPO hyper-parameters (RLlib names). Returns are O(1), so the value-loss clip is lifted. Unless
+#: overridden, the entropy bonus decays linearly from ENTROPY[0] to ENTROPY[1] over the run, so the
+#: final policy is nearly deterministic and its greedy actions (what the scheduler serves) do what
+#: the sampled ones learned to do.
 PPO_SETTINGS = {
     "train_batch_size_per_learner": 2000,
     "minibatch_size": 250,
@@ -44,10 +47,10 @@ PPO_SETTINGS = {
     "lr": 5e-4,
     "gamma": 0.99,
     "lambda_": 0.95,
-    "entropy_coeff": 0.01,
     "clip_param": 0.2,
     "vf_clip_param": 100.0,
 }
+ENTROPY = (0.01, 0.001)
 ENVS_PER_RUNNER = 4
 
 
@@ -122,6 +125,8 @@ def train(out_dir, scenarios, *, iterations: int = 100, seed: int = 0, workers: 
                   "reward": reward.to_dict(), "scenario_file": str(scenario_file) if scenario_file else None,
                   "params": params}
     DynamixSimEnv(env_config)  # validate the configuration before starting Ray
+    steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
+    ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
     metadata = {"scenarios": scenarios, "workers": int(workers), "seed": int(seed), "iterations": int(iterations),
                 "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides}}
     torch.set_num_threads(1)

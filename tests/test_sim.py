@@ -1,0 +1,258 @@
+"""The training simulator, the agent's observation and its action ladder (no Ray, no torch)."""
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy import make_policy
+from dynamix_byteps.policy.base import ClusterState, WorkerState
+from dynamix_byteps.policy.ppo.features import FEATURES, NUM_FEATURES, observation
+from dynamix_byteps.policy.ppo.mdp import (
+    KEEP,
+    LADDER,
+    RewardWeights,
+    apply_actions,
+    apply_ladder,
+)
+from dynamix_byteps.policy.sim import (
+    SimParams,
+    Simulator,
+    StatParams,
+    WorkerParams,
+    from_scenario,
+    reference,
+)
+from dynamix_byteps.policy.sim.env import DynamixSimEnv
+from dynamix_byteps.policy.sim.evaluate import compare, run_episode
+from dynamix_byteps.policy.sim.randomise import randomised
+from dynamix_byteps.scenarios import scenario
+
+pytestmark = pytest.mark.timeout(120)
+F = {name: i for i, name in enumerate(FEATURES)}
+
+
+def job(name="straggler", workers=None):
+    return from_scenario(scenario(name), workers=workers)
+
+
+# ---- environment -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [4, 3])
+def test_gymnasium_check_env_passes(workers):
+    env = DynamixSimEnv({"scenarios": ["straggler", "interference"], "workers": workers})
+    check_env(env, skip_render_check=True)
+    assert env.observation_space.shape == (workers * NUM_FEATURES,)
+    assert list(env.action_space.nvec) == [len(LADDER)] * workers
+
+
+def test_env_episode_ends_at_the_target_and_is_reproducible():
+    def episode(seed):
+        env = DynamixSimEnv({"scenarios": ["two-speed"]})
+        obs, _ = env.reset(seed=seed)
+        trace = [obs]
+        while True:
+            obs, _, terminated, truncated, info = env.step(np.full(4, KEEP))
+            trace.append(obs)
+            if terminated or truncated:
+                return np.array(trace), terminated, info
+
+    a, terminated, info = episode(3)
+    b, _, _ = episode(3)
+    c, _, _ = episode(4)
+    assert terminated and info["time_to_target_s"] > 0 and info["loss"] <= StatParams().target_loss
+    assert np.array_equal(a, b) and not (a.shape == c.shape and np.array_equal(a, c))
+    assert np.all(np.abs(a) <= 5.0) and a.dtype == np.float32
+
+
+@pytest.mark.parametrize("config, needle", [({"scenarios": ["nope"]}, "unknown scenario"),
+                                            ({"workers": 0}, "workers"), ({"bogus": 1}, "bogus"),
+                                            ({"reward": {"speed": 1.0}}, "unknown reward weight")])
+def test_env_rejects_bad_configuration(config, needle):
+    with pytest.raises(ConfigurationError, match=needle):
+        DynamixSimEnv(config)
+
+
+# ---- parameters --------------------------------------------------------------------------------
+
+
+def test_params_round_trip_through_json(tmp_path):
+    params = randomised(job("interference", workers=6), np.random.default_rng(0))
+    params = dataclasses.replace(params, workers=params.workers[:5] + (dataclasses.replace(
+        params.workers[5], bandwidth_bytes_per_s=1e7),))
+    params.to_json(tmp_path / "sim.json")
+    assert SimParams.from_json(tmp_path / "sim.json") == params
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d.update(bogus=1), "bogus"),
+    (lambda d: d["workers"][0].update(speed=1), "speed"),
+    (lambda d: d["stats"].update(target_loss=5.0), "target_loss"),
+    (lambda d: d.update(initial_batch=[32]), "initial_batch"),
+    (lambda d: d["workers"][0].update(samples_per_s=-1), "samples_per_s"),
+])
+def test_params_reject_bad_fields(mutate, needle):
+    data = reference().to_dict()
+    mutate(data)
+    with pytest.raises(ConfigurationError, match=needle):
+        SimParams.from_dict(data)
+
+
+def test_scenarios_tile_to_more_workers():
+    p = job("straggler", workers=8)
+    slowed = [r for r, w in enumerate(p.workers) if w.slowdowns]
+    assert slowed == [3, 7] and p.workers[3].slowdown_at(0.5) == 3.0
+    net = job("network", workers=8)
+    assert [w.bandwidth_bytes_per_s for w in net.workers].count(100e6 / 8) == 2
+    inter = job("interference")
+    assert inter.workers[1].slowdown_at(0.1) == 1.0 and inter.workers[1].slowdown_at(0.5) == 3.0
+
+
+# ---- dynamics ----------------------------------------------------------------------------------
+
+
+def test_step_time_and_push_pull_follow_the_model():
+    params = dataclasses.replace(job("straggler"), workers=tuple(dataclasses.replace(w, jitter=0.0)
+                                                                 for w in job("straggler").workers))
+    params = dataclasses.replace(params, comm=dataclasses.replace(params.comm, jitter=0.0))
+    sim = Simulator(params, rng=np.random.default_rng(0))
+    state = sim.reset()
+    w = params.workers[0]
+    comm = params.comm.latency_s + 2 * params.comm.model_bytes / params.comm.bandwidth_bytes_per_s
+    fast = w.fixed_s + 32 / w.samples_per_s
+    assert [s.compute_s for s in state.workers] == pytest.approx([fast, fast, fast, 3 * fast])
+    assert state.workers[3].push_pull_s == pytest.approx(comm)  # the straggler does not wait
+    assert state.workers[0].push_pull_s == pytest.approx(comm + 2 * fast)
+    assert sim.time_s == pytest.approx(params.decision_interval * (3 * fast + comm))
+    assert state.workers[0].samples_per_s == pytest.approx(32 / fast)
+
+
+def test_noise_scale_grows_as_the_loss_falls():
+    sim = Simulator(reference(), rng=np.random.default_rng(0))
+    s = StatParams()
+    values = [sim.noise_scale(loss) for loss in np.linspace(s.initial_loss, s.target_loss, 6)]
+    assert values[0] == pytest.approx(s.noise_scale) and all(b > a for a, b in itertools.pairwise(values))
+
+
+def _schedule(params, early, late, seed=0):
+    """Global batch × early until half way to the target, × late after; returns the simulator."""
+    sim = Simulator(params, rng=np.random.default_rng(seed))
+    sim.reset()
+    while not sim.done:
+        factor = early if sim.fraction() < 0.5 else late
+        sim.step([int(b * factor) for b in params.initial_batch])
+    return sim
+
+
+def test_large_batches_cost_accuracy_late_but_not_early():
+    params = reference()
+    base, early_large, late_large = _schedule(params, 1, 1), _schedule(params, 4, 1), _schedule(params, 1, 4)
+    assert base.gap == 0.0
+    assert early_large.gap < 0.2 * late_large.gap
+    assert late_large.accuracy() < early_large.accuracy() <= base.accuracy()
+    assert early_large.time_to_target < base.time_to_target  # the reference job is communication-bound
+
+
+def test_reward_terms_add_up_and_progress_sums_to_one():
+    sim = Simulator(reference(), RewardWeights(), np.random.default_rng(1))
+    sim.reset()
+    total_progress, total = 0.0, 0.0
+    while not sim.done:
+        out = sim.step([32, 32, 32, 64])
+        total += out.reward
+        total_progress += out.terms["progress"]
+        assert out.reward == pytest.approx(sum(out.terms.values()))
+    first_loss_drop = StatParams().initial_loss - sim.loss_history[0]  # the first interval ran before any decision
+    assert total_progress == pytest.approx(1.0 - first_loss_drop / 1.9, abs=0.02)
+    assert out.terms["accuracy"] < 0 and out.terms["batch_change"] == 0.0
+
+
+# ---- heuristics in the simulator ---------------------------------------------------------------
+
+
+def test_heuristics_behave_as_designed_in_the_simulator():
+    rows = {r["policy"]: r for r in compare({n: make_policy(n) for n in ("static", "proportional", "goodput")},
+                                             [job("straggler")], episodes=2, seed=7)}
+    static, prop, good = rows["static"], rows["proportional"], rows["goodput"]
+    assert static["mean_global_batch"] == prop["mean_global_batch"] == 128  # neither changes the global batch
+    assert prop["mean_time_to_target_s"] < 0.8 * static["mean_time_to_target_s"]  # balancing the straggler pays
+    assert prop["mean_return"] > static["mean_return"]
+    assert good["mean_global_batch"] > 128 and good["mean_gap"] > 0  # it grows the batch as B_noise grows
+
+
+def test_goodput_grows_the_global_batch_as_training_progresses():
+    result = run_episode(make_policy("goodput"), job("homogeneous"), seed=0)
+    n = len(result.global_batches)
+    assert np.mean(result.global_batches[-n // 4:]) > 1.5 * np.mean(result.global_batches[: n // 4])
+
+
+# ---- observation -------------------------------------------------------------------------------
+
+
+def _state(**overrides):
+    workers = tuple(WorkerState(rank=r, batch_size=b, compute_s=c, push_pull_s=p, samples_per_s=b / c, min_batch=8,
+                                max_batch=256, node={"cpu_util": 0.5, "rtt_s": 1e-3, "retransmits": 0})
+                    for r, (b, c, p) in enumerate([(32, 0.1, 0.2), (32, 0.1, 0.2), (64, 0.3, 0.01)]))
+    fields = {"step": 100, "workers": workers, "initial_batch_sizes": (32, 32, 32),
+              "loss_history": (2.0, 1.8, 1.6, 1.5, 1.0), "grad_sq": 1.0, "trace_cov": 512.0, "dataset_size": 60000}
+    fields.update(overrides)
+    return ClusterState(**fields)
+
+
+def test_observation_features_mean_what_they_say():
+    obs = observation(_state())
+    assert obs.shape == (3, NUM_FEATURES) and obs.dtype == np.float32
+    assert obs[2, F["log2_batch"]] == pytest.approx(1.0) and obs[0, F["log2_batch"]] == 0.0
+    assert obs[0, F["log2_batch_to_min"]] == pytest.approx(2.0) and obs[2, F["log2_batch_to_max"]] == pytest.approx(2.0)
+    assert obs[2, F["log2_compute_to_max"]] == 0.0 and obs[0, F["log2_compute_to_max"]] == pytest.approx(math.log2(1 / 3))
+    assert obs[0, F["wait_fraction"]] == pytest.approx(0.2 / 0.3)
+    assert obs[0, F["log10_rtt_ms"]] == pytest.approx(0.0) and obs[0, F["node_known"]] == 1.0
+    assert obs[0, F["log2_global_batch"]] == pytest.approx(math.log2(128 / 96))
+    assert obs[0, F["log2_noise_to_batch"]] == pytest.approx(math.log2(512 / 128)) and obs[0, F["noise_known"]] == 1.0
+    assert obs[0, F["log2_loss_ratio"]] == pytest.approx(math.log2(0.5))
+    assert obs[0, F["loss_trend"]] == pytest.approx(10 * ((1.5 + 1.0) / 2 - (1.8 + 1.6) / 2) / 2.0)
+    assert obs[0, F["comm_fraction"]] == pytest.approx(0.01 / 0.31)
+    assert (obs[:, len(FEATURES) - 6:] == obs[0, len(FEATURES) - 6:]).all()  # global features on every row
+
+
+def test_observation_tolerates_missing_and_odd_values():
+    odd = tuple(dataclasses.replace(w, samples_per_s=float("nan"), compute_s=0.0, node={})
+                for w in _state().workers)
+    obs = observation(_state(workers=odd, grad_sq=None, loss_history=(float("nan"), float("inf")), initial_batch_sizes=()))
+    assert np.isfinite(obs).all()
+    assert (obs[:, F["node_known"]] == 0).all() and (obs[:, F["noise_known"]] == 0).all()
+    assert (obs[:, F["log2_loss_ratio"]] == 0).all()
+    assert observation(_state(workers=())).shape == (0, NUM_FEATURES)
+
+
+# ---- actions -----------------------------------------------------------------------------------
+
+
+def test_ladder_steps_respect_the_change_window_and_the_bounds():
+    b = np.array([33, 33, 33, 33, 33, 8, 200])
+    new = apply_ladder(b, np.array([0, 1, 2, 3, 4, 0, 4]), np.full(7, 8.0), np.array([1024] * 6 + [256.0]))
+    assert new.tolist() == [17, 24, 33, 46, 66, 8, 256]  # ÷2 of 33 stays >= ceil(33/2)
+    assert apply_actions(_state(), [KEEP, 4, 4]) == (32, 64, 128)
+    with pytest.raises(ValueError, match="action indices"):
+        apply_ladder(b, np.full(7, len(LADDER)), np.full(7, 1.0), np.full(7, np.inf))
+
+
+def test_a_policy_runs_through_the_guardrails_on_many_workers():
+    for workers in (8, 32):
+        result = run_episode(make_policy("proportional"), job("two-speed", workers=workers), seed=1)
+        assert result.time_to_target_s is not None and result.decisions > 0
+
+
+def test_randomised_jobs_stay_valid_and_vary():
+    base = job("network")
+    draws = [randomised(base, np.random.default_rng(s)) for s in range(20)]
+    assert len({d.comm.model_bytes for d in draws}) == 20
+    assert {d.node_metrics for d in draws} == {True, False}
+    assert all(d.workers[3].bandwidth_bytes_per_s == base.workers[3].bandwidth_bytes_per_s for d in draws)
+    assert randomised(base, np.random.default_rng(5)) == randomised(base, np.random.default_rng(5))
+    assert isinstance(draws[0].workers[0], WorkerParams)
