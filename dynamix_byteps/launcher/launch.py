@@ -21,9 +21,21 @@ A worker node starts ``BYTEPS_LOCAL_SIZE`` processes (default: one per entry of
 ``NVIDIA_VISIBLE_DEVICES``, else 1). The ``server`` and ``scheduler`` roles need no process
 with the default gloo engine; with ``--engine byteps`` they run BytePS's server.
 
+Elastic restart (local mode, one host): with ``--restart-on-failure N --checkpoint PATH``, when a
+worker fails the others are stopped and the job starts again with one worker fewer (ranks
+0..size-2, a fresh scheduler for the new size; logs are appended to), up to N times. Every
+child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
+...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists::
+
+    bpslaunch -n 4 --restart-on-failure 2 --checkpoint runs/a/ckpt.pt -- python train.py
+
+TLS: ``--tls-cert/--tls-key`` (node 0) make the scheduler serve TLS only; ``--tls-ca`` (every
+host) is passed to the workers as ``DYNAMIX_TLS_CA`` and to the node agent as ``--tls-ca``.
+
 Every worker gets the environment contract of :mod:`dynamix_byteps.env`. Output lines are
 prefixed with the worker's global rank (``[0] ...``). The exit code is the first non-zero
-code of any worker (the others are then stopped), 0 when all succeed, 2 on bad usage or a
+code of any worker (the others are then stopped; with restarts left, the job restarts instead
+and the last run's code counts), 0 when all succeed, 2 on bad usage or a
 missing/invalid variable, 127 when the command cannot be found, ``128 + N`` on signal N.
 """
 

@@ -4,10 +4,11 @@ resuming from it when it exists (``bpslaunch --restart-on-failure`` restarts the
 
 It appends one JSON line per event to ``OUT_DIR/rank<r>.run<k>.jsonl`` (``k`` = ``$DYNAMIX_RESTART``):
 ``{"resumed_at": S}`` first on a resumed run (the steps the checkpoint holds), then per trained and
-checkpointed step ``{"step": s, "indices": [...], "time": wall}``.
+trained step ``{"step": s, "indices": [...], "time": wall}``.
 
-Usage: elastic_worker.py OUT_DIR SAMPLES [KILL_RANK KILL_STEP [STEP_SLEEP_S]]; KILL_RANK SIGKILLs
-itself just before training KILL_STEP, in the first run only.
+Usage: elastic_worker.py OUT_DIR SAMPLES [KILL_RANK KILL_STEP [STEP_SLEEP_S [EVERY]]]; KILL_RANK SIGKILLs
+itself just before training KILL_STEP, in the first run only; EVERY (default 1): checkpoint every
+EVERY steps (the steps since the last checkpoint are trained again after a restart).
 """
 
 import json
@@ -24,6 +25,7 @@ import dynamix_byteps.torch as bps
 out_dir, samples = Path(sys.argv[1]), int(sys.argv[2])
 kill_rank, kill_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, -1)
 step_sleep = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+every = int(sys.argv[6]) if len(sys.argv) > 6 else 1
 checkpoint = Path(os.environ["DYNAMIX_CHECKPOINT"])
 run = int(os.environ.get("DYNAMIX_RESTART", "0"))
 torch.set_num_threads(1)
@@ -49,7 +51,8 @@ for x, y, index in torch.utils.data.DataLoader(data, batch_sampler=sampler):
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
     step += 1
-    bps.save_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler, steps=step)
+    if step % every == 0:
+        bps.save_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler, steps=step)
     log.write(json.dumps({"step": step - 1, "indices": index.tolist(), "time": time.time()}) + "\n")
 log.close()
 bps.shutdown()

@@ -1,0 +1,97 @@
+"""Elastic restart: time from a killed worker to training resumed on the survivors, and steps lost.
+
+Runs ``bpslaunch -n N --restart-on-failure 1 --checkpoint ...`` with ``tests/scripts/elastic_worker.py``
+(a small MLP, one epoch of synthetic data, a checkpoint every --every steps); rank N-1 SIGKILLs
+itself before step --kill-step, the launcher restarts the job on N-1 workers, which resume from the
+checkpoint. From the workers' per-step records (wall-clock times, one machine):
+
+* ``to_resumed_s``: from the killed worker's last trained step to the first step trained on the
+  survivors (includes the launcher noticing, stopping the others, and restarting everything:
+  interpreter and torch import, rendezvous, checkpoint load, first step);
+* ``to_loaded_s``: the same, to the moment the checkpoint was loaded (before the first step);
+* ``steps_lost``: steps trained before the failure but after the last checkpoint (trained again).
+
+Each figure is the median over --repeats runs. Prints a table, writes JSON.
+
+    python benchmarks/fault_recovery.py [--workers 4] [--repeats 3] [--every 1] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "scripts" / "elastic_worker.py"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "fault_recovery.json"
+
+
+def _records(out: Path, run: int) -> dict[int, list[dict]]:
+    return {int(p.name.split(".")[0][len("rank"):]): [json.loads(line) for line in p.read_text().splitlines()]
+            for p in out.glob(f"rank*.run{run}.jsonl")}
+
+
+def one_run(workers: int, batch: int, kill_step: int, every: int, step_sleep: float, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="fault-recovery-") as tmp:
+        out = Path(tmp, "out")
+        out.mkdir()
+        samples = batch * workers * (workers - 1) * (kill_step + 10)  # divisible before and after the restart
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(workers), "--batch-size", str(batch),
+             "--restart-on-failure", "1", "--checkpoint", str(Path(tmp, "ckpt.pt")), "--grace-period", "2", "--",
+             sys.executable, str(WORKER), str(out), str(samples), str(workers - 1), str(kill_step), str(step_sleep),
+             str(every)],
+            capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the job failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+        before, after = _records(out, 0), _records(out, 1)
+        killed_last = max(r["time"] for r in before[workers - 1] if "step" in r)
+        resumed_at = after[0][0]["resumed_at"]
+        last_trained = max(r["step"] for records in before.values() for r in records if "step" in r)
+        return {
+            "to_loaded_s": min(records[0]["time"] for records in after.values()) - killed_last,
+            "to_resumed_s": min(r["time"] for records in after.values() for r in records if "step" in r) - killed_last,
+            "steps_lost": last_trained + 1 - resumed_at,
+            "resumed_at": resumed_at,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=4, help="workers before the failure (default 4)")
+    parser.add_argument("--batch", type=int, default=6, help="local batch size (default 6)")
+    parser.add_argument("--kill-step", type=int, default=7, help="step before which the last rank dies (default 7)")
+    parser.add_argument("--every", type=int, nargs="+", default=[1, 5], help="checkpoint intervals in steps (default 1 5)")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (default 0)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported (default 3)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take (default 300)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.workers < 2 or args.kill_step < 1 or args.repeats < 1 or min(args.every) < 1:
+        parser.error("need --workers >= 2, --kill-step >= 1, --repeats >= 1 and --every >= 1")
+    results = []
+    print(f"{'every':>5}  {'to_loaded_s':>11}  {'to_resumed_s':>12}  {'steps_lost':>10}  runs")
+    for every in args.every:
+        runs = [one_run(args.workers, args.batch, args.kill_step, every, args.step_sleep, args.timeout)
+                for _ in range(args.repeats)]
+        row = {"checkpoint_every": every, "runs": runs}
+        for key in ("to_loaded_s", "to_resumed_s", "steps_lost"):
+            row[f"{key}_median"] = statistics.median(r[key] for r in runs)
+        results.append(row)
+        print(f"{every:>5}  {row['to_loaded_s_median']:>11.2f}  {row['to_resumed_s_median']:>12.2f}  "
+              f"{row['steps_lost_median']:>10g}  {len(runs)}")
+    write_report(args.out, {"benchmark": "fault_recovery", "workers": args.workers, "survivors": args.workers - 1,
+                            "batch": args.batch, "kill_step": args.kill_step, "step_sleep_s": args.step_sleep,
+                            "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
