@@ -5,6 +5,8 @@ Runs ``bpslaunch -n N --restart-on-failure 1 --checkpoint ...`` with ``tests/scr
 itself before step --kill-step, the launcher restarts the job on N-1 workers, which resume from the
 checkpoint. From the workers' per-step records (wall-clock times, one machine):
 
+* ``to_restart_s``: from the killed worker's last trained step to the launcher's restart note
+  (noticing the failure, stopping the others within ``--grace-period 2``);
 * ``to_resumed_s``: from the killed worker's last trained step to the first step trained on the
   survivors (includes the launcher noticing, stopping the others, and restarting everything:
   interpreter and torch import, rendezvous, checkpoint load, first step);
@@ -24,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common import write_report
@@ -42,20 +45,32 @@ def one_run(workers: int, batch: int, kill_step: int, every: int, step_sleep: fl
     with tempfile.TemporaryDirectory(prefix="fault-recovery-") as tmp:
         out = Path(tmp, "out")
         out.mkdir()
-        samples = batch * workers * (workers - 1) * (kill_step + 10)  # divisible before and after the restart
-        proc = subprocess.run(
+        samples = batch * workers * (workers - 1) * (kill_step // (workers - 1) + 4)  # a multiple of both global batches
+        proc = subprocess.Popen(
             [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(workers), "--batch-size", str(batch),
              "--restart-on-failure", "1", "--checkpoint", str(Path(tmp, "ckpt.pt")), "--grace-period", "2", "--",
              sys.executable, str(WORKER), str(out), str(samples), str(workers - 1), str(kill_step), str(step_sleep),
              str(every)],
-            capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the job failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        restarted, lines = None, []
+        try:
+            for line in proc.stderr:  # the launcher's own notes, timestamped as they come
+                lines.append(line)
+                if restarted is None and "restart 1 of 1" in line:
+                    restarted = time.time()
+            proc.wait(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if proc.returncode != 0 or restarted is None:
+            raise RuntimeError(f"the job failed with code {proc.returncode}:\n{''.join(lines)[-3000:]}")
         before, after = _records(out, 0), _records(out, 1)
         killed_last = max(r["time"] for r in before[workers - 1] if "step" in r)
         resumed_at = after[0][0]["resumed_at"]
         last_trained = max(r["step"] for records in before.values() for r in records if "step" in r)
         return {
+            "to_restart_s": restarted - killed_last,
             "to_loaded_s": min(records[0]["time"] for records in after.values()) - killed_last,
             "to_resumed_s": min(r["time"] for records in after.values() for r in records if "step" in r) - killed_last,
             "steps_lost": last_trained + 1 - resumed_at,
@@ -77,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 2 or args.kill_step < 1 or args.repeats < 1 or min(args.every) < 1:
         parser.error("need --workers >= 2, --kill-step >= 1, --repeats >= 1 and --every >= 1")
     results = []
-    print(f"{'every':>5}  {'to_loaded_s':>11}  {'to_resumed_s':>12}  {'steps_lost':>10}  runs")
+    print(f"{'every':>5}  {'to_restart_s':>12}  {'to_loaded_s':>11}  {'to_resumed_s':>12}  {'steps_lost':>10}  runs")
     for every in args.every:
         runs = [one_run(args.workers, args.batch, args.kill_step, every, args.step_sleep, args.timeout)
                 for _ in range(args.repeats)]
         row = {"checkpoint_every": every, "runs": runs}
-        for key in ("to_loaded_s", "to_resumed_s", "steps_lost"):
+        for key in ("to_restart_s", "to_loaded_s", "to_resumed_s", "steps_lost"):
             row[f"{key}_median"] = statistics.median(r[key] for r in runs)
         results.append(row)
-        print(f"{every:>5}  {row['to_loaded_s_median']:>11.2f}  {row['to_resumed_s_median']:>12.2f}  "
+        print(f"{every:>5}  {row['to_restart_s_median']:>12.2f}  {row['to_loaded_s_median']:>11.2f}  {row['to_resumed_s_median']:>12.2f}  "
               f"{row['steps_lost_median']:>10g}  {len(runs)}")
     write_report(args.out, {"benchmark": "fault_recovery", "workers": args.workers, "survivors": args.workers - 1,
                             "batch": args.batch, "kill_step": args.kill_step, "step_sleep_s": args.step_sleep,
