@@ -2,7 +2,7 @@
 chosen at run time.
 
 ``import dynamix_byteps as bps`` gives the framework-neutral part of the BytePS API; the
-framework frontends are ``dynamix_byteps.torch`` (and, later, ``dynamix_byteps.tensorflow``).
+framework frontends are ``dynamix_byteps.torch`` and ``dynamix_byteps.tensorflow``.
 """
 
 from __future__ import annotations

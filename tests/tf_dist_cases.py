@@ -59,6 +59,9 @@ def collectives() -> list[str]:
                 failures.append(f"tf.function average {tag}")
             if not _equal(mine, _value(rank, shape, dtype)):
                 failures.append(f"input modified {tag}")
+    half = bps.push_pull(tf.fill([8], 0.5 * (rank + 1)), compression=bps.Compression.fp16, name="fp16")
+    if half.dtype != tf.float32 or half.numpy().tolist() != [0.25 * (n + 1)] * 8:
+        failures.append(f"fp16 compression: {half}")
     root = 1 % n
     if not _equal(bps.broadcast(_value(rank, (4, 3), tf.float32), root), _value(root, (4, 3), tf.float32)):
         failures.append("broadcast")

@@ -6,9 +6,14 @@ draws the sampler's next epoch, with the batch size in force at each step, so ev
 seen once per epoch across the workers and all workers run the same number of steps. The
 sampler runs in Python (``from_generator``), the gathering in TensorFlow.
 
-A new iteration starts again from the oldest batch no optimizer trained on (Keras draws one
-batch to build the model, and abandons an iterator when an epoch ends early), so no sample is
-lost or repeated.
+A new iteration starts again from the oldest batch no optimizer trained on (Keras abandons an
+iterator when an epoch ends early), so no sample is lost or repeated.
+
+With ``model.fit``: the number of steps per epoch is not known in advance (it follows the
+batch sizes), so Keras ends each epoch when the data runs out and says "Your input ran out of
+data" once; that is expected here. Keras counts later epochs in the first epoch's steps: when a
+later epoch has more steps, Keras's epoch ends early and the next one finishes the sampler's
+epoch first. Pass ``shuffle=False`` (the sampler shuffles).
 """
 
 from __future__ import annotations
