@@ -185,6 +185,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
+    p.add_argument("--append", action="store_true", help="keep the other configurations already in --out "
+                   "(same scenario, budget and model), replacing those run now; the table is recomputed for --target")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
     args = p.parse_args()
     args.scenario = scenarios[args.scenario]
@@ -216,6 +218,10 @@ def main() -> None:
         r = summarise(name, results[name], args.target)
         print(f"  {name}: accuracy {r['accuracy_at_budget']:.4f}, {r['samples_per_s']:.0f} samples/s, "
               f"efficiency {r['straggler_efficiency']:.2f} ({results[name]['run_wall_s']:.0f} s)", flush=True)
+    if args.append and args.out.exists():
+        results = {**earlier_results(args), **results}
+        order = list(configurations("any", args.decision_interval))
+        results = dict(sorted(results.items(), key=lambda item: order.index(item[0])))
     rows = [summarise(name, result, args.target) for name, result in results.items()]
     print()
     print_table(rows, args.target)
@@ -225,9 +231,17 @@ def main() -> None:
         "benchmark": "time_to_accuracy", "scenario": args.scenario.name, "description": args.scenario.description,
         "quick": args.quick, "budget_s": args.budget, "eval_every_s": args.eval_every, "target_accuracy": args.target,
         "model": args.model, "workers": args.scenario.workers, "rows": rows, "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
-        "curves": {name: r["curve"] for name, r in results.items()},
-        "worker_statistics": {name: r["worker_statistics"] for name, r in results.items()},
+        "results": results,
     })
+
+
+def earlier_results(args: argparse.Namespace) -> dict[str, dict]:
+    """The per-configuration results of an earlier run in ``--out``, if it is the same experiment."""
+    earlier = json.loads(args.out.read_text())
+    same = (earlier.get("scenario"), earlier.get("budget_s"), earlier.get("model"))
+    if same != (args.scenario.name, args.budget, args.model):
+        raise SystemExit(f"--append: {args.out} holds another experiment {same}; use another --out")
+    return {name: r for name, r in earlier["results"].items() if name not in args.configs}
 
 
 if __name__ == "__main__":
