@@ -158,18 +158,21 @@ def test_large_batches_cost_accuracy_late_but_not_early():
     assert early_large.time_to_target < base.time_to_target  # the reference job is communication-bound
 
 
-def test_reward_terms_add_up_and_progress_sums_to_one():
-    sim = Simulator(reference(), RewardWeights(), np.random.default_rng(1))
+def test_reward_terms_add_up_and_the_accuracy_term_comes_at_the_end():
+    weights = RewardWeights()
+    sim = Simulator(reference(), weights, np.random.default_rng(1))
     sim.reset()
-    total_progress, total = 0.0, 0.0
+    total_progress, total_accuracy = 0.0, 0.0
     while not sim.done:
         out = sim.step([32, 32, 32, 64])
-        total += out.reward
         total_progress += out.terms["progress"]
+        total_accuracy += out.terms["accuracy"]
+        assert sim.done or out.terms["accuracy"] == 0.0
         assert out.reward == pytest.approx(sum(out.terms.values()))
     first_loss_drop = StatParams().initial_loss - sim.loss_history[0]  # the first interval ran before any decision
     assert total_progress == pytest.approx(1.0 - first_loss_drop / 1.9, abs=0.02)
-    assert out.terms["accuracy"] < 0 and out.terms["batch_change"] == 0.0
+    assert sim.gap > 0 and out.terms["batch_change"] == 0.0
+    assert total_accuracy == pytest.approx(weights.accuracy * (sim.accuracy() - sim.target_accuracy()))
 
 
 # ---- heuristics in the simulator ---------------------------------------------------------------

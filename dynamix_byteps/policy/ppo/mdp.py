@@ -19,6 +19,11 @@ ladder step) and then within the worker's ``[min_batch, max_batch]``; see :func:
 * terminal: ``acc`` the final accuracy proxy, ``acc*`` the proxy at the target loss without
   generalisation gap, so the term is ≈ −w_acc · gap when the target is reached.
 
+The accuracy term stays terminal on purpose: paying the gap as it accrues (potential-based
+shaping) made growing the batch early look costly until the agent had learnt to shrink it
+later, and training settled on never growing it (measured: mean return −2.3 against −1.9
+after 150 iterations).
+
 Weights are :class:`RewardWeights`. Defaults: λ = 0.03 per reference interval, μ = 0.02,
 w_acc = 30, so one point of final accuracy (0.3) weighs as much as 10 reference intervals, about
 10 % of the reference job's time to target; with them, neither "never change the global batch"
