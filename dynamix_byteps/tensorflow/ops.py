@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from dynamix_byteps import rank
 from dynamix_byteps.tensorflow.bridge import call, dense, to_tf, to_torch
 from dynamix_byteps.torch import ops as _torch_ops
 from dynamix_byteps.torch.compression import Compression, Compressor
@@ -120,8 +121,6 @@ def broadcast(tensor, root_rank: int, scope: str = "", name: str | None = None, 
         return result
 
     def backward(dy):
-        from dynamix_byteps import rank
-
         summed = push_pull(dy, average=False, name=f"{label}.grad")
         return summed if rank() == root_rank else tf.zeros_like(summed)
 

@@ -102,6 +102,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          "wrap it with DistributedOptimizer before training or restoring it")
     namespace = dict(_DistributedOptimizer.__dict__)
     namespace["__module__"] = optimizer.__class__.__module__  # saved models name the wrapped class
+    namespace["__qualname__"] = optimizer.__class__.__qualname__
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
     config = optimizer.get_config()
     if name is not None:
