@@ -109,7 +109,13 @@ def _write_port_file(path: Path, port: int) -> None:
 
 def _run_scheduler(args: argparse.Namespace) -> int:
     from dynamix_byteps.control.scheduler import SchedulerServer
-    from dynamix_byteps.control.security import TLS_CERT_ENV, TLS_KEY_ENV, TOKEN_ENV, check_token, is_loopback
+    from dynamix_byteps.control.security import (
+        TLS_CERT_ENV,
+        TLS_KEY_ENV,
+        TOKEN_ENV,
+        check_token,
+        is_loopback,
+    )
 
     tls_cert = args.tls_cert or os.environ.get(TLS_CERT_ENV) or None
     tls_key = args.tls_key or os.environ.get(TLS_KEY_ENV) or None

@@ -166,12 +166,10 @@ def _find(bed: Testbed, tag: str, fault: Fault) -> psutil.Process | None:
                 rank = int(env.get("DYNAMIX_RANK_OFFSET", "0")) + int(env["BYTEPS_LOCAL_RANK"])
                 if rank == fault.target:
                     return proc
-        elif fault.action in ("kill_scheduler", "pause_scheduler"):
-            if "dynamix_byteps.cli scheduler" in command:
-                return proc
-        elif fault.action == "kill_agent":
-            if "dynamix_byteps.cli agent" in command and hosts.get(_netns_inode(proc.pid)) == fault.target:
-                return proc
+        elif ((fault.action in ("kill_scheduler", "pause_scheduler") and "dynamix_byteps.cli scheduler" in command)
+              or (fault.action == "kill_agent" and "dynamix_byteps.cli agent" in command
+                  and hosts.get(_netns_inode(proc.pid)) == fault.target)):
+            return proc
     return None
 
 

@@ -36,23 +36,22 @@ data = torch.utils.data.TensorDataset(torch.randn(samples, 16, generator=g), tor
 sampler = bps.DynamicBatchSampler(data, int(os.environ.get("DYNAMIX_BATCH_SIZE", "6")), seed=7)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters())
-log = open(out_dir / f"rank{bps.rank()}.run{run}.jsonl", "a", buffering=1)
-step = 0
-if checkpoint.exists():
-    step = bps.load_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler)["steps"]
-    log.write(json.dumps({"resumed_at": step, "time": time.time()}) + "\n")
-else:
-    bps.broadcast_parameters(model.state_dict(), root_rank=0)
-for x, y, index in torch.utils.data.DataLoader(data, batch_sampler=sampler):
-    if run == 0 and bps.rank() == kill_rank and step == kill_step:
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(step_sleep)
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    step += 1
-    if step % every == 0:
-        bps.save_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler, steps=step)
-    log.write(json.dumps({"step": step - 1, "indices": index.tolist(), "time": time.time()}) + "\n")
-log.close()
+with open(out_dir / f"rank{bps.rank()}.run{run}.jsonl", "a", buffering=1) as log:
+    step = 0
+    if checkpoint.exists():
+        step = bps.load_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler)["steps"]
+        log.write(json.dumps({"resumed_at": step, "time": time.time()}) + "\n")
+    else:
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y, index in torch.utils.data.DataLoader(data, batch_sampler=sampler):
+        if run == 0 and bps.rank() == kill_rank and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(step_sleep)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        step += 1
+        if step % every == 0:
+            bps.save_checkpoint(checkpoint, model=model, optimizer=opt, sampler=sampler, steps=step)
+        log.write(json.dumps({"step": step - 1, "indices": index.tolist(), "time": time.time()}) + "\n")
 bps.shutdown()
