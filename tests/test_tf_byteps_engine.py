@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
+try:
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+except RuntimeError:  # another test already started TensorFlow's runtime in this process
+    pass
 
 import keras
 
