@@ -28,6 +28,8 @@ from dynamix_byteps.scenarios import scenario
 
 pytest.importorskip("ray")
 pytest.importorskip("onnxruntime")
+# RLlib registers its environment wrapper again for every algorithm it builds.
+pytestmark = pytest.mark.filterwarnings("ignore:.*Overriding environment:UserWarning")
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests/scripts/control_worker.py"

@@ -93,38 +93,51 @@ NUM_FEATURES = len(FEATURES)
 _TINY = 1e-12
 
 
-def _array(values: list) -> np.ndarray:
-    """float64 array; None and non-numbers become NaN."""
+def _columns(rows: list[tuple]) -> np.ndarray:
+    """float64 matrix of ``rows``; None and non-numbers become NaN."""
     try:
-        return np.array(values, dtype=np.float64)
+        return np.array(rows, dtype=np.float64)
     except (TypeError, ValueError):
-        out = np.empty(len(values), dtype=np.float64)
-        for i, v in enumerate(values):
-            try:
-                out[i] = float(v)
-            except (TypeError, ValueError):
-                out[i] = math.nan
-        return out
+        return np.array([[_number(v) for v in row] for row in rows], dtype=np.float64)
+
+
+def _number(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _log2_ratio(num: np.ndarray, den) -> np.ndarray:
-    """Element-wise log2(num/den), 0 where it is not finite (a zero, negative, NaN or inf input)."""
-    with np.errstate(all="ignore"):
-        out = np.log2(num / den)
+    """Element-wise log2(num/den), 0 where it is not finite (a zero, negative, NaN or inf input).
+    Call under ``np.errstate(all="ignore")``."""
+    out = np.log2(num / den)
     out[~np.isfinite(out)] = 0.0
     return out
 
 
+def _loss(x) -> float | None:
+    v = _number(x)
+    return v if math.isfinite(v) and v > 0 else None
+
+
 def _loss_terms(history) -> tuple[float, float]:
-    losses = [float(x) for x in history if x is not None and math.isfinite(float(x)) and float(x) > 0]
-    if not losses:
+    """``(log2_loss_ratio, loss_trend)`` from the first and the last four valid losses."""
+    first = next((v for v in map(_loss, history) if v is not None), None)
+    if first is None:
         return 0.0, 0.0
-    first = losses[0]
-    ratio = math.log2(losses[-1] / first)
-    if len(losses) >= 4:
-        trend = 10.0 * (sum(losses[-2:]) - sum(losses[-4:-2])) / 2.0 / first
-    elif len(losses) >= 2:
-        trend = 10.0 * (losses[-1] - losses[-2]) / first
+    recent: list[float] = []
+    for x in reversed(history):
+        v = _loss(x)
+        if v is not None:
+            recent.insert(0, v)
+            if len(recent) == 4:
+                break
+    ratio = math.log2(recent[-1] / first)
+    if len(recent) == 4:
+        trend = 10.0 * (sum(recent[-2:]) - sum(recent[:2])) / 2.0 / first
+    elif len(recent) >= 2:
+        trend = 10.0 * (recent[-1] - recent[-2]) / first
     else:
         trend = 0.0
     return ratio, trend
@@ -136,17 +149,19 @@ def observation(state: ClusterState) -> np.ndarray:
     Never raises on odd but valid input (zeros, NaN, missing metrics); an empty cluster gives
     shape ``(0, NUM_FEATURES)``.
     """
+    with np.errstate(all="ignore"):
+        return _observation(state)
+
+
+def _observation(state: ClusterState) -> np.ndarray:
     ws = state.workers
     n = len(ws)
     obs = np.zeros((n, NUM_FEATURES), dtype=np.float64)
     if n == 0:
         return obs.astype(np.float32)
-    b = _array([w.batch_size for w in ws])
-    c = _array([w.compute_s for w in ws])
-    p = _array([w.push_pull_s for w in ws])
-    theta = _array([w.samples_per_s for w in ws])
-    lo = _array([max(1, int(w.min_batch or 1)) for w in ws])
-    hi = _array([w.max_batch if w.max_batch else math.inf for w in ws])
+    b, c, p, theta, lo, hi = _columns([(w.batch_size, w.compute_s, w.push_pull_s, w.samples_per_s,
+                                        w.min_batch, w.max_batch if w.max_batch else math.inf) for w in ws]).T
+    lo = np.where(np.isfinite(lo) & (lo > 1), lo, 1.0)
 
     init = [float(x) for x in state.initial_batch_sizes if x]
     b0 = sum(init) / len(init) if init else float(np.nanmean(b))
