@@ -408,3 +408,19 @@ def test_node_agent_metrics_reach_the_policy_and_bad_ones_are_rejected():
         state = policy.states[-1]
         assert state.workers[1].node == {"cpu_util": 0.5, "rtt_s": 0.02, "retransmits": 7}
         assert state.workers[0].node == {}
+
+
+@pytest.mark.timeout(60)
+def test_throughput_is_smoothed_over_intervals_the_other_fields_are_not(tmp_path):
+    from dynamix_byteps.control.cluster import THROUGHPUT_SMOOTHING as alpha
+
+    policy = ScriptedPolicy(lambda s: (32, 32, 32, 32))
+    with running(policy, run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        for step, compute in ((K, 0.1), (2 * K, 0.2)):  # θ 320 then 160 samples/s
+            for r in range(4):
+                stub.ReportMetrics(report(r, step, compute=compute), metadata=md)
+    first, second = policy.states
+    assert first.workers[0].samples_per_s == pytest.approx(320)
+    assert second.workers[0].samples_per_s == pytest.approx(alpha * 160 + (1 - alpha) * 320)
+    assert second.workers[0].compute_s == pytest.approx(0.2)

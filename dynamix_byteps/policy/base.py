@@ -20,7 +20,9 @@ class WorkerState:
         batch_size: local batch size in force (samples).
         compute_s: seconds per step spent computing (forward, backward, data), excluding push_pull.
         push_pull_s: seconds per step waiting for gradient aggregation.
-        samples_per_s: compute-only throughput θ_i = batch_size / compute_s (samples/s).
+        samples_per_s: compute-only throughput θ_i = batch_size / compute_s (samples/s); the
+            scheduler passes an exponentially weighted mean over decision intervals
+            (``control.cluster.THROUGHPUT_SMOOTHING``), the other fields are the last interval's.
         min_batch, max_batch: inclusive bounds for this worker (``max_batch`` None = unbounded).
         node: node-agent metrics (e.g. ``cpu_util`` 0–1, ``rtt_s``, ``retransmits``,
             ``tx_bytes_per_s``, ``gpu_util``); absent keys mean unavailable.
