@@ -89,7 +89,7 @@ def ray_session():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def train(out_dir, scenarios, *, iterations: int = 100, seed: int = 0, workers: int = 4,
+def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int = 4,
           reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
           randomise: bool = True, hidden: int = 64, progress: bool = True, **ppo_overrides) -> dict:
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
