@@ -238,6 +238,16 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, needle", [(["--policy", "ppo"], "--policy ppo needs --policy-path DIR"),
+                                          (["--policy", "ppo", "--policy-path", "/no/such/dir"], "does not exist"),
+                                          (["--policy", "static", "--policy-path", "."], "--policy-path is for --policy ppo")])
+def test_bpslaunch_checks_the_policy_before_starting_anything(args, needle):
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", *args, "--", "true"],
+                            capture_output=True, text=True, timeout=100, check=False)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
 # ---- determinism -------------------------------------------------------------------------------
 
 
