@@ -56,7 +56,7 @@ def configurations(ppo_policy: str | None, decision_interval: int) -> dict[str, 
     for policy in ("proportional", "goodput"):
         configs[policy] = {"batch": POLICY_START, "launch": ["--policy", policy, *policy_flags]}
     if ppo_policy:
-        configs["ppo"] = {"batch": POLICY_START, "launch": ["--policy", f"ppo:{ppo_policy}", *policy_flags]}
+        configs["ppo"] = {"batch": POLICY_START, "launch": ["--policy", "ppo", "--policy-path", str(ppo_policy), *policy_flags]}
     return configs
 
 
