@@ -14,6 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError
 
 __all__ = ["DEFAULT_SCENARIOS", "Link", "Scenario", "Slowdown", "load_scenarios", "scenario"]
@@ -96,9 +97,11 @@ def load_scenarios(path: str | Path | None = None) -> dict[str, Scenario]:
     """
     path = Path(path) if path is not None else DEFAULT_SCENARIOS
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise ConfigurationError(f"cannot read scenario file {path}: {error.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"scenario file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigurationError(f"scenario file {path} is not valid TOML: {error}") from None
     return {name: _parse(name, table) for name, table in raw.items()}
@@ -122,8 +125,13 @@ def _parse(name: str, table) -> Scenario:
     if unknown:
         raise bad(", ".join(sorted(unknown)), "is not a scenario field (description, workers, slowdown, links)")
     workers = table.get("workers")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise bad("workers", f"must be an integer >= 1, not {workers!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+        raise bad("workers", f"must be an integer in 1..{MAX_WORKERS}, not {workers!r}")
+
+    def fields_of(entry, field: str, allowed: set[str]) -> None:
+        unknown = set(entry) - allowed if isinstance(entry, dict) else set()
+        if unknown:
+            raise bad(field, f"has unknown key(s) {', '.join(sorted(unknown))} (allowed: {', '.join(sorted(allowed))})")
 
     def rank_of(entry, field: str) -> int:
         rank = entry.get("rank") if isinstance(entry, dict) else None
@@ -139,15 +147,21 @@ def _parse(name: str, table) -> Scenario:
 
     slowdowns = []
     for entry in table.get("slowdown", []):
+        fields_of(entry, "slowdown", {"rank", "factor", "start", "end"})
         s = Slowdown(rank_of(entry, "slowdown"), number(entry, "factor", "slowdown"),
                      number(entry, "start", "slowdown", 0.0), number(entry, "end", "slowdown", 1.0))
-        if s.factor < 1.0 or not 0.0 <= s.start < s.end <= 1.0:
-            raise bad("slowdown", f"needs factor >= 1 and 0 <= start < end <= 1, got {entry!r}")
+        if not 1.0 <= s.factor <= 1000.0 or not 0.0 <= s.start < s.end <= 1.0:
+            raise bad("slowdown", f"needs 1 <= factor <= 1000 and 0 <= start < end <= 1, got {entry!r}")
+        if any(other.rank == s.rank for other in slowdowns):
+            raise bad("slowdown", f"has rank {s.rank} twice; one slowdown (and window) per rank")
         slowdowns.append(s)
     links = []
     for entry in table.get("links", []):
+        fields_of(entry, "links", {"rank", "rate_mbit"})
         link = Link(rank_of(entry, "links"), number(entry, "rate_mbit", "links"))
         if link.rate_mbit <= 0:
             raise bad("links", f"needs rate_mbit > 0, got {entry!r}")
+        if any(other.rank == link.rank for other in links):
+            raise bad("links", f"has rank {link.rank} twice; one link per rank")
         links.append(link)
     return Scenario(name, workers, str(table.get("description", "")), tuple(slowdowns), tuple(links))

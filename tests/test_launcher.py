@@ -132,6 +132,7 @@ def env_lines(stdout: bytes) -> dict[int, dict]:
         (["--num-workers", "2", "--engine", "mpi", "--", "true"], b"--engine"),
         (["--num-workers", "2", "--slowdown", "1=3@9-3", "--", "true"], b"--slowdown"),
         (["--num-workers", "2", "--slowdown", "1=0.5", "--", "true"], b"--slowdown"),
+        (["--num-workers", "2", "--slowdown", "1=2@0-5", "--slowdown", "1=3@3-8", "--", "true"], b"given twice"),
         (["--num-workers", "2", "--"], b"no command"),
         (["--num-workers", "2"], b"no command"),
     ],

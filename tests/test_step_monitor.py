@@ -66,3 +66,19 @@ def test_slowdown_applies_only_inside_its_window():
     inside, outside = one_step("50@0-1000"), one_step("50@1000-2000")
     # 50x of >= 10 ms of compute is >= 0.5 s inside the window, nothing added outside it
     assert inside.totals.compute_s >= 0.5 > outside.totals.compute_s
+
+
+def test_nested_untimed_sections_count_once():
+    import time
+
+    import dynamix_byteps as bps
+
+    monitor = _monitor("2", steps=1)  # with a slowdown, a double count made the sleep negative
+    with bps.untimed():
+        with bps.untimed():
+            time.sleep(0.2)
+        time.sleep(0.1)
+    assert 0.3 <= monitor._untimed_s < 0.5
+    monitor.before_aggregation()
+    monitor.after_step(8, None)
+    assert monitor.totals.steps == 2

@@ -117,6 +117,7 @@ class StepMonitor:
         self.global_step = 0  # steps completed in the job (across restarts when a sampler knows them)
         self._start = self._last_end = time.perf_counter()
         self._untimed_s = 0.0
+        self._untimed_depth = 0
         self._interval = StepStatistics()
         self.totals = StepStatistics()
         self._scheduler_version_seen = -1
@@ -139,14 +140,20 @@ class StepMonitor:
 
     @contextlib.contextmanager
     def untimed(self):
-        """Leave the enclosed code (evaluation, checkpointing) out of step and training times."""
+        """Leave the enclosed code (evaluation, checkpointing) out of step and training times.
+
+        Nested sections count once: only the outermost one is subtracted.
+        """
+        self._untimed_depth += 1
         begin = time.perf_counter()
         try:
             yield
         finally:
-            spent = time.perf_counter() - begin
-            self._last_end += spent
-            self._untimed_s += spent
+            self._untimed_depth -= 1
+            if self._untimed_depth == 0:
+                spent = time.perf_counter() - begin
+                self._last_end += spent
+                self._untimed_s += spent
 
     def before_aggregation(self) -> None:
         """Called when the gradients are ready; applies the straggler emulation.
@@ -157,7 +164,7 @@ class StepMonitor:
         timing.ring().end_step()
         start, end = self.env.slowdown_window
         if self.env.slowdown > 1.0 and start <= self.training_seconds() < end:
-            time.sleep((self.env.slowdown - 1.0) * (time.perf_counter() - self._last_end))
+            time.sleep((self.env.slowdown - 1.0) * max(time.perf_counter() - self._last_end, 0.0))
 
     def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None) -> None:
         """Called after every optimizer step, on every worker, with this step's local samples, the

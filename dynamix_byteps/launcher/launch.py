@@ -393,9 +393,13 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
         notes.append(f"gloo binds to {env['GLOO_SOCKET_IFNAME']}, the interface that reaches {hosts[0]}; "
                      "set GLOO_SOCKET_IFNAME to choose another")
     _check_bounds(args, total)
+    seen = set()
     for rank, _ in args.slowdown:
         if rank >= total:
             raise UsageError(f"argument --slowdown: rank {rank} is not in this job of {total} workers")
+        if rank in seen:
+            raise UsageError(f"argument --slowdown: rank {rank} is given twice; one slowdown (and window) per rank")
+        seen.add(rank)
     services, scheduler = _scheduler_specs(args, env, hosts, node_rank, total)
     if scheduler is not None and args.monitor != "off":
         services.append(_agent_spec(args, env, scheduler, port, _run_dir(args)))
