@@ -41,6 +41,8 @@ from pathlib import Path
 
 from common import REPO, RESULTS, write_report
 
+from dynamix_byteps.argtypes import float_in, int_in
+
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
 EXAMPLE = REPO / "examples" / "torch_fashion_mnist.py"
@@ -177,11 +179,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="short budget and four configurations, for CI")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations (default: all; "
                    "--quick: static64,static128,proportional,goodput)")
-    p.add_argument("--budget", type=float, default=None, help="training seconds per configuration (default 150; --quick 30)")
-    p.add_argument("--eval-every", type=float, default=None, help="seconds of training between evaluations (default 10)")
-    p.add_argument("--target", type=float, default=None, help="target test accuracy (default 0.88; --quick 0.6)")
+    p.add_argument("--budget", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="training seconds per configuration (default 150; --quick 30)")
+    p.add_argument("--eval-every", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="seconds of training between evaluations (default 10)")
+    p.add_argument("--target", type=float_in(0.1, 1.0, low_open=True), default=None, help="target test accuracy (default 0.88; --quick 0.6)")
     p.add_argument("--model", choices=("cnn", "resnet8"), default="cnn")
-    p.add_argument("--decision-interval", type=int, default=None, help="steps between policy decisions (default 10; --quick 5)")
+    p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
@@ -190,13 +192,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
     args = p.parse_args()
     args.scenario = scenarios[args.scenario]
+    if args.ppo_policy and not Path(args.ppo_policy).is_dir():
+        p.error(f"--ppo-policy {args.ppo_policy}: no such policy directory (dynamix policy train --out DIR writes one)")
     args.budget = args.budget or (30.0 if args.quick else 150.0)
     args.eval_every = args.eval_every or 10.0
     args.target = args.target or (0.6 if args.quick else 0.88)
     args.decision_interval = args.decision_interval or (5 if args.quick else 10)
     known = configurations(args.ppo_policy, args.decision_interval)
     quick = ["static64", "static128", "proportional", "goodput"] + (["ppo"] if args.ppo_policy else [])
-    wanted = args.configs.split(",") if args.configs else (quick if args.quick else list(known))
+    wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else (quick if args.quick else list(known))
+    if not wanted:
+        p.error("--configs is empty; name at least one configuration")
     unknown = [c for c in wanted if c not in known]
     if unknown:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}"
@@ -204,6 +210,13 @@ def parse_args() -> argparse.Namespace:
     args.configs = {c: known[c] for c in wanted}
     suffix = "_quick" if args.quick else ""
     args.out = args.out or RESULTS / f"time_to_accuracy_{args.scenario.name}{suffix}.json"
+    if args.append and args.out.exists():
+        try:
+            args.earlier = earlier_results(args)
+        except ValueError as error:  # json.JSONDecodeError is one too
+            p.error(f"--append: {args.out}: {error}")
+        except (KeyError, AttributeError):
+            p.error(f"--append: {args.out} is not a time_to_accuracy report")
     return args
 
 
@@ -219,7 +232,7 @@ def main() -> None:
         print(f"  {name}: accuracy {r['accuracy_at_budget']:.4f}, {r['samples_per_s']:.0f} samples/s, "
               f"efficiency {r['straggler_efficiency']:.2f} ({results[name]['run_wall_s']:.0f} s)", flush=True)
     if args.append and args.out.exists():
-        results = {**earlier_results(args), **results}
+        results = {**args.earlier, **results}
         order = list(configurations("any", args.decision_interval))
         results = dict(sorted(results.items(), key=lambda item: order.index(item[0])))
     rows = [summarise(name, result, args.target) for name, result in results.items()]
@@ -238,9 +251,10 @@ def main() -> None:
 def earlier_results(args: argparse.Namespace) -> dict[str, dict]:
     """The per-configuration results of an earlier run in ``--out``, if it is the same experiment."""
     earlier = json.loads(args.out.read_text())
-    same = (earlier.get("scenario"), earlier.get("budget_s"), earlier.get("model"))
-    if same != (args.scenario.name, args.budget, args.model):
-        raise SystemExit(f"--append: {args.out} holds another experiment {same}; use another --out")
+    same = tuple(earlier.get(key) for key in ("scenario", "budget_s", "eval_every_s", "model", "quick"))
+    if same != (args.scenario.name, args.budget, args.eval_every, args.model, args.quick):
+        raise ValueError(f"it holds another experiment (scenario, budget, eval-every, model, quick) = {same}; "
+                         "use another --out")
     return {name: r for name, r in earlier["results"].items() if name not in args.configs}
 
 
