@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import threading
 import warnings
-from typing import Sequence
+from collections.abc import Iterable, Sequence
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import Assignment, AssignmentSchedule, InvalidAssignmentError
@@ -107,6 +107,18 @@ def gradient_statistics() -> dict:
             "steps": _noise.steps, "skipped": _noise.skipped}
 
 
+def _sequence(batch_sizes) -> tuple:
+    """``batch_sizes`` as a tuple; a tensor or array of integers gives Python ints."""
+    if not hasattr(batch_sizes, "tolist") and hasattr(batch_sizes, "numpy"):  # a TensorFlow tensor
+        batch_sizes = batch_sizes.numpy()
+    if hasattr(batch_sizes, "tolist"):  # a NumPy array or torch tensor
+        batch_sizes = batch_sizes.tolist()
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Iterable):
+        raise InvalidAssignmentError(f"set_batch_sizes takes a sequence of integer batch sizes, one per rank, "
+                                     f"got {type(batch_sizes).__name__} {batch_sizes!r}")
+    return tuple(batch_sizes)
+
+
 def set_batch_sizes(batch_sizes: Sequence[int], at_step: int | None = None) -> Assignment:
     """Switch every worker to ``batch_sizes`` (one per rank) at global step ``at_step``.
 
@@ -119,7 +131,8 @@ def set_batch_sizes(batch_sizes: Sequence[int], at_step: int | None = None) -> A
 
     Raises:
         ConfigurationError: no ``DynamicBatchSampler`` exists yet.
-        InvalidAssignmentError: a size is not an integer >= 1, out of bounds, the wrong count,
+        InvalidAssignmentError: ``batch_sizes`` is not a sequence (a list, tuple, NumPy array or
+            integer tensor), a size is not an integer >= 1, out of bounds, the wrong count,
             larger than the dataset in total, or ``at_step`` was already drawn; the previous
             assignment stays in force.
         TensorMismatchError: the workers passed different arguments.
@@ -127,10 +140,11 @@ def set_batch_sizes(batch_sizes: Sequence[int], at_step: int | None = None) -> A
     current = _schedule
     if current is None:
         raise ConfigurationError("set_batch_sizes needs a DynamicBatchSampler; create one before changing batch sizes")
-    sizes = tuple(batch_sizes)
     step = current.next_open_step if at_step is None else at_step
-    assignment = Assignment(sizes, step, current.latest.version + 1)
+    sizes: tuple = ()
     try:
+        sizes = _sequence(batch_sizes)
+        assignment = Assignment(sizes, step, current.latest.version + 1)
         current.validate(assignment)
         problem = None
     except InvalidAssignmentError as exc:

@@ -38,6 +38,11 @@ def to_torch(tensor: tf.Tensor) -> torch.Tensor:
     Raises:
         TypeError: the dtype has no DLPack form (e.g. ``tf.string``, ``tf.resource``).
     """
+    if not (tensor.dtype.is_floating or tensor.dtype.is_complex or tensor.dtype.is_integer or tensor.dtype.is_bool):
+        # TensorFlow aborts the process (a CHECK in TFE_HandleToDLPack) on string, resource and
+        # variant tensors instead of raising, so they must never reach the DLPack export.
+        raise TypeError(f"a {tensor.dtype.name} tensor cannot reach the communication engine; "
+                        "use a numeric dtype (float16/32/64, bfloat16, int8/32/64, uint8)")
     try:
         return torch.from_dlpack(tensor)
     except (RuntimeError, TypeError, ValueError, tf.errors.InvalidArgumentError) as exc:

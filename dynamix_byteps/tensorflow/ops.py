@@ -39,6 +39,22 @@ def _is_average(average: bool | None, op: str | None) -> bool:
     return op == Average
 
 
+SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
+                    tf.uint8, tf.int8, tf.int32, tf.int64)
+
+
+def check_dtype(tensor: tf.Tensor) -> None:
+    """Raise TypeError, naming the TensorFlow dtype, unless push_pull can sum ``tensor``'s dtype.
+
+    Checked before the tensor crosses to the engine: TensorFlow aborts the process on a DLPack
+    export of a string tensor, and the engine's own message would name a torch dtype.
+    """
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"push_pull cannot sum {tensor.dtype.name} tensors; use one of: {names} "
+                        "(tf.cast the tensor first)")
+
+
 def _differentiable(forward, backward, tensor: tf.Tensor) -> tf.Tensor:
     if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
         return forward(tensor)
@@ -57,7 +73,8 @@ def push_pull(tensor, scope: str = "", average: bool | None = None, device_dense
 
     Args:
         tensor: ``tf.Tensor``, ``tf.Variable`` or ``tf.IndexedSlices`` (densified); numeric
-            dtype (float16/32/64, bfloat16, complex, int8/32/64, uint8); same shape on every worker.
+            dtype (:data:`SUPPORTED_DTYPES`: float16/32/64, bfloat16, complex, int8/32/64, uint8);
+            same shape on every worker.
         scope: prefix of ``name``.
         average: True (the default) divides by ``size()``, False sums; integers divide with
             truncation. Or give ``op=Average``/``op=Sum`` (not both).
@@ -68,7 +85,8 @@ def push_pull(tensor, scope: str = "", average: bool | None = None, device_dense
 
     Raises:
         ValueError: both ``average`` and ``op``, an unknown ``op``, or ``enable_async=True``.
-        TypeError: a dtype the engine cannot sum (bool, int16, string).
+        TypeError: a dtype the engine cannot sum (bool, int16, string, ...), raised on this
+            worker before any communication, naming the TensorFlow dtype.
         TensorMismatchError: the workers disagree on name, shape, dtype, mode or compression.
         NotInitializedError: ``init()`` was not called.
     """
@@ -79,6 +97,7 @@ def push_pull(tensor, scope: str = "", average: bool | None = None, device_dense
     mean = _is_average(average, op)
     label = None if name is None else f"{scope}{name}"
     x = dense(tensor)
+    check_dtype(x)
 
     def now(t):
         buffer = to_torch(t).clone()
