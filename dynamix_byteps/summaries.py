@@ -177,8 +177,10 @@ def log_scalar(tag: str, value, step: int | None = None) -> None:
     if not isinstance(tag, str) or not tag.strip():
         raise ValueError(f"log_scalar needs a non-empty string tag, got {tag!r}")
     try:
+        if isinstance(value, (str, bytes, bool)) or getattr(value, "ndim", 0) != 0:
+            raise TypeError
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"log_scalar({tag!r}, ...) needs a real number (or a 0-dim tensor), got {value!r}") from None
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
         raise ValueError(f"log_scalar({tag!r}, ...) needs step=None or an integer >= 0, got {step!r}")

@@ -92,7 +92,8 @@ def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args", [("", 1.0), (3, 1.0), ("acc", "high"), ("acc", None), ("acc", 1.0, -1),
-                                  ("acc", 1.0, 2.5), ("acc", 1.0, True)])
+                                  ("acc", 1.0, 2.5), ("acc", 1.0, True), ("acc", 10**400), ("acc", "0.5"),
+                                  ("acc", True), ("acc", np.ones(1))])
 def test_log_scalar_refuses_bad_arguments(args):
     with pytest.raises(ValueError, match="log_scalar"):
         summaries.log_scalar(*args)
