@@ -1,4 +1,4 @@
-"""Data-parallel training of a small CNN on Fashion-MNIST with the BytePS API of dynamix_byteps.
+r"""Data-parallel training of a small CNN on Fashion-MNIST with the BytePS API of dynamix_byteps.
 
     bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py
     python examples/torch_fashion_mnist.py --limit-train 5000 --epochs 1      # one worker
