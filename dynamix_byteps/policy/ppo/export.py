@@ -74,7 +74,7 @@ def load_module(checkpoint):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # RLlib's own RLModuleConfig notice
         try:
-            module = RLModule.from_checkpoint(str(path))
+            module = RLModule.from_checkpoint(str(path.resolve()))  # RLlib reads a relative path as a URI
         except ValueError as error:
             raise ConfigurationError(f"cannot load {path}: {error}") from None
     if not isinstance(module, PerWorkerPPOModule):

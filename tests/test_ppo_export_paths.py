@@ -1,0 +1,30 @@
+"""``load_module`` (behind ``dynamix policy export``) accepts a checkpoint path relative to the
+working directory: RLlib alone reads ``ck`` as a URI with no scheme and refuses it."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+
+
+@pytest.mark.timeout(120)
+def test_a_relative_checkpoint_path_loads(tmp_path, monkeypatch):
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from dynamix_byteps.policy.ppo.export import load_module
+    from dynamix_byteps.policy.ppo.features import NUM_FEATURES
+    from dynamix_byteps.policy.ppo.mdp import LADDER
+    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
+
+    workers = 2
+    saved = RLModuleSpec(module_class=PerWorkerPPOModule,
+                         observation_space=gym.spaces.Box(-np.inf, np.inf, (workers * NUM_FEATURES,), np.float32),
+                         action_space=gym.spaces.MultiDiscrete([len(LADDER)] * workers),
+                         model_config={"hidden": 8}).build()
+    saved.save_to_path(str(tmp_path / "ck"))
+    monkeypatch.chdir(tmp_path)
+    loaded = load_module("ck")
+    assert isinstance(loaded, PerWorkerPPOModule) and loaded.num_workers == workers
+    for name, value in saved.policy_net.state_dict().items():
+        assert np.array_equal(loaded.policy_net.state_dict()[name].numpy(), value.numpy()), name
