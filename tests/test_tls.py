@@ -164,3 +164,48 @@ def test_bpslaunch_runs_a_job_whose_scheduler_and_agent_speak_tls(pki, tmp_path)
     decisions = [json.loads(line) for line in (tmp_path / DECISION_LOG).read_text().splitlines()]
     assert decisions, "the workers never reached the TLS scheduler"
     assert "refused" not in (tmp_path / "worker-0.log").read_text() + (tmp_path / "agent.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_client_trusting_another_ca_logs_one_tls_error(pki, caplog):
+    with tls_scheduler(pki) as server:
+        client = SchedulerClient(f"127.0.0.1:{server.port}", TOKEN, info, tls_ca=str(pki["foreign"]["ca"]))
+        try:
+            start = time.monotonic()
+            # Several failed reports: the error must still be logged only once.
+            while time.monotonic() < start + 3 or not caplog.records:
+                client.submit(dynamix_pb2.Report(rank=0, step=2, local_batch_size=32, compute_s=0.1,
+                                                  push_pull_s=0.01, samples_per_s=300.0))
+                assert time.monotonic() < start + 20, "no log record of the failing handshake"
+                time.sleep(0.2)
+        finally:
+            client.close()
+    records = [r for r in caplog.records if r.name == "dynamix_byteps.control.client"]
+    assert [r.levelname for r in records] == ["ERROR"], [r.getMessage() for r in records]
+    assert "TLS handshake" in records[0].getMessage() and "--tls-ca" in records[0].getMessage()
+    assert client.latest() is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cert, key, ca, message", [
+    ("good.cert", "foreign.key", "good.ca", "not a pair"),
+    ("good.key", "good.cert", "good.ca", "not a pair"),
+    ("good.cert", "good.key", "foreign.ca", "does not verify"),
+    ("good.cert", "good.key", "good.key", "holds no certificate"),
+])
+def test_bpslaunch_refuses_a_mismatched_key_or_ca(pki, cert, key, ca, message):
+    def path(spec):
+        which, kind = spec.split(".")
+        return pki[which][kind]
+
+    proc = _bpslaunch("-n", "1", "--policy", "static", "--tls-cert", path(cert), "--tls-key", path(key),
+                      "--tls-ca", path(ca), "--", "true")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "--tls-" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_with_a_key_of_another_certificate_says_so(pki):
+    policy = build_policy("static", {}, max_change=2.0, hysteresis=0.05)
+    with pytest.raises(ConfigurationError, match="not a pair.*--tls-key"):
+        SchedulerServer(policy, tls_cert=pki["good"]["cert"], tls_key=pki["foreign"]["key"])

@@ -25,6 +25,7 @@ from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KE
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 2.0
+_TLS_FAILURE = "handshake failed"  # in gRPC's UNAVAILABLE details, e.g. "Ssl handshake failed: ... CERTIFICATE_VERIFY_FAILED"
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -55,6 +56,7 @@ class SchedulerClient:
         self._latest: dynamix_pb2.Assignment | None = None
         self._registered = False
         self._failing = False
+        self._tls_failed = False
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="dynamix-scheduler-client", daemon=True)
         self._thread.start()
@@ -112,6 +114,15 @@ class SchedulerClient:
                 self._latest = assignment
 
     def _note_failure(self, exc: grpc.RpcError) -> None:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE in (exc.details() or "").lower():
+            self._registered = False
+            if not self._tls_failed:  # a configuration mistake, not an outage: said once, as an error
+                log.error("TLS handshake with the scheduler at %s fails (%s): the scheduler's policy is NOT applied "
+                          "and training continues with the last assignment. Check --tls-ca (the CA that signed the "
+                          "scheduler's --tls-cert) and that the certificate names %s", self.address, exc.details(),
+                          self.address.rsplit(":", 1)[0])
+            self._tls_failed = self._failing = True
+            return
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._registered = False
             if not self._failing:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import ssl
 from pathlib import Path
 
 import grpc
@@ -83,14 +84,68 @@ def server_credentials(cert: str | os.PathLike | None, key: str | os.PathLike | 
     """gRPC SSL credentials of the scheduler from its certificate and key files; None when both are None.
 
     Raises:
-        ConfigurationError: only one of the two is given, or a file is unreadable or not PEM.
+        ConfigurationError: only one of the two is given, a file is unreadable or not PEM, or the
+            key is not the certificate's.
     """
     if cert is None and key is None:
         return None
     if cert is None or key is None:
         raise ConfigurationError("TLS needs both the certificate and its private key: pass --tls-cert and --tls-key "
                                  f"(or set {TLS_CERT_ENV} and {TLS_KEY_ENV})")
-    return grpc.ssl_server_credentials([(read_pem(key, "TLS private key"), read_pem(cert, "TLS certificate"))])
+    credentials = grpc.ssl_server_credentials([(read_pem(key, "TLS private key"), read_pem(cert, "TLS certificate"))])
+    _server_context(cert, key)  # gRPC itself only says "Failed to bind" on a key of another certificate
+    return credentials
+
+
+def _server_context(cert: str | os.PathLike, key: str | os.PathLike) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as error:
+        raise ConfigurationError(f"the TLS certificate {cert} and private key {key} are not a pair ({error.reason or error}); "
+                                 "pass the certificate as --tls-cert and its own private key as --tls-key") from None
+    return context
+
+
+def check_tls_files(cert: str | os.PathLike, key: str | os.PathLike, ca: str | os.PathLike) -> None:
+    """Check that ``key`` is the private key of ``cert`` and that ``ca`` verifies ``cert``, as the
+    scheduler and its clients will, by a TLS handshake between two in-memory endpoints (the
+    certificate's host names are not checked: the clients check them against the address they dial).
+
+    Raises:
+        ConfigurationError: naming the flag (``--tls-cert``, ``--tls-key``, ``--tls-ca``) that is wrong.
+    """
+    server = _server_context(cert, key)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    try:
+        client.load_verify_locations(cafile=os.fspath(ca))
+    except ssl.SSLError as error:
+        raise ConfigurationError(f"the TLS CA certificate {ca} holds no certificate ({error.reason or error}); "
+                                 "pass the CA certificate that signed --tls-cert as --tls-ca") from None
+    buffers = [ssl.MemoryBIO() for _ in range(4)]
+    server_end = server.wrap_bio(buffers[0], buffers[1], server_side=True)
+    client_end = client.wrap_bio(buffers[2], buffers[3])
+    for _ in range(8):  # a TLS 1.2/1.3 handshake takes at most a few flights
+        done = True
+        for end in (client_end, server_end):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                done = False
+            except ssl.SSLCertVerificationError as error:
+                raise ConfigurationError(
+                    f"the TLS CA certificate {ca} does not verify the certificate {cert} ({error.verify_message}); "
+                    "pass the CA certificate that signed --tls-cert as --tls-ca") from None
+            except ssl.SSLError as error:
+                raise ConfigurationError(f"a TLS handshake with the certificate {cert} and the CA {ca} fails: "
+                                         f"{error.reason or error}; check --tls-cert, --tls-key and --tls-ca") from None
+        buffers[0].write(buffers[3].read())
+        buffers[2].write(buffers[1].read())
+        if done:
+            return
+    raise ConfigurationError(f"a TLS handshake with the certificate {cert} and the CA {ca} did not complete; "
+                             "check --tls-cert, --tls-key and --tls-ca")
 
 
 def open_channel(address: str, ca: str | os.PathLike | None = None, options=()) -> grpc.Channel:

@@ -526,8 +526,9 @@ def _interface_towards(host: str) -> str:
 
 
 def _check_tls(args: argparse.Namespace) -> None:
-    """--tls-cert/--tls-key/--tls-ca: absolute paths of readable PEM files, the first two together."""
-    from dynamix_byteps.control.security import read_pem
+    """--tls-cert/--tls-key/--tls-ca: absolute paths of readable PEM files, the first two together,
+    a key that matches the certificate and a CA that verifies it (else every report would fail)."""
+    from dynamix_byteps.control.security import check_tls_files, read_pem
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together: give the scheduler's certificate and its private key")
@@ -541,6 +542,11 @@ def _check_tls(args: argparse.Namespace) -> None:
                 read_pem(path, what)
             except ConfigurationError as error:
                 raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
+    if args.tls_cert is not None:
+        try:
+            check_tls_files(args.tls_cert, args.tls_key, args.tls_ca)
+        except ConfigurationError as error:
+            raise UsageError(str(error)) from None
 
 
 def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: list[str], node_rank: int,
