@@ -81,8 +81,6 @@ class Simulator:
         self._bw = np.array(bw, dtype=np.float64)
         self._comm_s = p.comm.latency_s + 2.0 * p.comm.model_bytes / float(self._bw.min())
         self._m0 = float(sum(p.initial_batch))
-        self._low = np.full(p.num_workers, float(p.min_batch))
-        self._high = np.full(p.num_workers, float(p.max_batch))
         self._has_windows = any(w.slowdowns for w in p.workers)
         self.reset_state()
 
