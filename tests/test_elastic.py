@@ -80,8 +80,27 @@ def test_restart_on_failure_needs_a_checkpoint_and_one_host(flags, message):
 
 @pytest.mark.timeout(120)
 def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
-    proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--",
-                     sys.executable, "-c", "import os,sys; sys.exit(3 if os.environ['DYNAMIX_RESTART'] < '9' else 0)",
-                     timeout=110)
+    # Rank 0 fails; rank 1 would run on until the launcher stops it (a lost worker, not a bug in the command).
+    script = "import os,sys,time; os.environ['BYTEPS_LOCAL_RANK'] == '0' and sys.exit(3); time.sleep(60)"
+    proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--grace-period", 2, "--",
+                     sys.executable, "-c", script, timeout=110)
     assert proc.returncode == 3
     assert proc.stderr.count("restart 1 of 1 with 1 workers") == 1 and "restart 2" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_when_every_worker_fails_at_once_the_job_is_not_shrunk(tmp_path):
+    proc = bpslaunch("-n", 3, "--restart-on-failure", 5, "--checkpoint", tmp_path / "c.pt", "--", "sh", "-c", "exit 3",
+                     timeout=50)
+    assert proc.returncode == 3, proc.stderr
+    assert "every worker failed on its own at once" in proc.stderr and "[2] 3" in proc.stderr
+    assert "restart 1" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where, message", [("missing/dir/c.pt", "does not exist"), (".", "is a directory")])
+def test_a_checkpoint_path_that_cannot_be_written_is_refused_before_start(tmp_path, where, message):
+    proc = bpslaunch("-n", 1, "--restart-on-failure", 1, "--checkpoint", tmp_path / where, "--", "touch",
+                     tmp_path / "started", timeout=50)
+    assert proc.returncode == 2 and message in proc.stderr and "--checkpoint" in proc.stderr, proc.stderr
+    assert not (tmp_path / "started").exists()

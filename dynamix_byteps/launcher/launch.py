@@ -25,7 +25,10 @@ Elastic restart (local mode, one host): with ``--restart-on-failure N --checkpoi
 worker fails the others are stopped and the job starts again with one worker fewer (ranks
 0..size-2, a fresh scheduler for the new size; logs are appended to), up to N times. Every
 child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
-...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists::
+...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists. PATH's
+directory must exist and be writable (else exit 2 before the start). When every worker exits
+with a code > 0 by itself at once, that is an error in the command, not a lost worker: the job
+is not restarted::
 
     bpslaunch -n 4 --restart-on-failure 2 --checkpoint runs/a/ckpt.pt -- python train.py
 
@@ -700,6 +703,11 @@ def _check_elastic(args: argparse.Namespace, env: dict) -> None:
                              "bps.save_checkpoint and resumes from")
     if args.checkpoint is not None:
         args.checkpoint = args.checkpoint.expanduser().resolve()
+        if args.checkpoint.is_dir():
+            raise UsageError(f"--checkpoint {args.checkpoint} is a directory; give the path of a file in it")
+        if not args.checkpoint.parent.is_dir() or not os.access(args.checkpoint.parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--checkpoint {args.checkpoint}: the directory {args.checkpoint.parent} does not exist "
+                             "or is not writable; create it first (the command saves the checkpoint there)")
         env[CHECKPOINT_ENV] = str(args.checkpoint)
     env[RESTART_ENV] = "0"
 
@@ -739,8 +747,14 @@ def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser
     restarts = 0
     while True:
         started = time.monotonic()
-        code, failed = _supervise(args, specs)
+        code, failed, self_failed = _supervise(args, specs)
         if code == 0 or failed is None or restarts >= args.restart_on_failure:
+            return code
+        workers = [s.label for s in specs if not s.service]
+        if set(self_failed) == set(workers):
+            print(f"{PROG}: every worker failed on its own at once (exit codes "
+                  f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
+                  "worker; not restarting", file=sys.stderr, flush=True)
             return code
         if args.num_workers <= 1:
             print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
@@ -758,17 +772,18 @@ def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser
         specs = [dataclasses.replace(s, append_log=True) for s in specs]
 
 
-def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, str | None]:
-    """Run the job once; returns its exit code and the label of the worker whose failure ended it."""
+def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, str | None, dict[str, int]]:
+    """Run the job once; returns its exit code, the label of the worker whose failure ended it,
+    and the codes of the workers that failed on their own (Supervisor.self_failed)."""
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
         supervisor = Supervisor(specs, grace_s=args.grace_period)
-        return supervisor.run(), supervisor.failed_worker
+        return supervisor.run(), supervisor.failed_worker, supervisor.self_failed
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(_run_dir(args) / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
         supervisor = Supervisor(specs, grace_s=args.grace_period, write_guard=bar.write_guard)
-        return supervisor.run(), supervisor.failed_worker
+        return supervisor.run(), supervisor.failed_worker, supervisor.self_failed
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ class _Child:
         self.pgid = proc.pid  # leader of its own group, see _preexec
         self.log = log
         self.returncode: int | None = None
+        self.signalled = False  # the launcher sent it a signal (its exit code may be ours)
 
 
 class Supervisor:
@@ -139,7 +140,8 @@ class Supervisor:
             (the console progress bar clears and redraws itself there); default none.
 
     After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
-    the job (None when all succeeded, or a signal or a service ended it).
+    the job (None when all succeeded, or a signal or a service ended it), and ``self_failed``
+    maps each worker that exited with a code > 0 before the launcher signalled it to that code.
     """
 
     def __init__(
@@ -168,6 +170,7 @@ class Supervisor:
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
+        self.self_failed: dict[str, int] = {}
 
     # ---- output -------------------------------------------------------------------------
 
@@ -350,6 +353,8 @@ class Supervisor:
                     if not services_stopping:
                         self.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
                     continue
+                if rc > 0 and not child.signalled:
+                    self.self_failed[child.spec.label] = rc
                 if rc != 0 and exit_code is None:
                     exit_code = exit_code_of(rc)
                     self.failed_worker = child.spec.label
@@ -378,6 +383,8 @@ class Supervisor:
     def _signal_live(self, sig: int) -> None:
         for child in self._children:
             if child.returncode is None:
+                # One that already exited keeps its own code (it is reaped by the next pass of _wait).
+                child.signalled = child.signalled or child.proc.poll() is None
                 self._killpg(child, sig)
 
     def _stop_all(self, sig: int) -> None:
