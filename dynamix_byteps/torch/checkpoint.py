@@ -18,6 +18,7 @@ import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.negotiation import negotiate, round_lock
 
 FORMAT_VERSION = 1
 
@@ -56,10 +57,19 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         extra: anything else picklable (epoch counters, metrics); returned by ``load_checkpoint``.
 
     Raises:
+        TensorMismatchError: not every worker called it at this point (e.g. only rank 0): the
+            call raises on the ranks that made it, and the other ranks' next collective raises
+            (if the others never issue another collective, they cannot be told: the call then
+            fails with CommunicationError after the engine's timeout). Nothing is written.
         OSError: the file cannot be written (on rank 0; the other ranks then raise
             CommunicationError or wait for rank 0's exit).
     """
     engine = _engine.current()
+    # A checked round, not a bare barrier: called on rank 0 alone (``if rank() == 0:``, the
+    # BytePS idiom), it meets the other ranks' next collective and every rank raises
+    # TensorMismatchError instead of waiting until the timeout; nothing is written then.
+    with round_lock:
+        negotiate(engine, "save_checkpoint", "save_checkpoint (a collective: call it on every worker)")
     if engine.rank == 0:
         state: dict[str, Any] = {"format": FORMAT_VERSION, "workers": engine.size, "extra": extra}
         if model is not None:
