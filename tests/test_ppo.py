@@ -252,11 +252,12 @@ def test_bpslaunch_checks_the_policy_before_starting_anything(args, needle):
 
 
 @pytest.mark.timeout(900)
-def test_the_same_seed_gives_the_same_actions(tmp_path):
+def test_the_same_seed_gives_the_same_actions(tmp_path, monkeypatch):
     obs = recorded_observations(300).reshape(300, 4, NUM_FEATURES)
+    monkeypatch.chdir(tmp_path)  # and an output directory relative to the working directory works
     logits = []
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
-        train_policy(tmp_path / name, seed=seed, **TINY)
+        train_policy(Path(name), seed=seed, **TINY)
         logits.append(PPOPolicy(path=tmp_path / name).logits(obs))
     assert np.array_equal(logits[0], logits[1])
     assert np.array_equal(logits[0].argmax(-1), logits[1].argmax(-1))

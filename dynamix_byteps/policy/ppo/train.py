@@ -118,7 +118,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     from dynamix_byteps.policy.ppo.export import export_module, load_module
     from dynamix_byteps.policy.sim.env import DynamixSimEnv
 
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # RLlib reads a relative path as a URI without a scheme
     reward = reward or RewardWeights()
     scenarios = [scenarios] if isinstance(scenarios, str) else list(scenarios)
     env_config = {"scenarios": scenarios, "workers": int(workers), "randomise": bool(randomise),
