@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, RESULTS, write_report
+from common import REPO, RESULTS, machine, write_report
 
 from dynamix_byteps.argtypes import float_in, int_in
 
@@ -187,6 +187,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
+    p.add_argument("--table-only", action="store_true", help="run nothing: redo the table, plot and rows of --out "
+                   "(e.g. for another --target)")
     p.add_argument("--append", action="store_true", help="keep the other configurations already in --out "
                    "(same scenario, budget and model), replacing those run now; the table is recomputed for --target")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
@@ -201,7 +203,9 @@ def parse_args() -> argparse.Namespace:
     known = configurations(args.ppo_policy, args.decision_interval)
     quick = ["static64", "static128", "proportional", "goodput"] + (["ppo"] if args.ppo_policy else [])
     wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else (quick if args.quick else list(known))
-    if not wanted:
+    if args.table_only:
+        wanted, args.append = [], True
+    elif not wanted:
         p.error("--configs is empty; name at least one configuration")
     unknown = [c for c in wanted if c not in known]
     if unknown:
@@ -210,9 +214,12 @@ def parse_args() -> argparse.Namespace:
     args.configs = {c: known[c] for c in wanted}
     suffix = "_quick" if args.quick else ""
     args.out = args.out or RESULTS / f"time_to_accuracy_{args.scenario.name}{suffix}.json"
+    if args.table_only and not args.out.exists():
+        p.error(f"--table-only: no earlier report {args.out}")
     if args.append and args.out.exists():
         try:
             args.earlier = earlier_results(args)
+            args.measured_on = json.loads(args.out.read_text()).get("measured_on")
         except ValueError as error:  # json.JSONDecodeError is one too
             p.error(f"--append: {args.out}: {error}")
         except (KeyError, AttributeError):
@@ -245,6 +252,7 @@ def main() -> None:
         "quick": args.quick, "budget_s": args.budget, "eval_every_s": args.eval_every, "target_accuracy": args.target,
         "model": args.model, "workers": args.scenario.workers, "rows": rows, "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
         "results": results,
+        "measured_on": args.measured_on if args.table_only else machine(),
     })
 
 
