@@ -178,7 +178,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--scenario", choices=sorted(scenarios), default="straggler")
     p.add_argument("--quick", action="store_true", help="short budget and four configurations, for CI")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations (default: all; "
-                   "--quick: static64,static128,proportional,goodput)")
+                   "--quick: static32,static64,proportional,goodput)")
     p.add_argument("--budget", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="training seconds per configuration (default 150; --quick 30)")
     p.add_argument("--eval-every", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="seconds of training between evaluations (default 10)")
     p.add_argument("--target", type=float_in(0.1, 1.0, low_open=True), default=None, help="target test accuracy (default 0.88; --quick 0.6)")
@@ -201,7 +201,7 @@ def parse_args() -> argparse.Namespace:
     args.target = args.target or (0.6 if args.quick else 0.88)
     args.decision_interval = args.decision_interval or (5 if args.quick else 10)
     known = configurations(args.ppo_policy, args.decision_interval)
-    quick = ["static64", "static128", "proportional", "goodput"] + (["ppo"] if args.ppo_policy else [])
+    quick = ["static32", "static64", "proportional", "goodput"] + (["ppo"] if args.ppo_policy else [])
     wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else (quick if args.quick else list(known))
     if args.table_only:
         wanted, args.append = [], True

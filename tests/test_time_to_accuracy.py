@@ -41,7 +41,7 @@ def test_quick_benchmark_writes_every_column(tmp_path):
         capture_output=True, text=True, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["config"] for r in report["rows"]] == ["static64", "static128", "proportional", "goodput"]
+    assert [r["config"] for r in report["rows"]] == ["static32", "static64", "proportional", "goodput"]
     for row in report["rows"]:
         for column, value in row.items():
             assert value is not None and value == value, (row["config"], column)  # filled, not NaN
