@@ -98,9 +98,18 @@ def test_when_every_worker_fails_at_once_the_job_is_not_shrunk(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("where, message", [("missing/dir/c.pt", "does not exist"), (".", "is a directory")])
+@pytest.mark.parametrize("where, message", [("a-file/c.pt", "cannot create"), (".", "is a directory")])
 def test_a_checkpoint_path_that_cannot_be_written_is_refused_before_start(tmp_path, where, message):
+    (tmp_path / "a-file").write_text("")
     proc = bpslaunch("-n", 1, "--restart-on-failure", 1, "--checkpoint", tmp_path / where, "--", "touch",
                      tmp_path / "started", timeout=50)
     assert proc.returncode == 2 and message in proc.stderr and "--checkpoint" in proc.stderr, proc.stderr
     assert not (tmp_path / "started").exists()
+
+
+@pytest.mark.timeout(60)
+def test_the_checkpoint_folder_is_created_like_the_log_dir(tmp_path):
+    proc = bpslaunch("-n", 1, "--restart-on-failure", 1, "--checkpoint", tmp_path / "run" / "c.pt", "--", "true",
+                     timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run").is_dir()

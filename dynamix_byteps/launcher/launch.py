@@ -705,9 +705,14 @@ def _check_elastic(args: argparse.Namespace, env: dict) -> None:
         args.checkpoint = args.checkpoint.expanduser().resolve()
         if args.checkpoint.is_dir():
             raise UsageError(f"--checkpoint {args.checkpoint} is a directory; give the path of a file in it")
-        if not args.checkpoint.parent.is_dir() or not os.access(args.checkpoint.parent, os.W_OK | os.X_OK):
-            raise UsageError(f"--checkpoint {args.checkpoint}: the directory {args.checkpoint.parent} does not exist "
-                             "or is not writable; create it first (the command saves the checkpoint there)")
+        try:  # like --log-dir, its folder is created (a run's checkpoint usually lives in its log dir)
+            args.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--checkpoint {args.checkpoint}: cannot create {args.checkpoint.parent}: "
+                             f"{error.strerror}") from None
+        if not os.access(args.checkpoint.parent, os.W_OK | os.X_OK):
+            raise UsageError(f"--checkpoint {args.checkpoint}: the directory {args.checkpoint.parent} is not "
+                             "writable (the command saves the checkpoint there)")
         env[CHECKPOINT_ENV] = str(args.checkpoint)
     env[RESTART_ENV] = "0"
 
