@@ -57,3 +57,14 @@ def write_report(out: Path, report: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**report, "machine": machine()}, indent=2) + "\n")
     print(f"wrote {out}")
+
+
+def worker_counts(parser, text: str) -> list[int]:
+    """``--workers 4,32,256`` as a list of counts in 1..4096, or ``parser.error`` naming the flag."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--workers {text!r} is not a comma-separated list of integers")
+    if not counts or any(not 1 <= c <= 4096 for c in counts):
+        parser.error(f"--workers {text!r}: worker counts must be 1..4096")
+    return counts

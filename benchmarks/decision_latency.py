@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import write_report
+from common import worker_counts, write_report
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no GOAWAY chatter when a server stops
 
@@ -178,12 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per mode (default: 2000/1000/200 by size)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    try:
-        counts = [int(x) for x in args.workers.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--workers {args.workers!r} is not a comma-separated list of integers")
-    if not counts or any(not 1 <= c <= 4096 for c in counts) or (args.rounds is not None and args.rounds < 1):
-        parser.error("worker counts must be 1..4096 and --rounds >= 1")
+    counts = worker_counts(parser, args.workers)
+    if (args.rounds is not None and args.rounds < 1):
+        parser.error("--rounds must be >= 1")
     results = []
     for n in counts:
         rounds = args.rounds or (2000 if n <= 8 else 1000 if n <= 64 else 200)

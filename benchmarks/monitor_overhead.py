@@ -40,7 +40,6 @@ import os
 import platform
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -50,6 +49,8 @@ import time
 from pathlib import Path
 
 from common import REPO, cnn_worker, write_report
+
+from dynamix_byteps.testing.netns import stop
 
 MODES = ("off", "proc", "ebpf")
 STEP_TARGET_PCT = 1.0
@@ -254,22 +255,6 @@ class RunFailed(Exception):
     pass
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a launcher and everything it started (its own session), by pid."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _kill_leftovers(procs) -> None:
     """Kill, by pid, any process the launcher started that outlived it (normally none)."""
     import psutil
@@ -340,11 +325,11 @@ def run_once(args: argparse.Namespace, mode: str, tmp: str) -> dict:
         if code != 0:
             raise RunFailed(f"launcher exited with code {code}")
     except RunFailed as failure:
-        _stop(proc)
+        stop(proc, grace_s=15)
         tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-5:]
         raise RunFailed(f"{failure}; launcher stderr: {' | '.join(tail) or '(empty)'}") from None
     finally:
-        _stop(proc)
+        stop(proc, grace_s=15)
         _kill_leftovers(family)
         server.close()
         if os.path.exists(control_path):

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import write_report
+from common import worker_counts, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -86,12 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per policy and size (default 2000)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output path (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    try:
-        counts = [int(x) for x in args.workers.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--workers {args.workers!r} is not a comma-separated list of integers")
-    if not counts or any(not 1 <= c <= 4096 for c in counts) or args.calls < 1:
-        parser.error("worker counts must be 1..4096 and --calls >= 1")
+    counts = worker_counts(parser, args.workers)
+    if args.calls < 1:
+        parser.error("--calls must be >= 1")
     with tempfile.TemporaryDirectory(prefix="dynamix-policy-") as tmp:
         path = args.policy_path or untrained_policy_dir(Path(tmp))
         policies = {name: make_policy(name, **({"path": path} if name == "ppo" else {})) for name in POLICIES}
