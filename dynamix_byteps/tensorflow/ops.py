@@ -55,7 +55,17 @@ def check_dtype(tensor: tf.Tensor) -> None:
                         "(tf.cast the tensor first)")
 
 
-def _differentiable(forward, backward, tensor: tf.Tensor) -> tf.Tensor:
+def _through_engine(now, backward, tensor: tf.Tensor) -> tf.Tensor:
+    """Run ``now`` (a list of tensors in, out: the engine call) as a graph-safe op with gradient ``backward``.
+
+    The result keeps ``tensor``'s static shape; integer tensors get no gradient.
+    """
+
+    def forward(t):
+        (result,) = call(now, [t], [t.dtype])
+        result.set_shape(t.shape)
+        return result
+
     if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
         return forward(tensor)
 
@@ -104,15 +114,10 @@ def push_pull(tensor, scope: str = "", average: bool | None = None, device_dense
         _torch_ops.push_pull_inplace(buffer, average=mean, name=label, compression=compression)
         return [to_tf(buffer)]
 
-    def forward(t):
-        (result,) = call(now, [t], [t.dtype])
-        result.set_shape(t.shape)
-        return result
-
     def backward(dy):
         return push_pull(dy, average=mean, compression=compression, name=None if label is None else f"{label}.grad")
 
-    return _differentiable(forward, backward, x)
+    return _through_engine(now, backward, x)
 
 
 def broadcast(tensor, root_rank: int, scope: str = "", name: str | None = None, is_variable: bool = True) -> tf.Tensor:
@@ -134,16 +139,11 @@ def broadcast(tensor, root_rank: int, scope: str = "", name: str | None = None, 
         broadcast_parameters([(label, buffer)], root_rank, prefix="")
         return [to_tf(buffer)]
 
-    def forward(t):
-        (result,) = call(now, [t], [t.dtype])
-        result.set_shape(t.shape)
-        return result
-
     def backward(dy):
         summed = push_pull(dy, average=False, name=f"{label}.grad")
         return summed if rank() == root_rank else tf.zeros_like(summed)
 
-    return _differentiable(forward, backward, x)
+    return _through_engine(now, backward, x)
 
 
 def variable_name(variable, index: int) -> str:
