@@ -186,9 +186,16 @@ def _goodput_state(noise, **kw):
 
 
 def test_goodput_picks_a_larger_batch_when_gradients_are_noisier():
-    small = GoodputPolicy().decide(_goodput_state(1.0)).terms["global_batch_chosen"]
+    small = GoodputPolicy(scale_down=True).decide(_goodput_state(1.0)).terms["global_batch_chosen"]
     large = GoodputPolicy().decide(_goodput_state(1e5)).terms["global_batch_chosen"]
     assert small < 256 < large
+
+
+def test_goodput_never_goes_below_the_initial_global_batch_by_default():
+    # Pollux/AdaptDL scale up from M0 only; with B_noise ≈ 1 smaller would win on paper.
+    d = GoodputPolicy().decide(_goodput_state(1.0))
+    assert d.terms["global_batch_range"][0] == 256
+    assert d.terms["global_batch_chosen"] == 256 and d.batch_sizes == (64, 64, 64, 64)
 
 
 def test_goodput_finds_the_analytic_optimum():
@@ -214,10 +221,11 @@ def test_goodput_without_noise_estimate_equals_proportional(grad_sq, trace_cov):
 def test_goodput_stays_in_the_feasible_range(noise):
     s = make_state([300, 300, 300, 100], [64] * 4, min_batch=8, max_batch=128, dataset_size=300,
                    grad_sq=1.0, trace_cov=noise)
-    d = GoodputPolicy().decide(s)
+    d = GoodputPolicy(scale_down=True).decide(s)
     m = d.terms["global_batch_chosen"]
     assert d.terms["global_batch_range"] == [32, 300]
     assert 32 <= m <= 300 and sum(d.batch_sizes) == m
+    assert GoodputPolicy().feasible_range(s) == (256, 300)
     assert all(8 <= b <= 128 for b in d.batch_sizes)
     if noise >= 1e9:
         assert m == 300          # efficiency ≈ 1 everywhere: the largest batch wins
