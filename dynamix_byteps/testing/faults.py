@@ -31,14 +31,17 @@ cut_link           drop every packet in and out of host      collectives wait ``
                                                              every host exits non-zero
 slow_link          tbf at ``rate_mbit`` on host              training goes on, slower; every host exits 0
                    ``target``'s link, both directions
+lossy_link         drop a ``loss`` share of the packets      training goes on, slower (TCP retransmits them); the node agents
+                   host ``target`` receives (nft, in its     report ``retransmits`` > 0 for the workers talking to that host;
+                   namespace; ``Testbed.set_loss``)          every host exits 0
 fill_disk          fill the file system of ``path``          rank 0's next ``bps.save_checkpoint`` raises OSError ENOSPC (``No
                    (the run directory) to ENOSPC             space left on device`` on the console); host 0 exits 1, the
                                                              others are stopped; the last complete checkpoint is kept (atomic
                                                              write); log lines that no longer fit are dropped
 =================  ========================================  ==================================================================
 
-Requirements: those of the test bed (root, iproute2), plus ``nft`` for ``cut_link`` and ``mount``
-for :func:`small_tmpfs`.
+Requirements: those of the test bed (root, iproute2), plus ``nft`` for ``cut_link`` and
+``lossy_link``, and ``mount`` for :func:`small_tmpfs`.
 """
 
 from __future__ import annotations
@@ -57,12 +60,13 @@ from pathlib import Path
 
 import psutil
 
-from dynamix_byteps.testing.netns import JobResult, Testbed, _run, _tbf, run_job
+from dynamix_byteps.testing.netns import JobResult, Testbed, _run, _tbf, nft, run_job
 
 __all__ = ["ACTIONS", "FAULT_TAG_ENV", "Fault", "FaultRun", "job_processes", "run_with_faults", "small_tmpfs"]
 
 FAULT_TAG_ENV = "DYNAMIX_FAULT_TAG"
-ACTIONS = ("kill_worker", "kill_agent", "kill_scheduler", "pause_scheduler", "cut_link", "slow_link", "fill_disk")
+ACTIONS = ("kill_worker", "kill_agent", "kill_scheduler", "pause_scheduler", "cut_link", "slow_link", "lossy_link",
+           "fill_disk")
 POLL_S = 0.1
 TARGET_WAIT_S = 30.0  # longest a fault waits for its target process to appear
 
@@ -76,8 +80,10 @@ class Fault:
         at_step: fire once ``progress()`` returns a step >= this; or
         at_s: fire this many seconds after the job started (exactly one of the two).
         target: the worker's global rank (``kill_worker``) or the host's index (``kill_agent``,
-            ``cut_link``, ``slow_link``; host 0 is the root namespace and cannot be cut or slowed).
+            ``cut_link``, ``slow_link``, ``lossy_link``; host 0 is the root namespace and cannot be
+            cut, slowed or made lossy).
         rate_mbit: ``slow_link``'s rate, Mbit/s.
+        loss: ``lossy_link``'s probability of dropping each received packet, in (0, 1).
         duration_s: ``pause_scheduler``: seconds until SIGCONT.
         path: ``fill_disk``: a directory on the file system to fill.
     """
@@ -87,6 +93,7 @@ class Fault:
     at_s: float | None = None
     target: int | None = None
     rate_mbit: float | None = None
+    loss: float | None = None
     duration_s: float = 3.0
     path: str | None = None
 
@@ -96,10 +103,12 @@ class Fault:
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError(f"fault {self.action}: give exactly one of at_step and at_s")
         needs = {"kill_worker": "target", "kill_agent": "target", "cut_link": "target", "slow_link": "rate_mbit",
-                 "fill_disk": "path"}.get(self.action)
+                 "lossy_link": "loss", "fill_disk": "path"}.get(self.action)
         if needs is not None and getattr(self, needs) is None:
             raise ValueError(f"fault {self.action} needs {needs}")
-        if self.action in ("cut_link", "slow_link") and not (self.target or 0) >= 1:
+        if self.action == "lossy_link" and not 0 < self.loss < 1:
+            raise ValueError(f"fault lossy_link: loss must be a probability in (0, 1), not {self.loss}")
+        if self.action in ("cut_link", "slow_link", "lossy_link") and not (self.target or 0) >= 1:
             raise ValueError(f"fault {self.action}: target must be a namespaced host (>= 1), not {self.target}")
 
 
@@ -174,16 +183,12 @@ def _find(bed: Testbed, tag: str, fault: Fault) -> psutil.Process | None:
 
 
 def _cut(bed: Testbed, host: int) -> str:
-    namespace = bed.hosts[host].namespace
-    rules = ("add table inet dxtbcut\n"
-             "add chain inet dxtbcut in { type filter hook input priority 0; policy drop; }\n"
-             "add chain inet dxtbcut out { type filter hook output priority 0; policy drop; }\n"
-             'add rule inet dxtbcut in iifname "lo" accept\n'
-             'add rule inet dxtbcut out oifname "lo" accept\n')
-    with tempfile.NamedTemporaryFile("w", suffix=".nft") as script:
-        script.write(rules)
-        script.flush()
-        _run("ip", "netns", "exec", namespace, "nft", "-f", script.name)
+    nft(bed.hosts[host].namespace,
+        "add table inet dxtbcut\n"
+        "add chain inet dxtbcut in { type filter hook input priority 0; policy drop; }\n"
+        "add chain inet dxtbcut out { type filter hook output priority 0; policy drop; }\n"
+        'add rule inet dxtbcut in iifname "lo" accept\n'
+        'add rule inet dxtbcut out oifname "lo" accept\n')
     return f"host {host} ({bed.hosts[host].address}) cut"
 
 
@@ -216,6 +221,9 @@ def _fire(bed: Testbed, tag: str, fault: Fault, deadline: float) -> str:
         return _cut(bed, fault.target)
     if fault.action == "slow_link":
         return _slow(bed, fault.target, fault.rate_mbit)
+    if fault.action == "lossy_link":
+        bed.set_loss(fault.target, fault.loss)
+        return f"host {fault.target} receives with {fault.loss:.1%} loss"
     if fault.action == "fill_disk":
         return _fill(fault.path)
     while (proc := _find(bed, tag, fault)) is None:

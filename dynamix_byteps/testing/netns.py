@@ -10,13 +10,16 @@ in 10.200.0.0/13 among subnets this machine does not use::
       bridge dxtb<tag>b 10.a.b.1  ──veth──  10.a.b.2      ──veth──  10.a.b.3  ...
 
 A host given a rate has a tbf qdisc of that rate on both ends of its veth, so what it sends and
-what it receives are each limited to the rate (netem is not available on every kernel, so
-there is no added delay or loss here; queueing behind tbf does raise the RTT). Processes run
+what it receives are each limited to the rate (netem is not available on every kernel, so tc
+adds no delay or loss here; queueing behind tbf does raise the RTT). :meth:`Testbed.set_loss`
+drops a random share of what a host receives (an nft rule in its namespace), and
+:mod:`.delay_proxy` adds latency to one TCP service. Processes run
 on a host with :meth:`Testbed.popen`; on a namespaced host they get a private ``/dev/shm`` (a
 new tmpfs per call), so node agents see only their own host's workers, as on separate machines.
 
 Requirements (:func:`available` says which one is missing): Linux, root, iproute2's ``ip`` and
-``tc``, ``mount``, and kernel support for network namespaces, veth, bridges and tbf.
+``tc``, ``mount``, and kernel support for network namespaces, veth, bridges and tbf;
+:meth:`Testbed.set_loss` also needs ``nft`` (Debian package ``nftables``).
 
 Clean-up: every object is named with the prefix ``dxtb`` and a tag unique to the instance,
 and records its owner's pid (in the namespace name, in the link alias). :meth:`Testbed.close`
@@ -56,14 +59,16 @@ from typing import Self
 
 from dynamix_byteps.errors import DynamixError
 
-__all__ = ["PREFIX", "Host", "JobResult", "Testbed", "TestbedError", "available", "cleanup_stale", "owned_objects",
-           "run_job", "stop"]
+__all__ = ["PREFIX", "Host", "JobResult", "Testbed", "TestbedError", "available", "cleanup_stale", "nft",
+           "owned_objects", "run_job", "stop"]
 
 PREFIX = "dxtb"  # every namespace and link of a test bed starts with this
 SUBNETS = ipaddress.ip_network("10.200.0.0/13")  # the /24s a test bed picks from
 TBF_LATENCY_MS = 50  # longest a packet may wait in a tbf queue before it is dropped
 COMMAND_TIMEOUT_S = 20.0  # per ip/tc call
 MAX_HOSTS = 250  # one /24 (host i gets .i+1)
+LOSS_TABLE = f"{PREFIX}loss"  # the nft table of set_loss, in the host's namespace
+LOSS_SCALE = 10_000  # numgen range: loss probabilities are rounded to 1/LOSS_SCALE
 _ALIAS = "dynamix-testbed pid="
 _NETNS_NAME = re.compile(rf"^{PREFIX}_([0-9a-f]+)_(\d+)_h\d+$")
 # Runs in a namespaced host: a private /dev/shm (this mount namespace is ip netns exec's own), then the command.
@@ -84,6 +89,20 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and done.returncode != 0:
         raise TestbedError(f"`{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")
     return done
+
+
+def nft(namespace: str, script: str) -> None:
+    """Run the nft ``script`` (``nft -f`` syntax) in network namespace ``namespace``.
+
+    Raises:
+        TestbedError: ``nft`` is not installed, or rejects the script (the message has its error).
+    """
+    if shutil.which("nft") is None:
+        raise TestbedError("nft not found on PATH: install nftables (apt-get install nftables)")
+    with tempfile.NamedTemporaryFile("w", suffix=".nft") as file:
+        file.write(script)
+        file.flush()
+        _run("ip", "netns", "exec", namespace, "nft", "-f", file.name)
 
 
 def _json(*argv: str) -> list:
@@ -319,6 +338,41 @@ class Testbed:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
+
+    def _namespaced(self, host: int, what: str) -> str:
+        """The namespace of host ``host``, which must be a namespaced host of the built bed."""
+        if not self.hosts:
+            raise TestbedError("the test bed is not built; use it as a context manager: with Testbed(...) as bed")
+        if not 1 <= host < len(self.hosts):
+            raise ValueError(f"{what}: host {host} is not a namespaced host (1..{len(self.hosts) - 1}); host 0 is "
+                             "the root namespace and is never changed")
+        return self.hosts[host].namespace
+
+    def set_loss(self, host: int, probability: float) -> None:
+        """Drop each packet host ``host`` receives with ``probability`` (0 removes the loss).
+
+        Receiver-side random loss: one nft rule in the host's namespace, ``iifname != "lo" numgen
+        random mod 10000 < p*10000 drop`` on the input hook, so every packet arriving over its veth
+        (TCP data and ACKs alike, from every other host) is lost independently; what the host sends
+        is not touched (its own data is lost only through the ACKs it drops). ``probability`` is
+        rounded to 1e-4. Calling it again replaces the previous rule. :meth:`close` removes it with
+        the namespace.
+
+        Raises:
+            ValueError: host 0 or a host outside the bed, or ``probability`` not in [0, 1).
+            TestbedError: nft is missing or this kernel lacks nf_tables (the message says which).
+        """
+        namespace = self._namespaced(host, "set_loss")
+        if not 0 <= probability < 1:
+            raise ValueError(f"set_loss: the loss probability must be in [0, 1), not {probability}")
+        threshold = round(probability * LOSS_SCALE)
+        table = f"inet {LOSS_TABLE}"
+        script = f"table {table} {{}}\ndelete table {table}\n"  # declare-then-delete: no error when absent
+        if threshold:
+            script += (f"add table {table}\n"
+                       f"add chain {table} in {{ type filter hook input priority -10; policy accept; }}\n"
+                       f'add rule {table} in iifname != "lo" numgen random mod {LOSS_SCALE} < {threshold} drop\n')
+        nft(namespace, script)
 
     # ---- processes ----------------------------------------------------------------------------
 
