@@ -4,6 +4,7 @@ Subcommands (one function ``_add_<name>(subparsers)`` each, which sets ``func``)
 
     dynamix scheduler --num-workers 4 --policy proportional --run-dir runs/a --port-file runs/a/port
     dynamix policy train --scenario straggler,two-speed --out policies/p   (also: policy eval, policy export)
+    dynamix sim fit runs/a                                                (simulator parameters of a run)
     dynamix report runs/a
 
 Exit status: 0 on success (and on SIGTERM/SIGINT after a graceful stop), 1 on failure
@@ -26,6 +27,7 @@ from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.ppo.commands import add_policy_parser
+from dynamix_byteps.policy.sim.commands import add_sim_parser
 
 PROG = "dynamix"
 
@@ -272,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scheduler(sub)
     _add_agent(sub)
     add_policy_parser(sub, UsageError)
+    add_sim_parser(sub, UsageError)
     _add_report(sub)
     return parser
 

@@ -1,0 +1,64 @@
+"""``dynamix sim fit``: the simulator's command-line front end (numpy only, no torch or Ray).
+
+``dynamix_byteps.cli`` registers :func:`add_sim_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dynamix_byteps.errors import ConfigurationError
+
+__all__ = ["add_sim_parser", "format_fit_table"]
+
+FITTED_FILE = "sim_params.json"
+
+
+def add_sim_parser(sub, usage_error: type[Exception]) -> None:
+    """Add ``sim`` with its ``fit`` subcommand to ``sub``; bad usage raises ``usage_error``."""
+    p = sub.add_parser("sim", help="fit the training simulator to a recorded run",
+                       description="Tools for the training simulator the PPO agent learns in.")
+    cmds = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+    f = cmds.add_parser(
+        "fit", help="fit simulator parameters (SimParams JSON) to a run's decision log",
+        description="Read RUN_DIR/decisions.jsonl of a `bpslaunch --policy ... --log-dir RUN_DIR` run, fit per-worker\n"
+                    "compute time a_i + b/θ_i, jitter, communication and the noise-scale/loss model, write\n"
+                    "the SimParams JSON and print, per worker, the fit and the recorded vs replayed step time.\n"
+                    "Use the file with `dynamix policy train --scenario homogeneous --sim-params FILE`.",
+        epilog="exit status: 0 on success, 1 when FILE cannot be written, 2 on bad usage or an unusable log.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    f.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir (holding decisions.jsonl)")
+    f.add_argument("--out", type=Path, metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
+    f.set_defaults(func=lambda args: _fit(args, usage_error))
+
+
+def format_fit_table(rows: list[dict], methods: list[str]) -> str:
+    """Rows of :func:`~dynamix_byteps.policy.sim.fit.replay` (with each worker's fit method) as a table."""
+    head = (f"{'rank':>4} {'a_i s':>8} {'θ_i samples/s':>13} {'method':<16} {'compute rec s':>13} {'sim s':>7} "
+            f"{'step rec s':>10} {'sim s':>7} {'step error':>10}")
+    lines = [head, "-" * len(head)]
+    for r, method in zip(rows, methods):
+        lines.append(f"{r['rank']:>4} {r['fixed_s']:>8.4f} {r['samples_per_s']:>13.1f} {method:<16} "
+                     f"{r['recorded_compute_s']:>13.4f} {r['simulated_compute_s']:>7.4f} {r['recorded_step_s']:>10.4f} "
+                     f"{r['simulated_step_s']:>7.4f} {100 * r['step_error']:>+9.1f}%")
+    return "\n".join(lines)
+
+
+def _fit(args, usage_error) -> int:
+    from dynamix_byteps.policy.sim.fit import fit_log, load_log, replay
+
+    try:
+        log = load_log(args.run_dir)
+        params, fits = fit_log(log)
+    except ConfigurationError as error:
+        raise usage_error(f"argument RUN_DIR: {error}") from None
+    out = args.out or (log.path.parent / FITTED_FILE)
+    params.to_json(out)
+    print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")
+    print(format_fit_table(replay(params, log), [f.method for f in fits]))
+    c, s = params.comm, params.stats
+    print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "
+          f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps; K {params.decision_interval}")
+    print(f"parameters: {out}")
+    return 0

@@ -1,0 +1,379 @@
+"""Fit the training simulator to a real run: ``dynamix sim fit RUN_DIR``.
+
+Input: ``RUN_DIR/decisions.jsonl``, written by the scheduler of ``bpslaunch --policy ...
+--log-dir RUN_DIR`` (one JSON line per decision, see ``SchedulerServer._log_record``). Each line
+holds, per worker, the means over the decision interval just ended of ``compute_s`` and
+``push_pull_s`` (seconds per step), and the scheduler's smoothed throughput ``samples_per_s``.
+
+**The batch that produced a line's timings.** ``state.workers.batch_size`` is the assignment in
+force when the decision was taken, not necessarily the batch the interval ran: workers switch at
+their next report boundary, after prefetching, typically one or two intervals later. The batch
+actually used is recovered from ``samples_per_s``, the exponentially weighted mean
+``θ̄_t = α·θ_t + (1 − α)·θ̄_{t−1}`` (α = :data:`~dynamix_byteps.control.cluster.THROUGHPUT_SMOOTHING`,
+the first line and the first after a scheduler restart unsmoothed): ``θ_t = (θ̄_t − (1 − α)·θ̄_{t−1}) / α``
+is the interval's raw ``samples / compute seconds``, so ``b̂_t = θ_t · compute_s_t`` is its mean
+local batch (samples per step). When a rank sent several reports in one interval (the first
+decision waits for every rank) or the value cannot be right (not finite, not positive), the
+logged assignment is used instead.
+
+What is fitted (units: seconds, samples):
+
+* per worker, compute ``c = a_i + b/θ_i`` by least squares over the intervals' ``(b̂, compute_s)``
+  (the first interval, warm-up, left out when enough remain). When a worker's batch hardly
+  varied (spread < :data:`MIN_BATCH_SPREAD` of its mean) or the slope is not clearly positive
+  (below twice its standard error), ``a_i``
+  and ``θ_i`` cannot be told apart; such a worker takes the fixed share ``φ = median_j a_j/c̄_j``
+  of the workers that could be fitted (``a_i = φ·c̄_i``, ``θ_i = b̄_i/((1 − φ)·c̄_i)``), or
+  ``φ = 0`` when none could. A negative intercept is refitted through the origin (``a_i = 0``);
+* ``jitter_i``: standard deviation of ``ln(c_t/ĉ_t)``, the interval means' residuals (a lower
+  bound of the per-step jitter, which averaging over K steps damps);
+* communication: ``C_t = min_i push_pull_s`` (the slowest worker does not wait, so its
+  push_pull is the transfer; ``C_t = mean_k T_k − max_i mean_k c_ik``). Only the sum
+  ``latency + 2·model_bytes/bandwidth`` is identifiable from one model size: ``model_bytes`` and
+  ``latency_s`` keep their reference values (latency at most ``C̄/2``) and the bandwidth is the
+  effective one, ``2·model_bytes/(C̄ − latency)``; comm jitter = sd of ``ln(C_t/C̄)``;
+* job: initial batches, the bounds common to all workers (largest minimum, smallest maximum;
+  unbounded: the reference maximum), K (median step gap between decisions), dataset size,
+  whether node-agent metrics were present;
+* statistics, with ``L0``, ``L_min``, the target and the accuracy proxy at reference values
+  (widened only if the run's losses fall outside them): ``B_noise(L) = B0·x^γ``,
+  ``x = (L0 − L_min)/(L − L_min)``, by least squares on ``ln B_noise`` (``noise_scale``, ``noise_growth``;
+  ``noise_scale_noise`` from the residuals), and τ (``steps_scale``) from
+  ``−ln((L − L_min)/(L0 − L_min)) = E/τ`` through the origin, ``E`` the noise-free steps
+  ``Σ Δsteps·M/(M + B_noise)``. Too few usable points keep the reference value.
+
+Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links, the
+generalisation gap and the loss noise. The fitted file suits ``dynamix policy train --scenario
+homogeneous --sim-params FILE`` (other scenarios add their slowdowns on top of the fitted speeds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from dynamix_byteps.control.cluster import THROUGHPUT_SMOOTHING
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.sim.dynamics import Simulator
+from dynamix_byteps.policy.sim.params import (
+    CommParams,
+    SimParams,
+    StatParams,
+    WorkerParams,
+    reference,
+)
+
+__all__ = ["MIN_BATCH_SPREAD", "MIN_INTERVALS", "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "load_log", "replay"]
+
+DECISION_LOG = "decisions.jsonl"
+#: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
+MIN_BATCH_SPREAD = 0.1
+#: Fewest decision records with timings a fit accepts.
+MIN_INTERVALS = 3
+_REF = reference(1)
+
+
+@dataclass(frozen=True)
+class RunLog:
+    """The usable content of one decision log; arrays are float64, one row per decision.
+
+    Attributes:
+        path: the ``decisions.jsonl`` read.
+        steps: (T,) int, the step of each decision.
+        batch: (T, N) mean local batch each interval actually ran (samples, module docstring).
+        compute_s, push_pull_s: (T, N) per-step means over each interval (seconds).
+        loss: (T,) mean worker loss of each interval, NaN when none was reported.
+        noise_scale: (T,) B_noise (samples), NaN when unknown.
+        initial_batch: (N,) int, the job's initial local batches.
+        min_batch, max_batch: bounds common to all workers (max None: unbounded).
+        dataset_size: samples per epoch, None when not reported.
+        node_metrics: whether a node agent reported cpu_util or rtt_s.
+    """
+
+    path: Path
+    steps: np.ndarray
+    batch: np.ndarray
+    compute_s: np.ndarray
+    push_pull_s: np.ndarray
+    loss: np.ndarray
+    noise_scale: np.ndarray
+    initial_batch: tuple[int, ...]
+    min_batch: int
+    max_batch: int | None
+    dataset_size: int | None
+    node_metrics: bool
+
+    @property
+    def step_s(self) -> np.ndarray:
+        """(T, N) recorded step time per worker, compute + push_pull (seconds)."""
+        return self.compute_s + self.push_pull_s
+
+
+@dataclass(frozen=True)
+class WorkerFit:
+    """One worker's compute model ``a + b/θ``; ``method``: least-squares, through-origin, shared-fraction."""
+
+    fixed_s: float
+    samples_per_s: float
+    jitter: float
+    method: str
+
+
+def _corrupt(path: Path, line: int, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"{path} line {line} is not a decision record ({why}); the file is damaged or not a dynamix "
+        "decision log: point `dynamix sim fit` at the --log-dir of a bpslaunch --policy run")
+
+
+def _finite(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+
+
+def load_log(run_dir) -> RunLog:
+    """Read ``run_dir/decisions.jsonl`` (or that file itself) into a :class:`RunLog`.
+
+    Raises:
+        ConfigurationError: the file is missing, empty, not JSON lines, lacks the per-worker
+            fields, or changes its number of workers; the message names the file and the fix.
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / DECISION_LOG
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigurationError(
+            f"{path} does not exist: record a run with `bpslaunch --policy proportional --log-dir DIR ...` "
+            "(any --policy; without one no scheduler writes decisions) and pass DIR") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigurationError(f"cannot read {path}: {error}") from None
+    rows, previous, last_decision = [], None, None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            state, w = record["state"], record["state"]["workers"]
+            sizes = [int(b) for b in w["batch_size"]]
+            compute = [_finite(x) for x in w["compute_s"]]
+            push_pull = [_finite(x) for x in w["push_pull_s"]]
+            smoothed = [_finite(x) for x in w["samples_per_s"]]
+            reports = [int(x) for x in w.get("reports") or [1] * len(sizes)]
+            step, decision = int(record["step"]), record.get("decision")
+        except json.JSONDecodeError as error:
+            raise _corrupt(path, number, f"invalid JSON: {error.msg}") from None
+        except (KeyError, TypeError, ValueError) as error:
+            raise _corrupt(path, number, f"missing or malformed field {error}") from None
+        n = len(sizes)
+        if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == n:
+            raise _corrupt(path, number, "the per-worker lists are empty or of different lengths")
+        if rows and n != rows[0]["n"]:
+            raise ConfigurationError(f"{path} line {number}: the job changed from {rows[0]['n']} to {n} workers "
+                                     "(an elastic run); fit a stretch with a fixed number of workers")
+        fresh = previous is None or decision != (last_decision or 0) + 1
+        raw = smoothed if fresh else [(t - (1 - THROUGHPUT_SMOOTHING) * p) / THROUGHPUT_SMOOTHING
+                                      for t, p in zip(smoothed, previous)]
+        # One report per rank: b̂ = θ·compute is exact; several: a mean of ratios, so the assignment.
+        batch = [r * c if k == 1 and r * c > 0 else b for r, c, b, k in zip(raw, compute, sizes, reports)]
+        previous, last_decision = smoothed, decision if isinstance(decision, int) else None
+        if not all(math.isfinite(x) and x >= 0 for x in compute + push_pull):
+            continue
+        losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
+        losses = [x for x in losses if math.isfinite(x)]
+        rows.append({"n": n, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,
+                     "loss": sum(losses) / len(losses) if losses else math.nan,
+                     "noise": _finite(state.get("noise_scale")), "record": record})
+    if len(rows) < MIN_INTERVALS:
+        raise ConfigurationError(
+            f"{path} holds {len(rows)} decision(s) with timings, at least {MIN_INTERVALS} are needed: record a "
+            f"longer run (more than {MIN_INTERVALS} x --decision-interval steps) or a smaller --decision-interval")
+    first = rows[0]["record"]
+    w = first["state"]["workers"]
+    mins = [int(b) for b in w.get("min_batch") or [1]]
+    maxes = [int(b) for b in w.get("max_batch") or [] if b]
+    initial = first["state"].get("initial_batch_sizes") or first.get("batch_sizes_before") or w["batch_size"]
+    datasets = [r["record"]["state"].get("dataset_size") for r in rows]
+    datasets = [int(d) for d in datasets if isinstance(d, int) and d > 0]
+    nodes = any(("cpu_util" in node or "rtt_s" in node) for r in rows
+                for node in r["record"]["state"]["workers"].get("node") or [] if isinstance(node, dict))
+    return RunLog(
+        path=path,
+        steps=np.array([r["step"] for r in rows], dtype=np.int64),
+        batch=np.array([r["batch"] for r in rows], dtype=np.float64),
+        compute_s=np.array([r["compute"] for r in rows], dtype=np.float64),
+        push_pull_s=np.array([r["push_pull"] for r in rows], dtype=np.float64),
+        loss=np.array([r["loss"] for r in rows], dtype=np.float64),
+        noise_scale=np.array([r["noise"] if r["noise"] > 0 else math.nan for r in rows], dtype=np.float64),
+        initial_batch=tuple(int(b) for b in initial),
+        min_batch=max(mins),
+        max_batch=min(maxes) if maxes else None,
+        dataset_size=max(datasets) if datasets else None,
+        node_metrics=nodes,
+    )
+
+
+def _log_sd(residuals: np.ndarray, default: float, params: int = 0) -> float:
+    """Standard deviation of log residuals with ``params`` degrees of freedom used; default if < 3 points."""
+    r = residuals[np.isfinite(residuals)]
+    if r.size < 3:
+        return default
+    return float(np.sqrt(np.sum((r - r.mean()) ** 2) / max(r.size - max(params, 1), 1)))
+
+
+def fit_compute(batch, compute_s) -> WorkerFit | None:
+    """Least-squares ``compute_s = a + batch/θ`` for one worker (module docstring).
+
+    Args:
+        batch: (T,) mean local batches (samples); compute_s: (T,) per-step compute (seconds).
+
+    Returns:
+        the fit (``method`` least-squares or through-origin), or None when there are fewer than
+        3 points, the batches span less than :data:`MIN_BATCH_SPREAD` of their mean, or the slope
+        is below twice its standard error (a and θ not separable; :func:`fit_log` then applies
+        the shared fixed share).
+    """
+    b, c = np.asarray(batch, dtype=np.float64), np.asarray(compute_s, dtype=np.float64)
+    if b.size < 3 or (b.max() - b.min()) < MIN_BATCH_SPREAD * b.mean():
+        return None
+    slope, intercept = np.polyfit(b, c, 1)
+    method = "least-squares"
+    spread = np.sum((b - b.mean()) ** 2)
+    standard_error = math.sqrt(np.sum((c - intercept - slope * b) ** 2) / (b.size - 2) / spread)
+    if slope <= 2.0 * standard_error:  # not clearly positive: the batch's effect is lost in the noise
+        return None
+    if intercept < 0:
+        slope, intercept, method = float(np.dot(b, c) / np.dot(b, b)), 0.0, "through-origin"
+    fitted = intercept + slope * b
+    jitter = _log_sd(np.log(c / fitted), _REF.workers[0].jitter, 1 if method == "through-origin" else 2)
+    return WorkerFit(float(intercept), float(1.0 / slope), jitter, method)
+
+
+def _fit_workers(log: RunLog, rows: slice) -> list[WorkerFit]:
+    b, c = log.batch[rows], log.compute_s[rows]
+    fits = [fit_compute(b[:, i], c[:, i]) for i in range(b.shape[1])]
+    shares = [f.fixed_s / c[:, i].mean() for i, f in enumerate(fits) if f is not None]
+    share = float(np.median(shares)) if shares else 0.0
+    out = []
+    for i, f in enumerate(fits):
+        if f is None:
+            mean_c, mean_b = float(c[:, i].mean()), float(b[:, i].mean())
+            a, theta = share * mean_c, mean_b / ((1.0 - share) * mean_c)
+            jitter = _log_sd(np.log(c[:, i] / (a + b[:, i] / theta)), _REF.workers[0].jitter, 1)
+            f = WorkerFit(a, theta, jitter, "shared-fraction")
+        out.append(f)
+    return out
+
+
+def _fit_comm(log: RunLog, rows: slice) -> CommParams:
+    transfer = log.push_pull_s[rows].min(axis=1)
+    mean = max(float(transfer.mean()), 1e-6)
+    ref = _REF.comm
+    latency = min(ref.latency_s, mean / 2.0)
+    jitter = _log_sd(np.log(np.maximum(transfer, 1e-9) / mean), ref.jitter, 1)
+    return replace(ref, latency_s=latency, bandwidth_bytes_per_s=2.0 * ref.model_bytes / (mean - latency), jitter=jitter)
+
+
+def _fit_stats(log: RunLog) -> StatParams:
+    ref = _REF.stats
+    loss_seen = log.loss[np.isfinite(log.loss)]
+    l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
+    if loss_seen.size:
+        l0 = max(l0, float(loss_seen.max()) * 1.05)
+        lmin = min(lmin, float(loss_seen.min()) * 0.5)
+        if not l0 > target > lmin:
+            target = lmin + 0.2 * (l0 - lmin)
+    stats = replace(ref, initial_loss=l0, min_loss=lmin, target_loss=target)
+    x = np.log((l0 - lmin) / (log.loss - lmin))  # NaN where no loss
+    noise = log.noise_scale
+    ok = np.isfinite(x) & np.isfinite(noise)
+    if ok.sum() >= 1:
+        gamma = ref.noise_growth
+        if ok.sum() >= 3 and np.ptp(x[ok]) > 0.05:
+            gamma = float(np.clip(np.polyfit(x[ok], np.log(noise[ok]), 1)[0], 0.0, 3.0))
+        log_b0 = float(np.mean(np.log(noise[ok]) - gamma * x[ok]))
+        spread = _log_sd(np.log(noise[ok]) - gamma * x[ok] - log_b0, ref.noise_scale_noise, 2)
+        stats = replace(stats, noise_scale=math.exp(log_b0), noise_growth=gamma, noise_scale_noise=spread)
+    # Noise-free steps E: each interval's steps weighted by M/(M + B_noise) (B unknown: the fitted law).
+    gaps = np.diff(log.steps, prepend=0).astype(np.float64)
+    m = log.batch.sum(axis=1)
+    b_known = np.where(np.isfinite(noise), noise, stats.noise_scale * np.exp(stats.noise_growth * np.nan_to_num(x)))
+    d_eff = gaps * m / (m + b_known)
+    e_mid = np.cumsum(d_eff) - d_eff / 2.0  # a line's loss is its interval's mean
+    use = np.isfinite(x) & (x > 0) & (e_mid > 0)
+    if use.sum() >= 2:
+        tau = float(np.dot(e_mid[use], e_mid[use]) / np.dot(e_mid[use], x[use]))
+        stats = replace(stats, steps_scale=tau)
+    return stats
+
+
+def fitted_rows(log: RunLog) -> slice:
+    """The intervals fitted and replayed: all but the first (warm-up) when at least 4 were recorded."""
+    return slice(1, None) if len(log.steps) >= 4 else slice(None)
+
+
+def fit_log(log: RunLog) -> tuple[SimParams, list[WorkerFit]]:
+    """The fitted :class:`SimParams` of ``log`` and the per-worker fits (module docstring)."""
+    rows = fitted_rows(log)
+    workers = _fit_workers(log, rows)
+    ref = _REF
+    min_batch = max(1, log.min_batch)
+    max_batch = log.max_batch or max(ref.max_batch, *log.initial_batch)
+    gaps = np.diff(log.steps)
+    k = int(np.median(gaps)) if gaps.size and np.median(gaps) >= 1 else ref.decision_interval
+    params = SimParams(
+        workers=tuple(WorkerParams(fixed_s=f.fixed_s, samples_per_s=f.samples_per_s, jitter=f.jitter) for f in workers),
+        initial_batch=log.initial_batch,
+        min_batch=min_batch,
+        max_batch=max_batch,
+        decision_interval=k,
+        max_decisions=ref.max_decisions,
+        dataset_size=log.dataset_size or ref.dataset_size,
+        node_metrics=log.node_metrics,
+        comm=_fit_comm(log, rows),
+        stats=_fit_stats(log),
+        scenario=f"fit:{log.path.parent.name}",
+    )
+    return params, workers
+
+
+def fit_run(run_dir) -> SimParams:
+    """:class:`SimParams` fitted to the run in ``run_dir`` (module docstring).
+
+    Raises:
+        ConfigurationError: no usable ``decisions.jsonl`` (see :func:`load_log`).
+    """
+    return fit_log(load_log(run_dir))[0]
+
+
+def replay(params: SimParams, log: RunLog) -> list[dict]:
+    """Replay the recorded batches through ``params`` without jitter; per-worker comparison.
+
+    For each recorded interval t the simulator's nominal times at the batches actually run,
+    ``ĉ_ti = a_i + b̂_ti/θ_i`` and ``T̂_t = Simulator.nominal_step_s(b̂_t)`` (``max_i ĉ_ti`` + comm),
+    are compared with the recorded interval means: compute ``c_ti`` and step ``c_ti + push_pull_ti``
+    (every worker's step lasts the whole synchronous step, waiting included, so all are compared
+    with the one simulated ``T̂_t``). Means are over the intervals of :func:`fitted_rows`.
+
+    Returns:
+        one dict per rank: ``rank``, ``fixed_s``, ``samples_per_s``, ``recorded_compute_s``,
+        ``simulated_compute_s``, ``recorded_step_s``, ``simulated_step_s`` (seconds) and
+        ``step_error``, ``compute_error`` (simulated / recorded − 1).
+    """
+    if log.batch.shape[1] != params.num_workers:
+        raise ConfigurationError(f"{log.path} has {log.batch.shape[1]} workers, the parameters {params.num_workers}")
+    rows = fitted_rows(log)
+    batch, compute, step = log.batch[rows], log.compute_s[rows], log.step_s[rows]
+    sim = Simulator(params)
+    sim_t = float(np.mean([sim.nominal_step_s(b) for b in batch]))
+    out = []
+    for i, w in enumerate(params.workers):
+        sim_c = float(np.mean(w.fixed_s + batch[:, i] / w.samples_per_s))
+        rec_c, rec_t = float(compute[:, i].mean()), float(step[:, i].mean())
+        out.append({"rank": i, "fixed_s": w.fixed_s, "samples_per_s": w.samples_per_s,
+                    "recorded_compute_s": rec_c, "simulated_compute_s": sim_c, "compute_error": sim_c / rec_c - 1.0,
+                    "recorded_step_s": rec_t, "simulated_step_s": sim_t, "step_error": sim_t / rec_t - 1.0})
+    return out
