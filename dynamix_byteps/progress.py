@@ -9,7 +9,8 @@ monitor then replaces that small JSON file atomically (at most every
 (``step``: optimizer steps completed; ``epoch`` and ``samples``, the samples of the epoch
 trained so far, are known when a ``DynamicBatchSampler`` feeds the model, else null).
 :class:`ConsoleProgress` polls it and draws one bar on stderr: the epoch's samples when
-known (its ETA stays right while the batch sizes change), else a step counter. Workers'
+known (its ETA stays right while the batch sizes change; labelled from 1, like Keras, while the
+sampler counts epochs from 0 like ``set_epoch``), else a step counter. Workers'
 prefixed lines are written through :meth:`ConsoleProgress.write_guard`, which clears the bar,
 writes and redraws it. Off when stderr is not a terminal (CI logs), or with ``TQDM_DISABLE=1``.
 """
@@ -133,7 +134,7 @@ class ConsoleProgress:
             if self._bar is not None:
                 self._bar.close()
             self._epoch = epoch if by_epoch else None
-            self._bar = tqdm(file=self.stream, desc=f"epoch {epoch}" if by_epoch else "training",
+            self._bar = tqdm(file=self.stream, desc=f"epoch {epoch + 1}" if by_epoch else "training",
                              total=total if by_epoch else None, unit="sample" if by_epoch else "step",
                              unit_scale=by_epoch, leave=False, **_width(self.stream))
         position = samples if by_epoch else record.get("step", 0)

@@ -186,7 +186,7 @@ def format_summary(rows: list[dict], job: dict) -> str:
                      f"{r['intervals']:>9}")
     lines.append("")
     lines.append(f"job: {job['wall_s']:.1f} s wall time, {job['steps']} steps, "
-                 f"final training loss {num(job['final_train_loss'], '.4f')}")
+                 f"last training loss (mean of the workers' last logged steps) {num(job['final_train_loss'], '.4f')}")
     for key, what in (("accuracy", "final accuracy"), ("test_loss", "final logged loss")):
         if job[key] is not None:
             tag, value = job[key]

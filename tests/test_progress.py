@@ -28,9 +28,9 @@ def test_the_bar_follows_the_progress_file_epoch_by_epoch(tmp_path):
         path.write_text(json.dumps({"step": 812, "epoch": 2, "samples": 27000, "dataset_size": 60000}))
         wait_for(lambda: "27.0k/60.0k" in stream.getvalue())
         path.write_text(json.dumps({"step": 900, "epoch": 3, "samples": 600, "dataset_size": 60000}))
-        wait_for(lambda: "epoch 3" in stream.getvalue())
+        wait_for(lambda: "epoch 4" in stream.getvalue())
     text = stream.getvalue()
-    assert "epoch 2:  45%" in text and "step 812" in text
+    assert "epoch 3:  45%" in text  # sampler epoch 2 is the third and "step 812" in text
     assert not path.exists(), "the progress file outlives the job"
 
 
@@ -69,7 +69,7 @@ def test_on_a_terminal_bpslaunch_draws_the_bar_between_whole_worker_lines(tmp_pa
         os.close(master)
     text = b"".join(chunks).decode(errors="replace")
     assert code == 0, text
-    assert "epoch 0:" in text and "sample" in text, f"no progress bar drawn:\n{text!r}"
+    assert "epoch 1:" in text and "sample" in text, f"no progress bar drawn:\n{text!r}"
     worker_lines = [line.split("\r")[-1] for line in text.split("\n") if "test_accuracy=" in line]
     assert len(worker_lines) == 2, text
     for line in worker_lines:  # the bar was cleared first, so the line stands alone

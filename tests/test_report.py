@@ -37,7 +37,7 @@ def test_report_writes_decodable_pngs_and_the_summary_table(recorded_run, tmp_pa
         interval_means = np.reshape(sizes, (-1, RECORDED_INTERVAL)).mean(axis=1)
         assert batch == pytest.approx(interval_means[1:].mean(), abs=0.051)  # the first interval is warm-up
         assert theta > 0 and step_ms > push_pull_ms >= 0
-    assert re.search(r"job: [\d.]+ s wall time, 96 steps, final training loss [\d.]+", result.stdout), result.stdout
+    assert re.search(r"job: [\d.]+ s wall time, 96 steps, last training loss \(mean of the workers. last logged steps\) [\d.]+", result.stdout), result.stdout
     assert re.search(r"final accuracy: 0\.\d{4} \(test/accuracy \(worker 0\)\)", result.stdout), result.stdout
 
 
