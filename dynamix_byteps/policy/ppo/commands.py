@@ -29,6 +29,15 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _counts(text: str) -> list[int]:
+    """``--workers 4,8,16,32``: worker counts in 1..MAX_WORKERS."""
+    parse = int_in(1, MAX_WORKERS, "--workers")
+    counts = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not counts:
+        raise argparse.ArgumentTypeError(f"{text!r} names no worker count")
+    return counts
+
+
 def _weight(text: str) -> tuple[str, float]:
     key, sep, raw = text.partition("=")
     try:
@@ -57,8 +66,9 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     t.add_argument("--iterations", type=int_in(1, what="--iterations"), default=150, metavar="N",
                    help="PPO iterations of 2000 simulated decisions each (default 150, ~5-15 min on 2 cores)")
     t.add_argument("--seed", type=int_in(0, what="--seed"), default=0, metavar="S", help="random seed (default 0)")
-    t.add_argument("--workers", type=int_in(1, MAX_WORKERS, "--workers"), default=4, metavar="N",
-                   help="simulated workers (default 4); the policy then serves any number")
+    t.add_argument("--workers", type=_counts, default=[4], metavar="N[,N...]",
+                   help="simulated workers (default 4); several counts: one is drawn per episode "
+                        "(e.g. 4,8,16,32). The policy serves any number either way")
     t.add_argument("--scenario-file", type=Path, metavar="TOML", help="scenarios file (default: the packaged one)")
     t.add_argument("--sim-params", type=Path, metavar="JSON", help="base simulator parameters (SimParams JSON)")
     t.add_argument("--no-randomise", action="store_true", help="train on the scenarios exactly (no domain randomisation)")

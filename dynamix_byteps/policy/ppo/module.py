@@ -36,14 +36,18 @@ from torch import nn
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES
-from dynamix_byteps.policy.ppo.mdp import LADDER
+from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
 
 __all__ = ["PerWorkerPPOModule", "PolicyNet"]
 
 
-def _pooled(e: torch.Tensor) -> torch.Tensor:
-    """(B, N, H) -> (B, 2H): mean and max over workers."""
-    return torch.cat([e.mean(dim=1), e.amax(dim=1)], dim=-1)
+def _pooled(e: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, N, H) -> (B, 2H): mean and max over workers (those with ``mask`` (B, N) = 1, if given)."""
+    if mask is None:
+        return torch.cat([e.mean(dim=1), e.amax(dim=1)], dim=-1)
+    m = mask.unsqueeze(-1)
+    mean = (e * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+    return torch.cat([mean, e.masked_fill(m == 0, -2.0).amax(dim=1)], dim=-1)  # tanh embeddings are > -1
 
 
 class PolicyNet(nn.Module):
@@ -56,16 +60,21 @@ class PolicyNet(nn.Module):
         nn.init.orthogonal_(self.head[-1].weight, gain=0.01)  # near-uniform initial policy
         nn.init.zeros_(self.head[-1].bias)
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+    def forward(self, obs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (B, N) float, 1 = worker present (training with several worker counts only;
+        the exported graph has no mask)."""
         e = self.embed(obs)
-        context = _pooled(e).unsqueeze(1).expand(-1, e.shape[1], -1)
+        context = _pooled(e, mask).unsqueeze(1).expand(-1, e.shape[1], -1)
         return self.head(torch.cat([e, context], dim=-1))
 
 
 class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
     """RLlib module around :class:`PolicyNet` (module docstring).
 
-    ``model_config`` keys: ``hidden`` (default 64); any other key (e.g. ``dynamix`` metadata
+    ``model_config`` keys: ``hidden`` (default 64); ``padded`` (default False): observations
+    carry a worker mask after the feature rows (:class:`~dynamix_byteps.policy.sim.env.DynamixSimEnv`
+    with several worker counts); pooling skips absent workers and their logits are pinned to
+    "keep" (log-probability 0, no entropy, no gradient). Any other key (e.g. ``dynamix`` metadata
     recorded by training) is kept and saved with the checkpoint.
 
     Raises:
@@ -76,9 +85,11 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
     def setup(self):
         hidden = int(self.model_config.get("hidden", 64))
         size = int(self.observation_space.shape[0])
-        if size % NUM_FEATURES:
-            raise ConfigurationError(f"observation size {size} is not a multiple of {NUM_FEATURES} features")
-        self.num_workers = size // NUM_FEATURES
+        self.padded = bool(self.model_config.get("padded", False))
+        row = NUM_FEATURES + 1 if self.padded else NUM_FEATURES
+        if size % row:
+            raise ConfigurationError(f"observation size {size} is not a multiple of {row} values per worker")
+        self.num_workers = size // row
         nvec = [int(x) for x in self.action_space.nvec]
         if nvec != [len(LADDER)] * self.num_workers:
             raise ConfigurationError(f"action space {nvec} is not {self.num_workers} × {len(LADDER)} ladder steps")
@@ -87,16 +98,26 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
         self.value_head = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
         self.action_dist_cls = TorchMultiCategorical.get_partial_dist_cls(input_lens=nvec)
 
-    def _rows(self, batch) -> torch.Tensor:
+    def _rows(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feature rows (B, N, F) and the worker mask (B, N) (None unless padded)."""
         obs = batch[Columns.OBS]
-        return obs.reshape(obs.shape[0], -1, NUM_FEATURES)
+        if not self.padded:
+            return obs.reshape(obs.shape[0], -1, NUM_FEATURES), None
+        split = self.num_workers * NUM_FEATURES
+        return obs[:, :split].reshape(obs.shape[0], -1, NUM_FEATURES), obs[:, split:]
 
     def _forward(self, batch, **kwargs):
-        logits = self.policy_net(self._rows(batch))
+        rows, mask = self._rows(batch)
+        logits = self.policy_net(rows, mask)
+        if mask is not None:
+            keep = torch.full_like(logits, -1e4)
+            keep[..., KEEP] = 0.0
+            logits = torch.where(mask.unsqueeze(-1) > 0, logits, keep)
         return {Columns.ACTION_DIST_INPUTS: logits.flatten(1)}
 
     def compute_values(self, batch, embeddings=None):
-        return self.value_head(_pooled(self.value_embed(self._rows(batch)))).squeeze(-1)
+        rows, mask = self._rows(batch)
+        return self.value_head(_pooled(self.value_embed(rows), mask)).squeeze(-1)
 
     def set_state(self, state) -> None:
         """Load every weight or raise ``ValueError`` naming the missing and unexpected keys."""

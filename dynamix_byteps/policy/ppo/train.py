@@ -54,8 +54,10 @@ ENTROPY = (0.01, 0.001)
 ENVS_PER_RUNNER = 4
 
 
-def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, **overrides):
-    """The ``PPOConfig`` used for training (module docstring); ``overrides`` replace :data:`PPO_SETTINGS`."""
+def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, padded: bool = False,
+               **overrides):
+    """The ``PPOConfig`` used for training (module docstring); ``overrides`` replace :data:`PPO_SETTINGS`;
+    ``padded``: the environment has several worker counts (``PerWorkerPPOModule``'s ``padded``)."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
@@ -69,7 +71,8 @@ def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict 
         .learners(num_learners=0)
         .training(**settings)
         .rl_module(rl_module_spec=RLModuleSpec(module_class=PerWorkerPPOModule,
-                                               model_config={"hidden": hidden, "dynamix": metadata or {}}))
+                                               model_config={"hidden": hidden, "padded": padded,
+                                                             "dynamix": metadata or {}}))
         .debugging(seed=seed, log_level="ERROR")
     )
 
@@ -89,9 +92,9 @@ def ray_session():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int = 4,
+def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int | list[int] = 4,
           reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
-          randomise: bool = True, hidden: int = 64, progress: bool = True, **ppo_overrides) -> dict:
+          randomise: bool = True, hidden: int = 64, progress: bool = True, init=None, **ppo_overrides) -> dict:
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
 
     Args:
@@ -99,11 +102,15 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
         scenarios: scenario names for the simulator (one is drawn per episode).
         iterations: PPO iterations of ``train_batch_size_per_learner`` environment steps.
         seed: seeds RLlib, numpy, torch and the environments.
-        workers: simulated workers N.
+        workers: simulated workers N, or a list of counts drawn per episode (one shared network
+            learns all of them; see :class:`~dynamix_byteps.policy.sim.env.DynamixSimEnv`).
         reward: reward weights (default :class:`RewardWeights`).
         scenario_file, params, randomise: passed to :class:`~dynamix_byteps.policy.sim.env.DynamixSimEnv`.
         hidden: width of the network.
         progress: show a tqdm progress bar on stderr.
+        init: start from the network of this checkpoint (``DIR/checkpoint`` of an earlier training,
+            same ``hidden``) instead of random weights: fine-tuning a policy to other simulator
+            parameters. Optimiser state and the entropy schedule start afresh.
         ppo_overrides: replace entries of :data:`PPO_SETTINGS`.
 
     Returns:
@@ -115,28 +122,39 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     import torch
     from tqdm import tqdm
 
-    from dynamix_byteps.policy.ppo.export import export_module, load_module
+    from dynamix_byteps.policy.ppo.export import (
+        MODULE_SUBDIR,
+        export_module,
+        load_module,
+        module_dir,
+    )
     from dynamix_byteps.policy.sim.env import DynamixSimEnv
 
     out = Path(out_dir).resolve()  # RLlib reads a relative path as a URI without a scheme
     reward = reward or RewardWeights()
     scenarios = [scenarios] if isinstance(scenarios, str) else list(scenarios)
-    env_config = {"scenarios": scenarios, "workers": int(workers), "randomise": bool(randomise),
+    counts = sorted({int(n) for n in workers}) if isinstance(workers, (list, tuple)) else [int(workers)]
+    env_config = {"scenarios": scenarios, "workers": counts if len(counts) > 1 else counts[0],
+                  "randomise": bool(randomise),
                   "reward": reward.to_dict(), "scenario_file": str(scenario_file) if scenario_file else None,
                   "params": params}
-    DynamixSimEnv(env_config)  # validate the configuration before starting Ray
+    padded = DynamixSimEnv(env_config).padded  # also validates the configuration before Ray starts
+    init_dir = module_dir(init).resolve() if init is not None else None
     steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
     ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
-    metadata = {"scenarios": scenarios, "workers": int(workers), "seed": int(seed), "iterations": int(iterations),
-                "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides}}
+    metadata = {"scenarios": scenarios, "workers": counts, "seed": int(seed), "iterations": int(iterations),
+                "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides},
+                "init": str(init_dir) if init_dir else None}
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     history = []
     started = time.monotonic()
     with ray_session(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, **ppo_overrides).build_algo()
+        algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, padded=padded, **ppo_overrides).build_algo()
         try:
+            if init_dir is not None:  # strict: PerWorkerPPOModule.set_state raises on any mismatch
+                algo.restore_from_path(str(init_dir), component=MODULE_SUBDIR.as_posix())
             bar = tqdm(range(iterations), desc="PPO", unit="it", disable=not progress, dynamic_ncols=True)
             for i in bar:
                 t0 = time.monotonic()

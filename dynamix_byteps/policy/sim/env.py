@@ -10,10 +10,19 @@ Config keys (a dict, as RLlib's ``env_config``):
 
 * ``scenarios``: scenario names (default ``["homogeneous"]``); each episode picks one uniformly;
 * ``scenario_file``: a TOML file of the same schema as ``scenarios.toml`` (default: the packaged one);
-* ``workers``: N (default 4); scenario patterns are tiled to N (:func:`~.params.from_scenario`);
+* ``workers``: N (default 4), or a list of counts: each episode then draws N uniformly from it
+  (after the scenario draw, from the same generator), so one shared per-worker network learns every
+  size; scenario patterns are tiled to N (:func:`~.params.from_scenario`);
 * ``params``: a :meth:`SimParams.to_dict` to use as the base job (default :func:`~.params.reference`);
 * ``randomise``: domain randomisation per episode (:mod:`.randomise`, default True);
 * ``reward``: :class:`~dynamix_byteps.policy.ppo.mdp.RewardWeights` fields to override.
+
+With several worker counts the spaces are those of the largest, ``N_max``, and padded
+(:attr:`DynamixSimEnv.padded`): the observation is ``N_max × NUM_FEATURES`` feature values (rows of
+absent workers are 0) followed by ``N_max`` mask values (1 = the worker exists), the action is
+``MultiDiscrete([len(LADDER)] × N_max)`` of which the first N entries apply.
+:class:`~dynamix_byteps.policy.ppo.module.PerWorkerPPOModule` (``model_config["padded"]``) pools
+over the mask and pins absent workers to "keep", so they add nothing to the PPO loss.
 
 All randomness comes from ``self.np_random`` (seeded by ``reset(seed=...)``).
 """
@@ -59,32 +68,52 @@ class DynamixSimEnv(gym.Env):
         unknown = set(config) - {"scenarios", "scenario_file", "workers", "params", "randomise", "reward"}
         if unknown:
             raise ConfigurationError(f"unknown environment option(s) {sorted(unknown)}")
-        self.workers = int(config.get("workers", 4))
-        if self.workers < 1:
-            raise ConfigurationError(f"workers={self.workers} must be >= 1")
+        counts = config.get("workers", 4)
+        self.worker_counts = sorted({int(n) for n in counts}) if isinstance(counts, (list, tuple)) else [int(counts)]
+        if not self.worker_counts or self.worker_counts[0] < 1:
+            raise ConfigurationError(f"workers={counts!r} must be a count >= 1 or a non-empty list of them")
+        #: N_max: the width of the spaces.
+        self.workers = self.worker_counts[-1]
+        #: Whether observations carry a worker mask (several worker counts).
+        self.padded = len(self.worker_counts) > 1
         base = SimParams.from_dict(config["params"]) if config.get("params") else None
-        self.jobs = scenario_params(config.get("scenarios") or ["homogeneous"], self.workers, base,
-                                    config.get("scenario_file"))
+        names = config.get("scenarios") or ["homogeneous"]
+        self.jobs = {n: scenario_params(names, n, base, config.get("scenario_file")) for n in self.worker_counts}
         self.randomise = bool(config.get("randomise", True))
         self.weights = RewardWeights.from_dict(config.get("reward"))
-        self.observation_space = gym.spaces.Box(-CLIP, CLIP, (self.workers * NUM_FEATURES,), np.float32)
+        size = self.workers * (NUM_FEATURES + 1) if self.padded else self.workers * NUM_FEATURES
+        self.observation_space = gym.spaces.Box(-CLIP, CLIP, (size,), np.float32)
         self.action_space = gym.spaces.MultiDiscrete([len(LADDER)] * self.workers)
         self.sim: Simulator | None = None
         self.state = None
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
-        params = self.jobs[int(self.np_random.integers(len(self.jobs)))]
+        job = int(self.np_random.integers(len(self.jobs[self.workers])))
+        n = self.workers
+        if self.padded:
+            n = self.worker_counts[int(self.np_random.integers(len(self.worker_counts)))]
+        params = self.jobs[n][job]
         if self.randomise:
             params = randomised(params, self.np_random)
         self.sim = Simulator(params, self.weights, self.np_random)
         self.state = self.sim.reset()
-        return observation(self.state).reshape(-1), {"scenario": params.scenario}
+        return self._observation(), {"scenario": params.scenario, "workers": params.num_workers}
+
+    def _observation(self) -> np.ndarray:
+        rows = observation(self.state)
+        if not self.padded:
+            return rows.reshape(-1)
+        n = rows.shape[0]
+        out = np.zeros(self.workers * (NUM_FEATURES + 1), np.float32)
+        out[: n * NUM_FEATURES] = rows.reshape(-1)
+        out[self.workers * NUM_FEATURES: self.workers * NUM_FEATURES + n] = 1.0
+        return out
 
     def step(self, action):
         if self.sim is None:
             raise RuntimeError("call reset() before step()")
-        out = self.sim.step(apply_actions(self.state, action))
+        out = self.sim.step(apply_actions(self.state, np.asarray(action)[: self.sim.params.num_workers]))
         self.state = self.sim.cluster_state()
         info = dict(out.info, terms=out.terms)
-        return observation(self.state).reshape(-1), float(out.reward), out.terminated, out.truncated, info
+        return self._observation(), float(out.reward), out.terminated, out.truncated, info
