@@ -95,6 +95,8 @@ def parse_args():
     p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
                    help="also evaluate on the test set every this many seconds of training")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")
     p.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or "64",
                    help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
                         "(default: $DYNAMIX_BATCH_SIZE or 64)")
@@ -170,8 +172,12 @@ def main():
     loader = DataLoader(train_set, batch_sampler=sampler)
 
     model = MODELS[args.model]()
-    lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if args.optimizer == "adam":
+        lr = args.lr if args.lr is not None else 1e-3
+        optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    else:
+        lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          lr_scaling=args.lr_scaling)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -182,7 +188,7 @@ def main():
         from tqdm import tqdm
     except ImportError:
         show_bar, tqdm = False, None
-    log(f"workers={size} model={args.model} batch_sizes={list(batch_sizes)} lr={lr:g} "
+    log(f"workers={size} model={args.model} optimizer={args.optimizer} batch_sizes={list(batch_sizes)} lr={lr:g} "
         f"train_samples={len(train_set)}", flush=True)
 
     budget = args.time_budget if args.time_budget is not None else float("inf")
