@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     control = parser.add_argument_group(
         "dynamic batch sizes (a scheduler on node 0 decides them; without --policy none runs)")
-    control.add_argument("--policy", choices=POLICIES, help="batch-size policy of the scheduler")
+    control.add_argument("--policy", type=_policy_name, metavar="NAME",
+                         help=f"batch-size policy of the scheduler: {' | '.join(POLICIES)} | ppo:NAME "
+                              "(a trained policy of the library, `dynamix policy list`)")
     control.add_argument("--policy-path", type=Path, metavar="DIR", help="trained policy for --policy ppo")
     control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH)")
     control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH)")
@@ -552,6 +554,14 @@ def _check_tls(args: argparse.Namespace) -> None:
             raise UsageError(str(error)) from None
 
 
+def _policy_name(text: str) -> str:
+    """``--policy``: one of :data:`POLICIES` or ``ppo:NAME`` (checked against the library later)."""
+    key, sep, name = text.strip().partition(":")
+    if key in POLICIES and (not sep or (key == "ppo" and name)):
+        return text.strip()
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(POLICIES)} or ppo:NAME)")
+
+
 def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: list[str], node_rank: int,
                      total: int) -> tuple[list[ChildSpec], str | None]:
     """The scheduler's ChildSpec (on node 0 only) and the ``host:port`` every worker reports to."""
@@ -561,7 +571,17 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         return [], None
-    if args.policy == "ppo":
+    if args.policy.startswith("ppo:"):
+        if args.policy_path is not None:
+            raise UsageError(f"--policy {args.policy} is a library policy; drop --policy-path, or use --policy ppo "
+                             "--policy-path DIR")
+        from dynamix_byteps.policy.ppo.library import policy_dir
+
+        try:
+            policy_dir(args.policy[len("ppo:"):])
+        except ConfigurationError as error:
+            raise UsageError(f"--policy: {error}") from None
+    elif args.policy == "ppo":
         if args.policy_path is None:
             raise UsageError("--policy ppo needs --policy-path DIR (a policy directory written by "
                              "`dynamix policy train --out DIR` or `dynamix policy export`)")

@@ -7,7 +7,8 @@
 * ``goodput``: the global batch maximising throughput × statistical efficiency, split
   proportionally (Pollux, OSDI'21).
 * ``ppo``: the DYNAMIX agent, a trained network served by ONNX Runtime; needs ``path=DIR``
-  (a directory from ``dynamix policy train`` / ``export``), see :mod:`.ppo`.
+  (a directory from ``dynamix policy train`` / ``export``), or ``ppo:NAME`` names a policy of
+  the packaged library (:mod:`.ppo.library`, ``dynamix policy list``); see :mod:`.ppo`.
 
 Wrap any of them in :class:`Guarded` for bounds, maximum change, hysteresis and the fallback on
 divergence: ``Guarded(make_policy("proportional"), max_change=2.0)``.
@@ -51,9 +52,15 @@ def make_policy(name: str, **options) -> Policy:
 
     Raises:
         ConfigurationError: (a ``ValueError``) for an unknown name, for options the policy does
-            not accept, or a policy that cannot load (``ppo`` without a valid ``path``).
+            not accept, or a policy that cannot load (``ppo`` without a valid ``path``, ``ppo:NAME``
+            with a name the library lacks or cannot serve: the message lists the library).
     """
-    key = str(name).strip().lower()
+    key, _, variant = str(name).strip().partition(":")
+    key = key.lower()
+    if variant:  # ppo:NAME, a policy of the packaged library
+        if key != PPOPolicy.name:
+            raise ConfigurationError(f"policy {name!r}: only ppo takes :NAME (a library policy), e.g. ppo:small-cnn-sgd")
+        options = {**options, "name": variant}
     cls = POLICIES.get(key)
     if cls is None:
         raise ConfigurationError(

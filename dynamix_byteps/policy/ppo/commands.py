@@ -1,4 +1,4 @@
-"""``dynamix policy train | eval | export``: the agent's command-line front end.
+"""``dynamix policy train | eval | export | list``: the agent's command-line front end.
 
 ``dynamix_byteps.cli`` registers :func:`add_policy_parser`. Training and export import torch and
 Ray only when run; ``eval`` needs neither (it runs the exported ONNX file, as the scheduler does).
@@ -47,7 +47,7 @@ def _weight(text: str) -> tuple[str, float]:
 
 
 def add_policy_parser(sub, usage_error: type[Exception]) -> None:
-    """Add ``policy`` with its three subcommands to ``sub``; bad usage raises ``usage_error``."""
+    """Add ``policy`` with its subcommands to ``sub``; bad usage raises ``usage_error``."""
     p = sub.add_parser("policy", help="train, evaluate and export the PPO batch-size agent",
                        description="Train the DYNAMIX agent (RLlib PPO) in the simulator, compare it with the "
                                    "heuristics, export it for the scheduler (--policy ppo --policy-path DIR).")
@@ -74,6 +74,8 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     t.add_argument("--no-randomise", action="store_true", help="train on the scenarios exactly (no domain randomisation)")
     t.add_argument("--reward", type=_weight, action="append", default=[], metavar="KEY=VALUE",
                    help="reward weight: progress, step_time, batch_change or accuracy (repeatable)")
+    t.add_argument("--init", type=Path, metavar="CHECKPOINT",
+                   help="start from this checkpoint's network (DIR/checkpoint of an earlier training): fine-tuning")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=lambda args: _train(args, usage_error))
 
@@ -105,6 +107,13 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     x.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     x.set_defaults(func=lambda args: _export(args, usage_error))
 
+    li = cmds.add_parser(
+        "list", help="list the trained policies shipped with the package (--policy ppo:NAME)",
+        description="List the policy library: name, model family, optimizer, worker counts and scenarios it\n"
+                    "was trained on, and whether this version can serve it.",
+        epilog="exit status: 0 on success.", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    li.set_defaults(func=lambda args: _list())
+
 
 def _base_params(path: Path | None) -> dict | None:
     if path is None:
@@ -129,7 +138,7 @@ def _train(args, usage_error) -> int:
     try:
         summary = train(args.out, args.scenario, iterations=args.iterations, seed=args.seed, workers=args.workers,
                         reward=weights, scenario_file=args.scenario_file, params=params,
-                        randomise=not args.no_randomise, progress=not args.quiet)
+                        randomise=not args.no_randomise, progress=not args.quiet, init=args.init)
     except ConfigurationError as error:
         raise usage_error(str(error)) from None
     final = summary["final_return"]
@@ -180,6 +189,26 @@ def _eval(args, usage_error) -> int:
         tmp.write_text(json.dumps({"policy": str(args.policy_dir), "episodes": args.episodes, "seed": args.seed,
                                    "randomise": args.randomise, "rows": rows}, indent=2) + "\n")
         os.replace(tmp, args.json)
+    return 0
+
+
+def _list() -> int:
+    from dynamix_byteps.policy.ppo.library import entries, library_root, policy_dir
+
+    known = entries()
+    print(f"{'name':<16} {'model':<10} {'optimizer':<9} {'workers':<12} {'usable':<6} scenarios / description")
+    for name, info in known.items():
+        try:
+            policy_dir(name)
+            usable = "yes"
+        except ConfigurationError:
+            usable = "no"
+        workers = ",".join(str(n) for n in info.get("workers", []))
+        print(f"{name:<16} {info.get('model', '?'):<10} {info.get('optimizer', '?'):<9} {workers:<12} {usable:<6} "
+              f"{','.join(info.get('scenarios', []))}")
+        if info.get("description"):
+            print(f"{'':<16} {info['description']}")
+    print(f"{len(known)} policies in {library_root()}; use one with --policy ppo:NAME")
     return 0
 
 

@@ -95,20 +95,29 @@ class PPOPolicy(Policy):
 
     Args:
         path: a policy directory (or its ``policy.onnx`` / ``features.json``).
+        name: instead of ``path``, a policy of the packaged library (:mod:`.library`, ``ppo:NAME``).
 
     Raises:
         ConfigurationError: the directory is not a valid policy for this version (see
-            :func:`read_metadata`), or onnxruntime is not installed (names ``pip install
+            :func:`read_metadata`), an unknown or unusable library ``name`` (the message lists
+            the library), or onnxruntime is not installed (names ``pip install
             'dynamix-byteps[rl]'``).
     """
 
     name = "ppo"
     reports_gain = False
 
-    def __init__(self, *, path=None):
+    def __init__(self, *, path=None, name=None):
+        if name is not None:  # ppo:NAME, a policy of the packaged library
+            if path is not None:
+                raise ConfigurationError("policy 'ppo' takes a library name (ppo:NAME) or a path, not both")
+            from dynamix_byteps.policy.ppo.library import policy_dir
+
+            path = policy_dir(name)
         if path is None or str(path) == "":
-            raise ConfigurationError("policy 'ppo' needs a trained policy: --policy-path DIR (bpslaunch) or "
-                                     "--policy-option path=DIR (dynamix scheduler); train one with `dynamix policy train`")
+            raise ConfigurationError("policy 'ppo' needs a trained policy: --policy ppo:NAME from the library "
+                                     "(`dynamix policy list`), --policy-path DIR (bpslaunch) or --policy-option path=DIR "
+                                     "(dynamix scheduler); train one with `dynamix policy train`")
         try:
             import onnxruntime as ort
         except ImportError:

@@ -1,0 +1,81 @@
+"""The policy library: trained PPO policies shipped inside the package, chosen with ``--policy ppo:NAME``.
+
+Each entry is a directory ``dynamix_byteps/policy/library/<name>/`` (package data, read through
+:mod:`importlib.resources`) holding what ``dynamix policy train`` writes for serving,
+``policy.onnx`` and ``features.json`` (see :mod:`.serve`), plus
+
+* ``policy.json`` (:data:`INFO_FILE`): ``model`` (family, e.g. ``small-cnn``), ``optimizer``,
+  ``description``, ``scenarios`` and ``workers`` trained on, ``feature_version``, ``profile``
+  (how the simulator parameters were obtained) and ``training`` (iterations, seconds, seed);
+* ``sim_params.json``: the :class:`~dynamix_byteps.policy.sim.params.SimParams` it was trained on.
+
+Entries differ by the simulator parameters, i.e. the model's compute/communication profile and
+the optimiser's statistical behaviour; pick the one closest to your job, or train your own
+(``dynamix sim fit RUN_DIR`` then ``dynamix policy train --sim-params``) and pass
+``--policy ppo --policy-path DIR``. No Ray or torch: the scheduler imports this.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from dynamix_byteps.errors import ConfigurationError
+
+__all__ = ["INFO_FILE", "entries", "library_root", "policy_dir"]
+
+INFO_FILE = "policy.json"
+
+
+def library_root() -> Path:
+    """The library directory inside the installed package."""
+    return Path(str(resources.files("dynamix_byteps.policy").joinpath("library")))
+
+
+def entries() -> dict[str, dict]:
+    """``name -> policy.json content`` of every library entry (sorted by name; ``{}`` if none).
+
+    An entry whose ``policy.json`` cannot be read maps to ``{"error": "..."}``.
+    """
+    root = library_root()
+    out = {}
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        if not (d / INFO_FILE).is_file() and not (d / "policy.onnx").is_file():
+            continue
+        try:
+            out[d.name] = json.loads((d / INFO_FILE).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            out[d.name] = {"error": f"cannot read {INFO_FILE}: {error}"}
+    return out
+
+
+def _listing(known: dict[str, dict]) -> str:
+    if not known:
+        return "the library of this installation is empty"
+    return "library policies: " + ", ".join(
+        f"{n} ({i.get('model', '?')}/{i.get('optimizer', '?')})" if "error" not in i else f"{n} (unreadable)"
+        for n, i in known.items())
+
+
+def policy_dir(name: str) -> Path:
+    """The directory of library policy ``name``, checked as :func:`.serve.read_metadata` checks it.
+
+    Raises:
+        ConfigurationError: an unknown name, or an entry that is incomplete or incompatible with
+            this version (another feature version, a missing or altered ONNX file); the message
+            lists the library (``dynamix policy list``).
+    """
+    from dynamix_byteps.policy.ppo.serve import read_metadata
+
+    known = entries()
+    name = str(name).strip()
+    if name not in known:
+        raise ConfigurationError(f"no policy {name!r} in the policy library; {_listing(known)} "
+                                 "(`dynamix policy list`), or pass --policy ppo --policy-path DIR")
+    directory = library_root() / name
+    try:
+        read_metadata(directory)
+    except ConfigurationError as error:
+        raise ConfigurationError(f"library policy {name!r} cannot be used: {error}. {_listing(known)}") from None
+    return directory
