@@ -180,8 +180,8 @@ def load_log(run_dir) -> RunLog:
         # One report per rank: b̂ = θ·compute is exact; several: a mean of ratios, so the assignment.
         batch = [r * c if k == 1 and r * c > 0 else b for r, c, b, k in zip(raw, compute, sizes, reports)]
         previous, last_decision = smoothed, decision if isinstance(decision, int) else None
-        if not all(math.isfinite(x) and x >= 0 for x in compute + push_pull):
-            continue
+        if not (all(x > 0 for x in compute) and all(x >= 0 for x in push_pull)):  # NaN fails both
+            continue  # an interval without real timings (a worker that did not compute)
         losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
         losses = [x for x in losses if math.isfinite(x)]
         rows.append({"n": n, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,

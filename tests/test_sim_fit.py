@@ -1,0 +1,112 @@
+"""``dynamix sim fit``: the simulator fitted to a real 4-worker run reproduces its step times."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_control_e2e import bpslaunch, reap
+
+from dynamix_byteps.cli import build_parser, main
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.sim.fit import fit_log, fit_run, load_log, replay
+from dynamix_byteps.policy.sim.params import SimParams
+
+REPO = Path(__file__).resolve().parent.parent
+STRAGGLER = 3
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real job: Fashion-MNIST, 4 workers on loopback, rank 3 three times slower, proportional
+    policy every 4 steps, 40 steps of 4 × 32 samples."""
+    out = tmp_path_factory.mktemp("fit-run")
+    job = bpslaunch("-n", 4, "--policy", "proportional", "--slowdown", f"{STRAGGLER}=3", "--decision-interval", 4,
+                    "--monitor", "off", "--log-dir", out, "--", sys.executable, REPO / "examples/torch_fashion_mnist.py",
+                    "--limit-train", 5120, "--epochs", 1, "--batch-size", 32)
+    try:
+        output, _ = job.communicate(timeout=240)
+    finally:
+        reap(job)
+    assert job.returncode == 0, output[-3000:]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fitted_simulator_reproduces_each_workers_step_time_and_finds_the_straggler(run_dir):
+    log = load_log(run_dir)
+    params, fits = fit_log(log)
+    assert params.num_workers == 4 and params.decision_interval == 4 and params.initial_batch == (32,) * 4
+    assert params.dataset_size == 5120
+    # The batches recovered from the smoothed throughput keep proportional's global batch of 128.
+    assert log.batch[1:].sum(axis=1) == pytest.approx([128] * (len(log.steps) - 1), rel=0.05)
+    assert log.batch[:, STRAGGLER].min() < 0.8 * 32, "the straggler's batch never shrank: nothing to fit"
+    rows = replay(params, log)
+    for row in rows:
+        assert abs(row["step_error"]) < 0.15, rows
+        assert abs(row["compute_error"]) < 0.15, rows
+    theta = [w.samples_per_s for w in params.workers]
+    assert theta[STRAGGLER] < 0.6 * min(theta[:STRAGGLER]), (theta, fits)
+    assert params == fit_run(run_dir)
+
+
+@pytest.mark.timeout(300)
+def test_cli_writes_parameters_that_policy_training_accepts(run_dir, tmp_path, capsys):
+    from dynamix_byteps.policy.sim.env import DynamixSimEnv
+
+    out = tmp_path / "fitted.json"
+    assert main(["sim", "fit", str(run_dir), "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "θ_i" in table and "step error" in table and str(out) in table
+    assert sum(line.strip().startswith(str(r)) for line in table.splitlines() for r in range(4)) >= 4
+    params = SimParams.from_json(out)
+    assert params == fit_run(run_dir)
+    assert [p.name for p in tmp_path.iterdir()] == ["fitted.json"]  # no temporary file left behind
+    assert main(["sim", "fit", str(run_dir)]) == 0  # default: RUN_DIR/sim_params.json
+    assert SimParams.from_json(run_dir / "sim_params.json") == params
+    args = build_parser().parse_args(["policy", "train", "--scenario", "homogeneous", "--out", str(tmp_path / "p"),
+                                      "--sim-params", str(out)])
+    assert args.sim_params == out
+    env = DynamixSimEnv({"scenarios": ["homogeneous"], "params": params.to_dict(), "randomise": False})
+    obs, _ = env.reset(seed=0)
+    assert env.sim.params.workers == params.workers
+    assert env.step(env.action_space.sample())[0].shape == obs.shape
+
+
+def _record(decision, in_force, compute, smoothed, reports=1):
+    n = len(in_force)
+    return json.dumps({"decision": decision, "step": 10 * decision, "batch_sizes": in_force, "state": {
+        "workers": {"batch_size": in_force, "compute_s": compute, "push_pull_s": [0.01] * n,
+                    "samples_per_s": smoothed, "min_batch": [8] * n, "max_batch": [256] * n,
+                    "loss": [2.0] * n, "reports": [reports] * n},
+        "initial_batch_sizes": [32] * n, "noise_scale": 50.0, "dataset_size": 1000}})
+
+
+def test_the_batch_actually_run_is_recovered_from_the_smoothed_throughput(tmp_path):
+    # Interval 2 ran 32 samples in 0.1 s (θ 320) although 16 was already in force; interval 3 ran 16 in 0.06 s.
+    smoothed2 = 0.3 * 320 + 0.7 * 300
+    smoothed3 = 0.3 * (16 / 0.06) + 0.7 * smoothed2
+    (tmp_path / "decisions.jsonl").write_text("\n".join([
+        _record(1, [32], [0.1], [300.0], reports=2), _record(2, [16], [0.1], [smoothed2]),
+        _record(3, [16], [0.06], [smoothed3])]) + "\n")
+    log = load_log(tmp_path)
+    assert log.batch[:, 0] == pytest.approx([32, 32, 16])  # several reports: the assignment in force
+    assert (log.min_batch, log.max_batch, log.dataset_size) == (8, 256, 1000)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    ("", "holds 0 decision"),
+    ("{not json\n", "line 1 is not a decision record (invalid JSON"),
+    ('{"step": 1, "state": {}}\n', "missing or malformed field 'workers'"),
+    (_record(1, [32, 32], [0.1, 0.1], [300.0, 300.0]) + "\n", "holds 1 decision(s) with timings, at least 3"),
+])
+def test_unusable_logs_are_refused_naming_the_file_and_the_fix(tmp_path, capsys, content, message):
+    if content is not None:
+        (tmp_path / "decisions.jsonl").write_text(content)
+    with pytest.raises(ConfigurationError, match="decisions.jsonl") as error:
+        fit_run(tmp_path)
+    assert message in str(error.value)
+    assert main(["sim", "fit", str(tmp_path)]) == 2
+    assert "argument RUN_DIR" in capsys.readouterr().err
+    assert not (tmp_path / "sim_params.json").exists()
