@@ -16,13 +16,22 @@ intra-op thread and applies the greedy ladder step per worker
 guardrails skip their hysteresis for it (``reports_gain = False``): the learned "keep" action
 and the batch-change cost in its reward play that role. Bounds, the ×2 limit and the fallback on
 divergence apply as for every policy (:class:`~dynamix_byteps.policy.guardrails.Guarded`).
+
+Online fine-tuning (:mod:`.finetune`) publishes new generations into the directory
+(:mod:`.publish`); :class:`PPOPolicy` notices them with one ``stat`` per decision, loads them
+beside the network in force and swaps a reference, and names the deciding generation in every
+decision's ``terms``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
+import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,6 +39,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, check_spec, observation
 from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER, apply_actions
+from dynamix_byteps.policy.ppo.publish import MANIFEST, read_manifest
 
 __all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "POLICY_FILE", "PPOPolicy", "read_metadata", "sha256"]
 
@@ -40,6 +50,7 @@ FORMAT_VERSION = 1
 INPUT = "obs"
 OUTPUT = "logits"
 RL_EXTRA = "pip install 'dynamix-byteps[rl]'"
+log = logging.getLogger("dynamix_byteps.policy.ppo")
 
 
 def sha256(path: Path) -> str:
@@ -94,7 +105,13 @@ class PPOPolicy(Policy):
     """The ONNX-served DYNAMIX agent (module docstring).
 
     Args:
-        path: a policy directory (or its ``policy.onnx`` / ``features.json``).
+        path: a policy directory (or its ``policy.onnx`` / ``features.json``); when it holds a
+            ``manifest.json`` (:mod:`.publish`), the generation that names is served, and newer
+            ones are swapped in as they are published (:meth:`refresh`, every decision).
+        explore: draw each worker's ladder step from softmax(logits) instead of the greedy one
+            (online fine-tuning: the logged ``logp`` is then the behaviour policy's); ``true`` /
+            ``false`` strings are accepted (``--policy-option explore=true``).
+        seed: seeds the draws of ``explore``.
         name: instead of ``path``, a policy of the packaged library (:mod:`.library`, ``ppo:NAME``).
 
     Raises:
@@ -107,7 +124,7 @@ class PPOPolicy(Policy):
     name = "ppo"
     reports_gain = False
 
-    def __init__(self, *, path=None, name=None):
+    def __init__(self, *, path=None, explore=False, seed=None, name=None):
         if name is not None:  # ppo:NAME, a policy of the packaged library
             if path is not None:
                 raise ConfigurationError("policy 'ppo' takes a library name (ppo:NAME) or a path, not both")
@@ -119,39 +136,134 @@ class PPOPolicy(Policy):
                                      "(`dynamix policy list`), --policy-path DIR (bpslaunch) or --policy-option path=DIR "
                                      "(dynamix scheduler); train one with `dynamix policy train`")
         try:
-            import onnxruntime as ort
+            import onnxruntime  # noqa: F401
         except ImportError:
             raise ConfigurationError(f"policy 'ppo' needs onnxruntime: {RL_EXTRA}") from None
-        self.directory, self.metadata = read_metadata(path)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
+        self.explore = _flag(explore, "explore")
+        self._rng = np.random.default_rng(None if seed is None else int(seed))
+        self.root = _policy_dir(path)
+        self._stamp = _stamp(self.root / MANIFEST)
+        self._swapper: threading.Thread | None = None
+        manifest = read_manifest(self.root)
+        self._live = _load(manifest.number, manifest.path(self.root))
+        self._last = None
+
+    # The generation in force; a decision reads ``_live`` once, a swap replaces it in one assignment.
+    generation = property(lambda self: self._live.generation)
+    directory = property(lambda self: self._live.directory)
+    metadata = property(lambda self: self._live.metadata)
+    session = property(lambda self: self._live.session)
+
+    def refresh(self, wait: bool = False) -> None:
+        """Start loading a newly published generation (:mod:`.publish`) beside the one in force.
+
+        Costs one ``stat`` of ``manifest.json`` when nothing changed. A new generation is loaded
+        and checked on a background thread, then swapped in by one reference assignment; a
+        manifest, ONNX or ``features.json`` that does not load keeps the generation in force and
+        logs a warning. ``wait`` joins the loading thread (tests, tools).
+        """
+        stamp = _stamp(self.root / MANIFEST)
+        if stamp != self._stamp and (self._swapper is None or not self._swapper.is_alive()):
+            self._stamp = stamp
+            self._swapper = threading.Thread(target=self._swap, name="dynamix-ppo-swap", daemon=True)
+            self._swapper.start()
+        if wait and self._swapper is not None:
+            self._swapper.join()
+
+    def _swap(self) -> None:
+        live = self._live
         try:
-            self.session = ort.InferenceSession(str(self.directory / POLICY_FILE), options,
-                                                providers=["CPUExecutionProvider"])
-        except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise ConfigurationError(f"ONNX Runtime cannot load {self.directory / POLICY_FILE}: {error}") from None
-        inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
-        if [i.name for i in inputs] != [INPUT] or OUTPUT not in [o.name for o in outputs] \
-                or inputs[0].shape[-1] != NUM_FEATURES:
-            raise ConfigurationError(f"{self.directory / POLICY_FILE} does not take '{INPUT}' (batch, workers, "
-                                     f"{NUM_FEATURES}) and give '{OUTPUT}'; re-export the policy")
+            manifest = read_manifest(self.root)
+            if manifest.number == live.generation:
+                return
+            self._live = _load(manifest.number, manifest.path(self.root))
+        except Exception as error:  # noqa: BLE001 - a bad publication must never break a decision
+            log.warning("ppo: keeping policy generation %d, the published one does not load: %s", live.generation, error)
+            return
+        log.info("ppo: now serving policy generation %d from %s", self._live.generation, self._live.directory)
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Network output for observations ``(B, N, F)`` float32: logits ``(B, N, len(LADDER))``."""
-        return self.session.run([OUTPUT], {INPUT: np.ascontiguousarray(obs, dtype=np.float32)})[0]
+        live = self._live
+        obs = np.ascontiguousarray(obs, dtype=np.float32)
+        out = live.session.run([OUTPUT], {INPUT: obs})[0]
+        self._last = (live.generation, obs, out)
+        return out
 
     def actions(self, state: ClusterState) -> np.ndarray:
-        """Greedy ladder index per worker, int64 ``(N,)``."""
-        return self.logits(observation(state)[None])[0].argmax(axis=-1)
+        """Ladder index per worker, int64 ``(N,)``: greedy, or drawn from softmax(logits) with ``explore``."""
+        logits = self.logits(observation(state)[None])[0]
+        if not self.explore:
+            return logits.argmax(axis=-1)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        u = self._rng.random((len(p), 1)) * p.sum(-1, keepdims=True)
+        return np.minimum((np.cumsum(p, -1) < u).sum(-1), p.shape[-1] - 1).astype(np.int64)
 
     def decide(self, state: ClusterState) -> Decision:
+        """The ladder step per worker; ``terms`` record what online fine-tuning needs
+        (:mod:`.finetune`): ``generation``, the observation ``obs`` (N, F), ``logits`` (N, A) and
+        ``logp``, the log-probability of the chosen actions under softmax(logits) (sum over workers)."""
+        self.refresh()
         if not state.workers:
             return Decision((), "ppo: no workers")
         actions = self.actions(state)
+        generation, obs, logits = self._last
+        logits = logits[0].astype(np.float64)
+        shifted = logits - logits.max(-1, keepdims=True)
+        log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
         sizes = apply_actions(state, actions)
         changed = sum(a != b for a, b in zip(sizes, state.batch_sizes))
         reason = f"ppo: {changed} of {len(sizes)} batch sizes changed, global batch {state.global_batch} → {sum(sizes)}"
-        terms = {"actions": actions.tolist(), "factors": [LADDER[a] for a in actions], "global_batch": sum(sizes)}
+        terms = {"actions": actions.tolist(), "factors": [LADDER[a] for a in actions], "global_batch": sum(sizes),
+                 "generation": generation, "explore": self.explore,
+                 "obs": np.round(obs[0].astype(np.float64), 6).tolist(), "logits": np.round(logits, 6).tolist(),
+                 "logp": float(log_softmax[np.arange(len(actions)), actions].sum())}
         return Decision(sizes, reason, 0.0, terms)
+
+
+class _Live(NamedTuple):
+    generation: int
+    directory: Path
+    metadata: dict
+    session: object
+
+
+def _load(generation: int, directory: Path) -> _Live:
+    """Open and check one generation's files (:func:`read_metadata`, graph signature)."""
+    import onnxruntime as ort
+
+    directory, metadata = read_metadata(directory)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(directory / POLICY_FILE), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise ConfigurationError(f"ONNX Runtime cannot load {directory / POLICY_FILE}: {error}") from None
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    if [i.name for i in inputs] != [INPUT] or OUTPUT not in [o.name for o in outputs] \
+            or inputs[0].shape[-1] != NUM_FEATURES:
+        raise ConfigurationError(f"{directory / POLICY_FILE} does not take '{INPUT}' (batch, workers, "
+                                 f"{NUM_FEATURES}) and give '{OUTPUT}'; re-export the policy")
+    return _Live(int(generation), directory, metadata, session)
+
+
+def _stamp(path: Path):
+    """What changes when ``path`` is replaced or rewritten (None while it does not exist)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _flag(value, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigurationError(f"policy option {name}={value!r} must be true or false")

@@ -1,0 +1,267 @@
+"""Online fine-tuning: hot swap of published generations, rollback, and the trainer's update.
+
+One module-scoped fixture builds an untrained (seeded) policy directory: an RLlib checkpoint of
+the per-worker module plus its exported ONNX (no Ray instance, no training). Decision logs come
+from the real scheduler code path in-process (:class:`SchedulerServer` fed with reports).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control.scheduler import DECISION_LOG, SchedulerServer
+from dynamix_byteps.policy import Guarded
+from dynamix_byteps.policy.ppo.publish import (
+    MANIFEST,
+    generation_dir,
+    publish,
+    read_manifest,
+)
+from dynamix_byteps.policy.ppo.serve import (
+    FEATURES_FILE,
+    POLICY_FILE,
+    PPOPolicy,
+    sha256,
+)
+
+pytest.importorskip("ray.rllib")
+
+WORKERS = 4
+K = 2
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """An untrained policy directory: ``checkpoint/`` (RLlib module) + ``policy.onnx`` + ``features.json``."""
+    import gymnasium as gym
+    import torch
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from dynamix_byteps.policy.ppo.export import (
+        MODULE_SUBDIR,
+        export_module,
+        load_module,
+    )
+    from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES
+    from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights
+    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("finetune") / "policy"
+    spec = RLModuleSpec(module_class=PerWorkerPPOModule,
+                        observation_space=gym.spaces.Box(-CLIP, CLIP, (WORKERS * NUM_FEATURES,), np.float32),
+                        action_space=gym.spaces.MultiDiscrete([len(LADDER)] * WORKERS),
+                        model_config={"hidden": 16, "dynamix": {"reward": RewardWeights().to_dict()}})
+    spec.build().save_to_path(str((out / "checkpoint" / MODULE_SUBDIR).resolve()))
+    export_module(load_module(out / "checkpoint"), out)
+    return out
+
+
+def served_copy(policy_dir, tmp_path):
+    """What ``bpslaunch --fine-tune`` serves: a copy of the policy's files (no checkpoint)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    for name in (POLICY_FILE, FEATURES_FILE):
+        shutil.copy(policy_dir / name, served / name)
+    return served
+
+
+def perturbed_generation(served, generation, scale=0.5, seed=1):
+    """Publish generation ``generation``: the served ONNX with every weight perturbed (onnx + numpy only)."""
+    import onnx
+    from onnx import numpy_helper
+
+    source = read_manifest(served).path(served)
+    model = onnx.load(str(source / POLICY_FILE))
+    rng = np.random.default_rng(seed)
+    for init in model.graph.initializer:
+        w = numpy_helper.to_array(init)
+        init.CopyFrom(numpy_helper.from_array((w + scale * rng.standard_normal(w.shape)).astype(w.dtype), init.name))
+    target = generation_dir(served, generation)
+    target.mkdir(parents=True)
+    onnx.save(model, str(target / POLICY_FILE))
+    meta = json.loads((source / FEATURES_FILE).read_text())
+    meta["onnx"]["sha256"] = sha256(target / POLICY_FILE)
+    (target / FEATURES_FILE).write_text(json.dumps(meta))
+    publish(served, generation, target)
+    return target
+
+
+def info(rank, batch=32):
+    return dynamix_pb2.WorkerInfo(rank=rank, world_size=WORKERS, host="127.0.0.1", engine="gloo", min_batch=4,
+                                  max_batch=512, batch_size=batch, dataset_size=60000)
+
+
+class FakeJob:
+    """Four workers (rank 3 three times slower) reporting to a real in-process scheduler.
+
+    The loss falls faster with a larger global batch, and when ``collapse`` returns True for the
+    generation that decided last, it rises instead (a synthetic reward collapse).
+    """
+
+    def __init__(self, policy, run_dir, collapse=lambda generation: False):
+        self.policy = policy
+        self.server = SchedulerServer(Guarded(policy), num_workers=WORKERS, decision_interval=K, run_dir=run_dir)
+        self.sizes = [32] * WORKERS
+        for r in range(WORKERS):
+            self.server.register(info(r))
+        self.step, self.loss, self.collapse = 0, 2.5, collapse
+        self.log = run_dir / DECISION_LOG
+
+    def decisions(self, count):
+        """Run ``count`` decision intervals; return once the scheduler has logged them all."""
+        for _ in range(count):
+            self.step += K
+            last = None
+            for r, b in enumerate(self.sizes):
+                compute = b / (400.0 if r < 3 else 133.0)
+                last = self.server.report(dynamix_pb2.Report(
+                    rank=r, step=self.step, local_batch_size=b, compute_s=compute, push_pull_s=0.02,
+                    samples_per_s=b / compute, loss=self.loss, grad_sq=2.0, trace_cov=200.0))
+            self.sizes = list(last.batch_sizes)
+            gain = 0.02 * sum(self.sizes) / (sum(self.sizes) + 256)
+            self.loss *= 1.5 if self.collapse(self.policy.generation) else 1 - gain
+        deadline = time.monotonic() + 30
+        while len(self.log.read_bytes().splitlines()) < self.step // K:  # the log is written off the RPC path
+            assert time.monotonic() < deadline, "the scheduler did not log its decisions"
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.stop(grace=None)
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / DECISION_LOG).read_text().splitlines()]
+
+
+# ---- hot swap ------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_hot_swap_picks_up_a_new_generation_and_the_next_decision_uses_it(policy_dir, tmp_path):
+    served = served_copy(policy_dir, tmp_path)
+    policy = PPOPolicy(path=served)
+    job = FakeJob(policy, tmp_path / "run")
+    try:
+        job.decisions(2)
+        before = policy.logits(np.zeros((1, WORKERS, 16), np.float32))
+        perturbed_generation(served, 1)
+        policy.refresh(wait=True)
+        assert policy.generation == 1 and policy.directory == generation_dir(served, 1).resolve()
+        assert not np.allclose(policy.logits(np.zeros((1, WORKERS, 16), np.float32)), before)
+        job.decisions(1)
+    finally:
+        job.close()
+    logged = records(tmp_path / "run")
+    assert [r["terms"]["generation"] for r in logged] == [0, 0, 1]
+    last = logged[-1]["terms"]
+    assert np.asarray(last["obs"]).shape == (WORKERS, 16) and np.asarray(last["logits"]).shape == (WORKERS, 5)
+    logits = np.asarray(last["logits"])
+    log_softmax = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert last["logp"] == pytest.approx(log_softmax[np.arange(WORKERS), last["actions"]].sum(), abs=1e-4)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("damage", ["corrupt onnx", "bad manifest", "missing directory"])
+def test_a_bad_publication_is_ignored_with_a_warning(policy_dir, tmp_path, caplog, damage):
+    served = served_copy(policy_dir, tmp_path)
+    policy = PPOPolicy(path=served)
+    state_obs = np.zeros((1, WORKERS, 16), np.float32)
+    before = policy.logits(state_obs)
+    if damage == "corrupt onnx":
+        target = perturbed_generation(served, 1)
+        (target / POLICY_FILE).write_bytes(b"not an onnx file")  # the recorded hash no longer matches either
+    elif damage == "bad manifest":
+        (served / MANIFEST).write_text("{half a manif")
+    else:
+        (served / MANIFEST).write_text(json.dumps({"format": "dynamix-ppo-manifest", "generation": 3,
+                                                   "directory": "generations/000003"}))
+    with caplog.at_level(logging.WARNING, logger="dynamix_byteps.policy.ppo"):
+        policy.refresh(wait=True)
+    assert policy.generation == 0
+    assert any("keeping policy generation 0" in r.getMessage() for r in caplog.records)
+    assert np.array_equal(policy.logits(state_obs), before)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynamix_byteps.policy.ppo"):
+        policy.refresh(wait=True)  # the same bad file is not retried every decision
+    assert not caplog.records
+
+
+# ---- the trainer -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_trainer_updates_publishes_a_checked_onnx_and_the_scheduler_swaps_it(policy_dir, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    from dynamix_byteps.policy.ppo.finetune import EVENTS, FineTuner
+
+    served = served_copy(policy_dir, tmp_path)
+    run = tmp_path / "run"
+    policy = PPOPolicy(path=served, explore="true", seed=0)
+    job = FakeJob(policy, run)
+    tuner = FineTuner(run, served, checkpoint=policy_dir / "checkpoint", every=12, window=4, lr=3e-3)
+    try:
+        job.decisions(13)  # 12 transitions of generation 0
+        events = tuner.step()
+        assert [e["event"] for e in events] == ["publish"] and events[0]["generation"] == 1
+        assert events[0]["transitions"] == 12 and events[0]["from_generation"] == 0
+        policy.refresh(wait=True)
+        assert policy.generation == 1
+        job.decisions(6)
+    finally:
+        job.close()
+    new = generation_dir(served, 1)
+    old_w = [numpy_helper.to_array(t) for t in onnx.load(str(served / POLICY_FILE)).graph.initializer]
+    new_w = [numpy_helper.to_array(t) for t in onnx.load(str(new / POLICY_FILE)).graph.initializer]
+    assert len(old_w) == len(new_w) and any(not np.allclose(a, b) for a, b in zip(old_w, new_w))
+    meta = json.loads((new / FEATURES_FILE).read_text())
+    assert meta["onnx"]["sha256"] == sha256(new / POLICY_FILE)  # export_module's parity/weight checks passed
+    assert meta["training"]["fine_tune"]["decisions"] == [1, 12]
+    assert [r["terms"]["generation"] for r in records(run)][-6:] == [1] * 6
+    events = tuner.step()  # 5 transitions of generation 1 >= window 4, no collapse: accepted
+    assert [e["event"] for e in events] == ["accept"] and tuner.good[0] == 1
+    assert [json.loads(x)["event"] for x in (run / EVENTS).read_text().splitlines()] == ["publish", "accept"]
+
+
+@pytest.mark.timeout(180)
+def test_reward_collapse_rolls_back_to_the_previous_generation(policy_dir, tmp_path):
+    from dynamix_byteps.policy.ppo.finetune import FineTuner
+
+    served = served_copy(policy_dir, tmp_path)
+    run = tmp_path / "run"
+    policy = PPOPolicy(path=served)
+    job = FakeJob(policy, run, collapse=lambda generation: generation == 1)
+    tuner = FineTuner(run, served, checkpoint=policy_dir / "checkpoint", every=8, window=4)
+    try:
+        job.decisions(9)
+        assert [e["event"] for e in tuner.step()] == ["publish"]
+        policy.refresh(wait=True)
+        job.decisions(6)  # the loss now rises under generation 1
+        events = tuner.step()
+        assert [e["event"] for e in events] == ["rollback"]
+        rollback = events[0]
+        assert rollback["rollback_of"] == 1 and rollback["restored"] == 0 and rollback["generation"] == 2
+        assert rollback["window_mean"] < rollback["threshold"]
+        manifest = read_manifest(served)
+        assert manifest.number == 2 and manifest["rollback_of"] == 1 and manifest.path(served) == served.resolve()
+        policy.refresh(wait=True)
+        assert policy.generation == 2 and policy.directory == served.resolve()
+        job.decisions(2)  # the loss falls again, so the guardrails hand back to the network
+    finally:
+        job.close()
+    assert records(run)[-1]["terms"]["generation"] == 2
+    # the learner is back on generation 0's weights
+    import torch
+
+    from dynamix_byteps.policy.ppo.export import load_module
+    base = load_module(policy_dir / "checkpoint").state_dict()
+    assert all(torch.equal(base[k], v) for k, v in tuner.module.state_dict().items())
