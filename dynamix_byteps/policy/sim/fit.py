@@ -67,7 +67,8 @@ from dynamix_byteps.policy.sim.params import (
     reference,
 )
 
-__all__ = ["MIN_BATCH_SPREAD", "MIN_INTERVALS", "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "load_log", "replay"]
+__all__ = ["MIN_BATCH_SPREAD", "MIN_INTERVALS", "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run",
+           "fitted_rows", "load_log", "replay"]
 
 DECISION_LOG = "decisions.jsonl"
 #: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
@@ -115,7 +116,9 @@ class RunLog:
 
 @dataclass(frozen=True)
 class WorkerFit:
-    """One worker's compute model ``a + b/θ``; ``method``: least-squares, through-origin, shared-fraction."""
+    """One worker's compute model: ``fixed_s`` a (seconds) + batch / ``samples_per_s`` θ (samples/s);
+    ``jitter`` relative sd of an interval's compute; ``method``: least-squares, through-origin or
+    shared-fraction (module docstring)."""
 
     fixed_s: float
     samples_per_s: float
@@ -320,8 +323,8 @@ def fit_log(log: RunLog) -> tuple[SimParams, list[WorkerFit]]:
     rows = fitted_rows(log)
     workers = _fit_workers(log, rows)
     ref = _REF
-    min_batch = max(1, log.min_batch)
-    max_batch = log.max_batch or max(ref.max_batch, *log.initial_batch)
+    min_batch = max(1, min(log.min_batch, *log.initial_batch))  # per-worker bounds may not hold every start
+    max_batch = max(log.max_batch or ref.max_batch, *log.initial_batch)
     gaps = np.diff(log.steps)
     k = int(np.median(gaps)) if gaps.size and np.median(gaps) >= 1 else ref.decision_interval
     params = SimParams(
