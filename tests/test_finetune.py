@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -265,3 +270,69 @@ def test_reward_collapse_rolls_back_to_the_previous_generation(policy_dir, tmp_p
     from dynamix_byteps.policy.ppo.export import load_module
     base = load_module(policy_dir / "checkpoint").state_dict()
     assert all(torch.equal(base[k], v) for k, v in tuner.module.state_dict().items())
+
+
+# ---- bpslaunch --fine-tune -----------------------------------------------------------------------
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (read from /proc; nothing is signalled)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.timeout(240)
+def test_bpslaunch_fine_tune_runs_the_trainer_and_reaps_it(policy_dir, tmp_path):
+    log_dir = tmp_path / "log"
+    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",
+                            "--policy-path", str(policy_dir), "--fine-tune", "--monitor", "off", "--log-dir",
+                            str(log_dir), "--", sys.executable, "-c", "import time; time.sleep(300)"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "fine-tuning" not in ((log_dir / "finetune.log").read_text() if (log_dir / "finetune.log").exists() else ""):
+            assert job.poll() is None and time.monotonic() < deadline, job.stdout.read() if job.poll() is not None else "no trainer"
+            time.sleep(0.5)
+        trainers = [pid for pid in processes_naming(str(log_dir)) if b"policy\x00finetune\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(trainers) == 1
+        served = log_dir / "policy"
+        assert (served / POLICY_FILE).is_file() and not (policy_dir / "generations").exists()
+        scheduler = [pid for pid in processes_naming(str(log_dir)) if b"cli\x00scheduler\x00" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert scheduler and f"path={served}".encode() in Path(f"/proc/{scheduler[0]}/cmdline").read_bytes()
+        job.send_signal(signal.SIGTERM)
+        job.communicate(timeout=60)
+        deadline = time.monotonic() + 20
+        while processes_naming(str(log_dir)):
+            assert time.monotonic() < deadline, f"left behind: {processes_naming(str(log_dir))}"
+            time.sleep(0.2)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, needle", [
+    (["--fine-tune"], "--fine-tune needs --policy"),
+    (["--policy", "static", "--fine-tune"], "--fine-tune needs --policy ppo"),
+])
+def test_bpslaunch_refuses_fine_tune_without_a_ppo_policy(args, needle):
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", *args, "--", "true"],
+                            check=False, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bpslaunch_refuses_fine_tune_of_a_policy_without_checkpoint(policy_dir, tmp_path):
+    served = served_copy(policy_dir, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",
+                             "--policy-path", str(served), "--fine-tune", "--", "true"],
+                            check=False, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2 and "no RLlib checkpoint" in result.stderr, result.stderr

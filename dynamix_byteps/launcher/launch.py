@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"batch-size policy of the scheduler: {' | '.join(POLICIES)} | ppo:NAME "
                               "(a trained policy of the library, `dynamix policy list`)")
     control.add_argument("--policy-path", type=Path, metavar="DIR", help="trained policy for --policy ppo")
+    control.add_argument("--fine-tune", action="store_true",
+                         help="with --policy ppo --policy-path DIR: fine-tune the policy online from the decision "
+                         "log (`dynamix policy finetune` beside the scheduler, which then serves and explores with "
+                         "a copy in the run directory, hot-swapping each new generation)")
     control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH)")
     control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH)")
     control.add_argument("--decision-interval", type=_positive_int, default=DEFAULT_DECISION_INTERVAL, metavar="K",
@@ -567,7 +571,7 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
     """The scheduler's ChildSpec (on node 0 only) and the ``host:port`` every worker reports to."""
     _check_tls(args)
     if args.policy is None:
-        for flag in ("policy_path", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca"):
+        for flag in ("policy_path", "fine_tune", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca"):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         return [], None
@@ -612,14 +616,35 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
     argv = [sys.executable, "-m", "dynamix_byteps.cli", "scheduler", "--port", str(port), "--port-file", str(ready),
             "--bind", bind, "--policy", args.policy, "--num-workers", str(total),
             "--decision-interval", str(args.decision_interval), "--run-dir", str(run_dir)]
-    if args.policy_path is not None:
+    trainer = []
+    if args.fine_tune:
+        trainer.append(_fine_tune_spec(args, env, argv, run_dir))
+    elif args.policy_path is not None:
         argv += ["--policy-option", f"path={args.policy_path}"]
     if args.tls_cert is not None:
         argv += ["--tls-cert", str(args.tls_cert), "--tls-key", str(args.tls_key)]
     log_path = None if args.log_dir is None else args.log_dir / "scheduler.log"
     spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path,
                      service=True, ready_file=ready)
-    return [spec], address
+    return [spec, *trainer], address
+
+
+def _fine_tune_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler_argv: list[str],
+                    run_dir: Path) -> ChildSpec:
+    """--fine-tune: the trainer service (:mod:`dynamix_byteps.policy.ppo.finetune_cli`); points the
+    scheduler at the copy of the policy it publishes into, with exploration on."""
+    if args.policy != "ppo":
+        raise UsageError(f"--fine-tune needs --policy ppo --policy-path DIR (a directory from `dynamix policy train` "
+                         f"with its RLlib checkpoint), not --policy {args.policy}")
+    from dynamix_byteps.policy.ppo.finetune_cli import trainer_argv
+
+    try:
+        argv, served = trainer_argv(args.policy_path, run_dir)
+    except ConfigurationError as error:
+        raise UsageError(f"--fine-tune: {error}") from None
+    scheduler_argv += ["--policy-option", f"path={served}", "--policy-option", "explore=true"]
+    log_path = None if args.log_dir is None else args.log_dir / "finetune.log"
+    return ChildSpec(label="finetune", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path, service=True)
 
 
 def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from dynamix_byteps.argtypes import int_in
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.finetune_cli import add_finetune_parser
 from dynamix_byteps.scenarios import load_scenarios
 
 __all__ = ["add_policy_parser", "format_table"]
@@ -106,6 +107,8 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     x.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="DIR/checkpoint from `dynamix policy train`")
     x.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     x.set_defaults(func=lambda args: _export(args, usage_error))
+
+    add_finetune_parser(cmds, usage_error)
 
     li = cmds.add_parser(
         "list", help="list the trained policies shipped with the package (--policy ppo:NAME)",
