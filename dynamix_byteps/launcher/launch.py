@@ -150,10 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"batch-size policy of the scheduler: {' | '.join(POLICIES)} | ppo:NAME "
                               "(a trained policy of the library, `dynamix policy list`)")
     control.add_argument("--policy-path", type=Path, metavar="DIR", help="trained policy for --policy ppo")
-    control.add_argument("--fine-tune", action="store_true",
-                         help="with --policy ppo --policy-path DIR: fine-tune the policy online from the decision "
-                         "log (`dynamix policy finetune` beside the scheduler, which then serves and explores with "
-                         "a copy in the run directory, hot-swapping each new generation)")
+    control.add_argument("--fine-tune", nargs="?", type=int_in(2, what="--fine-tune"), const=64, metavar="N",
+                         help="with --policy ppo --policy-path DIR: fine-tune the policy online, one update per N "
+                         "decisions (default 64), with `dynamix policy finetune` beside the scheduler, which then "
+                         "serves and explores with a copy in the run directory, hot-swapping each new generation")
     control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH)")
     control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH)")
     control.add_argument("--decision-interval", type=_positive_int, default=DEFAULT_DECISION_INTERVAL, metavar="K",
@@ -617,7 +617,7 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
             "--bind", bind, "--policy", args.policy, "--num-workers", str(total),
             "--decision-interval", str(args.decision_interval), "--run-dir", str(run_dir)]
     trainer = []
-    if args.fine_tune:
+    if args.fine_tune is not None:
         trainer.append(_fine_tune_spec(args, env, argv, run_dir))
     elif args.policy_path is not None:
         argv += ["--policy-option", f"path={args.policy_path}"]
@@ -639,7 +639,7 @@ def _fine_tune_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler_
     from dynamix_byteps.policy.ppo.finetune_cli import trainer_argv
 
     try:
-        argv, served = trainer_argv(args.policy_path, run_dir)
+        argv, served = trainer_argv(args.policy_path, run_dir, every=args.fine_tune)
     except ConfigurationError as error:
         raise UsageError(f"--fine-tune: {error}") from None
     scheduler_argv += ["--policy-option", f"path={served}", "--policy-option", "explore=true"]

@@ -101,9 +101,9 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
     return served
 
 
-def trainer_argv(source: Path, run_dir: Path) -> tuple[list[str], Path]:
+def trainer_argv(source: Path, run_dir: Path, every: int = 64) -> tuple[list[str], Path]:
     """``(argv, served directory)`` of the trainer ``bpslaunch --fine-tune`` runs for the trained
-    policy ``source`` (which must hold the RLlib ``checkpoint/``).
+    policy ``source`` (which must hold the RLlib ``checkpoint/``), one update per ``every`` decisions.
 
     Raises:
         ConfigurationError: ``source`` has no checkpoint or is not a valid policy directory.
@@ -118,5 +118,6 @@ def trainer_argv(source: Path, run_dir: Path) -> tuple[list[str], Path]:
                                  "`dynamix policy train --out DIR`")
     served = prepare_served(directory, run_dir)
     argv = [sys.executable, "-m", "dynamix_byteps.cli", "policy", "finetune", "--run-dir", str(run_dir),
-            "--policy-path", str(served), "--checkpoint", str(checkpoint.resolve())]
+            "--policy-path", str(served), "--checkpoint", str(checkpoint.resolve()), "--every", str(every),
+            "--window", str(max(1, every // 4))]
     return argv, served
