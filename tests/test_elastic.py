@@ -4,6 +4,8 @@ from the last atomic checkpoint, with no sample lost or repeated, and a schedule
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +13,14 @@ from pathlib import Path
 import pytest
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
+from dynamix_byteps.launcher.restart import RunReport, decide
+from dynamix_byteps.testing import netns
+from dynamix_byteps.testing.faults import FAULT_TAG_ENV, job_processes
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "scripts" / "elastic_worker.py"
 SAMPLES = 480  # 20 steps of the global batch 24 (4 x 6, then 3 x 8): no epoch tail to pad
+NETNS_REASON = netns.available()
 
 
 def bpslaunch(*args, timeout: float) -> subprocess.CompletedProcess:
@@ -71,11 +77,67 @@ def test_a_worker_lost_mid_epoch_restarts_the_job_on_three_without_losing_or_rep
 @pytest.mark.parametrize("flags, message", [
     (["-n", "2", "--restart-on-failure", "1"], "--checkpoint"),
     (["--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0", "--port", "29999", "--restart-on-failure", "1",
-      "--checkpoint", "c.pt"], "one host"),
+      "--checkpoint", "c.pt"], "needs --restart-port"),
+    (["--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0", "--port", "29999", "--restart-on-failure", "1",
+      "--checkpoint", "c.pt", "--restart-port", "29998"], "DYNAMIX_TOKEN"),
+    (["-n", "2", "--restart-port", "29998"], "needs --restart-on-failure"),
 ])
-def test_restart_on_failure_needs_a_checkpoint_and_one_host(flags, message):
+def test_restart_on_failure_needs_a_checkpoint_and_across_hosts_a_coordinator_port_and_token(flags, message):
     proc = bpslaunch(*flags, "--", "true", timeout=50)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def report(node, code=0, failed=None, killed=False, at=None, self_failed=(), workers=()):
+    return RunReport(node=node, run=0, code=code, failed=failed, killed=[failed] if killed else [], failed_at=at,
+                     self_failed=list(self_failed), workers=list(workers))
+
+
+@pytest.mark.parametrize("reports, left, expected", [
+    # rank 3 on host 1 SIGKILLed; host 0's ranks then fail their collectives on their own (code 1)
+    ([report(0, 1, 0, False, 2.0, [0, 1], [0, 1]), report(1, 137, 3, True, 1.9, [], [2, 3])], 1,
+     {"slots": [2, 1], "lost": [3]}),
+    # the kill is what counts, even when a collective failure was seen first
+    ([report(0, 1, 0, False, 1.0, [0, 1], [0, 1]), report(1, 137, 3, True, 1.9, [], [2, 3])], 1,
+     {"slots": [2, 1], "lost": [3]}),
+    # no kill: the earliest failure is the lost worker
+    ([report(0, 1, 1, False, 2.0, [1], [0, 1]), report(1, 3, 2, False, 1.5, [2], [2, 3])], 1,
+     {"slots": [2, 1], "lost": [2]}),
+    ([report(0, workers=[0, 1]), report(1, workers=[2, 3])], 1, {"exit": 0}),
+    ([report(0, 1, 0, False, 2.0, [0, 1], [0, 1]), report(1, 137, 3, True, 1.9, [], [2, 3])], 0, {"exit": 137}),
+    ([report(0, 3, 0, False, 1.0, [0, 1], [0, 1]), report(1, 3, 2, False, 1.1, [2, 3], [2, 3])], 1, {"exit": 3}),
+    ([report(0, 143, None, workers=[0, 1]), report(1, 137, 3, True, 1.9, [], [2, 3])], 1, {"exit": 137}),
+    ([report(0, 137, 0, True, 1.0, [], [0]), report(1, 1, 1, False, 1.1, [1], [1])], 1, {"exit": 137}),
+])
+def test_decide_shrinks_the_hosts_of_lost_workers_or_ends_the_job(reports, left, expected):
+    decision = decide([len(r.workers) for r in reports], reports, left)
+    assert {k: v for k, v in decision.items() if k != "reason"} == expected, decision
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NETNS_REASON is not None, reason=f"network test bed unavailable: {NETNS_REASON}")
+@pytest.mark.timeout(300)
+def test_a_worker_lost_on_one_of_two_hosts_restarts_the_job_on_three_across_both(tmp_path):
+    out, run_dir, tag = tmp_path / "out", tmp_path / "run", secrets.token_hex(6)
+    out.mkdir()
+    args = ["--batch-size", 6, "--restart-on-failure", 1, "--checkpoint", tmp_path / "ckpt.pt", "--policy",
+            "proportional", "--decision-interval", 2, "--monitor", "off", "--grace-period", 2, "--timeout", 60,
+            "--log-dir", run_dir]
+    with netns.Testbed(2) as bed:  # ranks 0, 1 on host 0; 2, 3 on host 1, where rank 3 dies before step 7
+        result = netns.run_job(bed, [2, 2], [sys.executable, str(WORKER), str(out), str(SAMPLES), "3", "7"],
+                               [str(a) for a in args], env=dict(os.environ, **{FAULT_TAG_ENV: tag}), timeout_s=240,
+                               grace_s=5)
+        left = job_processes(tag)
+    assert result.ok, "\n".join(o[-2500:] for o in result.outputs)
+    assert left == []
+    assert all("restart 1 of 1 with 3 workers" in o for o in result.outputs), result.outputs
+    assert "worker(s) 3 lost" in result.outputs[1]
+    runs = read_runs(out)
+    assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1, 2]
+    assert {records[0]["resumed_at"] for records in runs[1].values()} == {7}
+    assert sorted(trained_indices(runs)) == list(range(SAMPLES))  # every sample exactly once
+    decisions = [json.loads(line) for line in (run_dir / DECISION_LOG).read_text().splitlines()]
+    sizes = [len(d["batch_sizes"]) for d in decisions if "batch_sizes" in d]
+    assert 4 in sizes and sizes[-1] == 3  # node 0's new scheduler decides for the 3 survivors
 
 
 @pytest.mark.timeout(120)

@@ -21,9 +21,13 @@ A worker node starts ``BYTEPS_LOCAL_SIZE`` processes (default: one per entry of
 ``NVIDIA_VISIBLE_DEVICES``, else 1). The ``server`` and ``scheduler`` roles need no process
 with the default gloo engine; with ``--engine byteps`` they run BytePS's server.
 
-Elastic restart (local mode, one host): with ``--restart-on-failure N --checkpoint PATH``, when a
-worker fails the others are stopped and the job starts again with one worker fewer (ranks
-0..size-2, a fresh scheduler for the new size; logs are appended to), up to N times. Every
+Elastic restart: with ``--restart-on-failure N --checkpoint PATH``, when a worker fails the others
+are stopped and the job starts again with one worker fewer (ranks 0..size-2, a fresh scheduler
+for the new size; logs are appended to), up to N times. With ``--hosts``, every host's bpslaunch
+reports how its run ended to node 0's on ``--restart-port`` (needs ``DYNAMIX_TOKEN``), which
+decides for all (:mod:`.restart`): the host of each lost worker runs one fewer, a host left with
+none leaves the job (exit 0), and the next run rendezvouses on a fresh port; PATH must be on a file
+system every host sees. Every
 child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
 ...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists. PATH's
 directory must exist and be writable (else exit 2 before the start). When every worker exits
@@ -31,6 +35,8 @@ with a code > 0 by itself at once, that is an error in the command, not a lost w
 is not restarted::
 
     bpslaunch -n 4 --restart-on-failure 2 --checkpoint runs/a/ckpt.pt -- python train.py
+    DYNAMIX_TOKEN=s bpslaunch --hosts h0:2,h1:2 --node-rank I --port 29500 --restart-port 29501 \
+        --restart-on-failure 1 --checkpoint /shared/ckpt.pt -- python train.py     # on each host I
 
 TLS: ``--tls-cert/--tls-key`` (node 0) make the scheduler serve TLS only; ``--tls-ca`` (every
 host) is passed to the workers as ``DYNAMIX_TLS_CA`` and to the node agent as ``--tls-ca``.
@@ -64,6 +70,7 @@ from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.launcher.restart import REPORT_TIMEOUT_S, Coordinator, RunReport, decide, report_and_wait, tell
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
 
@@ -181,10 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "scheduler (needs --port); gloo binds to the interface that reaches H0 unless "
                        "GLOO_SOCKET_IFNAME names one")
     multi.add_argument("--node-rank", type=int, metavar="I", help="this host's index in --hosts")
-    elastic = parser.add_argument_group("elastic restart (one host)")
+    elastic = parser.add_argument_group("elastic restart")
     elastic.add_argument("--restart-on-failure", type=int_in(0, 1000, "number of restarts"), default=0, metavar="N",
                          help="when a worker fails, stop the job and start it again with one worker fewer, up to N "
                          "times (default 0); the command resumes from --checkpoint")
+    elastic.add_argument("--restart-port", type=_port, metavar="P",
+                         help="with --hosts: node 0's bpslaunch coordinates the restarts of every host on this port "
+                         "of the first of --hosts (same value on every host; needs DYNAMIX_TOKEN)")
     elastic.add_argument("--checkpoint", type=Path, metavar="PATH", help="the checkpoint the command saves with "
                          f"bps.save_checkpoint and resumes from when it exists ({CHECKPOINT_ENV}); needed by "
                          "--restart-on-failure")
@@ -738,14 +748,23 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
 
 def _check_elastic(args: argparse.Namespace, env: dict) -> None:
-    """--restart-on-failure/--checkpoint: one host, local mode; sets the variables every child reads."""
+    """--restart-on-failure/--checkpoint/--restart-port: local mode or --hosts; sets the variables every child reads."""
     if args.restart_on_failure:
-        if args.num_workers is None or args.hosts is not None:
-            raise UsageError("--restart-on-failure needs --num-workers N on one host (multi-host jobs are not "
-                             "restarted: restart each host's bpslaunch yourself)")
+        if args.num_workers is None and args.hosts is None:
+            raise UsageError("--restart-on-failure needs --num-workers N or --hosts: BytePS environment mode jobs "
+                             "are not restarted")
         if args.checkpoint is None:
             raise UsageError("--restart-on-failure needs --checkpoint PATH: the file the command saves with "
                              "bps.save_checkpoint and resumes from")
+        if args.hosts is not None and len(args.hosts) > 1:
+            if args.restart_port is None:
+                raise UsageError("--hosts with --restart-on-failure needs --restart-port P (the same on every host): "
+                                 "node 0's bpslaunch coordinates the restarts there")
+            if not env.get("DYNAMIX_TOKEN"):
+                raise UsageError("--hosts with --restart-on-failure: set DYNAMIX_TOKEN to a shared secret on every "
+                                 "host (node 0 listens for the other hosts' reports beyond loopback)")
+    elif args.restart_port is not None:
+        raise UsageError("--restart-port needs --restart-on-failure N")
     if args.checkpoint is not None:
         args.checkpoint = args.checkpoint.expanduser().resolve()
         if args.checkpoint.is_dir():
@@ -794,46 +813,139 @@ def _launch(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser
         return specs
     if not specs:
         return 0
+    coordinator = None
+    if _multi_host_elastic(args) and args.node_rank == 0:
+        try:
+            coordinator = Coordinator(args.hosts[0][0], args.restart_port, env["DYNAMIX_TOKEN"])
+        except OSError as error:
+            parser.print_usage(sys.stderr)
+            print(f"{PROG}: error: argument --restart-port: cannot listen on {args.hosts[0][0]}:{args.restart_port} "
+                  f"({error.strerror or error}); choose another port", file=sys.stderr)
+            return 2
+    try:
+        return _run(args, env, parser, specs, coordinator)
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+
+
+def _multi_host_elastic(args: argparse.Namespace) -> bool:
+    return bool(args.restart_on_failure) and args.hosts is not None and len(args.hosts) > 1
+
+
+def _run(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser, specs: list[ChildSpec],
+         coordinator: Coordinator | None) -> int:
+    """Run the job, restarting it as --restart-on-failure allows; returns the exit code."""
     restarts = 0
     while True:
         started = time.monotonic()
-        code, failed, self_failed = _supervise(args, specs)
-        if code == 0 or failed is None or restarts >= args.restart_on_failure:
-            return code
-        workers = [s.label for s in specs if not s.service]
-        if set(self_failed) == set(workers):
-            print(f"{PROG}: every worker failed on its own at once (exit codes "
-                  f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
-                  "worker; not restarting", file=sys.stderr, flush=True)
-            return code
-        if args.num_workers <= 1:
-            print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
-            return code
-        restarts += 1
-        args.num_workers -= 1
-        args.slowdown = [(rank, spec) for rank, spec in args.slowdown if rank < args.num_workers]
+        code, supervisor = _supervise(args, specs)
+        if _multi_host_elastic(args):
+            decision = _coordinate(args, env, supervisor, code, restarts, coordinator)
+            if "exit" in decision:
+                if decision["exit"] != 0:
+                    print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
+                return decision["exit"]
+            restarts += 1
+            if not _apply_decision(args, decision, restarts, started, code):
+                return 0
+        else:
+            failed, self_failed = supervisor.failed_worker, supervisor.self_failed
+            if code == 0 or failed is None or restarts >= args.restart_on_failure:
+                return code
+            workers = [s.label for s in specs if not s.service]
+            if set(self_failed) == set(workers):
+                print(f"{PROG}: every worker failed on its own at once (exit codes "
+                      f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
+                      "worker; not restarting", file=sys.stderr, flush=True)
+                return code
+            if args.num_workers <= 1:
+                print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
+                return code
+            restarts += 1
+            args.num_workers -= 1
+            args.slowdown = [(rank, spec) for rank, spec in args.slowdown if rank < args.num_workers]
+            print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
+                  f"{restarts} of {args.restart_on_failure} with {args.num_workers} workers from {args.checkpoint}",
+                  file=sys.stderr, flush=True)
         env[RESTART_ENV] = str(restarts)
-        print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
-              f"{restarts} of {args.restart_on_failure} with {args.num_workers} workers from {args.checkpoint}",
-              file=sys.stderr, flush=True)
         specs = _build_specs(args, env, parser)
         if isinstance(specs, int):
             return code
         specs = [dataclasses.replace(s, append_log=True) for s in specs]
 
 
-def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, str | None, dict[str, int]]:
-    """Run the job once; returns its exit code, the label of the worker whose failure ended it,
-    and the codes of the workers that failed on their own (Supervisor.self_failed)."""
+def _coordinate(args: argparse.Namespace, env: Mapping[str, str], supervisor: Supervisor, code: int, run: int,
+                coordinator: Coordinator | None) -> dict:
+    """Report how run ``run`` ended on this host and get the job's next step (see :mod:`.restart`):
+    node 0 collects every host's report, decides and answers; the others ask node 0."""
+    topology = _topology(args)
+    report = RunReport(node=topology.node_rank, run=run, code=code,
+                       failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
+                       failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
+                       self_failed=[int(label) for label in supervisor.self_failed],
+                       workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"])
+    stopped = code != 0 and report.failed is None  # the launcher was signalled (or could not start the job)
+    if coordinator is None:
+        if stopped:
+            tell((topology.hosts[0], args.restart_port), report)
+            return {"exit": code, "reason": "stopped; not restarting"}
+        return report_and_wait((topology.hosts[0], args.restart_port), report)
+    if stopped:
+        return {"exit": code, "reason": "stopped; not restarting"}
+    peers = coordinator.collect(run, len(topology.hosts) - 1)
+    missing = [i for i in range(1, len(topology.hosts)) if i not in peers]
+    reports = [report] + [peers[i][0] for i in sorted(peers)]
+    if missing:
+        first = next((r.code for r in reports if r.code != 0), 1)
+        decision = {"exit": first, "reason": f"host(s) {', '.join(map(str, missing))} sent no report of run {run} "
+                    f"within {REPORT_TIMEOUT_S:g} s; not restarting"}
+    else:
+        decision = decide(topology.slots, reports, args.restart_on_failure - run)
+    if "slots" in decision:
+        address = topology.hosts[0] if sum(1 for n in decision["slots"] if n) > 1 else LOCAL_HOST
+        decision["port"] = _free_port(address)
+        if args.policy is not None:
+            decision["scheduler_port"] = _free_port(address)
+    Coordinator.answer([conn for _, conn in peers.values()], decision)
+    return decision
+
+
+def _apply_decision(args: argparse.Namespace, decision: dict, restarts: int, started: float, code: int) -> bool:
+    """Set ``args`` for the next run of ``decision``; False when this host has no worker left in it."""
+    topology = _topology(args)
+    slots, mine = decision["slots"], decision["slots"][topology.node_rank]
+    total = sum(slots)
+    print(f"{PROG}: worker(s) {', '.join(map(str, decision['lost']))} lost (code {code} here) after "
+          f"{time.monotonic() - started:.1f} s; restart {restarts} of {args.restart_on_failure} with {total} workers "
+          f"({', '.join(f'{h}:{n}' for h, n in zip(topology.hosts, slots))}) from {args.checkpoint}",
+          file=sys.stderr, flush=True)
+    if mine == 0:
+        print(f"{PROG}: no worker of this host is left in the job; leaving it", file=sys.stderr, flush=True)
+        return False
+    kept = [(host, n) for host, n in zip(topology.hosts, slots) if n]
+    args.node_rank = sum(1 for n in slots[: topology.node_rank] if n)
+    args.hosts, args.num_workers = kept, None
+    if len(kept) == 1:  # the job shrank onto this host: a local job from now on
+        args.hosts, args.node_rank, args.num_workers = None, None, mine
+    args.port = decision["port"]
+    args.scheduler_port = decision.get("scheduler_port", args.scheduler_port)
+    args.slowdown = [(rank, spec) for rank, spec in args.slowdown if rank < total]
+    return True
+
+
+def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, Supervisor]:
+    """Run the job once; returns its exit code and the Supervisor (which worker's failure ended it,
+    when, and which failed on their own)."""
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
         supervisor = Supervisor(specs, grace_s=args.grace_period)
-        return supervisor.run(), supervisor.failed_worker, supervisor.self_failed
+        return supervisor.run(), supervisor
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(_run_dir(args) / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
         supervisor = Supervisor(specs, grace_s=args.grace_period, write_guard=bar.write_guard)
-        return supervisor.run(), supervisor.failed_worker, supervisor.self_failed
+        return supervisor.run(), supervisor
 
 
 if __name__ == "__main__":

@@ -140,8 +140,10 @@ class Supervisor:
             (the console progress bar clears and redraws itself there); default none.
 
     After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
-    the job (None when all succeeded, or a signal or a service ended it), and ``self_failed``
-    maps each worker that exited with a code > 0 before the launcher signalled it to that code.
+    the job (None when all succeeded, or a signal or a service ended it), ``failed_at`` the wall-clock
+    time (``time.time()``) its failure was seen, ``self_failed`` maps each worker that exited
+    with a code > 0 before the launcher signalled it to that code, and ``killed`` lists the workers
+    that died of a signal the launcher did not send.
     """
 
     def __init__(
@@ -170,7 +172,9 @@ class Supervisor:
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
+        self.failed_at: float | None = None
         self.self_failed: dict[str, int] = {}
+        self.killed: list[str] = []
 
     # ---- output -------------------------------------------------------------------------
 
@@ -355,9 +359,12 @@ class Supervisor:
                     continue
                 if rc > 0 and not child.signalled:
                     self.self_failed[child.spec.label] = rc
+                elif rc < 0 and not child.signalled:
+                    self.killed.append(child.spec.label)
                 if rc != 0 and exit_code is None:
                     exit_code = exit_code_of(rc)
                     self.failed_worker = child.spec.label
+                    self.failed_at = time.time()
                     how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
                     others = self._count_live()
                     self.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))

@@ -477,10 +477,11 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
     Host ``i`` runs ``python -m dynamix_byteps.launcher --hosts A0:S0,A1:S1,... --node-rank i
     --port P [--scheduler-port Q] *launcher_args -- *command``, host 0 in the root namespace and
     the others inside theirs, so ranks 0..S0-1 are on host 0, the next S1 on host 1, and so on.
-    ``--port`` (and, with ``--policy``, ``--scheduler-port``) are chosen free on host 0 unless
-    ``launcher_args`` gives them; with ``--policy`` and no ``DYNAMIX_TOKEN`` in ``env``, a random
-    token is shared by all hosts. With ``--log-dir D`` in ``launcher_args``, host 0 writes to D
-    (so the scheduler's ``decisions.jsonl`` is ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``.
+    ``--port`` (and, with ``--policy``, ``--scheduler-port``; with ``--restart-on-failure``,
+    ``--restart-port``) are chosen free on host 0 unless ``launcher_args`` gives them; with either
+    and no ``DYNAMIX_TOKEN`` in ``env``, a random token is shared by all hosts. With ``--log-dir D``
+    in ``launcher_args``, host 0 writes to D (so the scheduler's ``decisions.jsonl`` is
+    ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``.
 
     Every launcher is stopped (SIGTERM, SIGKILL after ``grace_s`` seconds) as soon as one exits
     non-zero, when ``timeout_s`` seconds have passed, and on any exception here.
@@ -512,10 +513,11 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
     extra = list(launcher_args)
     if _flag_value(extra, "--port") is None:
         extra += ["--port", str(_free_port(host0))]
-    if _flag_value(extra, "--policy") is not None:
-        if _flag_value(extra, "--scheduler-port") is None:
-            extra += ["--scheduler-port", str(_free_port(host0))]
-        env.setdefault("DYNAMIX_TOKEN", secrets.token_hex(16))
+    for needs, port_flag in (("--policy", "--scheduler-port"), ("--restart-on-failure", "--restart-port")):
+        if _flag_value(extra, needs) is not None:
+            if _flag_value(extra, port_flag) is None:
+                extra += [port_flag, str(_free_port(host0))]
+            env.setdefault("DYNAMIX_TOKEN", secrets.token_hex(16))
     log_dir = _flag_value(extra, "--log-dir")
     hosts = ",".join(f"{h.address}:{s}" for h, s in zip(bed.hosts, slots))
     launcher = [sys.executable, "-m", "dynamix_byteps.launcher", "--hosts", hosts]
