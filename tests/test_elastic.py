@@ -3,17 +3,24 @@ from the last atomic checkpoint, with no sample lost or repeated, and a schedule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
-from dynamix_byteps.launcher.restart import RunReport, decide
+from dynamix_byteps.launcher.restart import (
+    Coordinator,
+    RunReport,
+    decide,
+    report_and_wait,
+)
 from dynamix_byteps.testing import netns
 from dynamix_byteps.testing.faults import FAULT_TAG_ENV, job_processes
 
@@ -113,24 +120,50 @@ def test_decide_shrinks_the_hosts_of_lost_workers_or_ends_the_job(reports, left,
     assert {k: v for k, v in decision.items() if k != "reason"} == expected, decision
 
 
+@pytest.mark.timeout(60)
+def test_node_0_answers_every_host_with_one_decision_and_refuses_a_wrong_token():
+    coordinator = Coordinator("127.0.0.1", 0, "secret")
+    address = ("127.0.0.1", coordinator._server.getsockname()[1])
+    answers = {}
+    try:
+        def host(node, token):
+            mine = dataclasses.replace(report(node, 137, node, True, 1.0, [], [node]), token=token)
+            answers[(node, token)] = report_and_wait(address, mine, timeout_s=20)
+
+        threads = [threading.Thread(target=host, args=args) for args in ((1, "wrong"), (1, "secret"), (2, "secret"))]
+        for thread in threads:
+            thread.start()
+        got = coordinator.collect(0, 2, timeout_s=20)
+        assert sorted(got) == [1, 2]
+        Coordinator.answer([conn for _, conn in got.values()], {"slots": [1, 0, 0], "lost": [1, 2]})
+        for thread in threads:
+            thread.join(30)
+    finally:
+        coordinator.close()
+    assert answers[(1, "wrong")]["exit"] == 137 and "wrong DYNAMIX_TOKEN" in answers[(1, "wrong")]["reason"]
+    assert answers[(1, "secret")] == answers[(2, "secret")] == {"slots": [1, 0, 0], "lost": [1, 2]}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(NETNS_REASON is not None, reason=f"network test bed unavailable: {NETNS_REASON}")
 @pytest.mark.timeout(300)
-def test_a_worker_lost_on_one_of_two_hosts_restarts_the_job_on_three_across_both(tmp_path):
+def test_a_host_that_loses_its_only_worker_leaves_and_the_job_goes_on_with_three_on_two_hosts(tmp_path):
     out, run_dir, tag = tmp_path / "out", tmp_path / "run", secrets.token_hex(6)
     out.mkdir()
     args = ["--batch-size", 6, "--restart-on-failure", 1, "--checkpoint", tmp_path / "ckpt.pt", "--policy",
             "proportional", "--decision-interval", 2, "--monitor", "off", "--grace-period", 2, "--timeout", 60,
             "--log-dir", run_dir]
-    with netns.Testbed(2) as bed:  # ranks 0, 1 on host 0; 2, 3 on host 1, where rank 3 dies before step 7
-        result = netns.run_job(bed, [2, 2], [sys.executable, str(WORKER), str(out), str(SAMPLES), "3", "7"],
+    with netns.Testbed(3) as bed:  # ranks 0, 1 on host 0, 2 on host 1 (dies before step 7), 3 on host 2
+        result = netns.run_job(bed, [2, 1, 1], [sys.executable, str(WORKER), str(out), str(SAMPLES), "2", "7"],
                                [str(a) for a in args], env=dict(os.environ, **{FAULT_TAG_ENV: tag}), timeout_s=240,
                                grace_s=5)
         left = job_processes(tag)
     assert result.ok, "\n".join(o[-2500:] for o in result.outputs)
     assert left == []
-    assert all("restart 1 of 1 with 3 workers" in o for o in result.outputs), result.outputs
-    assert "worker(s) 3 lost" in result.outputs[1]
+    assert all("restart 1 of 1 with 3 workers" in o and "worker(s) 2 lost" in o for o in result.outputs), result.outputs
+    assert "no worker of this host is left in the job" in result.outputs[1]
+    # host 2 is node 1 of the new run: its worker is rank 2 now, beside ranks 0 and 1 on host 0
+    assert "[2]" in result.outputs[2].split("restart 1 of 1", 1)[1]
     runs = read_runs(out)
     assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1, 2]
     assert {records[0]["resumed_at"] for records in runs[1].values()} == {7}
