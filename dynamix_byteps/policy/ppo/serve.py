@@ -207,8 +207,8 @@ class PPOPolicy(Policy):
         if not state.workers:
             return Decision((), "ppo: no workers")
         actions = self.actions(state)
-        generation, obs, logits = self._last
-        logits = logits[0].astype(np.float64)
+        generation, obs, raw = self._last
+        logits = raw[0].astype(np.float64)
         shifted = logits - logits.max(-1, keepdims=True)
         log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
         sizes = apply_actions(state, actions)
@@ -216,7 +216,7 @@ class PPOPolicy(Policy):
         reason = f"ppo: {changed} of {len(sizes)} batch sizes changed, global batch {state.global_batch} → {sum(sizes)}"
         terms = {"actions": actions.tolist(), "factors": [LADDER[a] for a in actions], "global_batch": sum(sizes),
                  "generation": generation, "explore": self.explore,
-                 "obs": np.round(obs[0].astype(np.float64), 6).tolist(), "logits": np.round(logits, 6).tolist(),
+                 "obs": obs[0].tolist(), "logits": raw[0].tolist(),  # the float32 values, exactly
                  "logp": float(log_softmax[np.arange(len(actions)), actions].sum())}
         return Decision(sizes, reason, 0.0, terms)
 
