@@ -35,7 +35,8 @@ on (the previous generation's decisions), ``k`` = ``collapse_k`` (default 2). On
 good generation's files are republished as a new generation number (``rollback_of`` names the bad
 one), the learner goes back to its weights, and an event is logged; otherwise the generation
 becomes the last good one, and its decisions (the probation window included) feed the next
-update. Events (``publish``, ``accept``, ``rollback``) are appended to
+update. Events (``publish``, ``accept``, ``rollback``, and ``failed`` for an update or export that
+raised: the batch is dropped and the last good weights restored) are appended to
 ``<run_dir>/finetune.jsonl``.
 """
 
@@ -415,14 +416,27 @@ class FineTuner:
             by_n.setdefault(len(t.actions), []).append(t)
         for batch in by_n.values():
             if len(batch) >= self.every:
-                events.append(self.update(batch[:self.every]))
+                batch = batch[:self.every]
+                try:
+                    events.append(self.update(batch))
+                except Exception as error:  # an update or export that fails must not end the trainer
+                    log.exception("update on decisions %d-%d failed; keeping generation %d",
+                                  batch[0].decision, batch[-1].decision, self.generation)
+                    self.module.load_state_dict(self.good[2])
+                    self.used.update(t.decision for t in batch)
+                    events.append(self._event("failed", generation=self.generation,
+                                              decisions=[batch[0].decision, batch[-1].decision],
+                                              error=f"{type(error).__name__}: {error}"[:1000]))
                 break
         return events
 
     def run(self, poll_s: float = 2.0, stop=None) -> None:
         """:meth:`step` every ``poll_s`` seconds until ``stop`` (a ``threading.Event``) is set."""
         while stop is None or not stop.is_set():
-            self.step()
+            try:
+                self.step()
+            except OSError as error:  # e.g. a full disk: keep serving what is published, try again
+                log.warning("fine-tuning step failed: %s", error)
             if stop is not None:
                 stop.wait(poll_s)
             else:
