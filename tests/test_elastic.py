@@ -87,6 +87,8 @@ def test_a_worker_lost_mid_epoch_restarts_the_job_on_three_without_losing_or_rep
       "--checkpoint", "c.pt"], "needs --restart-port"),
     (["--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0", "--port", "29999", "--restart-on-failure", "1",
       "--checkpoint", "c.pt", "--restart-port", "29998"], "DYNAMIX_TOKEN"),
+    (["--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0", "--port", "29999", "--restart-on-failure", "1",
+      "--checkpoint", "c.pt", "--restart-port", "29999"], "a port of its own"),
     (["-n", "2", "--restart-port", "29998"], "needs --restart-on-failure"),
 ])
 def test_restart_on_failure_needs_a_checkpoint_and_across_hosts_a_coordinator_port_and_token(flags, message):

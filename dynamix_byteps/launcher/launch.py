@@ -760,6 +760,9 @@ def _check_elastic(args: argparse.Namespace, env: dict) -> None:
             if args.restart_port is None:
                 raise UsageError("--hosts with --restart-on-failure needs --restart-port P (the same on every host): "
                                  "node 0's bpslaunch coordinates the restarts there")
+            if args.restart_port in (args.port, args.scheduler_port):
+                raise UsageError(f"--restart-port {args.restart_port} is also --port or --scheduler-port; give it a "
+                                 "port of its own")
             if not env.get("DYNAMIX_TOKEN"):
                 raise UsageError("--hosts with --restart-on-failure: set DYNAMIX_TOKEN to a shared secret on every "
                                  "host (node 0 listens for the other hosts' reports beyond loopback)")
