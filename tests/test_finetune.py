@@ -235,6 +235,10 @@ def test_the_trainer_updates_publishes_a_checked_onnx_and_the_scheduler_swaps_it
     events = tuner.step()  # 5 transitions of generation 1 >= window 4, no collapse: accepted
     assert [e["event"] for e in events] == ["accept"] and tuner.good[0] == 1
     assert [json.loads(x)["event"] for x in (run / EVENTS).read_text().splitlines()] == ["publish", "accept"]
+    resumed = FineTuner(run, served, checkpoint=policy_dir / "checkpoint", every=12)  # a restarted trainer
+    assert resumed.generation == 1
+    mine, theirs = tuner.module.state_dict(), resumed.module.state_dict()
+    assert all(np.array_equal(mine[k].numpy(), theirs[k].numpy()) for k in mine)
 
 
 @pytest.mark.timeout(180)
