@@ -75,13 +75,16 @@ class Transition:
     """Decision ``i`` and what followed until decision ``i+1``.
 
     Attributes:
-        decision: index of decision ``i`` in the log.
+        position: line of decision ``i`` in the log (0-based; decision indices restart with the
+            scheduler, lines do not).
+        decision: the scheduler's index of decision ``i``.
         generation: policy generation that decided.
         obs, next_obs: float32 (N·F,) observations at decisions ``i`` and ``i+1``.
         actions: int64 (N,) ladder indices; ``logits`` float32 (N·A,); ``logp`` their log-probability.
         reward: :func:`transition_reward`.
     """
 
+    position: int
     decision: int
     generation: int
     obs: np.ndarray
@@ -143,14 +146,14 @@ def transitions(records: list[dict], weights: RewardWeights, first_loss: float,
     not made by the network (fallback, error, another policy), a gap in the decision index or a
     change of N ends a run of transitions."""
     out = []
-    for record, following in pairwise(records):
+    for position, (record, following) in enumerate(pairwise(records)):
         a, b = _ppo_terms(record), _ppo_terms(following)
         if a is None or b is None or following.get("decision") != record.get("decision", -2) + 1 \
                 or len(a["obs"]) != len(b["obs"]):
             continue
         r, terms = transition_reward(record, following, weights, first_loss, ref_interval_s)
         out.append(Transition(
-            decision=int(record["decision"]), generation=int(a["generation"]),
+            position=position, decision=int(record["decision"]), generation=int(a["generation"]),
             obs=np.asarray(a["obs"], np.float32).reshape(-1), next_obs=np.asarray(b["obs"], np.float32).reshape(-1),
             actions=np.asarray(a["actions"], np.int64), logits=np.asarray(a["logits"], np.float32).reshape(-1),
             logp=float(a["logp"]), reward=float(r), terms=terms))
@@ -164,13 +167,14 @@ class DecisionTail:
         self.path = Path(path)
         self.offset = 0
         self.records: list[dict] = []
+        self.resets = 0  # times the file was found replaced or truncated (read again from the start)
 
     def read(self) -> list[dict]:
         """Parse what was appended since the last call; returns the new records."""
         try:
             with open(self.path, "rb") as f:
                 if f.seek(0, os.SEEK_END) < self.offset:  # replaced or truncated: start over
-                    self.offset, self.records = 0, []
+                    self.offset, self.records, self.resets = 0, [], self.resets + 1
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
@@ -234,7 +238,7 @@ class FineTuner:
         self.good = (manifest.number, served, self._weights())
         self.generation = manifest.number
         self.probation: dict | None = None
-        self.used: set[int] = set()  # decisions already trained on or judged
+        self.used: set[int] = set()  # log lines already trained on
         self._learners: dict[int, object] = {}
         self.updates = 0
         self.update_seconds: list[float] = []
@@ -281,7 +285,7 @@ class FineTuner:
         act_space = gym.spaces.MultiDiscrete([len(LADDER)] * n)
         runs, current = [], []
         for t in batch:
-            if current and t.decision != current[-1].decision + 1:
+            if current and t.position != current[-1].position + 1:
                 runs.append(current)
                 current = []
             current.append(t)
@@ -326,7 +330,7 @@ class FineTuner:
         reference = self._reference()
         if reference is None:
             return []
-        return [t for t in transitions(self.tail.records, self.weights, *reference) if t.decision not in self.used]
+        return [t for t in transitions(self.tail.records, self.weights, *reference) if t.position not in self.used]
 
     def _probation_rewards(self) -> list[float]:
         """Rewards of the intervals after the generation on probation first decided, its own
@@ -374,7 +378,7 @@ class FineTuner:
         self._publish(directory, parent=self.good[0], reason="fine-tune")
         self.probation = {"generation": self.generation, "directory": directory,
                           "mean": info["reward_mean"], "std": info["reward_std"]}
-        self.used.update(t.decision for t in batch)
+        self.used.update(t.position for t in batch)
         log.info("published generation %d (update on decisions %d-%d, %.2f s)", self.generation,
                  *info["decisions"], seconds)
         return self._event("publish", generation=self.generation, **info)
@@ -400,7 +404,10 @@ class FineTuner:
 
     def step(self) -> list[dict]:
         """Read new decisions; judge the generation on probation and/or update. Returns the events."""
+        resets = self.tail.resets
         self.tail.read()
+        if self.tail.resets != resets:
+            self.used.clear()
         events = []
         ready = [t for t in self._transitions() if t.generation == self.generation]
         if self.probation is not None:
@@ -423,7 +430,7 @@ class FineTuner:
                     log.exception("update on decisions %d-%d failed; keeping generation %d",
                                   batch[0].decision, batch[-1].decision, self.generation)
                     self.module.load_state_dict(self.good[2])
-                    self.used.update(t.decision for t in batch)
+                    self.used.update(t.position for t in batch)
                     events.append(self._event("failed", generation=self.generation,
                                               decisions=[batch[0].decision, batch[-1].decision],
                                               error=f"{type(error).__name__}: {error}"[:1000]))
