@@ -23,6 +23,7 @@ from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
+from dynamix_byteps.policy.ppo.publish import write_atomic
 from dynamix_byteps.policy.ppo.serve import (
     FEATURES_FILE,
     FORMAT,
@@ -100,12 +101,6 @@ def greedy_actions(module, obs: np.ndarray) -> np.ndarray:
         return dist.to_deterministic().sample().numpy().astype(np.int64)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _verify(net: torch.nn.Module, onnx_bytes: bytes) -> int:
     """Check ORT against torch on probes; return the graph's parameter count."""
     import onnx
@@ -161,7 +156,7 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     params = _verify(net, onnx_bytes)
-    _write_atomic(out / POLICY_FILE, onnx_bytes)
+    write_atomic(out / POLICY_FILE, onnx_bytes)
     config = dict(module.model_config)
     meta = {
         "format": FORMAT,
@@ -174,5 +169,5 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
         "network": {"hidden": int(config.get("hidden", 64)), "class": "dynamix_byteps.policy.ppo.module.PolicyNet"},
         "training": {**config.get("dynamix", {}), **(extra or {}), "ray": ray.__version__, "torch": torch.__version__},
     }
-    _write_atomic(out / FEATURES_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    write_atomic(out / FEATURES_FILE, (json.dumps(meta, indent=2) + "\n").encode())
     return out

@@ -48,7 +48,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
@@ -93,7 +93,6 @@ class Transition:
     logits: np.ndarray
     logp: float
     reward: float
-    terms: dict = field(default_factory=dict)
 
 
 def _finite(x) -> float | None:
@@ -151,12 +150,12 @@ def transitions(records: list[dict], weights: RewardWeights, first_loss: float,
         if a is None or b is None or following.get("decision") != record.get("decision", -2) + 1 \
                 or len(a["obs"]) != len(b["obs"]):
             continue
-        r, terms = transition_reward(record, following, weights, first_loss, ref_interval_s)
+        r, _ = transition_reward(record, following, weights, first_loss, ref_interval_s)
         out.append(Transition(
             position=position, decision=int(record["decision"]), generation=int(a["generation"]),
             obs=np.asarray(a["obs"], np.float32).reshape(-1), next_obs=np.asarray(b["obs"], np.float32).reshape(-1),
             actions=np.asarray(a["actions"], np.int64), logits=np.asarray(a["logits"], np.float32).reshape(-1),
-            logp=float(a["logp"]), reward=float(r), terms=terms))
+            logp=float(a["logp"]), reward=float(r)))
     return out
 
 
@@ -241,7 +240,6 @@ class FineTuner:
         self.used: set[int] = set()  # log lines already trained on
         self._learners: dict[int, object] = {}
         self.updates = 0
-        self.update_seconds: list[float] = []
 
     # ---- pieces ------------------------------------------------------------------------------
 
@@ -252,17 +250,15 @@ class FineTuner:
         """An RLlib PPO learner for N workers, holding (and training) ``self.module``'s weights."""
         learner = self._learners.get(n)
         if learner is None:
-            import gymnasium as gym
             from ray.rllib.algorithms.ppo import PPOConfig
             from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-            from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES
             from dynamix_byteps.policy.ppo.train import ENTROPY, PPO_SETTINGS
 
             settings = {k: PPO_SETTINGS[k] for k in ("gamma", "lambda_", "clip_param", "vf_clip_param")}
-            config = PPOConfig().environment(observation_space=gym.spaces.Box(-CLIP, CLIP, (n * NUM_FEATURES,), np.float32),
-                          action_space=gym.spaces.MultiDiscrete([len(LADDER)] * n))
-            config = (config.learners(num_learners=0)
+            observation_space, action_space = _spaces(n)
+            config = (PPOConfig().environment(observation_space=observation_space, action_space=action_space)
+                      .learners(num_learners=0)
                       .training(lr=self.lr, entropy_coeff=ENTROPY[1], train_batch_size_per_learner=self.every,
                                 minibatch_size=self.minibatch, num_epochs=self.epochs, **settings)
                       .rl_module(rl_module_spec=RLModuleSpec(module_class=PerWorkerPPOModule,
@@ -275,14 +271,10 @@ class FineTuner:
         return learner
 
     def _episodes(self, batch: list[Transition], n: int) -> list:
-        import gymnasium as gym
         from ray.rllib.core.columns import Columns
         from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
-        from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES
-
-        obs_space = gym.spaces.Box(-CLIP, CLIP, (n * NUM_FEATURES,), np.float32)
-        act_space = gym.spaces.MultiDiscrete([len(LADDER)] * n)
+        obs_space, act_space = _spaces(n)
         runs, current = [], []
         for t in batch:
             if current and t.position != current[-1].position + 1:
@@ -366,7 +358,6 @@ class FineTuner:
         seconds = time.perf_counter() - t0
         self.module.set_state(learner.module["default_policy"].get_state())
         self.updates += 1
-        self.update_seconds.append(seconds)
         generation = max(self.generation, read_manifest(self.root).number) + 1
         directory = generation_dir(self.root, generation)
         rewards = np.array([t.reward for t in batch])
@@ -448,6 +439,16 @@ class FineTuner:
                 stop.wait(poll_s)
             else:
                 time.sleep(poll_s)
+
+
+def _spaces(n: int):
+    """RLlib's observation and action spaces of an N-worker job (as the simulator's)."""
+    import gymnasium as gym
+
+    from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES
+
+    return (gym.spaces.Box(-CLIP, CLIP, (n * NUM_FEATURES,), np.float32),
+            gym.spaces.MultiDiscrete([len(LADDER)] * n))
 
 
 def _scalars(result) -> dict:
