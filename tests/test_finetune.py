@@ -242,6 +242,39 @@ def test_the_trainer_updates_publishes_a_checked_onnx_and_the_scheduler_swaps_it
 
 
 @pytest.mark.timeout(180)
+def test_an_update_makes_the_rewarded_action_more_likely(policy_dir, tmp_path):
+    """Transitions (one-step episodes, so no credit assignment through an untrained value function)
+    whose reward is 1 when worker 0 keeps its batch: after one update 'keep' is likelier for it."""
+    from dynamix_byteps.policy.ppo.finetune import FineTuner, Transition
+    from dynamix_byteps.policy.ppo.mdp import KEEP
+
+    served = served_copy(policy_dir, tmp_path)
+    tuner = FineTuner(tmp_path / "run", served, checkpoint=policy_dir / "checkpoint", every=64, lr=3e-3, epochs=8)
+    behaviour = PPOPolicy(path=served)
+    rng = np.random.default_rng(0)
+    obs = rng.uniform(-1, 1, (65, WORKERS, 16)).astype(np.float32)
+    logits = behaviour.logits(obs).astype(np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    batch = []
+    for i in range(64):
+        actions = np.array([rng.choice(len(row), p=row) for row in p[i]])
+        batch.append(Transition(position=2 * i, decision=2 * i, generation=0, obs=obs[i].ravel(),
+                                next_obs=obs[i + 1].ravel(), actions=actions, logits=logits[i].ravel().astype(np.float32),
+                                logp=float(np.log(p[i, np.arange(WORKERS), actions]).sum()),
+                                reward=float(actions[0] == KEEP)))
+    assert tuner.update(batch)["generation"] == 1
+
+    def keep_probability(directory):
+        out = PPOPolicy(path=directory).logits(obs[:64])[:, 0]
+        q = np.exp(out - out.max(-1, keepdims=True))
+        return float((q[:, KEEP] / q.sum(-1)).mean())
+
+    before, after = keep_probability(policy_dir), keep_probability(generation_dir(served, 1))
+    assert after > before + 0.03, (before, after)
+
+
+@pytest.mark.timeout(180)
 def test_reward_collapse_rolls_back_to_the_previous_generation(policy_dir, tmp_path):
     from dynamix_byteps.policy.ppo.finetune import FineTuner
 
