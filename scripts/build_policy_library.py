@@ -7,7 +7,7 @@ profile (:data:`PROFILES`), then installed with its metadata::
     dynamix policy train --scenario homogeneous,straggler,two-speed,interference,network \\
         --workers 4,8,16,32 --sim-params /tmp/adam.json --out runs/lib/small-cnn-adam \\
         [--init runs/lib/small-cnn-sgd/checkpoint --iterations 30]
-    python scripts/build_policy_library.py install small-cnn-adam runs/lib/small-cnn-adam
+    python scripts/build_policy_library.py install small-cnn-adam runs/lib/small-cnn-adam [--fine-tuned-from small-cnn-sgd]
 
 Profiles: the simulator's reference job (:func:`dynamix_byteps.policy.sim.params.reference`, a
 small CNN with SGD) adjusted by step times of ``examples/torch_fashion_mnist.py``'s models measured
@@ -70,8 +70,9 @@ def params(name: str) -> SimParams:
     return replace(base, workers=workers, comm=comm, stats=replace(base.stats, **prof["stats"]))
 
 
-def install(name: str, run_dir: Path) -> Path:
-    """Copy ``policy.onnx`` + ``features.json`` of ``run_dir`` into the library with ``policy.json``."""
+def install(name: str, run_dir: Path, init: str | None = None) -> Path:
+    """Copy ``policy.onnx`` + ``features.json`` of ``run_dir`` into the library with ``policy.json``;
+    ``init`` names the library policy it was fine-tuned from (``train --init``), if any."""
     _, meta = read_metadata(run_dir)
     training = meta.get("training", {})
     history = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").is_file() else {}
@@ -88,7 +89,7 @@ def install(name: str, run_dir: Path) -> Path:
                               "statistical parameters assumed, not fitted by `dynamix sim fit`",
                     "note": prof["note"], "measured_samples_per_s": MEASURED, "parameters": PARAMETERS[prof["model"]]},
         "training": {"iterations": training.get("iterations"), "seconds": training.get("seconds"),
-                     "seed": training.get("seed"), "init": training.get("init"), "reward": training.get("reward"),
+                     "seed": training.get("seed"), "fine_tuned_from": init, "reward": training.get("reward"),
                      "final_return": history.get("final_return")},
     }
     dest = library_root() / name
@@ -113,12 +114,13 @@ def main() -> int:
     b = sub.add_parser("install", help="install a trained policy directory into the library")
     b.add_argument("name", choices=sorted(PROFILES))
     b.add_argument("run_dir", type=Path)
+    b.add_argument("--fine-tuned-from", metavar="NAME", help="the library policy whose checkpoint was --init")
     args = p.parse_args()
     if args.cmd == "params":
         params(args.name).to_json(args.out)
         print(f"wrote {args.out}")
     else:
-        print(f"installed {install(args.name, args.run_dir)}")
+        print(f"installed {install(args.name, args.run_dir, args.fine_tuned_from)}")
     return 0
 
 

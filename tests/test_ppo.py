@@ -241,7 +241,8 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, needle", [(["--policy", "ppo"], "--policy ppo needs --policy-path DIR"),
                                           (["--policy", "ppo", "--policy-path", "/no/such/dir"], "does not exist"),
-                                          (["--policy", "static", "--policy-path", "."], "--policy-path is for --policy ppo")])
+                                          (["--policy", "static", "--policy-path", "."], "--policy-path is for --policy ppo"),
+                                          (["--policy", "ppo:small-cnn-sgd", "--policy-path", "."], "drop --policy-path")])
 def test_bpslaunch_checks_the_policy_before_starting_anything(args, needle):
     result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", *args, "--", "true"],
                             capture_output=True, text=True, timeout=100, check=False)
@@ -268,10 +269,11 @@ def test_the_same_seed_gives_the_same_actions(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(600)
-def test_the_scheduler_runs_a_real_4_worker_job_with_the_ppo_policy(trained, tmp_path):
-    out, _ = trained
-    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "4", "--policy", "ppo",
-                            "--policy-path", str(out), "--slowdown", "3=3.0", "--decision-interval", "5",
+def test_the_scheduler_runs_a_real_4_worker_job_with_the_ppo_policy(tmp_path):
+    """With a policy of the packaged library (``--policy ppo:NAME``); ``--policy ppo --policy-path``
+    goes through the same PPOPolicy (the eval and bpslaunch tests above cover the path)."""
+    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "4", "--policy", "ppo:small-cnn-sgd",
+                            "--slowdown", "3=3.0", "--decision-interval", "5",
                             "--log-dir", str(tmp_path), "--", sys.executable, str(WORKER), str(tmp_path), "60", "32"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
