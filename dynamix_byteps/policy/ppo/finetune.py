@@ -257,12 +257,14 @@ class FineTuner:
 
             settings = {k: PPO_SETTINGS[k] for k in ("gamma", "lambda_", "clip_param", "vf_clip_param")}
             observation_space, action_space = _spaces(n)
+            # A job's observations carry no worker mask, even for a policy trained on several worker counts.
+            model_config = {**self.module.model_config, "padded": False}
             config = (PPOConfig().environment(observation_space=observation_space, action_space=action_space)
                       .learners(num_learners=0)
                       .training(lr=self.lr, entropy_coeff=ENTROPY[1], train_batch_size_per_learner=self.every,
                                 minibatch_size=self.minibatch, num_epochs=self.epochs, **settings)
                       .rl_module(rl_module_spec=RLModuleSpec(module_class=PerWorkerPPOModule,
-                                                             model_config=dict(self.module.model_config))))
+                                                             model_config=model_config)))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 learner = config.build_learner()
