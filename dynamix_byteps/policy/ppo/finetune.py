@@ -183,8 +183,12 @@ class DecisionTail:
         new = []
         for line in data[:end].splitlines():
             try:
-                new.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
+                record = None
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                new.append(record)
+            else:  # not a decision record (the scheduler writes none such): skipped, as a partial line is
                 log.warning("skipping a malformed line in %s", self.path)
         self.records.extend(new)
         return new
