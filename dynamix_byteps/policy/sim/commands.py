@@ -48,6 +48,8 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
 def _fit(args, usage_error) -> int:
     from dynamix_byteps.policy.sim.fit import fit_log, load_log, replay
 
+    if args.out is not None and args.out.is_dir():
+        raise usage_error(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
     try:
         log = load_log(args.run_dir)
         params, fits = fit_log(log)

@@ -154,8 +154,9 @@ def load_log(run_dir) -> RunLog:
             "(any --policy; without one no scheduler writes decisions) and pass DIR") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigurationError(f"cannot read {path}: {error}") from None
-    rows, previous, last_decision = [], None, None
-    for number, line in enumerate(text.splitlines(), 1):
+    rows, previous, last_decision, untimed = [], None, None, set()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -167,9 +168,15 @@ def load_log(run_dir) -> RunLog:
             smoothed = [_finite(x) for x in w["samples_per_s"]]
             reports = [int(x) for x in w.get("reports") or [1] * len(sizes)]
             step, decision = int(record["step"]), record.get("decision")
+            losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
+            nodes = any(isinstance(node, dict) and ("cpu_util" in node or "rtt_s" in node) for node in w.get("node") or [])
+            if not 0 <= step < 2**62:
+                raise ValueError(f"step {step}")
         except json.JSONDecodeError as error:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # the last line of a run killed while writing it
             raise _corrupt(path, number, f"invalid JSON: {error.msg}") from None
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise _corrupt(path, number, f"missing or malformed field {error}") from None
         n = len(sizes)
         if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == n:
@@ -181,28 +188,31 @@ def load_log(run_dir) -> RunLog:
         raw = smoothed if fresh else [(t - (1 - THROUGHPUT_SMOOTHING) * p) / THROUGHPUT_SMOOTHING
                                       for t, p in zip(smoothed, previous)]
         # One report per rank: b̂ = θ·compute is exact; several: a mean of ratios, so the assignment.
-        batch = [r * c if k == 1 and r * c > 0 else b for r, c, b, k in zip(raw, compute, sizes, reports)]
+        batch = [r * c if k == 1 and 0 < r * c < math.inf else b for r, c, b, k in zip(raw, compute, sizes, reports)]
         previous, last_decision = smoothed, decision if isinstance(decision, int) else None
         if not (all(x > 0 for x in compute) and all(x >= 0 for x in push_pull)):  # NaN fails both
+            untimed.update(r for r, (c, t) in enumerate(zip(compute, push_pull)) if not (c > 0 and t >= 0))
             continue  # an interval without real timings (a worker that did not compute)
-        losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
         losses = [x for x in losses if math.isfinite(x)]
-        rows.append({"n": n, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,
+        rows.append({"n": n, "line": number, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,
                      "loss": sum(losses) / len(losses) if losses else math.nan,
-                     "noise": _finite(state.get("noise_scale")), "record": record})
+                     "noise": _finite(state.get("noise_scale")), "nodes": nodes, "record": record})
     if len(rows) < MIN_INTERVALS:
         raise ConfigurationError(
             f"{path} holds {len(rows)} decision(s) with timings, at least {MIN_INTERVALS} are needed: record a "
-            f"longer run (more than {MIN_INTERVALS} x --decision-interval steps) or a smaller --decision-interval")
+            f"longer run (more than {MIN_INTERVALS} x --decision-interval steps) or a smaller --decision-interval"
+            + (f"; decisions without a compute time > 0 of rank(s) {sorted(untimed)} were left out" if untimed else ""))
     first = rows[0]["record"]
     w = first["state"]["workers"]
-    mins = [int(b) for b in w.get("min_batch") or [1]]
-    maxes = [int(b) for b in w.get("max_batch") or [] if b]
-    initial = first["state"].get("initial_batch_sizes") or first.get("batch_sizes_before") or w["batch_size"]
+    try:
+        mins = [int(b) for b in w.get("min_batch") or [1]]
+        maxes = [int(b) for b in w.get("max_batch") or [] if b]
+        initial = first["state"].get("initial_batch_sizes") or first.get("batch_sizes_before") or w["batch_size"]
+        initial = tuple(int(b) for b in initial)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise _corrupt(path, rows[0]["line"], f"malformed batch bounds or initial batch sizes ({error})") from None
     datasets = [r["record"]["state"].get("dataset_size") for r in rows]
     datasets = [int(d) for d in datasets if isinstance(d, int) and d > 0]
-    nodes = any(("cpu_util" in node or "rtt_s" in node) for r in rows
-                for node in r["record"]["state"]["workers"].get("node") or [] if isinstance(node, dict))
     return RunLog(
         path=path,
         steps=np.array([r["step"] for r in rows], dtype=np.int64),
@@ -211,11 +221,11 @@ def load_log(run_dir) -> RunLog:
         push_pull_s=np.array([r["push_pull"] for r in rows], dtype=np.float64),
         loss=np.array([r["loss"] for r in rows], dtype=np.float64),
         noise_scale=np.array([r["noise"] if r["noise"] > 0 else math.nan for r in rows], dtype=np.float64),
-        initial_batch=tuple(int(b) for b in initial),
+        initial_batch=initial,
         min_batch=max(mins),
         max_batch=min(maxes) if maxes else None,
         dataset_size=max(datasets) if datasets else None,
-        node_metrics=nodes,
+        node_metrics=any(r["nodes"] for r in rows),
     )
 
 
@@ -242,7 +252,10 @@ def fit_compute(batch, compute_s) -> WorkerFit | None:
     b, c = np.asarray(batch, dtype=np.float64), np.asarray(compute_s, dtype=np.float64)
     if b.size < 3 or (b.max() - b.min()) < MIN_BATCH_SPREAD * b.mean():
         return None
-    slope, intercept = np.polyfit(b, c, 1)
+    try:
+        slope, intercept = np.polyfit(b, c, 1)
+    except np.linalg.LinAlgError:  # timings too extreme for least squares (e.g. 1e308 s)
+        return None
     method = "least-squares"
     spread = np.sum((b - b.mean()) ** 2)
     standard_error = math.sqrt(np.sum((c - intercept - slope * b) ** 2) / (b.size - 2) / spread)

@@ -226,8 +226,12 @@ class SimParams:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no half-written file left behind (a full disk, path a directory)
+            raise
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SimParams:
