@@ -40,6 +40,8 @@ def _option(text: str) -> tuple[str, object]:
     key, sep, raw = text.partition("=")
     if not sep or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if raw.lower() in ("true", "false"):
+        return key, raw.lower() == "true"
     for convert in (int, float):
         try:
             return key, convert(raw)

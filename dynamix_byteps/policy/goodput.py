@@ -97,6 +97,8 @@ class GoodputPolicy(Policy):
             raise ValueError(f"unbounded_factor must be a finite number > 1, got {unbounded_factor!r}")
         if comm not in _COMM_MODES:
             raise ValueError(f"comm must be one of {_COMM_MODES}, got {comm!r}")
+        if scale_down not in (True, False):  # bool("false") would be True
+            raise ValueError(f"scale_down must be true or false, got {scale_down!r}")
         self.candidates = int(candidates)
         self.max_global_batch = None if max_global_batch is None else int(max_global_batch)
         self.unbounded_factor = float(unbounded_factor)
