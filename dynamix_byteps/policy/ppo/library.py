@@ -26,6 +26,7 @@ from dynamix_byteps.errors import ConfigurationError
 __all__ = ["INFO_FILE", "entries", "library_root", "policy_dir"]
 
 INFO_FILE = "policy.json"
+_TEXT = ("model", "optimizer", "description")  # policy.json fields that are strings
 
 
 def library_root() -> Path:
@@ -36,7 +37,8 @@ def library_root() -> Path:
 def entries() -> dict[str, dict]:
     """``name -> policy.json content`` of every library entry (sorted by name; ``{}`` if none).
 
-    An entry whose ``policy.json`` cannot be read maps to ``{"error": "..."}``.
+    An entry whose ``policy.json`` cannot be read, or is not an object with string ``model``,
+    ``optimizer``, ``description`` and lists ``workers``, ``scenarios``, maps to ``{"error": "..."}``.
     """
     root = library_root()
     out = {}
@@ -44,9 +46,14 @@ def entries() -> dict[str, dict]:
         if not (d / INFO_FILE).is_file() and not (d / "policy.onnx").is_file():
             continue
         try:
-            out[d.name] = json.loads((d / INFO_FILE).read_text())
+            info = json.loads((d / INFO_FILE).read_text())
         except (OSError, json.JSONDecodeError) as error:
-            out[d.name] = {"error": f"cannot read {INFO_FILE}: {error}"}
+            info = {"error": f"cannot read {INFO_FILE}: {error}"}
+        if not (isinstance(info, dict) and all(isinstance(info.get(k, ""), str) for k in _TEXT)
+                and isinstance(info.get("workers", []), list) and isinstance(info.get("scenarios", []), list)
+                and all(isinstance(x, str) for x in info.get("scenarios", []))):
+            info = {"error": f"{INFO_FILE} is not an object of the library's format"}
+        out[d.name] = info
     return out
 
 
