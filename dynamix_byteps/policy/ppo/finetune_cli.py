@@ -81,7 +81,12 @@ def _finetune(args, usage_error) -> int:
 def prepare_served(source: Path, run_dir: Path) -> Path:
     """Copy the policy files of ``source`` to ``run_dir/policy`` (kept if already there: a
     restarted job goes on from its newest generation); return that directory. The trained
-    policy itself is never modified."""
+    policy itself is never modified.
+
+    Raises:
+        ConfigurationError: ``source`` is not a policy directory, or ``run_dir/policy`` holds a
+            copy of another policy (a reused --log-dir).
+    """
     from dynamix_byteps.policy.ppo.serve import (
         FEATURES_FILE,
         POLICY_FILE,
@@ -89,8 +94,12 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
     )
 
     served = Path(run_dir) / SERVED_DIR
-    if not (served / FEATURES_FILE).is_file():
-        directory, _ = read_metadata(source)
+    directory, _ = read_metadata(source)
+    if (served / FEATURES_FILE).is_file():
+        if (served / FEATURES_FILE).read_bytes() != (directory / FEATURES_FILE).read_bytes():
+            raise ConfigurationError(f"{served} holds the fine-tuning of another policy than {directory}; give this "
+                                     f"job a new --log-dir, or remove {served} to start again from {directory}")
+    else:
         staging = served.with_name(f".{SERVED_DIR}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
