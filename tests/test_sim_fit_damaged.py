@@ -55,3 +55,35 @@ def test_out_naming_a_directory_is_a_usage_error_and_leaves_nothing(tmp_path, ca
     with pytest.raises(IsADirectoryError):
         fit_run(tmp_path).to_json(out)  # the replace fails: the temporary file goes too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decisions.jsonl", "out"]
+
+
+def test_losses_below_zero_are_left_out_of_the_loss_model(tmp_path):
+    records = [json.loads(line) for line in _lines(count=8)]
+    for i, record in enumerate(records):
+        record["state"]["workers"]["loss"] = [1.0 - 0.3 * i] * 2  # 1.0 ... -1.1
+    (tmp_path / "decisions.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert fit_run(tmp_path).stats.min_loss >= 0  # was: "simulator parameter min_loss=-0.55 must be ... >= 0"
+
+
+def test_a_folder_without_permission_is_a_usage_error(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / "decisions.jsonl").write_text("\n".join(_lines()) + "\n")
+    command = [sys.executable, "-m", "dynamix_byteps.cli", "sim", "fit", str(locked / "decisions.jsonl")]
+    if os.geteuid() == 0:  # root reads anything: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop root's file capabilities")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+                   "--inh-caps=-dac_override,-dac_read_search", *command]
+    locked.chmod(0)
+    try:
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 2, done.stderr  # was 1, a bare "[Errno 13]" from Path.is_dir
+    assert "argument RUN_DIR: cannot read" in done.stderr and "Traceback" not in done.stderr

@@ -40,7 +40,8 @@ What is fitted (units: seconds, samples):
   ``x = (L0 − L_min)/(L − L_min)``, by least squares on ``ln B_noise`` (``noise_scale``, ``noise_growth``;
   ``noise_scale_noise`` from the residuals), and τ (``steps_scale``) from
   ``−ln((L − L_min)/(L0 − L_min)) = E/τ`` through the origin, ``E`` the noise-free steps
-  ``Σ Δsteps·M/(M + B_noise)``. Too few usable points keep the reference value.
+  ``Σ Δsteps·M/(M + B_noise)``. Too few usable points keep the reference value; losses <= 0 (a
+  loss this positive, cross-entropy-like model cannot hold) are left out.
 
 Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links, the
 generalisation gap and the loss noise. The fitted file suits ``dynamix policy train --scenario
@@ -144,9 +145,9 @@ def load_log(run_dir) -> RunLog:
             fields, or changes its number of workers; the message names the file and the fix.
     """
     path = Path(run_dir)
-    if path.is_dir():
-        path = path / DECISION_LOG
     try:
+        if path.is_dir():  # raises PermissionError for a path in a folder without search permission
+            path = path / DECISION_LOG
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigurationError(
@@ -295,7 +296,8 @@ def _fit_comm(log: RunLog, rows: slice) -> CommParams:
 
 def _fit_stats(log: RunLog) -> StatParams:
     ref = _REF.stats
-    loss_seen = log.loss[np.isfinite(log.loss)]
+    loss = np.where(log.loss > 0, log.loss, np.nan)  # the simulator's loss is positive (cross-entropy-like)
+    loss_seen = loss[np.isfinite(loss)]
     l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
     if loss_seen.size:
         l0 = max(l0, float(loss_seen.max()) * 1.05)
@@ -303,7 +305,7 @@ def _fit_stats(log: RunLog) -> StatParams:
         if not l0 > target > lmin:
             target = lmin + 0.2 * (l0 - lmin)
     stats = replace(ref, initial_loss=l0, min_loss=lmin, target_loss=target)
-    x = np.log((l0 - lmin) / (log.loss - lmin))  # NaN where no loss
+    x = np.log((l0 - lmin) / (loss - lmin))  # NaN where no loss
     noise = log.noise_scale
     ok = np.isfinite(x) & np.isfinite(noise)
     if ok.sum() >= 1:
