@@ -47,7 +47,7 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, **options) -> Policy:
+def make_policy(name: str, /, **options) -> Policy:
     """Build the policy called ``name`` with its keyword ``options``.
 
     Raises:
