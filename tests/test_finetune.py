@@ -99,6 +99,27 @@ def perturbed_generation(served, generation, scale=0.5, seed=1):
     return target
 
 
+def narrowed_generation(served, generation):
+    """Publish ``generation``: the served ONNX with its logits cut to 3 actions (right signature, wrong answer)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    target = perturbed_generation(served, generation, scale=0.0)
+    model = onnx.load(str(target / POLICY_FILE))
+    out = model.graph.output[0]
+    for node in model.graph.node:
+        node.output[:] = ["raw" if o == out.name else o for o in node.output]
+    for name, value in (("starts", 0), ("ends", 3), ("axes", 2)):
+        model.graph.initializer.append(numpy_helper.from_array(np.array([value], np.int64), name))
+    model.graph.node.append(helper.make_node("Slice", ["raw", "starts", "ends", "axes"], [out.name]))
+    out.type.tensor_type.shape.dim[-1].dim_value = 3
+    onnx.save(model, str(target / POLICY_FILE))
+    meta = json.loads((target / FEATURES_FILE).read_text())
+    meta["onnx"]["sha256"] = sha256(target / POLICY_FILE)
+    (target / FEATURES_FILE).write_text(json.dumps(meta))
+    return target
+
+
 def info(rank, batch=32):
     return dynamix_pb2.WorkerInfo(rank=rank, world_size=WORKERS, host="127.0.0.1", engine="gloo", min_batch=4,
                                   max_batch=512, batch_size=batch, dataset_size=60000)
@@ -174,7 +195,8 @@ def test_hot_swap_picks_up_a_new_generation_and_the_next_decision_uses_it(policy
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("damage", ["corrupt onnx", "bad manifest", "missing directory"])
+@pytest.mark.parametrize("damage", ["corrupt onnx", "bad manifest", "missing directory", "wrong output shape",
+                                    "directory outside"])
 def test_a_bad_publication_is_ignored_with_a_warning(policy_dir, tmp_path, caplog, damage):
     served = served_copy(policy_dir, tmp_path)
     policy = PPOPolicy(path=served)
@@ -185,6 +207,14 @@ def test_a_bad_publication_is_ignored_with_a_warning(policy_dir, tmp_path, caplo
         (target / POLICY_FILE).write_bytes(b"not an onnx file")  # the recorded hash no longer matches either
     elif damage == "bad manifest":
         (served / MANIFEST).write_text("{half a manif")
+    elif damage == "wrong output shape":
+        narrowed_generation(served, 1)
+    elif damage == "directory outside":
+        # A loadable policy, but outside the served directory: never followed (was: loaded from anywhere).
+        (tmp_path / "elsewhere").mkdir()
+        elsewhere = served_copy(policy_dir, tmp_path / "elsewhere")
+        (served / MANIFEST).write_text(json.dumps({"format": "dynamix-ppo-manifest", "generation": 3,
+                                                   "directory": str(perturbed_generation(elsewhere, 1))}))
     else:
         (served / MANIFEST).write_text(json.dumps({"format": "dynamix-ppo-manifest", "generation": 3,
                                                    "directory": "generations/000003"}))

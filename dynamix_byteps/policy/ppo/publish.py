@@ -45,7 +45,17 @@ class Generation(dict):
         return int(self["generation"])
 
     def path(self, root: Path) -> Path:
-        return (Path(root) / self["directory"]).resolve()
+        """The generation's directory; it must lie inside ``root``.
+
+        Raises:
+            ConfigurationError: ``directory`` is absolute or leaves ``root`` (``..``).
+        """
+        base = Path(root).resolve()
+        path = (base / self["directory"]).resolve()
+        if path != base and base not in path.parents:
+            raise ConfigurationError(f"{Path(root) / MANIFEST} names directory {self['directory']!r} outside "
+                                     f"{root}: a manifest may only point into its own served directory")
+        return path
 
 
 def generation_dir(root, generation: int) -> Path:

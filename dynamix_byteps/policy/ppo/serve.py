@@ -246,6 +246,16 @@ def _load(generation: int, directory: Path) -> _Live:
             or inputs[0].shape[-1] != NUM_FEATURES:
         raise ConfigurationError(f"{directory / POLICY_FILE} does not take '{INPUT}' (batch, workers, "
                                  f"{NUM_FEATURES}) and give '{OUTPUT}'; re-export the policy")
+    # One probe inference: a graph with the right signature can still answer the wrong shape,
+    # which would fail every later decision instead of this load.
+    probe = np.zeros((1, 3, NUM_FEATURES), dtype=np.float32)
+    try:
+        shape = np.shape(session.run([OUTPUT], {INPUT: probe})[0])
+    except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise ConfigurationError(f"{directory / POLICY_FILE} fails on a (1, 3, {NUM_FEATURES}) input: {error}") from None
+    if shape != (1, 3, len(LADDER)):
+        raise ConfigurationError(f"{directory / POLICY_FILE} answers {OUTPUT} of shape {shape} for 3 workers, "
+                                 f"not (1, 3, {len(LADDER)}); re-export the policy")
     return _Live(int(generation), directory, metadata, session)
 
 
