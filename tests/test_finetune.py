@@ -400,6 +400,15 @@ def test_bpslaunch_refuses_fine_tune_without_a_ppo_policy(args, needle):
 def test_bpslaunch_refuses_fine_tune_of_a_policy_without_checkpoint(policy_dir, tmp_path):
     served = served_copy(policy_dir, tmp_path)
     result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",
-                             "--policy-path", str(served), "--fine-tune", "--", "true"],
-                            check=False, capture_output=True, text=True, timeout=50)
+                             "--policy-path", str(served), "--fine-tune", "--log-dir", str(tmp_path / "run"),
+                             "--", "true"], check=False, capture_output=True, text=True, timeout=50)
     assert result.returncode == 2 and "no RLlib checkpoint" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_bpslaunch_refuses_fine_tune_without_a_log_dir(policy_dir):
+    # The generations would be published into the job's temporary folder and deleted with it.
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",
+                             "--policy-path", str(policy_dir), "--fine-tune", "--", "true"],
+                            check=False, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2 and "--fine-tune needs --log-dir" in result.stderr, result.stderr

@@ -59,18 +59,32 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import psutil
 
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
-from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, WorkerEnv, parse_slowdown
+from dynamix_byteps.env import (
+    DEFAULT_DECISION_INTERVAL,
+    ENGINES,
+    MAX_TIMEOUT_S,
+    MAX_WORKERS,
+    WorkerEnv,
+    parse_slowdown,
+)
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.launcher.restart import REPORT_TIMEOUT_S, Coordinator, RunReport, decide, report_and_wait, tell
+from dynamix_byteps.launcher.restart import (
+    REPORT_TIMEOUT_S,
+    Coordinator,
+    RunReport,
+    decide,
+    report_and_wait,
+    tell,
+)
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
 
@@ -646,6 +660,9 @@ def _fine_tune_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler_
     if args.policy != "ppo":
         raise UsageError(f"--fine-tune needs --policy ppo --policy-path DIR (a directory from `dynamix policy train` "
                          f"with its RLlib checkpoint), not --policy {args.policy}")
+    if args.log_dir is None:
+        raise UsageError("--fine-tune needs --log-dir DIR: the policy generations it trains are published there "
+                         "(without it they would be deleted with the job's temporary folder)")
     from dynamix_byteps.policy.ppo.finetune_cli import trainer_argv
 
     try:
@@ -653,8 +670,8 @@ def _fine_tune_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler_
     except ConfigurationError as error:
         raise UsageError(f"--fine-tune: {error}") from None
     scheduler_argv += ["--policy-option", f"path={served}", "--policy-option", "explore=true"]
-    log_path = None if args.log_dir is None else args.log_dir / "finetune.log"
-    return ChildSpec(label="finetune", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=log_path, service=True)
+    return ChildSpec(label="finetune", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=args.log_dir / "finetune.log",
+                     service=True)
 
 
 def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
