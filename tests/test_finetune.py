@@ -22,7 +22,11 @@ import pytest
 
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.scheduler import DECISION_LOG, SchedulerServer
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import Guarded
+from dynamix_byteps.policy.ppo.finetune import DecisionTail
+from dynamix_byteps.policy.ppo.finetune_cli import prepare_served
+from dynamix_byteps.policy.ppo.library import library_root
 from dynamix_byteps.policy.ppo.publish import (
     MANIFEST,
     generation_dir,
@@ -412,3 +416,29 @@ def test_bpslaunch_refuses_fine_tune_without_a_log_dir(policy_dir):
                              "--policy-path", str(policy_dir), "--fine-tune", "--", "true"],
                             check=False, capture_output=True, text=True, timeout=50)
     assert result.returncode == 2 and "--fine-tune needs --log-dir" in result.stderr, result.stderr
+
+
+# ---- the decision-log reader -----------------------------------------------------------------
+# The fine-tuning trainer's reader of the decision log keeps only decision records.
+
+
+def test_lines_that_are_not_decision_records_are_skipped(tmp_path, caplog):
+    log = tmp_path / "decisions.jsonl"
+    good = [{"decision": d, "step": 2 * d, "reward": {"loss": 1.0}} for d in (1, 2)]
+    log.write_text("\n".join([json.dumps(good[0]), "5", "[1, 2]", '{"decision": 9}', '{"step": "x"}',
+                              "{not json", json.dumps(good[1]), '{"step": 3']))
+    tail = DecisionTail(log)
+    assert tail.read() == good  # the partial last line waits; the others would crash the trainer's step
+    assert caplog.text.count("skipping a malformed line") == 5
+
+
+# ---- reusing a --log-dir ---------------------------------------------------------------------
+# ``bpslaunch --fine-tune`` reusing a --log-dir: the served copy must be of the same policy.
+
+
+def test_a_run_dir_serving_another_policy_is_refused(tmp_path):
+    first, other = library_root() / "small-cnn-sgd", library_root() / "small-cnn-adam"
+    served = prepare_served(first, tmp_path)
+    assert prepare_served(first, tmp_path) == served  # a restarted job goes on with its copy
+    with pytest.raises(ConfigurationError, match="another policy"):
+        prepare_served(other, tmp_path)  # was: silently served first's copy (and its generations)

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from dynamix_byteps.cli import main
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.ppo import library
@@ -135,3 +136,18 @@ def test_the_padded_module_ignores_absent_workers_and_pins_them_to_keep():
     torch.testing.assert_close(logits[0][:n], served)  # what the exported network computes for n workers
     assert (logits[0][n:].argmax(-1) == KEEP).all() and (logits[0][n:].max(-1).values - logits[0][n:].sort(-1).values[:, -2] > 1e3).all()
     assert isinstance(env.action_space, gym.spaces.MultiDiscrete)
+
+
+# ---- a damaged library entry -----------------------------------------------------------------
+# ``dynamix policy list`` with a damaged ``policy.json`` in (a copy of) the library: listed, no traceback.
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "null", '"text"', '{"workers": 8}', '{"scenarios": [1]}',
+                                     '{"model": 5}', "{oops"])
+def test_a_damaged_policy_json_is_listed_as_unreadable(tmp_path, monkeypatch, capsys, content):
+    shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "damaged")
+    (tmp_path / "damaged" / library.INFO_FILE).write_text(content)
+    monkeypatch.setattr(library, "library_root", lambda: tmp_path)
+    assert "error" in library.entries()["damaged"]
+    assert main(["policy", "list"]) == 0
+    assert "1 policies in" in capsys.readouterr().out
