@@ -9,6 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+# Like dynamix_byteps.policy.ppo.module: RLlib must not import TensorFlow. When a test imports
+# ray.rllib first, RLlib loads TensorFlow and calls disable_v2_behavior(), and every later
+# TensorFlow test in the process runs in graph mode (SymbolicTensor has no .numpy()).
+os.environ.setdefault("RLLIB_TEST_NO_TF_IMPORT", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run

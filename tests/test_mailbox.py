@@ -285,9 +285,10 @@ def test_native_threads_hammering_never_tear(name, slot):
             t.join()
         assert stats["torn"] == 0, stats
         assert stats["backwards"] == 0, stats
-        # On a loaded machine the two threads may mostly time-share one core, so the number of
-        # distinct records seen can be small; "busy" counts reads that met writes in progress.
-        assert stats["ok"] >= 20, stats
+        # The race must really have happened. On a loaded machine the two threads may mostly
+        # time-share one core, so few distinct records are seen (6 once in CI); "busy" counts the
+        # reads that met a write in progress, which is the race itself.
+        assert stats["ok"] >= 2 and stats["ok"] + stats["busy"] >= 20, stats
         assert stats["last_version"] <= results["writes"]
         if (os.cpu_count() or 1) >= 2:  # the reader really met writes in progress, and retried
             assert stats["retries"] > 0, stats
