@@ -42,7 +42,7 @@ from pathlib import Path
 from common import REPO, RESULTS, machine, write_report
 
 from dynamix_byteps.argtypes import float_in, int_in
-
+from dynamix_byteps.policy.ppo import library
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
 EXAMPLE = REPO / "examples" / "torch_fashion_mnist.py"
@@ -58,7 +58,9 @@ def configurations(ppo_policy: str | None, decision_interval: int) -> dict[str, 
     for policy in ("proportional", "goodput"):
         configs[policy] = {"batch": POLICY_START, "launch": ["--policy", policy, *policy_flags]}
     if ppo_policy:
-        configs["ppo"] = {"batch": POLICY_START, "launch": ["--policy", "ppo", "--policy-path", str(ppo_policy), *policy_flags]}
+        chosen = ["--policy", "ppo", "--policy-path", str(ppo_policy)] if Path(ppo_policy).is_dir() \
+            else ["--policy", f"ppo:{ppo_policy}"]  # a policy of the library
+        configs["ppo"] = {"batch": POLICY_START, "launch": [*chosen, *policy_flags]}
     return configs
 
 
@@ -184,7 +186,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", type=float_in(0.1, 1.0, low_open=True), default=None, help="target test accuracy (default 0.88; --quick 0.6)")
     p.add_argument("--model", choices=("cnn", "resnet8"), default="cnn")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
-    p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy")
+    p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy: a directory or a library name (`dynamix policy list`)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
     p.add_argument("--table-only", action="store_true", help="run nothing: redo the table, plot and rows of --out "
@@ -194,8 +196,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
     args = p.parse_args()
     args.scenario = scenarios[args.scenario]
-    if args.ppo_policy and not Path(args.ppo_policy).is_dir():
-        p.error(f"--ppo-policy {args.ppo_policy}: no such policy directory (dynamix policy train --out DIR writes one)")
+    if args.ppo_policy and not Path(args.ppo_policy).is_dir() and args.ppo_policy not in library.entries():
+        p.error(f"--ppo-policy {args.ppo_policy}: neither a policy directory (dynamix policy train --out DIR writes "
+                f"one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
     args.budget = args.budget or (30.0 if args.quick else 150.0)
     args.eval_every = args.eval_every or 10.0
     args.target = args.target or (0.6 if args.quick else 0.88)
