@@ -196,6 +196,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
     args = p.parse_args()
     args.scenario = scenarios[args.scenario]
+    if args.ppo_policy and args.ppo_policy.startswith("ppo:"):
+        args.ppo_policy = args.ppo_policy[len("ppo:"):]  # bpslaunch's spelling of a library policy
     if args.ppo_policy and not Path(args.ppo_policy).is_dir() and args.ppo_policy not in library.entries():
         p.error(f"--ppo-policy {args.ppo_policy}: neither a policy directory (dynamix policy train --out DIR writes "
                 f"one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
