@@ -33,6 +33,9 @@ LOSS_HISTORY_LEN = 256  # decision intervals kept for ClusterState.loss_history
 # from its recent history rather than from the last iteration alone (Chen et al., SoCC 2020).
 THROUGHPUT_SMOOTHING = 0.3
 
+#: The scheduler's decision log in a run directory: one JSON line per decision (scheduler.py).
+DECISION_LOG = "decisions.jsonl"
+
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 

@@ -42,7 +42,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from dynamix_byteps.control import dynamix_pb2
-from dynamix_byteps.control.cluster import MAX_WORLD_SIZE, AssignmentRecord, Cluster, Rejected, Snapshot, cluster_state
+from dynamix_byteps.control.cluster import (
+    DECISION_LOG,
+    MAX_WORLD_SIZE,
+    AssignmentRecord,
+    Cluster,
+    Rejected,
+    Snapshot,
+    cluster_state,
+)
 from dynamix_byteps.control.security import (
     MAX_CONCURRENT_RPCS,
     SERVER_OPTIONS,
@@ -58,7 +66,6 @@ from dynamix_byteps.summaries import ScalarWriter, decision_scalars, scheduler_l
 log = logging.getLogger("dynamix_byteps.scheduler")
 
 SERVICE = "dynamix.v1.Scheduler"
-DECISION_LOG = "decisions.jsonl"
 MAX_REASON_LEN = 1000
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, reward
 from dynamix_byteps.policy.ppo.module import (
@@ -67,7 +68,6 @@ log = logging.getLogger("dynamix_byteps.policy.ppo.finetune")
 
 EVENTS = "finetune.jsonl"
 STATE_FILE = "module_state.pt"
-DECISIONS = "decisions.jsonl"
 
 
 @dataclass
@@ -229,7 +229,7 @@ class FineTuner:
         self.run_dir, self.root = Path(run_dir), Path(policy_path)
         self.every, self.window, self.collapse_k = int(every), int(window), float(collapse_k)
         self.lr, self.epochs, self.minibatch = float(lr), int(epochs), int(minibatch or every)
-        self.tail = DecisionTail(self.run_dir / DECISIONS)
+        self.tail = DecisionTail(self.run_dir / DECISION_LOG)
         manifest = read_manifest(self.root)
         served = manifest.path(self.root)
         meta = json.loads((served / "features.json").read_text())

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynamix_byteps.control.cluster import THROUGHPUT_SMOOTHING
+from dynamix_byteps.control.cluster import DECISION_LOG, THROUGHPUT_SMOOTHING
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import (
@@ -71,7 +71,6 @@ from dynamix_byteps.policy.sim.params import (
 __all__ = ["MIN_BATCH_SPREAD", "MIN_INTERVALS", "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run",
            "fitted_rows", "load_log", "replay"]
 
-DECISION_LOG = "decisions.jsonl"
 #: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
 MIN_BATCH_SPREAD = 0.1
 #: Fewest decision records with timings a fit accepts.
