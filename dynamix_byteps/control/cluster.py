@@ -19,7 +19,6 @@ from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.policy.base import ClusterState, WorkerState
 
 MAX_WORLD_SIZE = MAX_WORKERS
-MAX_BATCH = 1 << 24  # samples; anything larger is a bug in the client, not a batch size
 MAX_HOST_LEN = 255
 MAX_NAME_LEN = 64
 MAX_STEP = 2**53  # steps; a larger one would make every later real report look old
