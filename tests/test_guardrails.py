@@ -155,7 +155,7 @@ def test_non_finite_loss_falls_back_to_the_initial_allocation(bad):
 
 def test_rising_loss_falls_back_to_the_initial_allocation():
     inner = Fixed([100, 28], gain=1.0)
-    s = make_state([96, 32], initial=[64, 64], loss=[2.0, 2.1, 2.2, 2.3])
+    s = make_state([96, 32], initial=[64, 64], loss=[2.0, 2.3, 2.7, 3.2])
     d = Guarded(inner, divergence_window=3).decide(s)
     assert d.batch_sizes == (64, 64)
     assert "rose" in d.reason
@@ -201,3 +201,11 @@ def test_a_flat_noisy_loss_that_ticks_up_three_times_is_not_divergence():
     d = Guarded(inner, divergence_window=3).decide(s)
     assert d.batch_sizes != (64, 64)
     assert "rose" not in d.reason
+
+
+def test_three_chance_rises_of_a_noisy_falling_loss_are_not_divergence():
+    """Interval means from a recorded straggler run: three rises in a row, 27% from the first
+    to the last, but the window's mean barely moved."""
+    inner = Fixed([100, 28], gain=1.0)
+    s = make_state([96, 32], initial=[64, 64], loss=[0.369, 0.304, 0.268, 0.317, 0.323, 0.340])
+    assert Guarded(inner, divergence_window=3).decide(s).batch_sizes == (100, 28)
