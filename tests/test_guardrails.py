@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -209,3 +210,39 @@ def test_three_chance_rises_of_a_noisy_falling_loss_are_not_divergence():
     inner = Fixed([100, 28], gain=1.0)
     s = make_state([96, 32], initial=[64, 64], loss=[0.369, 0.304, 0.268, 0.317, 0.323, 0.340])
     assert Guarded(inner, divergence_window=3).decide(s).batch_sizes == (100, 28)
+
+
+# -- rule 2: settling ----------------------------------------------------------------------------
+
+def _ran(state, ran):
+    """``state`` with each worker's measurements taken at the batch ``ran[i]``."""
+    workers = tuple(dataclasses.replace(w, batch_size_ran=b) for w, b in zip(state.workers, ran))
+    return dataclasses.replace(state, workers=workers)
+
+
+def test_a_decision_waits_while_the_last_assignment_has_not_taken_effect():
+    inner = Fixed([100, 28], gain=1.0)
+    guard = Guarded(inner, hysteresis=0.0, settle_limit=2)
+    s = _ran(make_state([96, 32]), [64, 64])  # the interval still ran the sizes before [96, 32]
+    d = guard.decide(s)
+    assert d.batch_sizes == (96, 32) and "waiting" in d.reason and inner.calls == 0
+    assert guard.decide(_ran(make_state([96, 32]), [96, 32])).batch_sizes == (100, 28)
+
+
+def test_settling_waits_at_most_settle_limit_decisions_in_a_row():
+    inner = Fixed([100, 28], gain=1.0)
+    guard = Guarded(inner, hysteresis=0.0, settle_limit=2)
+    stuck = _ran(make_state([96, 32]), [64, 64])
+    answers = [guard.decide(stuck).batch_sizes for _ in range(3)]
+    assert answers == [(96, 32), (96, 32), (100, 28)]
+
+
+def test_a_partial_last_batch_of_an_epoch_does_not_count_as_unsettled():
+    inner = Fixed([100, 28], gain=1.0)
+    s = _ran(make_state([96, 32]), [92, 31])
+    assert Guarded(inner, hysteresis=0.0).decide(s).batch_sizes == (100, 28)
+
+
+def test_divergence_falls_back_even_while_unsettled():
+    s = _ran(make_state([96, 32], initial=[64, 64], loss=[2.0, float("nan")]), [48, 48])
+    assert Guarded(Fixed([100, 28])).decide(s).batch_sizes == (64, 64)

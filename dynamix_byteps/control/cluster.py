@@ -430,6 +430,7 @@ def cluster_state(snap: Snapshot) -> ClusterState:
                 min_batch=w.min_batch,
                 max_batch=w.max_batch,
                 node={**last.node, **snap.node_metrics.get(w.rank, {})},
+                batch_size_ran=last.batch_size,
             )
         )
         if last.grad_sq is not None:

@@ -466,6 +466,7 @@ class SchedulerServer:
         workers = {
             "rank": [w.rank for w in ws],
             "batch_size": [w.batch_size for w in ws],
+            "batch_size_ran": [w.batch_size_ran for w in ws],
             "compute_s": [w.compute_s for w in ws],
             "push_pull_s": [w.push_pull_s for w in ws],
             "samples_per_s": [w.samples_per_s for w in ws],

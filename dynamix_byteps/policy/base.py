@@ -18,6 +18,9 @@ class WorkerState:
     Attributes:
         rank: global rank.
         batch_size: local batch size in force (samples).
+        batch_size_ran: mean local batch per step over the interval the measurements come from
+            (samples); it differs from ``batch_size`` while a new assignment is still taking effect
+            (workers switch at their next interval boundary). None: the same as ``batch_size``.
         compute_s: seconds per step spent computing (forward, backward, data), excluding push_pull.
         push_pull_s: seconds per step waiting for gradient aggregation.
         samples_per_s: compute-only throughput θ_i = batch_size / compute_s (samples/s); the
@@ -36,6 +39,7 @@ class WorkerState:
     min_batch: int = 1
     max_batch: int | None = None
     node: dict = field(default_factory=dict)
+    batch_size_ran: int | None = None
 
 
 @dataclass(frozen=True)

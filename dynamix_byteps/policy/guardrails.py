@@ -8,18 +8,25 @@ rules, applied in this order:
    increasing) *and* the mean of the last ``w`` values exceeds the mean of the (up to) ``w``
    values before them by more than ``DIVERGENCE_TOLERANCE`` (20%), answer
    ``state.initial_batch_sizes`` (clamped to the bounds) at once; the wrapped
-   policy is not consulted and rules 3–4 do not apply (getting back to a known-good allocation
+   policy is not consulted and rules 2–5 do not apply (getting back to a known-good allocation
    must not be slowed down).
-2. **Bounds.** Each proposed ``b_i`` is clamped to ``[max(1, min_batch_i), max_batch_i]``; a
+2. **Settling.** If some worker's measurements are of a batch other than the one in force
+   (``batch_size_ran`` off ``batch_size`` by more than ``SETTLE_TOLERANCE``: the last
+   assignment has not taken effect on every worker for a whole interval yet), keep the current
+   sizes without consulting the policy, at most ``settle_limit`` decisions in a row. Workers
+   switch at their next interval boundary, so the interval right after a change still ran the
+   old sizes; a policy that read those timings as the new sizes' would correct a change that
+   has not happened (the served PPO policy oscillated every decision on real runs).
+3. **Bounds.** Each proposed ``b_i`` is clamped to ``[max(1, min_batch_i), max_batch_i]``; a
    missing, non-integer or non-finite proposal (or one with the wrong length, or a policy that
    raised) keeps the current size.
-3. **Maximum change.** Each ``b_i`` stays within ``[ceil(now_i / max_change),
+4. **Maximum change.** Each ``b_i`` stays within ``[ceil(now_i / max_change),
    floor(now_i × max_change)]`` (and >= 1), intersected with the bounds (bounds win when the two
    do not overlap). With ``preserve_global_batch`` (default) what clipping removes or adds is
    spread over the workers that still have room, in proportion to their proposed sizes, so the
    proposal's global batch is kept when the windows allow it (the proportional policy's promise
    "the global batch is unchanged" survives the clip).
-4. **Hysteresis.** The gain of the final sizes is the policy's ``predicted_gain`` when rules 2–3
+5. **Hysteresis.** The gain of the final sizes is the policy's ``predicted_gain`` when rules 3–4
    changed nothing, else re-evaluated with the policy's ``predict_gain(state, sizes)`` if it has
    one. If that gain is below ``hysteresis`` (or not finite) the current sizes are kept, with a
    reason saying so and ``predicted_gain = 0``. Policies that make no prediction
@@ -58,6 +65,9 @@ def _clamp(b: int, lo: int, hi: float) -> int:
 # decisions; on the recorded straggler runs a 10% rise from the window's first value tripped the
 # fallback 1-4 times per run, a 20% rise of the mean never did.
 DIVERGENCE_TOLERANCE = 0.20
+# Relative gap between the batch that ran and the batch in force below which an interval counts
+# as measured at the assignment in force (the last partial batch of an epoch lowers the mean a bit).
+SETTLE_TOLERANCE = 0.10
 
 class Guarded(Policy):
     """A policy with guardrails (module docstring); ``name`` is the wrapped policy's.
@@ -69,7 +79,8 @@ class Guarded(Policy):
         hysteresis: minimum relative predicted gain for a change (>= 0; 0.05 = 5 %).
         divergence_window: consecutive loss increases that trigger the fallback (0 disables the
             rising-loss test; a non-finite loss always triggers it).
-        preserve_global_batch: keep the proposal's global batch through rule 3 when feasible.
+        preserve_global_batch: keep the proposal's global batch through rule 4 when feasible.
+        settle_limit: most decisions in a row rule 2 may skip (0 disables the rule).
 
     Raises:
         ValueError: on an invalid option.
@@ -83,6 +94,7 @@ class Guarded(Policy):
         hysteresis: float = 0.05,
         divergence_window: int = 3,
         preserve_global_batch: bool = True,
+        settle_limit: int = 2,
     ):
         if not isinstance(policy, Policy):
             raise ValueError(f"Guarded wraps a Policy, got {type(policy).__name__}")
@@ -92,12 +104,16 @@ class Guarded(Policy):
             raise ValueError(f"hysteresis must be a finite number >= 0, got {hysteresis!r}")
         if int(divergence_window) < 0:
             raise ValueError(f"divergence_window must be >= 0, got {divergence_window!r}")
+        if int(settle_limit) < 0:
+            raise ValueError(f"settle_limit must be >= 0, got {settle_limit!r}")
         self.policy = policy
         self.name = policy.name
         self.max_change = float(max_change)
         self.hysteresis = float(hysteresis)
         self.divergence_window = int(divergence_window)
         self.preserve_global_batch = bool(preserve_global_batch)
+        self.settle_limit = int(settle_limit)
+        self._settle_waits = 0  # decisions skipped in a row by rule 2
 
     # -- rule 1 ------------------------------------------------------------------------------
     def divergence(self, loss_history: Sequence[float]) -> str | None:
@@ -123,7 +139,14 @@ class Guarded(Policy):
                         f"mean {mean_before:.4g} → {mean_last:.4g})")
         return None
 
-    # -- rules 2 and 3 -----------------------------------------------------------------------
+    # -- rule 2 ------------------------------------------------------------------------------
+    @staticmethod
+    def unsettled(state: ClusterState) -> list[int]:
+        """Ranks whose last interval ran a batch other than the one in force (rule 2)."""
+        return [w.rank for w in state.workers
+                if w.batch_size_ran is not None and abs(w.batch_size_ran - w.batch_size) > SETTLE_TOLERANCE * w.batch_size]
+
+    # -- rules 3 and 4 -----------------------------------------------------------------------
     def _windows(self, state: ClusterState) -> tuple[list[int], list[float]]:
         lows, highs = [], []
         for w in state.workers:
@@ -181,6 +204,16 @@ class Guarded(Policy):
             return Decision(sizes, f"{self.name}: fallback to the initial allocation: {why}", 0.0,
                             {"guard": {"fallback": why}})
 
+        # 2. settling
+        pending = self.unsettled(state)
+        if pending and self._settle_waits < self.settle_limit:
+            self._settle_waits += 1
+            ran = [workers[r].batch_size_ran for r in pending[:8]]
+            return Decision(tuple(now), f"{self.name}: waiting for the assignment in force to take effect "
+                            f"({_ranks(pending)} ran {ran} per step in the last interval)", 0.0,
+                            {"guard": {"settling": pending}})
+        self._settle_waits = 0
+
         try:
             d = self.policy.decide(state)
         except Exception as exc:  # noqa: BLE001 - the control plane must never stop training
@@ -188,13 +221,13 @@ class Guarded(Policy):
                             0.0, {"guard": {"error": repr(exc)}})
         proposal, notes = self._sanitise(state, d.batch_sizes)
 
-        # 2. bounds
+        # 3. bounds
         bounded = [_clamp(max(1, b), lo, hi) for b, (lo, hi) in zip(proposal, bounds)]
         clipped_bounds = [w.rank for w, a, b in zip(workers, proposal, bounded) if a != b]
         if clipped_bounds:
             notes.append(f"{_ranks(clipped_bounds)} clamped to their bounds")
 
-        # 3. maximum change
+        # 4. maximum change
         lows, highs = self._windows(state)
         sizes = [_clamp(b, lo, hi) for b, lo, hi in zip(bounded, lows, highs)]
         clipped_change = [w.rank for w, a, b in zip(workers, bounded, sizes) if a != b]
@@ -203,7 +236,7 @@ class Guarded(Policy):
             if self.preserve_global_batch:
                 sizes = bounded_split(sum(bounded), bounded, lows, highs)
 
-        # 4. hysteresis
+        # 5. hysteresis
         gain = d.predicted_gain
         if sizes != list(d.batch_sizes) and hasattr(self.policy, "predict_gain"):
             try:
