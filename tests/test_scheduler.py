@@ -143,6 +143,31 @@ def test_one_interval_gives_one_logged_decision_and_a_new_version(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_rank_0_is_answered_with_the_decision_its_report_waited_for(tmp_path):
+    """Rank 0 broadcasts what it holds at the next boundary: its answer must carry the decision."""
+    with running(ScriptedPolicy(lambda s: (16, 32, 48, 64))) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        answer = {}
+        rank0 = threading.Thread(target=lambda: answer.update(a=stub.ReportMetrics(report(0, K), metadata=md)))
+        rank0.start()
+        time.sleep(0.1)  # rank 0 reported first and is waiting
+        assert rank0.is_alive()
+        others = [stub.ReportMetrics(report(r, K), metadata=md) for r in (1, 2, 3)]
+        rank0.join(timeout=5)
+        assert others[-1].version == 1
+        assert answer["a"].version == 1 and list(answer["a"].batch_sizes) == [16, 32, 48, 64]
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_is_answered_within_the_clients_rpc_timeout_when_others_never_report(tmp_path):
+    from dynamix_byteps.control.client import RPC_TIMEOUT_S
+
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        assert stub.ReportMetrics(report(0, K), metadata=md, timeout=RPC_TIMEOUT_S).version == 0
+
+
+@pytest.mark.timeout(60)
 def test_same_sizes_keep_the_version_and_log_keep(tmp_path):
     policy = ScriptedPolicy()  # answers the current sizes
     with running(policy, run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):

@@ -282,6 +282,10 @@ class Cluster:
     def complete(self) -> bool:
         return self.world_size is not None and len(self.workers) == self.world_size
 
+    def awaits_others(self, rank: int) -> bool:
+        """``rank`` has reported for the next decision and other ranks have not yet."""
+        return rank in self.ready and len(self.ready) < (self.world_size or 0)
+
     def worker(self, rank: int) -> WorkerRecord:
         """The registered worker ``rank``; raises :class:`Rejected` if out of range or unknown."""
         if self.world_size is not None and rank >= self.world_size:

@@ -5,7 +5,8 @@ every decision interval of K steps. When every rank has reported a step >= the n
 step, the caller whose report completed the interval runs the policy (outside the state lock,
 one decision at a time), a new :class:`~dynamix_byteps.control.cluster.AssignmentRecord`
 version is published if the sizes change, and that caller gets it back; every later caller
-gets it too.
+gets it too. Rank 0's report, whose answer all workers apply (rank 0 broadcasts it), is
+answered only after the decision it waits for (at most ``ANSWER_WAIT_S``).
 
 Observability: each decision, "keep" included, is one JSON line in ``<run_dir>/decisions.jsonl``
 (written off the RPC path by one thread, one ``write`` per line on an ``O_APPEND`` descriptor,
@@ -67,6 +68,11 @@ log = logging.getLogger("dynamix_byteps.scheduler")
 
 SERVICE = "dynamix.v1.Scheduler"
 MAX_REASON_LEN = 1000
+# Rank 0 broadcasts the newest assignment it holds at each interval boundary, so its report's
+# answer is held until the decision that report was waiting for (the other ranks' reports of the
+# same boundary arrive within milliseconds): the new sizes then apply one interval sooner.
+# Bounded well below the client's RPC timeout; the client thread waits, training does not.
+ANSWER_WAIT_S = 0.5
 
 
 class SchedulerStartError(DynamixError, OSError):
@@ -388,10 +394,13 @@ class SchedulerServer:
         return dynamix_pb2.Assignment.FromString(self._report_bytes(report))
 
     def _report_bytes(self, report) -> bytes:
+        awaited = None
         with self.cluster.lock:
             current, snap = self.cluster.report_locked(report)
             if snap is not None:  # a ticket taken under the state lock: decisions run in interval order
                 ticket, self._tickets = self._tickets, self._tickets + 1
+            elif report.rank == 0 and self.cluster.awaits_others(0):
+                awaited = self._tickets  # the ticket of the decision this report completes with others
         if self.metrics is not None:
             self.metrics.report(report)
         if snap is not None:
@@ -404,6 +413,10 @@ class SchedulerServer:
                 with self._turn:
                     self._serving += 1
                     self._turn.notify_all()
+        elif awaited is not None:
+            with self._turn:
+                self._turn.wait_for(lambda: self._serving > awaited, timeout=ANSWER_WAIT_S)
+            current = self.cluster.current
         cached, data = self._cached
         if cached is not current:
             data = _to_proto(current).SerializeToString()
