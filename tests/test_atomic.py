@@ -1,0 +1,46 @@
+"""dynamix_byteps.atomic: whole replacement, nothing left behind on failure, umask permissions."""
+
+import os
+import stat
+
+import pytest
+
+from dynamix_byteps.atomic import atomic_write, write_atomic
+
+
+def test_content_is_replaced_whole(tmp_path):
+    path = tmp_path / "sub" / "f.bin"  # the parent is created
+    write_atomic(path, b"old content that is longer")
+    write_atomic(path, b"new")
+    assert path.read_bytes() == b"new"
+    assert os.listdir(path.parent) == ["f.bin"]
+
+
+def test_exception_in_block_keeps_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.json"
+    path.write_text("old")
+    with pytest.raises(KeyboardInterrupt), atomic_write(path, "w", durable=False) as f:
+        f.write("half of the new")
+        f.flush()
+        raise KeyboardInterrupt  # BaseException too
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_result_has_umask_permissions(tmp_path):
+    path = tmp_path / "shared.txt"
+    old = os.umask(0o022)
+    try:
+        write_atomic(path, "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # mkstemp would give 0o600
+
+
+def test_text_mode(tmp_path):
+    path = tmp_path / "t.txt"
+    with atomic_write(path, "w") as f:
+        f.write("θ = 1\n")
+    assert path.read_text(encoding="utf-8") == "θ = 1\n"
+    with pytest.raises(ValueError, match="mode"), atomic_write(path, "a"):
+        pass
