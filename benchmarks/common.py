@@ -8,6 +8,8 @@ import platform
 import sys
 from pathlib import Path
 
+from dynamix_byteps.atomic import write_atomic
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,10 +54,8 @@ def report_ns_per_call(out: Path, benchmark: str, calls: int, runs: int, results
 
 
 def write_report(out: Path, report: dict) -> None:
-    """Write ``report`` plus :func:`machine` as indented JSON to ``out``."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**report, "machine": machine()}, indent=2) + "\n")
+    """Write ``report`` plus :func:`machine` as indented JSON to ``out`` (atomically)."""
+    write_atomic(out, json.dumps({**report, "machine": machine()}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

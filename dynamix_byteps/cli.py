@@ -24,6 +24,7 @@ from typing import Sequence
 
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.ppo.commands import add_policy_parser
@@ -104,13 +105,6 @@ def build_policy(name: str, options: dict, *, max_change: float, hysteresis: flo
     return Guarded(policy, max_change=max_change, hysteresis=hysteresis)
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
-
-
 def _run_scheduler(args: argparse.Namespace) -> int:
     from dynamix_byteps.control.scheduler import SchedulerServer
     from dynamix_byteps.control.security import (
@@ -151,7 +145,7 @@ def _run_scheduler(args: argparse.Namespace) -> int:
     try:
         server.start()
         if args.port_file is not None:
-            _write_port_file(args.port_file, server.port)
+            write_atomic(args.port_file, f"{server.port}\n", durable=False)  # read by a live process only
         log = logging.getLogger("dynamix_byteps.scheduler")
         log.info(
             "scheduler listening on %s policy=%s workers=%s interval=%d token=%s tls=%s metrics=%s run_dir=%s",
@@ -225,7 +219,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         "node agent for job %s monitoring with %s, reporting to %s", args.job,
         agent.collector.name if agent.collector else "nothing", args.scheduler)
     if args.ready_file is not None:
-        _write_port_file(args.ready_file, os.getpid())
+        write_atomic(args.ready_file, f"{os.getpid()}\n", durable=False)
     try:
         agent.run(stop)
     finally:

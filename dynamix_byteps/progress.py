@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from dynamix_byteps.atomic import write_atomic
+
 PROGRESS_ENV = "DYNAMIX_PROGRESS_FILE"
 PROGRESS_FILE = "progress.json"
 MIN_WRITE_INTERVAL_S = 0.5
@@ -36,7 +38,6 @@ class ProgressWriter:
     def __init__(self, path: str | os.PathLike, min_interval_s: float = MIN_WRITE_INTERVAL_S):
         self.path = Path(path)
         self.min_interval_s = min_interval_s
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._last = -float("inf")
 
     def update(self, step: int) -> None:
@@ -54,8 +55,7 @@ class ProgressWriter:
         if known:
             record.update(epoch=trained[0], samples=trained[1], dataset_size=schedule.dataset_size)
         try:
-            self._tmp.write_text(json.dumps(record))
-            os.replace(self._tmp, self.path)
+            write_atomic(self.path, json.dumps(record), durable=False)
         except OSError:
             pass  # the console bar is a nicety: a full disk must not stop training
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.summaries import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
 
@@ -209,13 +210,9 @@ def _figure(ncols: int = 1):
 
 
 def _save(fig, path: Path) -> Path:
-    """Write the PNG through a temporary file, so a reader never sees half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write the PNG atomically, so a reader never sees half of one."""
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     return path
 
 

@@ -33,6 +33,7 @@ import keras
 import dynamix_byteps.tensorflow as bps
 import dynamix_byteps.tensorflow.keras as bps_keras
 from dynamix_byteps.assignment import parse_batch_schedule, parse_batch_sizes
+from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
@@ -170,10 +171,8 @@ def main():
                    "lr": lr, "lr_scaling": args.lr_scaling, "mode": "fit" if args.fit else "loop",
                    "test_samples": test_samples}
         if args.output:
-            tmp = f"{args.output}.tmp"
-            with open(tmp, "w") as f:
+            with atomic_write(args.output, "w") as f:
                 json.dump(metrics, f, indent=2)
-            os.replace(tmp, args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

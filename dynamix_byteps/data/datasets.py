@@ -40,13 +40,13 @@ import hashlib
 import importlib.util
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
+from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import DatasetNotFoundError
 
 __all__ = ["load_fashion_mnist", "load_mnist"]
@@ -240,8 +240,8 @@ def _cache_dir() -> Path:
 def _cached(source: Path, tag: str, parse: Callable[[Path], Arrays]) -> Arrays:
     """``parse(source)``, memoised on disk by (resolved path, size, mtime).
 
-    The cache is an uncompressed ``.npz`` written to a temporary file in the cache folder and
-    moved into place with ``os.replace``, which is atomic. A cache that cannot be read is
+    The cache is an uncompressed ``.npz`` written atomically
+    (:func:`dynamix_byteps.atomic.atomic_write`). A cache that cannot be read is
     re-parsed; a cache folder that cannot be written is skipped.
     """
     resolved = source.resolve()
@@ -257,27 +257,14 @@ def _cached(source: Path, tag: str, parse: Callable[[Path], Arrays]) -> Arrays:
         except Exception:  # unreadable cache: fall through and rebuild it
             pass
     images, labels = parse(source)
-    tmp = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.stem}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
+        with atomic_write(target) as f:
             np.savez(f, images=images, labels=labels)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
         for stale in folder.glob(f"{tag}-{path_key}-*.npz"):  # older versions of the same source
             if stale != target:
                 stale.unlink(missing_ok=True)
     except OSError:
         pass  # read-only or full disk: caching is an optimisation only
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
     return images, labels
 
 

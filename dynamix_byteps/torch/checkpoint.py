@@ -10,36 +10,17 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dynamix_byteps import engine as _engine
+from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.negotiation import negotiate, round_lock
 
 FORMAT_VERSION = 1
-
-
-def _write_atomically(state: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
@@ -81,7 +62,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         if sampler is not None:
             step = getattr(optimizer, "next_step", None)
             state["sampler"] = sampler.state_dict(step=step)
-        _write_atomically(state, Path(path))
+        with atomic_write(path) as f:
+            torch.save(state, f)
     engine.barrier()
 
 

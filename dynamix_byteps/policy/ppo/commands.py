@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 from dynamix_byteps.argtypes import int_in
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.finetune_cli import add_finetune_parser
@@ -187,11 +187,9 @@ def _eval(args, usage_error) -> int:
     rows = compare(policies, jobs, args.episodes, args.seed, weights, args.randomise)
     print(format_table(rows))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(f".{args.json.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"policy": str(args.policy_dir), "episodes": args.episodes, "seed": args.seed,
-                                   "randomise": args.randomise, "rows": rows}, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        write_atomic(args.json, json.dumps({"policy": str(args.policy_dir), "episodes": args.episodes,
+                                            "seed": args.seed, "randomise": args.randomise, "rows": rows},
+                                           indent=2) + "\n")
     return 0
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, spec
 from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
-from dynamix_byteps.policy.ppo.publish import write_atomic
 from dynamix_byteps.policy.ppo.serve import (
     FEATURES_FILE,
     FORMAT,

@@ -14,9 +14,9 @@ A served policy directory ``DIR`` may hold, beside its own ``policy.onnx`` + ``f
 Generations only grow: a rollback is a *new* generation whose ``directory`` is an older one's
 (and whose ``rollback_of`` names the bad one), so a reader only has to notice that the number
 changed. A generation's files are written and fsynced before the manifest that names it, and
-the manifest is replaced atomically (write a temporary file, fsync, ``os.replace``, fsync the
-directory), so a reader sees either the old or the new manifest, never a half-written one, and
-the files it names are complete.
+the manifest is replaced atomically (:func:`dynamix_byteps.atomic.write_atomic`: a temporary
+file, fsync, ``os.replace``, fsync of the directory), so a reader sees either the old or the new
+manifest, never a half-written one, and the files it names are complete.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import os
 import time
 from pathlib import Path
 
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 
-__all__ = ["GENERATIONS", "MANIFEST", "MANIFEST_FORMAT", "Generation", "generation_dir", "publish", "read_manifest",
-           "write_atomic"]
+__all__ = ["GENERATIONS", "MANIFEST", "MANIFEST_FORMAT", "Generation", "generation_dir", "publish", "read_manifest"]
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "dynamix-ppo-manifest"
@@ -82,23 +82,6 @@ def read_manifest(root) -> Generation:
             and isinstance(data.get("directory"), str)):
         raise ConfigurationError(f"{path} is not a {MANIFEST_FORMAT} file")
     return Generation(data)
-
-
-def write_atomic(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so a reader sees the old or the new content, durable on return:
-    temporary file in the same directory, fsync, ``os.replace``, fsync of the directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -29,6 +29,7 @@ import time
 import warnings
 from pathlib import Path
 
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.policy.ppo.mdp import RewardWeights
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
@@ -179,7 +180,6 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     summary = {"iterations": iterations, "seconds": seconds, "returns": returns,
                "final_return": next((r for r in reversed(returns) if r is not None), None),
                "checkpoint": str(checkpoint), "policy": str(out)}
-    tmp = out / f".training.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({**summary, "history": history, "metadata": metadata}, indent=2) + "\n")
-    os.replace(tmp, out / "training.json")
+    record = {**summary, "history": history, "metadata": metadata}
+    write_atomic(out / "training.json", json.dumps(record, indent=2) + "\n")
     return summary

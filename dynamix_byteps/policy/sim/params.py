@@ -23,6 +23,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
 
@@ -222,16 +223,8 @@ class SimParams:
         return _build(cls, dict(data, workers=workers, comm=comm, stats=stats))
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write atomically (tmp file + ``os.replace``)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # no half-written file left behind (a full disk, path a directory)
-            raise
+        """Write atomically (:func:`dynamix_byteps.atomic.write_atomic`); raises OSError."""
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SimParams:
