@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
 from dynamix_byteps.assignment import parse_batch_schedule, parse_batch_sizes
+from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
@@ -250,7 +251,7 @@ def main():
                    "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in curve],
                    "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
-            with open(args.output, "w") as f:
+            with atomic_write(args.output, "w") as f:
                 json.dump(metrics, f, indent=2)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
