@@ -22,6 +22,11 @@ Columns of the table:
     python benchmarks/time_to_accuracy.py --scenario straggler --quick    # CI: ~3 min
     python benchmarks/time_to_accuracy.py --scenario homogeneous --configs static64,proportional
 
+With ``--repeats N`` every configuration runs N times and each column is the median over the
+runs (a time to target never reached counts as longer than any other); the JSON keeps every run.
+Runs of one configuration on this shared 2-core machine differ by up to ~50% in time to target,
+so one run each cannot settle a comparison within a few percent.
+
 Writes ``benchmarks/results/time_to_accuracy_<scenario>[_quick].json`` and ``.png`` (accuracy
 against training time), and keeps each run's log directory (TensorBoard files, decisions.jsonl)
 under ``--runs-dir`` for ``dynamix report``.
@@ -34,6 +39,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -86,9 +92,9 @@ def straggler_efficiency(result: dict) -> float:
     return result["samples_per_s"] / total if total > 0 else math.nan
 
 
-def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Namespace) -> dict:
+def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Namespace, repeat: int = 0) -> dict:
     """Train one configuration through bpslaunch; the example's metrics plus run facts."""
-    run_dir = args.runs_dir / scenario.name / name
+    run_dir = args.runs_dir / scenario.name / name / (f"run{repeat + 1}" if args.repeats > 1 else "")
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     output = run_dir / "result.json"
@@ -129,6 +135,15 @@ def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], 
 
 
 def summarise(name: str, result: dict, target: float) -> dict:
+    """One table row; with ``result["runs"]`` (``--repeats``), the median of each column over the runs."""
+    if "runs" in result:
+        rows = [summarise(name, run, target) for run in result["runs"]]
+        never = math.inf
+        median = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("config", "time_to_target_s")}
+        ttt = statistics.median(never if row["time_to_target_s"] is None else row["time_to_target_s"] for row in rows)
+        times = [row["time_to_target_s"] for row in rows]
+        return {"config": name, "time_to_target_s": None if ttt == never else ttt, **median, "runs": len(rows),
+                "time_to_target_runs_s": times}
     steps = max(result["steps"], 1)
     return {
         "config": name,
@@ -150,6 +165,9 @@ def print_table(rows: list[dict], target: float) -> None:
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
         print(f"{r['config']:<13} {ttt:>12} {r['accuracy_at_budget']:>10.4f} {r['samples_per_s']:>10.0f} "
               f"{r['straggler_efficiency']:>14.2f} {r['mean_global_batch']:>10.0f}")
+    for r in (r for r in rows if "runs" in r):
+        times = ", ".join("-" if t is None else f"{t:.1f}" for t in r["time_to_target_runs_s"])
+        print(f"{r['config']}: median of {r['runs']} runs; time to {target:.0%} per run: {times} s")
 
 
 def plot(results: dict[str, dict], scenario: str, target: float, out: Path) -> None:
@@ -187,6 +205,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", choices=("cnn", "resnet8"), default="cnn")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy: a directory or a library name (`dynamix policy list`)")
+    p.add_argument("--repeats", type=int_in(1, 20), default=1, metavar="N",
+                   help="run every configuration N times and report the median of each column (default 1)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
     p.add_argument("--table-only", action="store_true", help="run nothing: redo the table, plot and rows of --out "
@@ -239,10 +259,13 @@ def main() -> None:
           f"evaluation every {args.eval_every:g} s, target {args.target:.0%}, model {args.model}", flush=True)
     results = {}
     for name, config in args.configs.items():
-        results[name] = run_config(name, config, args.scenario, args)
-        r = summarise(name, results[name], args.target)
-        print(f"  {name}: accuracy {r['accuracy_at_budget']:.4f}, {r['samples_per_s']:.0f} samples/s, "
-              f"efficiency {r['straggler_efficiency']:.2f} ({results[name]['run_wall_s']:.0f} s)", flush=True)
+        runs = []
+        for repeat in range(args.repeats):
+            runs.append(run_config(name, config, args.scenario, args, repeat))
+            r = summarise(name, runs[-1], args.target)
+            print(f"  {name}: accuracy {r['accuracy_at_budget']:.4f}, {r['samples_per_s']:.0f} samples/s, "
+                  f"efficiency {r['straggler_efficiency']:.2f} ({runs[-1]['run_wall_s']:.0f} s)", flush=True)
+        results[name] = runs[0] if args.repeats == 1 else {**median_run(runs, args.target), "runs": runs}
     if args.append and args.out.exists():
         results = {**args.earlier, **results}
         order = list(configurations("any", args.decision_interval))
@@ -255,10 +278,18 @@ def main() -> None:
     write_report(args.out, {
         "benchmark": "time_to_accuracy", "scenario": args.scenario.name, "description": args.scenario.description,
         "quick": args.quick, "budget_s": args.budget, "eval_every_s": args.eval_every, "target_accuracy": args.target,
-        "model": args.model, "workers": args.scenario.workers, "rows": rows, "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
+        "model": args.model, "workers": args.scenario.workers, "repeats": args.repeats, "rows": rows, "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
         "results": results,
         "measured_on": args.measured_on if args.table_only else machine(),
     })
+
+
+def median_run(runs: list[dict], target: float) -> dict:
+    """The run whose time to target is the median (its curve is the one plotted)."""
+    def key(run: dict) -> float:
+        t = time_to_target(run["curve"], target)
+        return math.inf if t is None else t
+    return sorted(runs, key=key)[(len(runs) - 1) // 2]
 
 
 def earlier_results(args: argparse.Namespace) -> dict[str, dict]:
