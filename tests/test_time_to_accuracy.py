@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from time_to_accuracy import straggler_efficiency, time_to_target  # noqa: E402
+from time_to_accuracy import straggler_efficiency, time_to_target
 
 
 def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
@@ -32,19 +32,25 @@ def test_straggler_efficiency_is_achieved_over_summed_compute_throughput():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(900)
 def test_quick_benchmark_writes_every_column(tmp_path):
+    """A --quick run trimmed to its CI core: one static batch and one policy (the scheduler's
+    decision path), 15 s of training each (4 workers start up in ~30 s more), evaluated every 5 s.
+    The target is lowered with the budget (--quick: 60% in 30 s) so that a loaded machine still
+    reaches it: time to target is a column, and it must be filled."""
     out = tmp_path / "tta.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks/time_to_accuracy.py"), "--quick", "--scenario", "straggler",
+         "--configs", "static32,proportional", "--budget", "15", "--eval-every", "5", "--target", "0.5",
          "--runs-dir", str(tmp_path / "runs"), "--out", str(out)],
-        capture_output=True, text=True, timeout=1400)
+        check=False, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r["config"] for r in report["rows"]] == ["static32", "static64", "proportional", "goodput"]
+    assert [r["config"] for r in report["rows"]] == ["static32", "proportional"]
+    assert report["quick"] and report["budget_s"] == 15.0
     for row in report["rows"]:
         for column, value in row.items():
-            assert value is not None and value == value, (row["config"], column)  # filled, not NaN
+            assert value is not None and not (isinstance(value, float) and math.isnan(value)), (row["config"], column)
         assert 0.0 < row["straggler_efficiency"] <= 1.05
     assert out.with_suffix(".png").stat().st_size > 0
     assert "straggler eff." in proc.stdout
