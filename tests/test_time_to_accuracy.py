@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from time_to_accuracy import straggler_efficiency, time_to_target
+from time_to_accuracy import median_run, straggler_efficiency, summarise, time_to_target
 
 
 def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
@@ -29,6 +29,24 @@ def test_straggler_efficiency_is_achieved_over_summed_compute_throughput():
               "worker_statistics": [{"samples_per_s": 100.0}] * 3 + [{"samples_per_s": 100 / 3}]}
     assert straggler_efficiency(result) == pytest.approx(0.4)
     assert math.isnan(straggler_efficiency({"samples_per_s": 1.0, "worker_statistics": []}))
+
+
+def _run(accuracies, samples_per_s):
+    return {"curve": [{"train_s": 10.0 * (i + 1), "test_accuracy": a} for i, a in enumerate(accuracies)],
+            "steps": 10, "samples": 640, "test_accuracy": accuracies[-1], "samples_per_s": samples_per_s,
+            "train_s": 20.0, "run_wall_s": 30.0, "worker_statistics": [{"samples_per_s": 100.0}]}
+
+
+def test_repeated_runs_report_the_median_of_each_column_and_plot_the_median_run():
+    runs = [_run([0.5, 0.9], 60.0), _run([0.5, 0.6], 70.0), _run([0.95, 0.96], 90.0)]  # 19.5 s, never, 9.2 s
+    result = {**median_run(runs, 0.88), "runs": runs}
+    assert result["curve"] == runs[0]["curve"]  # the median time to target
+    row = summarise("goodput", result, 0.88)
+    assert row["time_to_target_s"] == pytest.approx(19.5)
+    assert row["accuracy_at_budget"] == 0.9 and row["samples_per_s"] == 70.0 and row["runs"] == 3
+    assert row["time_to_target_runs_s"][1] is None
+    # a target most runs never reach has no median time
+    assert summarise("goodput", {**result, "runs": runs[:2] + [_run([0.5, 0.6], 1.0)]}, 0.88)["time_to_target_s"] is None
 
 
 @pytest.mark.slow
