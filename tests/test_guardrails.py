@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamix_byteps.policy import ClusterState, Decision, Guarded, Policy, ProportionalPolicy, StaticPolicy, WorkerState
+from dynamix_byteps.policy import (
+    ClusterState,
+    Decision,
+    Guarded,
+    Policy,
+    ProportionalPolicy,
+    StaticPolicy,
+    WorkerState,
+)
 
 
 class Fixed(Policy):

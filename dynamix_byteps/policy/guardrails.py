@@ -41,6 +41,7 @@ Every answer is a tuple of Python ints >= 1, one per worker, within the bounds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -131,7 +132,7 @@ class Guarded(Policy):
             window = [float(x) for x in loss_history[-2 * w:]]
             before, last = window[:-w], window[-w:]
             rising = [window[-w - 1], *last]
-            if not (all(math.isfinite(x) for x in window) and all(b > a for a, b in zip(rising, rising[1:]))):
+            if not (all(math.isfinite(x) for x in window) and all(b > a for a, b in itertools.pairwise(rising))):
                 return None
             mean_before, mean_last = sum(before) / len(before), sum(last) / w
             if mean_last - mean_before > DIVERGENCE_TOLERANCE * abs(mean_before):
