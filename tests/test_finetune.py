@@ -432,6 +432,29 @@ def test_lines_that_are_not_decision_records_are_skipped(tmp_path, caplog):
     assert caplog.text.count("skipping a malformed line") == 5
 
 
+def _decision(index, step, loss, sizes, *, settling=False):
+    if settling:
+        terms = {"guard": {"settling": [0]}}
+    else:
+        terms = {"obs": [[0.0] * 3] * 2, "logits": [0.0] * 10, "logp": -1.0, "actions": [2, 2], "generation": 0}
+    return {"decision": index, "step": step, "batch_sizes_before": sizes, "batch_sizes": sizes, "terms": terms,
+            "reward": {"loss": loss, "step_time_s": 0.1}}
+
+
+def test_a_transition_spans_the_settling_waits_after_a_decision():
+    from dynamix_byteps.policy.ppo.finetune import transitions
+    from dynamix_byteps.policy.ppo.mdp import RewardWeights
+
+    log = [_decision(1, 10, 2.0, [32, 32]), _decision(2, 20, 1.9, [32, 32], settling=True),
+           _decision(3, 30, 1.5, [32, 32]), _decision(4, 40, 1.4, [32, 32]),
+           _decision(6, 60, 1.0, [32, 32])]  # decision 5 is missing: no transition from 4
+    found = transitions(log, RewardWeights(), first_loss=2.0, ref_interval_s=1.0)
+    assert [(t.decision, t.position) for t in found] == [(1, 0), (3, 1)]
+    from_waits = transitions(log[:1] + log[2:3], RewardWeights(), first_loss=2.0, ref_interval_s=1.0)
+    assert from_waits == []  # without the wait line the indices 1 → 3 have a gap
+    assert found[0].reward > found[1].reward  # 2.0 → 1.5 over both intervals, against 1.5 → 1.4
+
+
 # ---- reusing a --log-dir ---------------------------------------------------------------------
 # ``bpslaunch --fine-tune`` reusing a --log-dir: the served copy must be of the same policy.
 

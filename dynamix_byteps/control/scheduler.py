@@ -353,7 +353,7 @@ class SchedulerServer:
 
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Register": method(self.register, dynamix_pb2.WorkerInfo, dynamix_pb2.RegisterReply.SerializeToString),
-            "ReportMetrics": method(self._report_bytes, dynamix_pb2.Report, None),  # returns cached bytes
+            "ReportMetrics": method(self._answer_report, dynamix_pb2.Report, None),  # returns cached bytes
             "ReportNode": method(self.report_node, dynamix_pb2.NodeReport, dynamix_pb2.NodeReportReply.SerializeToString),
         })
 
@@ -390,16 +390,22 @@ class SchedulerServer:
         return dynamix_pb2.NodeReportReply()
 
     def report(self, report) -> dynamix_pb2.Assignment:
-        """``ReportMetrics`` in-process: store the report, decide if the interval is complete."""
-        return dynamix_pb2.Assignment.FromString(self._report_bytes(report))
+        """``ReportMetrics`` in-process: store the report, decide if the interval is complete.
 
-    def _report_bytes(self, report) -> bytes:
+        Unlike the RPC, rank 0 is answered at once (an in-process caller may be the one that
+        reports the other ranks next)."""
+        return dynamix_pb2.Assignment.FromString(self._report_bytes(report, wait=False))
+
+    def _answer_report(self, report) -> bytes:
+        return self._report_bytes(report, wait=True)
+
+    def _report_bytes(self, report, wait: bool) -> bytes:
         awaited = None
         with self.cluster.lock:
             current, snap = self.cluster.report_locked(report)
             if snap is not None:  # a ticket taken under the state lock: decisions run in interval order
                 ticket, self._tickets = self._tickets, self._tickets + 1
-            elif report.rank == 0 and self.cluster.awaits_others(0):
+            elif wait and report.rank == 0 and self.cluster.awaits_others(0):
                 awaited = self._tickets  # the ticket of the decision this report completes with others
         if self.metrics is not None:
             self.metrics.report(report)

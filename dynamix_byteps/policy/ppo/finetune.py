@@ -74,9 +74,13 @@ STATE_FILE = "module_state.pt"
 class Transition:
     """Decision ``i`` and what followed until decision ``i+1``.
 
+    Decisions the guardrails skipped while an assignment was taking effect (rule 2, "settling":
+    the network was not asked) are not decisions here: ``i+1`` is the next one the network took,
+    and the transition spans the intervals in between.
+
     Attributes:
-        position: line of decision ``i`` in the log (0-based; decision indices restart with the
-            scheduler, lines do not).
+        position: index of decision ``i`` among the log's lines without settling waits (0-based;
+            decision indices restart with the scheduler, lines do not).
         decision: the scheduler's index of decision ``i``.
         generation: policy generation that decided.
         obs, next_obs: float32 (N·F,) observations at decisions ``i`` and ``i+1``.
@@ -139,16 +143,35 @@ def _ppo_terms(record: dict) -> dict | None:
     return terms
 
 
+def _settling(record: dict) -> bool:
+    """A decision the guardrails skipped while the last assignment took effect (rule 2)."""
+    terms = record.get("terms")
+    guard = terms.get("guard") if isinstance(terms, dict) else None
+    return isinstance(guard, dict) and "settling" in guard
+
+
+def _without_settling(records: list[dict]) -> list[tuple[dict, bool]]:
+    """``(record, follows)`` for each record that is not a settling wait; ``follows``: the record
+    kept before it has the previous decision index, settling waits in between allowed."""
+    out, expected = [], None
+    for record in records:
+        index = record.get("decision")
+        follows = expected is not None and index == expected
+        expected = index + 1 if isinstance(index, int) else None
+        if not (follows and _settling(record)):
+            out.append((record, follows))
+    return out
+
+
 def transitions(records: list[dict], weights: RewardWeights, first_loss: float,
                 ref_interval_s: float) -> list[Transition]:
-    """Transitions of consecutive ``ppo`` decisions in ``records`` (in log order); a decision
-    not made by the network (fallback, error, another policy), a gap in the decision index or a
-    change of N ends a run of transitions."""
+    """Transitions of consecutive ``ppo`` decisions in ``records`` (in log order, settling waits
+    skipped); a decision not made by the network (fallback, error, another policy), a gap in the
+    decision index or a change of N ends a run of transitions."""
     out = []
-    for position, (record, following) in enumerate(pairwise(records)):
+    for position, ((record, _), (following, follows)) in enumerate(pairwise(_without_settling(records))):
         a, b = _ppo_terms(record), _ppo_terms(following)
-        if a is None or b is None or following.get("decision") != record.get("decision", -2) + 1 \
-                or len(a["obs"]) != len(b["obs"]):
+        if a is None or b is None or not follows or len(a["obs"]) != len(b["obs"]):
             continue
         r, _ = transition_reward(record, following, weights, first_loss, ref_interval_s)
         out.append(Transition(
