@@ -9,6 +9,12 @@ profile (:data:`PROFILES`), then installed with its metadata::
         [--init runs/lib/small-cnn-sgd/checkpoint --iterations 30]
     python scripts/build_policy_library.py install small-cnn-adam runs/lib/small-cnn-adam [--fine-tuned-from small-cnn-sgd]
 
+or, better, on parameters fitted to a real run of the profile's job on this machine::
+
+    dynamix sim fit runs/time_to_accuracy/homogeneous/goodput --out /tmp/fit.json
+    dynamix policy train ... --sim-params /tmp/fit.json --out runs/lib/small-cnn-sgd
+    python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd --sim-params /tmp/fit.json
+
 Profiles: the simulator's reference job (:func:`dynamix_byteps.policy.sim.params.reference`, a
 small CNN with SGD) adjusted by step times of ``examples/torch_fashion_mnist.py``'s models measured
 on this machine (one torch thread, forward + backward + optimizer step at local batches 16 and 128;
@@ -70,9 +76,11 @@ def params(name: str) -> SimParams:
     return replace(base, workers=workers, comm=comm, stats=replace(base.stats, **prof["stats"]))
 
 
-def install(name: str, run_dir: Path, init: str | None = None) -> Path:
+def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | None = None) -> Path:
     """Copy ``policy.onnx`` + ``features.json`` of ``run_dir`` into the library with ``policy.json``;
-    ``init`` names the library policy it was fine-tuned from (``train --init``), if any."""
+    ``init`` names the library policy it was fine-tuned from (``train --init``), if any; ``fitted``
+    is the ``dynamix sim fit`` output it was trained on (``train --sim-params``), else the profile's
+    :func:`params`."""
     _, meta = read_metadata(run_dir)
     training = meta.get("training", {})
     history = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").is_file() else {}
@@ -87,7 +95,11 @@ def install(name: str, run_dir: Path, init: str | None = None) -> Path:
         "scenarios": training.get("scenarios", []), "workers": workers,
         "profile": {"source": "reference SimParams + measured step times (scripts/build_policy_library.py); "
                               "statistical parameters assumed, not fitted by `dynamix sim fit`",
-                    "note": prof["note"], "measured_samples_per_s": MEASURED, "parameters": PARAMETERS[prof["model"]]},
+                    "note": prof["note"], "measured_samples_per_s": MEASURED, "parameters": PARAMETERS[prof["model"]]}
+        if fitted is None else
+        {"source": f"`dynamix sim fit` of a real run ({SimParams.from_json(fitted).scenario}): timings, "
+                   "communication, noise scale and loss curve fitted; generalisation gap assumed",
+         "note": prof["note"], "parameters": PARAMETERS[prof["model"]]},
         "training": {"iterations": training.get("iterations"), "seconds": training.get("seconds"),
                      "seed": training.get("seed"), "fine_tuned_from": init, "reward": training.get("reward"),
                      "final_return": history.get("final_return")},
@@ -98,7 +110,7 @@ def install(name: str, run_dir: Path, init: str | None = None) -> Path:
     staging.mkdir(parents=True)
     for f in (POLICY_FILE, FEATURES_FILE):
         shutil.copy2(run_dir / f, staging / f)
-    params(name).to_json(staging / "sim_params.json")
+    (SimParams.from_json(fitted) if fitted else params(name)).to_json(staging / "sim_params.json")
     (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(staging, dest)
@@ -115,12 +127,14 @@ def main() -> int:
     b.add_argument("name", choices=sorted(PROFILES))
     b.add_argument("run_dir", type=Path)
     b.add_argument("--fine-tuned-from", metavar="NAME", help="the library policy whose checkpoint was --init")
+    b.add_argument("--sim-params", type=Path, metavar="JSON", help="the `dynamix sim fit` output the policy was "
+                   "trained on (default: the profile's parameters)")
     args = p.parse_args()
     if args.cmd == "params":
         params(args.name).to_json(args.out)
         print(f"wrote {args.out}")
     else:
-        print(f"installed {install(args.name, args.run_dir, args.fine_tuned_from)}")
+        print(f"installed {install(args.name, args.run_dir, args.fine_tuned_from, args.sim_params)}")
     return 0
 
 
