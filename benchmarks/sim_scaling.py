@@ -3,8 +3,10 @@
 For every worker count N and heterogeneous scenario (straggler, two-speed, interference, network),
 ``ppo``, ``static`` at local batches 32/64/128/256, ``proportional`` and ``goodput`` run through
 the same simulated episodes (:func:`dynamix_byteps.policy.sim.evaluate.compare`: common seeds,
-the scheduler's guardrails). ``static<b>`` starts and stays at local batch b; the others start at
-the reference job's 32 per worker. Per policy and N the table gives the time to the target loss
+the scheduler's guardrails), on the job the policy was trained for (a library policy's
+``sim_params.json``, for ``small-cnn-sgd`` fitted by ``dynamix sim fit`` to a real run; else the
+reference job, or ``--sim-params``). ``static<b>`` starts and stays at local batch b; the others
+start at the job's initial batch. Per policy and N the table gives the time to the target loss
 (simulated seconds, mean over scenarios of the per-scenario mean; ``-`` if some episode missed the
 target) and the final accuracy proxy (mean). ``best`` marks the fastest policy among those whose
 final accuracy is within ``ACC_TOL`` of the most accurate one (a policy that reaches the target
@@ -12,8 +14,8 @@ loss sooner with large batches but generalises worse does not win; the paper's T
 both columns), and those within ``TIE`` of its time; the last line checks the issue's targets
 (PPO best or tied-best at every N, ahead of goodput at 32 workers).
 
-    python benchmarks/sim_scaling.py [--policy-path DIR | --policy NAME] [--workers 4,8,16,32,64]
-                                     [--episodes 5] [--quick] [--out PATH]
+    python benchmarks/sim_scaling.py [--policy-path DIR | --policy NAME] [--sim-params JSON]
+                                     [--workers 4,8,16,32,64] [--episodes 5] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.ppo.mdp import RewardWeights
 from dynamix_byteps.policy.sim.env import scenario_params
 from dynamix_byteps.policy.sim.evaluate import compare
+from dynamix_byteps.policy.sim.params import SimParams
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "sim_scaling.json"
 SCENARIOS = ("straggler", "two-speed", "interference", "network")
@@ -44,14 +47,15 @@ ACC_TOL = 0.01  # eligible for best: final accuracy within 1 point of the most a
 SEED = 1000  # held-out episode seeds (training uses RLlib's seeds from 0)
 
 
-def run(ppo, workers: list[int], episodes: int, seed: int = SEED) -> list[dict]:
-    """Rows of :func:`compare` (one per scenario, N and policy) for ``ppo`` and the baselines."""
+def run(ppo, workers: list[int], episodes: int, seed: int = SEED, base: SimParams | None = None) -> list[dict]:
+    """Rows of :func:`compare` (one per scenario, N and policy) for ``ppo`` and the baselines, on
+    the job ``base`` (its workers tiled to N; default the reference job)."""
     weights = RewardWeights.from_dict(ppo.metadata.get("training", {}).get("reward"))
     policies = {"ppo": ppo, **{name: make_policy(name) for name in HEURISTICS}}
     static = make_policy("static")
     rows = []
     for n in workers:
-        jobs = scenario_params(SCENARIOS, n)
+        jobs = scenario_params(SCENARIOS, n, base)
         rows += compare(policies, jobs, episodes, seed, weights)
         for b in STATIC:
             sized = [replace(job, initial_batch=(b,) * n) for job in jobs]
@@ -117,6 +121,9 @@ def main() -> int:
     which.add_argument("--policy-path", type=Path, metavar="DIR", help="a policy directory (policy.onnx + features.json)")
     which.add_argument("--policy", default="small-cnn-sgd", metavar="NAME",
                        help="a policy of the packaged library (default small-cnn-sgd; `dynamix policy list`)")
+    p.add_argument("--sim-params", type=Path, metavar="JSON", help="the simulated job (SimParams JSON, e.g. from "
+                   "`dynamix sim fit`); default: the policy's own sim_params.json (library policies ship the job "
+                   "they were trained for), else the reference job")
     p.add_argument("--workers", default="4,8,16,32,64", help="worker counts (default 4,8,16,32,64)")
     p.add_argument("--episodes", type=int, default=5, help="episodes per scenario, policy and N (default 5)")
     p.add_argument("--quick", action="store_true", help="smoke run: N = 4 and 8, 1 episode")
@@ -126,15 +133,20 @@ def main() -> int:
     episodes = 1 if args.quick else args.episodes
     from dynamix_byteps.policy.ppo.serve import PPOPolicy
 
+    from dynamix_byteps.policy.ppo.library import policy_dir
+
     ppo = PPOPolicy(path=args.policy_path) if args.policy_path else PPOPolicy(name=args.policy)
+    own = (args.policy_path or policy_dir(args.policy)) / "sim_params.json"
+    job = args.sim_params or (own if own.is_file() else None)
     started = time.monotonic()
-    rows = run(ppo, workers, episodes)
+    rows = run(ppo, workers, episodes, base=SimParams.from_json(job) if job else None)
     cells = table(rows, workers)
     print_table(cells, workers)
     result = verdict(cells, workers)
     print(f"PPO best or tied-best (within {100 * TIE:.0f}%) at N = {result['ppo_best_or_tied_at']}"
           + (f"; ahead of goodput at 32: {result['ppo_ahead_of_goodput_at_32']}" if "ppo_ahead_of_goodput_at_32" in result else ""))
     write_report(args.out, {"benchmark": "sim_scaling", "policy": str(args.policy_path or args.policy),
+                            "job": str(job) if job else "reference",
                             "policy_training": ppo.metadata.get("training", {}), "scenarios": list(SCENARIOS),
                             "workers": workers, "episodes": episodes, "seed": SEED, "tie": TIE, "accuracy_tolerance": ACC_TOL,
                             "seconds": time.monotonic() - started, "verdict": result, "table": cells, "rows": rows})
