@@ -52,8 +52,12 @@ def test_scheduler_records_each_decision_as_scalars(recorded_run):
         assigned = scalars[f"batch_size/worker-{rank}"]
         assert [(e.step, e.value) for e in assigned] == [(d["step"], d["batch_sizes"][rank]) for d in decisions]
     assert {e.value for e in scalars["global_batch"]} == {128.0}  # proportional keeps the global batch
-    for tag in ("predicted_gain", "lr_scale", "reward/step_time_s", "terms/step_time_now_s"):
+    for tag in ("predicted_gain", "lr_scale", "reward/step_time_s"):
         assert len(scalars[tag]) == len(decisions), tag
+    # the policy's own terms exist for the decisions that consulted it (not the guardrails' settling waits)
+    consulted = [d["step"] for d in decisions if "step_time_now_s" in d["terms"]]
+    assert consulted and [e.step for e in scalars["terms/step_time_now_s"]] == consulted
+    assert all({"settling", "fallback"} & set(d["terms"]["guard"]) for d in decisions if "step_time_now_s" not in d["terms"])
 
 
 def test_log_scalar_writes_into_this_workers_run(tmp_path, monkeypatch):
