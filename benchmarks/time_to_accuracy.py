@@ -138,11 +138,10 @@ def summarise(name: str, result: dict, target: float) -> dict:
     """One table row; with ``result["runs"]`` (``--repeats``), the median of each column over the runs."""
     if "runs" in result:
         rows = [summarise(name, run, target) for run in result["runs"]]
-        never = math.inf
         median = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("config", "time_to_target_s")}
-        ttt = statistics.median(never if row["time_to_target_s"] is None else row["time_to_target_s"] for row in rows)
         times = [row["time_to_target_s"] for row in rows]
-        return {"config": name, "time_to_target_s": None if ttt == never else ttt, **median, "runs": len(rows),
+        ttt = statistics.median(map(_never_last, times))
+        return {"config": name, "time_to_target_s": None if ttt == math.inf else ttt, **median, "runs": len(rows),
                 "time_to_target_runs_s": times}
     steps = max(result["steps"], 1)
     return {
@@ -284,12 +283,14 @@ def main() -> None:
     })
 
 
+def _never_last(seconds: float | None) -> float:
+    """A time to target for ordering: never reaching it counts as slower than any time."""
+    return math.inf if seconds is None else seconds
+
+
 def median_run(runs: list[dict], target: float) -> dict:
     """The run whose time to target is the median (its curve is the one plotted)."""
-    def key(run: dict) -> float:
-        t = time_to_target(run["curve"], target)
-        return math.inf if t is None else t
-    return sorted(runs, key=key)[(len(runs) - 1) // 2]
+    return sorted(runs, key=lambda run: _never_last(time_to_target(run["curve"], target)))[(len(runs) - 1) // 2]
 
 
 def earlier_results(args: argparse.Namespace) -> dict[str, dict]:
