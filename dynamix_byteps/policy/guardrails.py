@@ -69,6 +69,7 @@ DIVERGENCE_TOLERANCE = 0.20
 # Relative gap between the batch that ran and the batch in force below which an interval counts
 # as measured at the assignment in force (the last partial batch of an epoch lowers the mean a bit).
 SETTLE_TOLERANCE = 0.10
+SETTLING = "settling"  # key of a rule-2 wait in ``terms["guard"]`` (readers of the decision log look for it)
 
 class Guarded(Policy):
     """A policy with guardrails (module docstring); ``name`` is the wrapped policy's.
@@ -212,7 +213,7 @@ class Guarded(Policy):
             ran = [workers[r].batch_size_ran for r in pending[:8]]
             return Decision(tuple(now), f"{self.name}: waiting for the assignment in force to take effect "
                             f"({_ranks(pending)} ran {ran} per step in the last interval)", 0.0,
-                            {"guard": {"settling": pending}})
+                            {"guard": {SETTLING: pending}})
         self._settle_waits = 0
 
         try:

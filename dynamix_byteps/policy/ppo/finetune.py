@@ -56,6 +56,7 @@ import numpy as np
 
 from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.guardrails import SETTLING
 from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
@@ -147,7 +148,7 @@ def _settling(record: dict) -> bool:
     """A decision the guardrails skipped while the last assignment took effect (rule 2)."""
     terms = record.get("terms")
     guard = terms.get("guard") if isinstance(terms, dict) else None
-    return isinstance(guard, dict) and "settling" in guard
+    return isinstance(guard, dict) and SETTLING in guard
 
 
 def _without_settling(records: list[dict]) -> list[tuple[dict, bool]]:
