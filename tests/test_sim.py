@@ -259,3 +259,26 @@ def test_randomised_jobs_stay_valid_and_vary():
     assert all(d.workers[3].bandwidth_bytes_per_s == base.workers[3].bandwidth_bytes_per_s for d in draws)
     assert randomised(base, np.random.default_rng(5)) == randomised(base, np.random.default_rng(5))
     assert isinstance(draws[0].workers[0], WorkerParams)
+
+
+def test_randomised_noise_laws_keep_the_fitted_growth_and_move_together():
+    base = job("homogeneous")
+    stats = dataclasses.replace(base.stats, noise_scale=80.0, noise_growth=2.5, measured_noise_scale=10.0,
+                                measured_noise_growth=1.2)
+    draws = [randomised(dataclasses.replace(base, stats=stats), np.random.default_rng(s)).stats for s in range(30)]
+    assert all(0.7 * 2.5 <= d.noise_growth <= 1.3 * 2.5 for d in draws)
+    assert min(d.noise_growth for d in draws) < 2.2 < max(d.noise_growth for d in draws)
+    for d in draws:  # one draw scales both laws: the measured estimate stays tied to the true B_noise
+        assert d.noise_scale / d.measured_noise_scale == pytest.approx(8.0)
+        assert d.noise_growth / d.measured_noise_growth == pytest.approx(2.5 / 1.2)
+
+
+def test_the_scheduler_is_shown_the_measured_noise_law_and_progress_follows_the_other():
+    stats = dataclasses.replace(StatParams(), noise_scale=800.0, measured_noise_scale=100.0, noise_scale_noise=0.0)
+    sim = Simulator(dataclasses.replace(reference(), stats=stats), rng=np.random.default_rng(0))
+    state = sim.reset()
+    assert state.noise_scale == pytest.approx(sim.measured_noise_scale(sim.loss))
+    assert sim.measured_noise_scale(sim.loss) == pytest.approx(sim.noise_scale(sim.loss) / 8)
+    plain = Simulator(dataclasses.replace(reference(), stats=dataclasses.replace(stats, measured_noise_scale=None)),
+                      rng=np.random.default_rng(0))
+    assert plain.reset().noise_scale == pytest.approx(plain.noise_scale(plain.loss))  # no law of its own: the same

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,70 @@ def test_a_folder_without_permission_is_a_usage_error(tmp_path):
         locked.chmod(0o755)
     assert done.returncode == 2, done.stderr  # was 1, a bare "[Errno 13]" from Path.is_dir
     assert "argument RUN_DIR: cannot read" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---- noise-scale calibration from runs at several global batches ------------------------------
+
+
+def _simulated_static_run(path: Path, local_batch: int, stats) -> Path:
+    """A decision log of a simulated static run (2 workers) whose progress follows ``stats``."""
+    import numpy as np
+
+    from dynamix_byteps.policy.sim.dynamics import Simulator
+    from dynamix_byteps.policy.sim.params import reference
+
+    params = replace(reference(2), initial_batch=(local_batch,) * 2, stats=stats)
+    sim = Simulator(params, rng=np.random.default_rng(0))
+    sim.reset()
+    lines = []
+    for decision in range(1, 40):
+        n = params.num_workers
+        lines.append(json.dumps({"decision": decision, "step": sim.steps, "batch_sizes": [local_batch] * n, "state": {
+            "workers": {"batch_size": [local_batch] * n, "compute_s": list(sim.last["compute_s"]),
+                        "push_pull_s": list(sim.last["push_pull_s"]), "samples_per_s": [1.0] * n,
+                        "loss": [sim.loss_history[-1]] * n, "reports": [2] * n},
+            "noise_scale": sim.last["noise_scale"]}}))
+        if sim.step([local_batch] * n).terminated:
+            break
+    path.mkdir()
+    (path / "decisions.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("growth", [1.0, 2.0])
+def test_runs_at_several_global_batches_calibrate_the_noise_scale_that_sets_progress(tmp_path, capsys, growth):
+    from dynamix_byteps.policy.sim.params import reference
+
+    # Progress set by a B_noise 8x (and growing faster than) the one the workers measure; no loss noise.
+    truth = replace(reference(2).stats, noise_scale=400.0, noise_growth=growth, measured_noise_scale=50.0,
+                    measured_noise_growth=1.0, loss_noise=0.0, noise_scale_noise=0.0)
+    runs = [_simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
+    single = fit_run(runs[1]).stats
+    assert single.measured_noise_scale is None  # one run cannot tell the law from τ
+    stats = fit_run(*runs).stats
+    assert stats.measured_noise_scale == pytest.approx(50, rel=0.05)
+    assert stats.measured_noise_growth == pytest.approx(1.0, abs=0.05)
+    assert stats.noise_scale == pytest.approx(400, rel=0.2) and stats.noise_growth == pytest.approx(growth, abs=0.25)
+    assert stats.steps_scale == pytest.approx(truth.steps_scale, rel=0.25)  # L0 is widened from the losses seen
+    assert main(["sim", "fit", *map(str, runs), "--out", str(tmp_path / "p.json")]) == 0
+    assert "progress uses B_noise" in capsys.readouterr().out
+    assert SimParams.from_json(tmp_path / "p.json").stats == stats
+    assert main(["sim", "fit", str(runs[0]), str(runs[0]), "--out", str(tmp_path / "q.json")]) == 0
+    assert "not calibrated" in capsys.readouterr().out
+    assert main(["sim", "fit", str(runs[0]), str(tmp_path / "missing")]) == 2
+    assert "argument MORE_RUN_DIRS" in capsys.readouterr().err
+
+
+def test_an_intercept_lost_in_the_noise_of_a_narrow_batch_span_is_not_fitted():
+    import numpy as np
+
+    from dynamix_byteps.policy.sim.fit import fit_compute
+
+    rng = np.random.default_rng(1)  # a draw whose least-squares intercept is 23 ms (± 14 ms), θ 693
+    narrow = rng.uniform(56, 74, 40)  # the span of a goodput run whose batches hardly moved
+    fit = fit_compute(narrow, narrow / 550.0 * np.exp(0.08 * rng.standard_normal(40)))
+    assert fit.method == "through-origin" and fit.fixed_s == 0.0
+    assert fit.samples_per_s == pytest.approx(550, rel=0.05)
+    wide = np.tile([16.0, 32.0, 64.0, 128.0, 256.0], 8)
+    fit = fit_compute(wide, (0.02 + wide / 550.0) * np.exp(0.03 * rng.standard_normal(40)))
+    assert fit.method == "least-squares" and fit.fixed_s == pytest.approx(0.02, rel=0.3)

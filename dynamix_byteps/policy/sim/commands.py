@@ -25,10 +25,14 @@ def add_sim_parser(sub, usage_error: type[Exception]) -> None:
         description="Read RUN_DIR/decisions.jsonl of a `bpslaunch --policy ... --log-dir RUN_DIR` run, fit per-worker\n"
                     "compute time a_i + b/θ_i, jitter, communication and the noise-scale/loss model, write\n"
                     "the SimParams JSON and print, per worker, the fit and the recorded vs replayed step time.\n"
+                    "Runs of the same job at other global batches (MORE_RUN_DIRS) calibrate the noise scale.\n"
                     "Use the file with `dynamix policy train --scenario homogeneous --sim-params FILE`.",
         epilog="exit status: 0 on success, 1 when FILE cannot be written, 2 on bad usage or an unusable log.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     f.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir (holding decisions.jsonl)")
+    f.add_argument("calibration_dirs", type=Path, nargs="*", metavar="MORE_RUN_DIRS",
+                   help="runs of the same model and data at other global batches (e.g. --policy static at 2x and "
+                        "1/2x the batch): their losses calibrate how much larger batches cost in progress")
     f.add_argument("--out", type=Path, metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
     f.set_defaults(func=lambda args: _fit(args, usage_error))
 
@@ -46,15 +50,25 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
 
 
 def _fit(args, usage_error) -> int:
-    from dynamix_byteps.policy.sim.fit import fit_log, load_log, replay
+    from dynamix_byteps.policy.sim.fit import (
+        MIN_GLOBAL_BATCH_SPREAD,
+        fit_log,
+        global_batch_spread,
+        load_log,
+        replay,
+    )
 
     if args.out is not None and args.out.is_dir():
         raise usage_error(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
+    argument = "RUN_DIR"
     try:
         log = load_log(args.run_dir)
-        params, fits = fit_log(log)
+        argument = "MORE_RUN_DIRS"
+        calibration = [load_log(d) for d in args.calibration_dirs]
+        argument = "RUN_DIR"
+        params, fits = fit_log(log, calibration)
     except ConfigurationError as error:
-        raise usage_error(f"argument RUN_DIR: {error}") from None
+        raise usage_error(f"argument {argument}: {error}") from None
     out = args.out or (log.path.parent / FITTED_FILE)
     params.to_json(out)
     print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")
@@ -62,5 +76,12 @@ def _fit(args, usage_error) -> int:
     c, s = params.comm, params.stats
     print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "
           f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps; K {params.decision_interval}")
+    if calibration:
+        spread = global_batch_spread([log, *calibration])
+        print(f"noise scale calibrated with {len(calibration)} more run(s): progress uses B_noise {s.noise_scale:.1f} "
+              f"(growth {s.noise_growth:.2f}), the workers measure {s.measured_noise_scale:.1f} (growth "
+              f"{s.measured_noise_growth:.2f})" if s.measured_noise_scale is not None else
+              f"noise scale not calibrated: the runs' median global batches differ by x{spread:.2f}, less than "
+              f"x{MIN_GLOBAL_BATCH_SPREAD}; record one at half or twice the global batch")
     print(f"parameters: {out}")
     return 0

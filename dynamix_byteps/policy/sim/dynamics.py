@@ -14,6 +14,9 @@ taken at the start of each interval and held for its K steps), and::
     L(E)       = L_min + (L0 − L_min) · exp(−E / τ)
     B_noise(L) = B0 · ((L0 − L_min) / (L − L_min))^γ       B_noise grows as the loss falls
 
+The scheduler is shown the workers' estimate, which follows a law of the same form with its own
+``B0`` and ``γ`` (``measured_noise_*``, by default the law above), lognormal noise added.
+
 Generalisation (after Keskar et al., *On Large-Batch Training for Deep Learning: Generalization
 Gap and Sharp Minima*, ICLR 2017): a gap ``G`` follows the batch in use, weighted by progress,
 so only the batches of the last ``τ_g`` noise-free steps matter at the end::
@@ -86,9 +89,21 @@ class Simulator:
 
     # -- model pieces ---------------------------------------------------------------------
     def noise_scale(self, loss: float) -> float:
-        """B_noise(L) in samples."""
+        """B_noise(L) in samples, the one that sets progress."""
         s = self.params.stats
-        return s.noise_scale * ((s.initial_loss - s.min_loss) / max(loss - s.min_loss, 1e-9)) ** s.noise_growth
+        return s.noise_scale * self._loss_ratio(loss) ** s.noise_growth
+
+    def measured_noise_scale(self, loss: float) -> float:
+        """The workers' B_noise estimate at ``loss`` without its noise (samples)."""
+        s = self.params.stats
+        if s.measured_noise_scale is None:
+            return self.noise_scale(loss)
+        growth = s.noise_growth if s.measured_noise_growth is None else s.measured_noise_growth
+        return s.measured_noise_scale * self._loss_ratio(loss) ** growth
+
+    def _loss_ratio(self, loss: float) -> float:
+        s = self.params.stats
+        return (s.initial_loss - s.min_loss) / max(loss - s.min_loss, 1e-9)
 
     def fraction(self) -> float:
         """Progress fraction f: 0 at the initial loss, 1 at the target."""
@@ -201,7 +216,7 @@ class Simulator:
         self.last = {
             "compute_s": c_mean,
             "push_pull_s": pp_mean,
-            "noise_scale": self.noise_scale(self.loss) * math.exp(sn * float(rng.standard_normal()) - 0.5 * sn * sn),
+            "noise_scale": self.measured_noise_scale(self.loss) * math.exp(sn * float(rng.standard_normal()) - 0.5 * sn * sn),
             "node": self._node_metrics(c_mean, pp_mean, slow) if p.node_metrics else [{} for _ in range(n)],
         }
         return float(step_s.sum()), done_steps

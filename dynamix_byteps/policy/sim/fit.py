@@ -24,7 +24,8 @@ What is fitted (units: seconds, samples):
   (below twice its standard error), ``a_i``
   and ``θ_i`` cannot be told apart; such a worker takes the fixed share ``φ = median_j a_j/c̄_j``
   of the workers that could be fitted (``a_i = φ·c̄_i``, ``θ_i = b̄_i/((1 − φ)·c̄_i)``), or
-  ``φ = 0`` when none could. A negative intercept is refitted through the origin (``a_i = 0``);
+  ``φ = 0`` when none could. An intercept not above twice its standard error (negative, or
+  indistinguishable from 0) is refitted through the origin (``a_i = 0``);
 * ``jitter_i``: standard deviation of ``ln(c_t/ĉ_t)``, the interval means' residuals (a lower
   bound of the per-step jitter, which averaging over K steps damps);
 * communication: ``C_t = min_i push_pull_s`` (the slowest worker does not wait, so its
@@ -41,7 +42,17 @@ What is fitted (units: seconds, samples):
   ``noise_scale_noise`` from the residuals), and τ (``steps_scale``) from
   ``−ln((L − L_min)/(L0 − L_min)) = E/τ`` through the origin, ``E`` the noise-free steps
   ``Σ Δsteps·M/(M + B_noise)``. Too few usable points keep the reference value; losses <= 0 (a
-  loss this positive, cross-entropy-like model cannot hold) are left out.
+  loss this positive, cross-entropy-like model cannot hold) are left out;
+* **noise-scale calibration**, from several runs of the same model and data (``dynamix sim fit
+  RUN_DIR MORE_RUN_DIRS...``, e.g. static runs at 2× and ½× the global batch): the measured
+  B_noise (B_simple of arXiv 1812.06162, an estimate from gradient norms) need not be the batch
+  size at which larger batches stop paying. Progress then uses its own law ``c·B0·x^γ'``, the
+  ``(c, γ')`` of :data:`NOISE_SCALE_FACTORS` × :data:`NOISE_GROWTHS` that puts every run's losses
+  on one line ``ln x = E/τ`` (least squares, τ refitted for each candidate); the measured law is
+  kept as ``measured_noise_scale``/``measured_noise_growth``, what the scheduler is shown. One run,
+  or runs whose median global batches differ by less than :data:`MIN_GLOBAL_BATCH_SPREAD`, cannot
+  tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
+  timings, bounds and K come from ``RUN_DIR``.
 
 Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links, the
 generalisation gap and the loss noise. The fitted file suits ``dynamix policy train --scenario
@@ -52,6 +63,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -68,13 +80,20 @@ from dynamix_byteps.policy.sim.params import (
     reference,
 )
 
-__all__ = ["MIN_BATCH_SPREAD", "MIN_INTERVALS", "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run",
-           "fitted_rows", "load_log", "replay"]
+__all__ = ["MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
+           "RunLog",
+           "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "load_log", "replay"]
 
 #: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
 MIN_BATCH_SPREAD = 0.1
 #: Fewest decision records with timings a fit accepts.
 MIN_INTERVALS = 3
+#: Runs whose median global batches differ by at least this ratio calibrate the noise scale.
+MIN_GLOBAL_BATCH_SPREAD = 1.5
+#: Candidates for the law of the B_noise that sets progress (module docstring): its B0 over the
+#: measured B0, and its growth γ.
+NOISE_SCALE_FACTORS = np.geomspace(1 / 16, 64.0, 41)
+NOISE_GROWTHS = np.linspace(0.0, 3.0, 13)
 _REF = reference(1)
 
 
@@ -261,7 +280,10 @@ def fit_compute(batch, compute_s) -> WorkerFit | None:
     standard_error = math.sqrt(np.sum((c - intercept - slope * b) ** 2) / (b.size - 2) / spread)
     if slope <= 2.0 * standard_error:  # not clearly positive: the batch's effect is lost in the noise
         return None
-    if intercept < 0:
+    # The intercept must be clearly positive too: extrapolated from a narrow span of batches it is
+    # mostly noise (±25 ms on a real run whose batches spanned 56-74), so refit through the origin.
+    intercept_error = standard_error * math.sqrt(spread / b.size + b.mean() ** 2)
+    if intercept <= 2.0 * intercept_error:
         slope, intercept, method = float(np.dot(b, c) / np.dot(b, b)), 0.0, "through-origin"
     fitted = intercept + slope * b
     jitter = _log_sd(np.log(c / fitted), _REF.workers[0].jitter, 1 if method == "through-origin" else 2)
@@ -293,10 +315,16 @@ def _fit_comm(log: RunLog, rows: slice) -> CommParams:
     return replace(ref, latency_s=latency, bandwidth_bytes_per_s=2.0 * ref.model_bytes / (mean - latency), jitter=jitter)
 
 
-def _fit_stats(log: RunLog) -> StatParams:
+def global_batch_spread(logs: Sequence[RunLog]) -> float:
+    """Largest over smallest of the runs' median global batches (samples; 1.0 for one run)."""
+    medians = [float(np.median(log.batch.sum(axis=1))) for log in logs]
+    return max(medians) / min(medians)
+
+
+def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     ref = _REF.stats
-    loss = np.where(log.loss > 0, log.loss, np.nan)  # the simulator's loss is positive (cross-entropy-like)
-    loss_seen = loss[np.isfinite(loss)]
+    losses = [np.where(log.loss > 0, log.loss, np.nan) for log in logs]  # the simulator's loss is positive
+    loss_seen = np.concatenate([loss[np.isfinite(loss)] for loss in losses])
     l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
     if loss_seen.size:
         l0 = max(l0, float(loss_seen.max()) * 1.05)
@@ -304,8 +332,8 @@ def _fit_stats(log: RunLog) -> StatParams:
         if not l0 > target > lmin:
             target = lmin + 0.2 * (l0 - lmin)
     stats = replace(ref, initial_loss=l0, min_loss=lmin, target_loss=target)
-    x = np.log((l0 - lmin) / (loss - lmin))  # NaN where no loss
-    noise = log.noise_scale
+    xs = [np.log((l0 - lmin) / (loss - lmin)) for loss in losses]  # NaN where no loss
+    x, noise = np.concatenate(xs), np.concatenate([log.noise_scale for log in logs])
     ok = np.isfinite(x) & np.isfinite(noise)
     if ok.sum() >= 1:
         gamma = ref.noise_growth
@@ -314,17 +342,46 @@ def _fit_stats(log: RunLog) -> StatParams:
         log_b0 = float(np.mean(np.log(noise[ok]) - gamma * x[ok]))
         spread = _log_sd(np.log(noise[ok]) - gamma * x[ok] - log_b0, ref.noise_scale_noise, 2)
         stats = replace(stats, noise_scale=math.exp(log_b0), noise_growth=gamma, noise_scale_noise=spread)
-    # Noise-free steps E: each interval's steps weighted by M/(M + B_noise) (B unknown: the fitted law).
-    gaps = np.diff(log.steps, prepend=0).astype(np.float64)
-    m = log.batch.sum(axis=1)
-    b_known = np.where(np.isfinite(noise), noise, stats.noise_scale * np.exp(stats.noise_growth * np.nan_to_num(x)))
-    d_eff = gaps * m / (m + b_known)
-    e_mid = np.cumsum(d_eff) - d_eff / 2.0  # a line's loss is its interval's mean
-    use = np.isfinite(x) & (x > 0) & (e_mid > 0)
-    if use.sum() >= 2:
-        tau = float(np.dot(e_mid[use], e_mid[use]) / np.dot(e_mid[use], x[use]))
-        stats = replace(stats, steps_scale=tau)
-    return stats
+
+    def progress(factor: float, growth: float, measured: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Noise-free steps E at each interval's middle and ln x, pooled over the runs, when the
+        B_noise that sets progress is ``factor · B0 · x^growth`` (B0 of the measured law), or the
+        measurement itself where there is one (``measured``)."""
+        e_all, x_all = [], []
+        for log, x_log in zip(logs, xs):
+            b_noise = factor * stats.noise_scale * np.exp(growth * np.nan_to_num(x_log))
+            if measured:
+                b_noise = np.where(np.isfinite(log.noise_scale), log.noise_scale, b_noise)
+            gaps = np.diff(log.steps, prepend=0).astype(np.float64)
+            m = log.batch.sum(axis=1)
+            d_eff = gaps * m / (m + b_noise)
+            e_mid = np.cumsum(d_eff) - d_eff / 2.0  # a line's loss is its interval's mean
+            use = np.isfinite(x_log) & (x_log > 0) & (e_mid > 0)
+            e_all.append(e_mid[use])
+            x_all.append(x_log[use])
+        return np.concatenate(e_all), np.concatenate(x_all)
+
+    # ln x = E/τ through the origin; runs at different global batches also choose the law of the
+    # B_noise that sets progress: the one that puts all their losses on that line.
+    calibrate = global_batch_spread(logs) >= MIN_GLOBAL_BATCH_SPREAD
+    laws = [(float(f), float(g)) for f in NOISE_SCALE_FACTORS for g in NOISE_GROWTHS] if calibrate \
+        else [(1.0, stats.noise_growth)]
+    best = None
+    for factor, growth in laws:
+        e, x_use = progress(factor, growth, measured=not calibrate)
+        if e.size < 2:
+            continue
+        inverse_tau = float(np.dot(e, x_use) / np.dot(e, e))
+        error = float(np.sum((x_use - e * inverse_tau) ** 2))
+        if inverse_tau > 0 and (best is None or error < best[0]):
+            best = (error, factor, growth, 1.0 / inverse_tau)
+    if best is None:
+        return stats
+    _, factor, growth, tau = best
+    if not calibrate:
+        return replace(stats, steps_scale=tau)
+    return replace(stats, steps_scale=tau, noise_scale=factor * stats.noise_scale, noise_growth=growth,
+                   measured_noise_scale=stats.noise_scale, measured_noise_growth=stats.noise_growth)
 
 
 def fitted_rows(log: RunLog) -> slice:
@@ -332,8 +389,12 @@ def fitted_rows(log: RunLog) -> slice:
     return slice(1, None) if len(log.steps) >= 4 else slice(None)
 
 
-def fit_log(log: RunLog) -> tuple[SimParams, list[WorkerFit]]:
-    """The fitted :class:`SimParams` of ``log`` and the per-worker fits (module docstring)."""
+def fit_log(log: RunLog, calibration: Sequence[RunLog] = ()) -> tuple[SimParams, list[WorkerFit]]:
+    """The fitted :class:`SimParams` of ``log`` and the per-worker fits (module docstring).
+
+    ``calibration``: decision logs of the same model and data at other global batches; their losses
+    join ``log``'s in the noise-scale and loss model (the timings come from ``log`` alone).
+    """
     rows = fitted_rows(log)
     workers = _fit_workers(log, rows)
     ref = _REF
@@ -351,19 +412,20 @@ def fit_log(log: RunLog) -> tuple[SimParams, list[WorkerFit]]:
         dataset_size=log.dataset_size or ref.dataset_size,
         node_metrics=log.node_metrics,
         comm=_fit_comm(log, rows),
-        stats=_fit_stats(log),
+        stats=_fit_stats([log, *calibration]),
         scenario=f"fit:{log.path.parent.name}",
     )
     return params, workers
 
 
-def fit_run(run_dir) -> SimParams:
-    """:class:`SimParams` fitted to the run in ``run_dir`` (module docstring).
+def fit_run(run_dir, *calibration_dirs) -> SimParams:
+    """:class:`SimParams` fitted to the run in ``run_dir`` (module docstring), the statistics
+    calibrated with the runs in ``calibration_dirs`` too.
 
     Raises:
         ConfigurationError: no usable ``decisions.jsonl`` (see :func:`load_log`).
     """
-    return fit_log(load_log(run_dir))[0]
+    return fit_log(load_log(run_dir), [load_log(d) for d in calibration_dirs])[0]
 
 
 def replay(params: SimParams, log: RunLog) -> list[dict]:

@@ -131,6 +131,11 @@ class StatParams:
         chance_accuracy, max_accuracy: accuracy proxy at L0 and at L_min.
         loss_noise: relative standard deviation of one reported interval loss at M0.
         noise_scale_noise: relative (lognormal) standard deviation of the reported B_noise.
+        measured_noise_scale, measured_noise_growth: the law (B0, γ) of the gradient noise scale
+            the workers measure and the scheduler is shown; None: the law above. The measured
+            estimate, B_simple of McCandlish et al. (arXiv 1812.06162, eq. 2.9), can be far from the
+            B_noise at which larger batches stop paying; ``dynamix sim fit`` calibrates both laws
+            from runs at several global batches.
     """
 
     initial_loss: float = 2.3
@@ -146,16 +151,22 @@ class StatParams:
     max_accuracy: float = 0.92
     loss_noise: float = 0.02
     noise_scale_noise: float = 0.2
+    measured_noise_scale: float | None = None
+    measured_noise_growth: float | None = None
 
     def __post_init__(self):
+        optional = ("measured_noise_scale", "measured_noise_growth")
         for f in fields(self):
-            _non_negative(getattr(self, f.name), f.name)
+            if f.name not in optional or getattr(self, f.name) is not None:
+                _non_negative(getattr(self, f.name), f.name)
         for name in ("steps_scale", "noise_scale", "gap_free_ratio", "gap_steps"):
             _positive(getattr(self, name), name)
         _check(self.initial_loss > self.target_loss > self.min_loss,
                f"losses must satisfy initial_loss > target_loss > min_loss, got {self.initial_loss}, "
                f"{self.target_loss}, {self.min_loss}")
         _check(self.max_accuracy > self.chance_accuracy, "max_accuracy must exceed chance_accuracy")
+        if self.measured_noise_scale is not None:
+            _positive(self.measured_noise_scale, "measured_noise_scale")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ transfers to jobs it has not seen. Each draw (log-uniform ``×[1/s, s]`` unless 
   ``fixed_s`` ×[1/3, 3]; jitter uniform in [0.02, 0.15];
 * ``model_bytes`` ×[1/5, 5] (communication from a few ms to ~0.15 s per step at 1 Gbit/s),
   ``latency_s`` ×[1/2, 2];
-* B_noise at the start ×[1/2.5, 2.5], its growth γ uniform in [0.7, 1.3], τ ×[1/1.4, 1.4];
+* B_noise at the start ×[1/2.5, 2.5], its growth γ ×uniform[0.7, 1.3] (the measured law, when it
+  has its own, alike), τ ×[1/1.4, 1.4];
 * the initial local batch ×{1/2, 1, 2} (every worker alike, within the bounds);
 * node-agent metrics present with probability 1/2.
 
@@ -43,8 +44,12 @@ def randomised(params: SimParams, rng: np.random.Generator) -> SimParams:
     comm = replace(params.comm, model_bytes=params.comm.model_bytes * _log_uniform(rng, 5.0),
                    latency_s=params.comm.latency_s * _log_uniform(rng, 2.0))
     s = params.stats
-    stats = replace(s, noise_scale=s.noise_scale * _log_uniform(rng, 2.5), noise_growth=float(rng.uniform(0.7, 1.3)),
+    noise, growth = _log_uniform(rng, 2.5), float(rng.uniform(0.7, 1.3))
+    stats = replace(s, noise_scale=s.noise_scale * noise, noise_growth=s.noise_growth * growth,
                     steps_scale=s.steps_scale * _log_uniform(rng, 1.4))
+    if s.measured_noise_scale is not None:
+        stats = replace(stats, measured_noise_scale=s.measured_noise_scale * noise,
+                        measured_noise_growth=None if s.measured_noise_growth is None else s.measured_noise_growth * growth)
     factor = float(rng.choice([0.5, 1.0, 2.0]))
     initial = tuple(int(min(max(round(b * factor), params.min_batch), params.max_batch)) for b in params.initial_batch)
     return replace(params, workers=workers, comm=comm, stats=stats, initial_batch=initial,
