@@ -28,3 +28,25 @@ def test_a_relative_checkpoint_path_loads(tmp_path, monkeypatch):
     assert isinstance(loaded, PerWorkerPPOModule) and loaded.num_workers == workers
     for name, value in saved.policy_net.state_dict().items():
         assert np.array_equal(loaded.policy_net.state_dict()[name].numpy(), value.numpy()), name
+
+
+@pytest.mark.timeout(120)
+def test_the_export_records_the_ladder_the_policy_was_trained_with(tmp_path):
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from dynamix_byteps.policy import make_policy
+    from dynamix_byteps.policy.ppo.export import export_module
+    from dynamix_byteps.policy.ppo.features import NUM_FEATURES
+    from dynamix_byteps.policy.ppo.mdp import LADDER, ladder_factors
+    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
+
+    def exported(name, config):
+        module = RLModuleSpec(module_class=PerWorkerPPOModule,
+                              observation_space=gym.spaces.Box(-np.inf, np.inf, (2 * NUM_FEATURES,), np.float32),
+                              action_space=gym.spaces.MultiDiscrete([len(LADDER)] * 2),
+                              model_config={"hidden": 8, **config}).build()
+        return make_policy("ppo", path=export_module(module, tmp_path / name))
+
+    fine = exported("fine", {"dynamix": {"ladder": list(ladder_factors("fine"))}})
+    assert fine.metadata["actions"]["ladder"] == list(ladder_factors("fine"))
+    assert exported("old", {}).metadata["actions"]["ladder"] == list(LADDER)  # trained before ladders had names

@@ -18,6 +18,8 @@ from dynamix_byteps.policy.ppo.mdp import (
     RewardWeights,
     apply_actions,
     apply_ladder,
+    check_ladder,
+    ladder_factors,
 )
 from dynamix_byteps.policy.sim import (
     SimParams,
@@ -243,6 +245,24 @@ def test_ladder_steps_respect_the_change_window_and_the_bounds():
     assert apply_actions(_state(), [KEEP, 4, 4]) == (32, 64, 128)
     with pytest.raises(ValueError, match="action indices"):
         apply_ladder(b, np.full(7, len(LADDER)), np.full(7, 1.0), np.full(7, np.inf))
+
+
+def test_the_fine_ladder_reaches_sizes_between_the_coarse_rungs():
+    fine = ladder_factors("fine")
+    new = apply_ladder(np.array([64, 64, 16, 16]), np.array([3, 4, 1, 0]), np.full(4, 16.0), np.full(4, 512.0), fine)
+    assert new.tolist() == [76, 90, 16, 16]  # ×1.18, ×1.4; the lower bound holds
+    assert apply_actions(_state(), [3, 3, 3], fine) == (38, 38, 76)
+    with pytest.raises(ConfigurationError, match="unknown action ladder 'odd'; known: coarse, fine"):
+        ladder_factors("odd")
+
+
+@pytest.mark.parametrize("factors", [[0.5, 1.0, 2.0], [0.5, 0.7, 1.0, 1.4, 3.0], [0.5, 1.0, 0.7, 1.4, 2.0],
+                                     [0.5, 0.7, 1.1, 1.4, 2.0], "fine", None, [0.5, 0.7, 1.0, 1.4, float("nan")]])
+def test_a_malformed_ladder_is_refused(factors):
+    with pytest.raises(ConfigurationError, match="is not an action ladder"):
+        check_ladder(factors)
+    with pytest.raises(ConfigurationError, match="environment option ladder"):
+        DynamixSimEnv({"ladder": factors or [1.0]})
 
 
 def test_a_policy_runs_through_the_guardrails_on_many_workers():

@@ -16,6 +16,7 @@ from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.finetune_cli import add_finetune_parser
+from dynamix_byteps.policy.ppo.mdp import LADDERS
 from dynamix_byteps.scenarios import load_scenarios
 
 __all__ = ["add_policy_parser", "format_table"]
@@ -77,6 +78,9 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
                    help="reward weight: progress, step_time, batch_change or accuracy (repeatable)")
     t.add_argument("--init", type=Path, metavar="CHECKPOINT",
                    help="start from this checkpoint's network (DIR/checkpoint of an earlier training): fine-tuning")
+    t.add_argument("--ladder", choices=list(LADDERS), default="coarse",
+                   help="action ladder: coarse (÷2, ÷1.4, keep, ×1.4, ×2; default) or fine (÷1.4, ÷1.18, keep, ×1.18, "
+                        "×1.4) for jobs whose balanced batches fall between the coarse rungs")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=lambda args: _train(args, usage_error))
 
@@ -141,7 +145,7 @@ def _train(args, usage_error) -> int:
     try:
         summary = train(args.out, args.scenario, iterations=args.iterations, seed=args.seed, workers=args.workers,
                         reward=weights, scenario_file=args.scenario_file, params=params,
-                        randomise=not args.no_randomise, progress=not args.quiet, init=args.init)
+                        randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder)
     except ConfigurationError as error:
         raise usage_error(str(error)) from None
     final = summary["final_return"]

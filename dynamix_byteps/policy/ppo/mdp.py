@@ -1,10 +1,15 @@
 """The agent's actions and reward (the MDP of DYNAMIX, arXiv 2510.08522 §III), shared by the
 simulator and the scheduler's ``ppo`` policy. numpy only.
 
-**Action.** One index per worker into :data:`LADDER`, a geometric ladder of factors
-(÷2, ÷1.4, keep, ×1.4, ×2). The new local batch is ``round(b_i · factor)``, kept within
+**Action.** One index per worker into a geometric ladder of factors, by default :data:`LADDER`
+(÷2, ÷1.4, keep, ×1.4, ×2); a policy is trained with one of :data:`LADDERS` and records it in its
+``features.json``. The new local batch is ``round(b_i · factor)``, kept within
 ``[ceil(b_i/2), floor(2·b_i)]`` (the guardrails' default maximum change, so they never clip a
 ladder step) and then within the worker's ``[min_batch, max_batch]``; see :func:`apply_ladder`.
+The ``fine`` ladder (÷1.4, ÷1.18, keep, ×1.18, ×1.4) reaches sizes between the default's rungs:
+with its steps of 1.4 a fast worker at 64 next to a straggler held at the lower bound can only
+go to 90 (slower than the straggler) or stay idle a fifth of each step (measured on the straggler
+job of ``benchmarks/time_to_accuracy.py``, where the heuristics settle at ~80).
 
 **Reward** per decision interval (:func:`reward`)::
 
@@ -32,6 +37,7 @@ nor "maximise goodput" is the best schedule of the simulator's reference job.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -41,12 +47,47 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState
 from dynamix_byteps.policy.proportional import worker_bounds
 
-__all__ = ["KEEP", "LADDER", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "reward"]
+__all__ = ["KEEP", "LADDER", "LADDERS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
+           "ladder_factors", "reward"]
 
-#: Batch-size factors an action index selects (index :data:`KEEP` = no change).
+#: Batch-size factors an action index selects (index :data:`KEEP` = no change): the default ladder.
 LADDER = (0.5, 1.0 / 1.4, 1.0, 1.4, 2.0)
+#: The ladders ``dynamix policy train --ladder NAME`` offers (module docstring).
+LADDERS = {"coarse": LADDER, "fine": (1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math.sqrt(1.4), 1.4)}
 KEEP = 2
 MAX_FACTOR = 2.0
+
+
+def ladder_factors(name: str) -> tuple[float, ...]:
+    """The factors of the ladder called ``name`` in :data:`LADDERS`.
+
+    Raises:
+        ConfigurationError: an unknown name (the message lists the known ones).
+    """
+    if name not in LADDERS:
+        raise ConfigurationError(f"unknown action ladder {name!r}; known: {', '.join(LADDERS)}")
+    return LADDERS[name]
+
+
+def check_ladder(factors, where: str = "ladder") -> tuple[float, ...]:
+    """``factors`` as a ladder tuple: ``len(LADDER)`` finite factors, increasing, 1 at :data:`KEEP`,
+    within ``[1/MAX_FACTOR, MAX_FACTOR]``.
+
+    Raises:
+        ConfigurationError: anything else (``where`` names the source, e.g. a features.json).
+    """
+    try:
+        ladder = tuple(float(f) for f in factors)
+    except (TypeError, ValueError):
+        ladder = ()
+    ok = (len(ladder) == len(LADDER) and all(math.isfinite(f) for f in ladder)
+          and all(a < b for a, b in itertools.pairwise(ladder)) and math.isclose(ladder[KEEP], 1.0)
+          and 1.0 / MAX_FACTOR - 1e-9 <= ladder[0] and ladder[-1] <= MAX_FACTOR + 1e-9)
+    if not ok:
+        raise ConfigurationError(f"{where}: {factors!r} is not an action ladder of {len(LADDER)} increasing factors "
+                                 f"with 1 at index {KEEP}, within [1/{MAX_FACTOR:g}, {MAX_FACTOR:g}] (e.g. "
+                                 f"{[round(f, 4) for f in LADDER]})")
+    return ladder
 
 
 @dataclass(frozen=True)
@@ -84,13 +125,15 @@ class RewardWeights:
         return cls(**{k: float(v) for k, v in data.items()})
 
 
-def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: np.ndarray,
+                 ladder: tuple[float, ...] = LADDER) -> np.ndarray:
     """New local batch sizes for ladder ``actions``.
 
     Args:
         batch: current sizes, int array (N,), each >= 1.
-        actions: ladder indices, int array (N,), each in ``[0, len(LADDER))``.
+        actions: ladder indices, int array (N,), each in ``[0, len(ladder))``.
         low, high: inclusive bounds, arrays (N,) (``high`` may hold ``inf``).
+        ladder: the factors (:func:`check_ladder`).
 
     Returns:
         int64 array (N,) (module docstring for the rule).
@@ -102,9 +145,9 @@ def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: 
     actions = np.asarray(actions, dtype=np.int64)
     if batch.shape != actions.shape or batch.shape != np.shape(low) or batch.shape != np.shape(high):
         raise ValueError(f"batch {batch.shape}, actions {actions.shape}, bounds {np.shape(low)}/{np.shape(high)} differ")
-    if actions.size and (actions.min() < 0 or actions.max() >= len(LADDER)):
-        raise ValueError(f"action indices must be in 0..{len(LADDER) - 1}, got {actions.tolist()}")
-    factors = np.asarray(LADDER)[actions]
+    if actions.size and (actions.min() < 0 or actions.max() >= len(ladder)):
+        raise ValueError(f"action indices must be in 0..{len(ladder) - 1}, got {actions.tolist()}")
+    factors = np.asarray(ladder)[actions]
     b = batch.astype(np.float64)
     new = np.rint(b * factors)
     new = np.clip(new, np.ceil(b / MAX_FACTOR - 1e-9), np.floor(b * MAX_FACTOR + 1e-9))
@@ -112,7 +155,7 @@ def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: 
     return np.maximum(new, 1).astype(np.int64)
 
 
-def apply_actions(state: ClusterState, actions) -> tuple[int, ...]:
+def apply_actions(state: ClusterState, actions, ladder: tuple[float, ...] = LADDER) -> tuple[int, ...]:
     """:func:`apply_ladder` on a :class:`ClusterState` (bounds from each worker's min/max_batch)."""
     bounds = [worker_bounds(w) for w in state.workers]
     new = apply_ladder(
@@ -120,6 +163,7 @@ def apply_actions(state: ClusterState, actions) -> tuple[int, ...]:
         np.asarray(actions, dtype=np.int64).reshape(-1),
         np.array([lo for lo, _ in bounds], dtype=np.float64),
         np.array([hi for _, hi in bounds], dtype=np.float64),
+        ladder,
     )
     return tuple(int(x) for x in new)
 

@@ -38,7 +38,7 @@ import numpy as np
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, check_spec, observation
-from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER, apply_actions
+from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER, apply_actions, check_ladder
 from dynamix_byteps.policy.ppo.publish import MANIFEST, read_manifest
 
 __all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "POLICY_FILE", "PPOPolicy", "read_metadata", "sha256"]
@@ -71,8 +71,8 @@ def read_metadata(path) -> tuple[Path, dict]:
     """``(directory, features.json content)`` of a policy directory, validated against this code.
 
     Raises:
-        ConfigurationError: missing files, another format or version, a feature spec or ladder
-            this version does not compute, or an ONNX file whose hash differs from the record.
+        ConfigurationError: missing files, another format or version, a feature spec this
+            version does not compute, a malformed action ladder (:func:`~.mdp.check_ladder`), or an ONNX file whose hash differs from the record.
     """
     directory = _policy_dir(path)
     meta_path = directory / FEATURES_FILE
@@ -88,9 +88,10 @@ def read_metadata(path) -> tuple[Path, dict]:
                                  "`dynamix policy export CHECKPOINT --out DIR`")
     check_spec(meta.get("observation") or {}, str(meta_path))
     actions = meta.get("actions") or {}
-    if [round(x, 9) for x in actions.get("ladder", [])] != [round(x, 9) for x in LADDER] or actions.get("keep") != KEEP:
-        raise ConfigurationError(f"{meta_path}: the policy's action ladder {actions.get('ladder')} differs from this "
-                                 f"version's {list(LADDER)}; retrain it")
+    check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
+    if actions.get("keep") != KEEP:
+        raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
+                                 f"version with {KEEP}; retrain it")
     onnx_path = directory / POLICY_FILE
     if not onnx_path.is_file():
         raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
@@ -187,7 +188,7 @@ class PPOPolicy(Policy):
         live = self._live
         obs = np.ascontiguousarray(obs, dtype=np.float32)
         out = live.session.run([OUTPUT], {INPUT: obs})[0]
-        self._last = (live.generation, obs, out)
+        self._last = (live.generation, obs, out, live.ladder)
         return out
 
     def actions(self, state: ClusterState) -> np.ndarray:
@@ -207,14 +208,14 @@ class PPOPolicy(Policy):
         if not state.workers:
             return Decision((), "ppo: no workers")
         actions = self.actions(state)
-        generation, obs, raw = self._last
+        generation, obs, raw, ladder = self._last
         logits = raw[0].astype(np.float64)
         shifted = logits - logits.max(-1, keepdims=True)
         log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-        sizes = apply_actions(state, actions)
+        sizes = apply_actions(state, actions, ladder)
         changed = sum(a != b for a, b in zip(sizes, state.batch_sizes))
         reason = f"ppo: {changed} of {len(sizes)} batch sizes changed, global batch {state.global_batch} → {sum(sizes)}"
-        terms = {"actions": actions.tolist(), "factors": [LADDER[a] for a in actions], "global_batch": sum(sizes),
+        terms = {"actions": actions.tolist(), "factors": [ladder[a] for a in actions], "global_batch": sum(sizes),
                  "generation": generation, "explore": self.explore,
                  "obs": obs[0].tolist(), "logits": raw[0].tolist(),  # the float32 values, exactly
                  "logp": float(log_softmax[np.arange(len(actions)), actions].sum())}
@@ -226,6 +227,7 @@ class _Live(NamedTuple):
     directory: Path
     metadata: dict
     session: object
+    ladder: tuple[float, ...]
 
 
 def _load(generation: int, directory: Path) -> _Live:
@@ -256,7 +258,7 @@ def _load(generation: int, directory: Path) -> _Live:
     if shape != (1, 3, len(LADDER)):
         raise ConfigurationError(f"{directory / POLICY_FILE} answers {OUTPUT} of shape {shape} for 3 workers, "
                                  f"not (1, 3, {len(LADDER)}); re-export the policy")
-    return _Live(int(generation), directory, metadata, session)
+    return _Live(int(generation), directory, metadata, session, check_ladder(metadata["actions"]["ladder"]))
 
 
 def _stamp(path: Path):

@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 from dynamix_byteps.atomic import write_atomic
-from dynamix_byteps.policy.ppo.mdp import RewardWeights
+from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
@@ -95,7 +95,8 @@ def ray_session():
 
 def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int | list[int] = 4,
           reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
-          randomise: bool = True, hidden: int = 64, progress: bool = True, init=None, **ppo_overrides) -> dict:
+          randomise: bool = True, hidden: int = 64, progress: bool = True, init=None, ladder: str = "coarse",
+          **ppo_overrides) -> dict:
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
 
     Args:
@@ -112,13 +113,15 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
         init: start from the network of this checkpoint (``DIR/checkpoint`` of an earlier training,
             same ``hidden``) instead of random weights: fine-tuning a policy to other simulator
             parameters. Optimiser state and the entropy schedule start afresh.
+        ladder: the action ladder, a name of :data:`~dynamix_byteps.policy.ppo.mdp.LADDERS`; the
+            exported ``features.json`` records its factors and the scheduler applies them.
         ppo_overrides: replace entries of :data:`PPO_SETTINGS`.
 
     Returns:
         ``{"iterations", "seconds", "returns": [...], "final_return", "checkpoint", "policy"}``.
 
     Raises:
-        ConfigurationError: a bad scenario, worker count or reward weight (before Ray starts).
+        ConfigurationError: a bad scenario, worker count, reward weight or ladder name (before Ray starts).
     """
     import torch
     from tqdm import tqdm
@@ -138,14 +141,14 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     env_config = {"scenarios": scenarios, "workers": counts if len(counts) > 1 else counts[0],
                   "randomise": bool(randomise),
                   "reward": reward.to_dict(), "scenario_file": str(scenario_file) if scenario_file else None,
-                  "params": params}
+                  "params": params, "ladder": list(ladder_factors(ladder))}
     padded = DynamixSimEnv(env_config).padded  # also validates the configuration before Ray starts
     init_dir = module_dir(init).resolve() if init is not None else None
     steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
     ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
     metadata = {"scenarios": scenarios, "workers": counts, "seed": int(seed), "iterations": int(iterations),
                 "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides},
-                "init": str(init_dir) if init_dir else None}
+                "init": str(init_dir) if init_dir else None, "ladder": env_config["ladder"]}
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     history = []

@@ -15,7 +15,8 @@ Config keys (a dict, as RLlib's ``env_config``):
   size; scenario patterns are tiled to N (:func:`~.params.from_scenario`);
 * ``params``: a :meth:`SimParams.to_dict` to use as the base job (default :func:`~.params.reference`);
 * ``randomise``: domain randomisation per episode (:mod:`.randomise`, default True);
-* ``reward``: :class:`~dynamix_byteps.policy.ppo.mdp.RewardWeights` fields to override.
+* ``reward``: :class:`~dynamix_byteps.policy.ppo.mdp.RewardWeights` fields to override;
+* ``ladder``: the action ladder's factors (default :data:`~dynamix_byteps.policy.ppo.mdp.LADDER`).
 
 With several worker counts the spaces are those of the largest, ``N_max``, and padded
 (:attr:`DynamixSimEnv.padded`): the observation is ``N_max × NUM_FEATURES`` feature values (rows of
@@ -36,7 +37,12 @@ import numpy as np
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES, observation
-from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, apply_actions
+from dynamix_byteps.policy.ppo.mdp import (
+    LADDER,
+    RewardWeights,
+    apply_actions,
+    check_ladder,
+)
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import SimParams, from_scenario, reference
 from dynamix_byteps.policy.sim.randomise import randomised
@@ -65,7 +71,7 @@ class DynamixSimEnv(gym.Env):
 
     def __init__(self, config: dict | None = None):
         config = dict(config or {})
-        unknown = set(config) - {"scenarios", "scenario_file", "workers", "params", "randomise", "reward"}
+        unknown = set(config) - {"scenarios", "scenario_file", "workers", "params", "randomise", "reward", "ladder"}
         if unknown:
             raise ConfigurationError(f"unknown environment option(s) {sorted(unknown)}")
         counts = config.get("workers", 4)
@@ -81,6 +87,7 @@ class DynamixSimEnv(gym.Env):
         self.jobs = {n: scenario_params(names, n, base, config.get("scenario_file")) for n in self.worker_counts}
         self.randomise = bool(config.get("randomise", True))
         self.weights = RewardWeights.from_dict(config.get("reward"))
+        self.ladder = check_ladder(config.get("ladder") or LADDER, "environment option ladder")
         size = self.workers * (NUM_FEATURES + 1) if self.padded else self.workers * NUM_FEATURES
         self.observation_space = gym.spaces.Box(-CLIP, CLIP, (size,), np.float32)
         self.action_space = gym.spaces.MultiDiscrete([len(LADDER)] * self.workers)
@@ -113,7 +120,7 @@ class DynamixSimEnv(gym.Env):
     def step(self, action):
         if self.sim is None:
             raise RuntimeError("call reset() before step()")
-        out = self.sim.step(apply_actions(self.state, np.asarray(action)[: self.sim.params.num_workers]))
+        out = self.sim.step(apply_actions(self.state, np.asarray(action)[: self.sim.params.num_workers], self.ladder))
         self.state = self.sim.cluster_state()
         info = dict(out.info, terms=out.terms)
         return self._observation(), float(out.reward), out.terminated, out.truncated, info
