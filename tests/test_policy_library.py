@@ -96,7 +96,7 @@ def test_a_policy_is_served_with_the_ladder_it_records(tmp_path):
     assert decision.terms["factors"] == [fine[a] for a in decision.terms["actions"]]
     for before, after, factor in zip(state.batch_sizes, decision.batch_sizes, decision.terms["factors"]):
         assert after == max(round(before * factor), state.workers[0].min_batch or 1)
-    meta["actions"]["ladder"] = [0.5, 1.0, 2.0]
+    meta["actions"]["ladder"] = [0.5, 1.0]
     features.write_text(json.dumps(meta))
     with pytest.raises(ConfigurationError, match="features.json: the policy's action ladder"):
         make_policy("ppo", path=tmp_path / "p")

@@ -35,18 +35,28 @@ def test_the_export_records_the_ladder_the_policy_was_trained_with(tmp_path):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
     from dynamix_byteps.policy import make_policy
-    from dynamix_byteps.policy.ppo.export import export_module
+    from dynamix_byteps.policy.base import ClusterState, WorkerState
+    from dynamix_byteps.policy.ppo.export import ExportError, export_module
     from dynamix_byteps.policy.ppo.features import NUM_FEATURES
     from dynamix_byteps.policy.ppo.mdp import LADDER, ladder_factors
     from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
 
-    def exported(name, config):
+    def exported(name, config, steps=5):
         module = RLModuleSpec(module_class=PerWorkerPPOModule,
                               observation_space=gym.spaces.Box(-np.inf, np.inf, (2 * NUM_FEATURES,), np.float32),
-                              action_space=gym.spaces.MultiDiscrete([len(LADDER)] * 2),
+                              action_space=gym.spaces.MultiDiscrete([steps] * 2),
                               model_config={"hidden": 8, **config}).build()
         return make_policy("ppo", path=export_module(module, tmp_path / name))
 
     fine = exported("fine", {"dynamix": {"ladder": list(ladder_factors("fine"))}})
     assert fine.metadata["actions"]["ladder"] == list(ladder_factors("fine"))
     assert exported("old", {}).metadata["actions"]["ladder"] == list(LADDER)  # trained before ladders had names
+    full = exported("full", {"dynamix": {"ladder": list(ladder_factors("full"))}}, steps=7)
+    assert full.metadata["actions"]["keep"] == 3
+    state = ClusterState(step=10, initial_batch_sizes=(64, 64), workers=tuple(
+        WorkerState(rank=r, batch_size=64, compute_s=0.1, push_pull_s=0.02, samples_per_s=640.0) for r in range(2)))
+    decision = full.decide(state)
+    assert len(decision.terms["logits"][0]) == 7 and set(decision.terms["factors"]) <= set(ladder_factors("full"))
+    with pytest.raises(ExportError, match="chooses among 7 actions but records a 5-step ladder"):
+        exported("mismatch", {"dynamix": {"ladder": list(LADDER)}}, steps=7)
+    assert not (tmp_path / "mismatch" / "features.json").exists()

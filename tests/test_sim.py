@@ -19,6 +19,7 @@ from dynamix_byteps.policy.ppo.mdp import (
     apply_actions,
     apply_ladder,
     check_ladder,
+    keep_index,
     ladder_factors,
 )
 from dynamix_byteps.policy.sim import (
@@ -252,11 +253,11 @@ def test_the_fine_ladder_reaches_sizes_between_the_coarse_rungs():
     new = apply_ladder(np.array([64, 64, 16, 16]), np.array([3, 4, 1, 0]), np.full(4, 16.0), np.full(4, 512.0), fine)
     assert new.tolist() == [76, 90, 16, 16]  # ×1.18, ×1.4; the lower bound holds
     assert apply_actions(_state(), [3, 3, 3], fine) == (38, 38, 76)
-    with pytest.raises(ConfigurationError, match="unknown action ladder 'odd'; known: coarse, fine"):
+    with pytest.raises(ConfigurationError, match="unknown action ladder 'odd'; known: coarse, fine, full"):
         ladder_factors("odd")
 
 
-@pytest.mark.parametrize("factors", [[0.5, 1.0, 2.0], [0.5, 0.7, 1.0, 1.4, 3.0], [0.5, 1.0, 0.7, 1.4, 2.0],
+@pytest.mark.parametrize("factors", [[0.5, 1.0], [0.5, 0.7, 1.0, 1.4, 3.0], [0.5, 1.0, 0.7, 1.4, 2.0], [1.0],
                                      [0.5, 0.7, 1.1, 1.4, 2.0], "fine", None, [0.5, 0.7, 1.0, 1.4, float("nan")]])
 def test_a_malformed_ladder_is_refused(factors):
     with pytest.raises(ConfigurationError, match="is not an action ladder"):
@@ -302,3 +303,15 @@ def test_the_scheduler_is_shown_the_measured_noise_law_and_progress_follows_the_
     plain = Simulator(dataclasses.replace(reference(), stats=dataclasses.replace(stats, measured_noise_scale=None)),
                       rng=np.random.default_rng(0))
     assert plain.reset().noise_scale == pytest.approx(plain.noise_scale(plain.loss))  # no law of its own: the same
+
+
+def test_a_seven_step_ladder_sizes_the_action_space_and_keeps_at_its_middle():
+    full = ladder_factors("full")
+    env = DynamixSimEnv({"ladder": list(full), "scenarios": ["straggler"]})
+    assert list(env.action_space.nvec) == [7] * 4 and full[keep_index(full)] == 1.0
+    env.reset(seed=0)
+    sizes = env.sim.batch.copy()
+    env.step(np.full(4, keep_index(full)))
+    assert (env.sim.batch == sizes).all()
+    env.step(np.array([0, 2, 4, 6]))
+    assert env.sim.batch.tolist() == [16, 27, 38, 64]

@@ -79,8 +79,9 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     t.add_argument("--init", type=Path, metavar="CHECKPOINT",
                    help="start from this checkpoint's network (DIR/checkpoint of an earlier training): fine-tuning")
     t.add_argument("--ladder", choices=list(LADDERS), default="coarse",
-                   help="action ladder: coarse (÷2, ÷1.4, keep, ×1.4, ×2; default) or fine (÷1.4, ÷1.18, keep, ×1.18, "
-                        "×1.4) for jobs whose balanced batches fall between the coarse rungs")
+                   help="action ladder: coarse (÷2, ÷1.4, keep, ×1.4, ×2; default), fine (÷1.4, ÷1.18, keep, ×1.18, "
+                        "×1.4) or full (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2) for jobs whose balanced batches fall "
+                        "between the coarse rungs")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=lambda args: _train(args, usage_error))
 

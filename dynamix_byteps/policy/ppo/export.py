@@ -20,7 +20,7 @@ import torch
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, spec
-from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
+from dynamix_byteps.policy.ppo.mdp import LADDER, keep_index
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
@@ -137,10 +137,16 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
         extra: more metadata for ``features.json`` (merged into its ``training`` section).
 
     Raises:
-        ExportError: the ONNX graph does not reproduce the network (see the module docstring).
+        ExportError: the ONNX graph does not reproduce the network (see the module docstring), or
+            the ladder recorded in the module's ``model_config`` does not fit its action count.
     """
     import ray
 
+    config = dict(module.model_config)
+    ladder = tuple(config.get("dynamix", {}).get("ladder") or LADDER)
+    if len(ladder) != int(module.action_space.nvec[0]):
+        raise ExportError(f"the module chooses among {int(module.action_space.nvec[0])} actions but records a "
+                          f"{len(ladder)}-step ladder {list(ladder)}; it was not built by `dynamix policy train`")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     net = module.policy_net.eval()
@@ -157,12 +163,11 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
         tmp.unlink(missing_ok=True)
     params = _verify(net, onnx_bytes)
     write_atomic(out / POLICY_FILE, onnx_bytes)
-    config = dict(module.model_config)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "observation": spec(),
-        "actions": {"ladder": list(config.get("dynamix", {}).get("ladder") or LADDER), "keep": KEEP,
+        "actions": {"ladder": list(ladder), "keep": keep_index(ladder),
                     "rule": "dynamix_byteps.policy.ppo.mdp.apply_ladder: round(b*factor), within [b/2, 2b] and the bounds"},
         "onnx": {"file": POLICY_FILE, "sha256": sha256(out / POLICY_FILE), "input": INPUT, "output": OUTPUT,
                  "opset": OPSET, "parameters": params},

@@ -57,7 +57,7 @@ import numpy as np
 from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.guardrails import SETTLING
-from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, reward
+from dynamix_byteps.policy.ppo.mdp import RewardWeights, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
@@ -259,6 +259,7 @@ class FineTuner:
         meta = json.loads((served / "features.json").read_text())
         self.weights = RewardWeights.from_dict((meta.get("training") or {}).get("reward"))
         self.module = load_module(checkpoint if checkpoint is not None else self.root / "checkpoint")
+        self.num_actions = int(self.module.action_space.nvec[0])  # the length of its ladder
         state_file = served / STATE_FILE
         if state_file.is_file():
             self.module.set_state(torch.load(state_file, weights_only=True))
@@ -284,7 +285,7 @@ class FineTuner:
             from dynamix_byteps.policy.ppo.train import ENTROPY, PPO_SETTINGS
 
             settings = {k: PPO_SETTINGS[k] for k in ("gamma", "lambda_", "clip_param", "vf_clip_param")}
-            observation_space, action_space = _spaces(n)
+            observation_space, action_space = _spaces(n, self.num_actions)
             # A job's observations carry no worker mask, even for a policy trained on several worker counts.
             model_config = {**self.module.model_config, "padded": False}
             config = (PPOConfig().environment(observation_space=observation_space, action_space=action_space)
@@ -304,7 +305,7 @@ class FineTuner:
         from ray.rllib.core.columns import Columns
         from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
-        obs_space, act_space = _spaces(n)
+        obs_space, act_space = _spaces(n, self.num_actions)
         runs, current = [], []
         for t in batch:
             if current and t.position != current[-1].position + 1:
@@ -471,14 +472,15 @@ class FineTuner:
                 time.sleep(poll_s)
 
 
-def _spaces(n: int):
-    """RLlib's observation and action spaces of an N-worker job (as the simulator's)."""
+def _spaces(n: int, num_actions: int):
+    """RLlib's observation and action spaces of an N-worker job (as the simulator's) and a ladder
+    of ``num_actions`` steps."""
     import gymnasium as gym
 
     from dynamix_byteps.policy.ppo.features import CLIP, NUM_FEATURES
 
     return (gym.spaces.Box(-CLIP, CLIP, (n * NUM_FEATURES,), np.float32),
-            gym.spaces.MultiDiscrete([len(LADDER)] * n))
+            gym.spaces.MultiDiscrete([num_actions] * n))
 
 
 def _scalars(result) -> dict:

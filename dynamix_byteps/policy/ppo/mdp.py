@@ -6,7 +6,8 @@ simulator and the scheduler's ``ppo`` policy. numpy only.
 ``features.json``. The new local batch is ``round(b_i · factor)``, kept within
 ``[ceil(b_i/2), floor(2·b_i)]`` (the guardrails' default maximum change, so they never clip a
 ladder step) and then within the worker's ``[min_batch, max_batch]``; see :func:`apply_ladder`.
-The ``fine`` ladder (÷1.4, ÷1.18, keep, ×1.18, ×1.4) reaches sizes between the default's rungs:
+The ``fine`` ladder (÷1.4, ÷1.18, keep, ×1.18, ×1.4) reaches sizes between the default's rungs,
+and ``full`` (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2, seven actions) keeps the default's large steps too:
 with its steps of 1.4 a fast worker at 64 next to a straggler held at the lower bound can only
 go to 90 (slower than the straggler) or stay idle a fifth of each step (measured on the straggler
 job of ``benchmarks/time_to_accuracy.py``, where the heuristics settle at ~80).
@@ -48,12 +49,13 @@ from dynamix_byteps.policy.base import ClusterState
 from dynamix_byteps.policy.proportional import worker_bounds
 
 __all__ = ["KEEP", "LADDER", "LADDERS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
-           "ladder_factors", "reward"]
+           "keep_index", "ladder_factors", "reward"]
 
 #: Batch-size factors an action index selects (index :data:`KEEP` = no change): the default ladder.
 LADDER = (0.5, 1.0 / 1.4, 1.0, 1.4, 2.0)
 #: The ladders ``dynamix policy train --ladder NAME`` offers (module docstring).
-LADDERS = {"coarse": LADDER, "fine": (1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math.sqrt(1.4), 1.4)}
+LADDERS = {"coarse": LADDER, "fine": (1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math.sqrt(1.4), 1.4),
+           "full": (0.5, 1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math.sqrt(1.4), 1.4, 2.0)}
 KEEP = 2
 MAX_FACTOR = 2.0
 
@@ -69,9 +71,14 @@ def ladder_factors(name: str) -> tuple[float, ...]:
     return LADDERS[name]
 
 
+def keep_index(ladder: tuple[float, ...]) -> int:
+    """The index of "keep" (factor 1) in a ladder of :func:`check_ladder`: its middle."""
+    return len(ladder) // 2
+
+
 def check_ladder(factors, where: str = "ladder") -> tuple[float, ...]:
-    """``factors`` as a ladder tuple: ``len(LADDER)`` finite factors, increasing, 1 at :data:`KEEP`,
-    within ``[1/MAX_FACTOR, MAX_FACTOR]``.
+    """``factors`` as a ladder tuple: an odd number (3 to 9) of finite factors, increasing, 1 in
+    the middle (:func:`keep_index`), within ``[1/MAX_FACTOR, MAX_FACTOR]``.
 
     Raises:
         ConfigurationError: anything else (``where`` names the source, e.g. a features.json).
@@ -80,12 +87,12 @@ def check_ladder(factors, where: str = "ladder") -> tuple[float, ...]:
         ladder = tuple(float(f) for f in factors)
     except (TypeError, ValueError):
         ladder = ()
-    ok = (len(ladder) == len(LADDER) and all(math.isfinite(f) for f in ladder)
-          and all(a < b for a, b in itertools.pairwise(ladder)) and math.isclose(ladder[KEEP], 1.0)
+    ok = (len(ladder) in (3, 5, 7, 9) and all(math.isfinite(f) for f in ladder)
+          and all(a < b for a, b in itertools.pairwise(ladder)) and math.isclose(ladder[keep_index(ladder)], 1.0)
           and 1.0 / MAX_FACTOR - 1e-9 <= ladder[0] and ladder[-1] <= MAX_FACTOR + 1e-9)
     if not ok:
-        raise ConfigurationError(f"{where}: {factors!r} is not an action ladder of {len(LADDER)} increasing factors "
-                                 f"with 1 at index {KEEP}, within [1/{MAX_FACTOR:g}, {MAX_FACTOR:g}] (e.g. "
+        raise ConfigurationError(f"{where}: {factors!r} is not an action ladder: 3, 5, 7 or 9 increasing factors "
+                                 f"with 1 in the middle, within [1/{MAX_FACTOR:g}, {MAX_FACTOR:g}] (e.g. "
                                  f"{[round(f, 4) for f in LADDER]})")
     return ladder
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES
-from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
+from dynamix_byteps.policy.ppo.mdp import LADDER
 
 __all__ = ["PerWorkerPPOModule", "PolicyNet"]
 
@@ -79,7 +79,7 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
 
     Raises:
         ConfigurationError: (setup) when the observation or action space does not fit the
-            feature count and the ladder of this version.
+            feature count or is not one ladder (of 3, 5, 7 or 9 steps) per worker.
     """
 
     def setup(self):
@@ -91,9 +91,11 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
             raise ConfigurationError(f"observation size {size} is not a multiple of {row} values per worker")
         self.num_workers = size // row
         nvec = [int(x) for x in self.action_space.nvec]
-        if nvec != [len(LADDER)] * self.num_workers:
-            raise ConfigurationError(f"action space {nvec} is not {self.num_workers} × {len(LADDER)} ladder steps")
-        self.policy_net = PolicyNet(NUM_FEATURES, len(LADDER), hidden)
+        if len(nvec) != self.num_workers or len(set(nvec)) != 1 or nvec[0] not in (3, 5, 7, 9):
+            raise ConfigurationError(f"action space {nvec} is not {self.num_workers} × one ladder of 3, 5, 7 or 9 steps")
+        #: The "keep" action: the ladder's middle (:func:`~dynamix_byteps.policy.ppo.mdp.keep_index`).
+        self.keep = nvec[0] // 2
+        self.policy_net = PolicyNet(NUM_FEATURES, nvec[0], hidden)
         self.value_embed = nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.Tanh())
         self.value_head = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
         self.action_dist_cls = TorchMultiCategorical.get_partial_dist_cls(input_lens=nvec)
@@ -111,7 +113,7 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
         logits = self.policy_net(rows, mask)
         if mask is not None:
             keep = torch.full_like(logits, -1e4)
-            keep[..., KEEP] = 0.0
+            keep[..., self.keep] = 0.0
             logits = torch.where(mask.unsqueeze(-1) > 0, logits, keep)
         return {Columns.ACTION_DIST_INPUTS: logits.flatten(1)}
 

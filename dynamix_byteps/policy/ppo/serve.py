@@ -38,7 +38,7 @@ import numpy as np
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, check_spec, observation
-from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER, apply_actions, check_ladder
+from dynamix_byteps.policy.ppo.mdp import apply_actions, check_ladder, keep_index
 from dynamix_byteps.policy.ppo.publish import MANIFEST, read_manifest
 
 __all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "POLICY_FILE", "PPOPolicy", "read_metadata", "sha256"]
@@ -88,10 +88,10 @@ def read_metadata(path) -> tuple[Path, dict]:
                                  "`dynamix policy export CHECKPOINT --out DIR`")
     check_spec(meta.get("observation") or {}, str(meta_path))
     actions = meta.get("actions") or {}
-    check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
-    if actions.get("keep") != KEEP:
+    ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
+    if actions.get("keep") != keep_index(ladder):
         raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
-                                 f"version with {KEEP}; retrain it")
+                                 f"version with {keep_index(ladder)} (the ladder's middle); retrain it")
     onnx_path = directory / POLICY_FILE
     if not onnx_path.is_file():
         raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
@@ -184,7 +184,7 @@ class PPOPolicy(Policy):
         log.info("ppo: now serving policy generation %d from %s", self._live.generation, self._live.directory)
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
-        """Network output for observations ``(B, N, F)`` float32: logits ``(B, N, len(LADDER))``."""
+        """Network output for observations ``(B, N, F)`` float32: logits ``(B, N, A)``, A the ladder's length."""
         live = self._live
         obs = np.ascontiguousarray(obs, dtype=np.float32)
         out = live.session.run([OUTPUT], {INPUT: obs})[0]
@@ -255,10 +255,11 @@ def _load(generation: int, directory: Path) -> _Live:
         shape = np.shape(session.run([OUTPUT], {INPUT: probe})[0])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise ConfigurationError(f"{directory / POLICY_FILE} fails on a (1, 3, {NUM_FEATURES}) input: {error}") from None
-    if shape != (1, 3, len(LADDER)):
+    ladder = check_ladder(metadata["actions"]["ladder"])
+    if shape != (1, 3, len(ladder)):
         raise ConfigurationError(f"{directory / POLICY_FILE} answers {OUTPUT} of shape {shape} for 3 workers, "
-                                 f"not (1, 3, {len(LADDER)}); re-export the policy")
-    return _Live(int(generation), directory, metadata, session, check_ladder(metadata["actions"]["ladder"]))
+                                 f"not (1, 3, {len(ladder)}) for its {len(ladder)}-step ladder; re-export the policy")
+    return _Live(int(generation), directory, metadata, session, ladder)
 
 
 def _stamp(path: Path):

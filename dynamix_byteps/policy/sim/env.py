@@ -90,7 +90,7 @@ class DynamixSimEnv(gym.Env):
         self.ladder = check_ladder(config.get("ladder") or LADDER, "environment option ladder")
         size = self.workers * (NUM_FEATURES + 1) if self.padded else self.workers * NUM_FEATURES
         self.observation_space = gym.spaces.Box(-CLIP, CLIP, (size,), np.float32)
-        self.action_space = gym.spaces.MultiDiscrete([len(LADDER)] * self.workers)
+        self.action_space = gym.spaces.MultiDiscrete([len(self.ladder)] * self.workers)
         self.sim: Simulator | None = None
         self.state = None
 
