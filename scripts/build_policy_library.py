@@ -11,8 +11,8 @@ profile (:data:`PROFILES`), then installed with its metadata::
 
 or, better, on parameters fitted to a real run of the profile's job on this machine::
 
-    dynamix sim fit runs/time_to_accuracy/homogeneous/goodput --out /tmp/fit.json
-    dynamix policy train ... --sim-params /tmp/fit.json --out runs/lib/small-cnn-sgd
+    dynamix sim fit runs/time_to_accuracy/homogeneous/goodput [RUNS AT OTHER GLOBAL BATCHES...] --out /tmp/fit.json
+    dynamix policy train ... --sim-params /tmp/fit.json [--ladder full] --out runs/lib/small-cnn-sgd
     python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd --sim-params /tmp/fit.json
 
 Profiles: the simulator's reference job (:func:`dynamix_byteps.policy.sim.params.reference`, a
@@ -98,7 +98,10 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
                     "note": prof["note"], "measured_samples_per_s": MEASURED, "parameters": PARAMETERS[prof["model"]]}
         if fitted is None else
         {"source": f"`dynamix sim fit` of a real run ({SimParams.from_json(fitted).scenario}): timings, "
-                   "communication, noise scale and loss curve fitted; generalisation gap assumed",
+                   "communication, noise scale and loss curve fitted"
+                   + ("; the B_noise that sets progress calibrated with runs at other global batches"
+                      if SimParams.from_json(fitted).stats.measured_noise_scale is not None else "")
+                   + "; generalisation gap assumed",
          "note": prof["note"], "parameters": PARAMETERS[prof["model"]]},
         "training": {"iterations": training.get("iterations"), "seconds": training.get("seconds"),
                      "seed": training.get("seed"), "fine_tuned_from": init, "reward": training.get("reward"),

@@ -13,7 +13,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.ppo import library
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES
-from dynamix_byteps.policy.ppo.mdp import KEEP, LADDER
+from dynamix_byteps.policy.ppo.mdp import KEEP
 from dynamix_byteps.policy.sim import Simulator, from_scenario
 from dynamix_byteps.policy.sim.env import DynamixSimEnv
 from dynamix_byteps.scenarios import scenario
@@ -50,7 +50,8 @@ def test_a_library_policy_loads_and_chooses_valid_actions(name):
     for workers in (4, 16):
         for state in recorded_states(workers):
             actions = policy.actions(state)
-            assert actions.shape == (workers,) and ((0 <= actions) & (actions < len(LADDER))).all()
+            steps = len(policy.metadata["actions"]["ladder"])
+            assert actions.shape == (workers,) and ((0 <= actions) & (actions < steps)).all()
             sizes = policy.decide(state).batch_sizes
             assert all(max(8, (b + 1) // 2) <= s <= min(1024, 2 * b) for s, b in zip(sizes, state.batch_sizes))
 
