@@ -6,11 +6,11 @@ simulator and the scheduler's ``ppo`` policy. numpy only.
 ``features.json``. The new local batch is ``round(b_i · factor)``, kept within
 ``[ceil(b_i/2), floor(2·b_i)]`` (the guardrails' default maximum change, so they never clip a
 ladder step) and then within the worker's ``[min_batch, max_batch]``; see :func:`apply_ladder`.
-The ``fine`` ladder (÷1.4, ÷1.18, keep, ×1.18, ×1.4) reaches sizes between the default's rungs,
-and ``full`` (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2, seven actions) keeps the default's large steps too:
-with its steps of 1.4 a fast worker at 64 next to a straggler held at the lower bound can only
-go to 90 (slower than the straggler) or stay idle a fifth of each step (measured on the straggler
-job of ``benchmarks/time_to_accuracy.py``, where the heuristics settle at ~80).
+The default's rungs are 1.4 apart: on the straggler job of ``benchmarks/time_to_accuracy.py`` a
+fast worker at 64 beside a straggler held at the lower bound can only go to 90 (slower than the
+straggler) or stay idle a fifth of each step, where the heuristics settle at ~80. The ``fine``
+ladder (÷1.4, ÷1.18, keep, ×1.18, ×1.4) reaches the sizes between, and ``full`` (÷2, ÷1.4, ÷1.18,
+keep, ×1.18, ×1.4, ×2: seven actions, so a network of its own) keeps the large steps too.
 
 **Reward** per decision interval (:func:`reward`)::
 
