@@ -85,6 +85,7 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
     training = meta.get("training", {})
     history = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").is_file() else {}
     prof = PROFILES[name]
+    job = SimParams.from_json(fitted) if fitted else params(name)
     workers = training.get("workers", [])
     workers = [workers] if isinstance(workers, int) else workers  # policies trained before multi-N
     info = {
@@ -97,10 +98,10 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
                               "statistical parameters assumed, not fitted by `dynamix sim fit`",
                     "note": prof["note"], "measured_samples_per_s": MEASURED, "parameters": PARAMETERS[prof["model"]]}
         if fitted is None else
-        {"source": f"`dynamix sim fit` of a real run ({SimParams.from_json(fitted).scenario}): timings, "
+        {"source": f"`dynamix sim fit` of a real run ({job.scenario}): timings, "
                    "communication, noise scale and loss curve fitted"
                    + ("; the B_noise that sets progress calibrated with runs at other global batches"
-                      if SimParams.from_json(fitted).stats.measured_noise_scale is not None else "")
+                      if job.stats.measured_noise_scale is not None else "")
                    + "; generalisation gap assumed",
          "note": prof["note"], "parameters": PARAMETERS[prof["model"]]},
         "training": {"iterations": training.get("iterations"), "seconds": training.get("seconds"),
@@ -113,7 +114,7 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
     staging.mkdir(parents=True)
     for f in (POLICY_FILE, FEATURES_FILE):
         shutil.copy2(run_dir / f, staging / f)
-    (SimParams.from_json(fitted) if fitted else params(name)).to_json(staging / "sim_params.json")
+    job.to_json(staging / "sim_params.json")
     (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(staging, dest)

@@ -308,10 +308,10 @@ def test_the_scheduler_is_shown_the_measured_noise_law_and_progress_follows_the_
 def test_a_seven_step_ladder_sizes_the_action_space_and_keeps_at_its_middle():
     full = ladder_factors("full")
     env = DynamixSimEnv({"ladder": list(full), "scenarios": ["straggler"]})
-    assert list(env.action_space.nvec) == [7] * 4 and full[keep_index(full)] == 1.0
+    assert list(env.action_space.nvec) == [7] * 4 and full[keep_index(len(full))] == 1.0
     env.reset(seed=0)
     sizes = env.sim.batch.copy()
-    env.step(np.full(4, keep_index(full)))
+    env.step(np.full(4, keep_index(len(full))))
     assert (env.sim.batch == sizes).all()
     env.step(np.array([0, 2, 4, 6]))
     assert env.sim.batch.tolist() == [16, 27, 38, 64]

@@ -167,7 +167,7 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "observation": spec(),
-        "actions": {"ladder": list(ladder), "keep": keep_index(ladder),
+        "actions": {"ladder": list(ladder), "keep": keep_index(len(ladder)),
                     "rule": "dynamix_byteps.policy.ppo.mdp.apply_ladder: round(b*factor), within [b/2, 2b] and the bounds"},
         "onnx": {"file": POLICY_FILE, "sha256": sha256(out / POLICY_FILE), "input": INPUT, "output": OUTPUT,
                  "opset": OPSET, "parameters": params},

@@ -48,7 +48,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState
 from dynamix_byteps.policy.proportional import worker_bounds
 
-__all__ = ["KEEP", "LADDER", "LADDERS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
+__all__ = ["KEEP", "LADDER", "LADDERS", "LADDER_LENGTHS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
            "keep_index", "ladder_factors", "reward"]
 
 #: Batch-size factors an action index selects (index :data:`KEEP` = no change): the default ladder.
@@ -58,6 +58,8 @@ LADDERS = {"coarse": LADDER, "fine": (1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math
            "full": (0.5, 1.0 / 1.4, 1.0 / math.sqrt(1.4), 1.0, math.sqrt(1.4), 1.4, 2.0)}
 KEEP = 2
 MAX_FACTOR = 2.0
+#: The numbers of steps a ladder may have (odd: "keep" in the middle).
+LADDER_LENGTHS = (3, 5, 7, 9)
 
 
 def ladder_factors(name: str) -> tuple[float, ...]:
@@ -71,9 +73,9 @@ def ladder_factors(name: str) -> tuple[float, ...]:
     return LADDERS[name]
 
 
-def keep_index(ladder: tuple[float, ...]) -> int:
-    """The index of "keep" (factor 1) in a ladder of :func:`check_ladder`: its middle."""
-    return len(ladder) // 2
+def keep_index(steps: int) -> int:
+    """The index of "keep" (factor 1) in a ladder of ``steps`` factors (:func:`check_ladder`): its middle."""
+    return steps // 2
 
 
 def check_ladder(factors, where: str = "ladder") -> tuple[float, ...]:
@@ -87,8 +89,8 @@ def check_ladder(factors, where: str = "ladder") -> tuple[float, ...]:
         ladder = tuple(float(f) for f in factors)
     except (TypeError, ValueError):
         ladder = ()
-    ok = (len(ladder) in (3, 5, 7, 9) and all(math.isfinite(f) for f in ladder)
-          and all(a < b for a, b in itertools.pairwise(ladder)) and math.isclose(ladder[keep_index(ladder)], 1.0)
+    ok = (len(ladder) in LADDER_LENGTHS and all(math.isfinite(f) for f in ladder)
+          and all(a < b for a, b in itertools.pairwise(ladder)) and math.isclose(ladder[keep_index(len(ladder))], 1.0)
           and 1.0 / MAX_FACTOR - 1e-9 <= ladder[0] and ladder[-1] <= MAX_FACTOR + 1e-9)
     if not ok:
         raise ConfigurationError(f"{where}: {factors!r} is not an action ladder: 3, 5, 7 or 9 increasing factors "

@@ -36,7 +36,7 @@ from torch import nn
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES
-from dynamix_byteps.policy.ppo.mdp import LADDER
+from dynamix_byteps.policy.ppo.mdp import LADDER, LADDER_LENGTHS, keep_index
 
 __all__ = ["PerWorkerPPOModule", "PolicyNet"]
 
@@ -91,10 +91,10 @@ class PerWorkerPPOModule(TorchRLModule, ValueFunctionAPI):
             raise ConfigurationError(f"observation size {size} is not a multiple of {row} values per worker")
         self.num_workers = size // row
         nvec = [int(x) for x in self.action_space.nvec]
-        if len(nvec) != self.num_workers or len(set(nvec)) != 1 or nvec[0] not in (3, 5, 7, 9):
-            raise ConfigurationError(f"action space {nvec} is not {self.num_workers} × one ladder of 3, 5, 7 or 9 steps")
-        #: The "keep" action: the ladder's middle (:func:`~dynamix_byteps.policy.ppo.mdp.keep_index`).
-        self.keep = nvec[0] // 2
+        if len(nvec) != self.num_workers or len(set(nvec)) != 1 or nvec[0] not in LADDER_LENGTHS:
+            raise ConfigurationError(f"action space {nvec} is not {self.num_workers} × one ladder of "
+                                     f"{LADDER_LENGTHS} steps")
+        self.keep = keep_index(nvec[0])
         self.policy_net = PolicyNet(NUM_FEATURES, nvec[0], hidden)
         self.value_embed = nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.Tanh())
         self.value_head = nn.Sequential(nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))

@@ -72,7 +72,8 @@ def read_metadata(path) -> tuple[Path, dict]:
 
     Raises:
         ConfigurationError: missing files, another format or version, a feature spec this
-            version does not compute, a malformed action ladder (:func:`~.mdp.check_ladder`), or an ONNX file whose hash differs from the record.
+            version does not compute, a malformed action ladder (:func:`~.mdp.check_ladder`), or
+            an ONNX file whose hash differs from the record.
     """
     directory = _policy_dir(path)
     meta_path = directory / FEATURES_FILE
@@ -89,9 +90,9 @@ def read_metadata(path) -> tuple[Path, dict]:
     check_spec(meta.get("observation") or {}, str(meta_path))
     actions = meta.get("actions") or {}
     ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
-    if actions.get("keep") != keep_index(ladder):
+    if actions.get("keep") != keep_index(len(ladder)):
         raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
-                                 f"version with {keep_index(ladder)} (the ladder's middle); retrain it")
+                                 f"version with {keep_index(len(ladder))} (the ladder's middle); retrain it")
     onnx_path = directory / POLICY_FILE
     if not onnx_path.is_file():
         raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
@@ -255,7 +256,7 @@ def _load(generation: int, directory: Path) -> _Live:
         shape = np.shape(session.run([OUTPUT], {INPUT: probe})[0])
     except Exception as error:  # noqa: BLE001 - onnxruntime raises its own exception types
         raise ConfigurationError(f"{directory / POLICY_FILE} fails on a (1, 3, {NUM_FEATURES}) input: {error}") from None
-    ladder = check_ladder(metadata["actions"]["ladder"])
+    ladder = tuple(metadata["actions"]["ladder"])  # checked by read_metadata
     if shape != (1, 3, len(ladder)):
         raise ConfigurationError(f"{directory / POLICY_FILE} answers {OUTPUT} of shape {shape} for 3 workers, "
                                  f"not (1, 3, {len(ladder)}) for its {len(ladder)}-step ladder; re-export the policy")

@@ -60,15 +60,18 @@ def _fit(args, usage_error) -> int:
 
     if args.out is not None and args.out.is_dir():
         raise usage_error(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
-    argument = "RUN_DIR"
     try:
         log = load_log(args.run_dir)
-        argument = "MORE_RUN_DIRS"
+    except ConfigurationError as error:
+        raise usage_error(f"argument RUN_DIR: {error}") from None
+    try:
         calibration = [load_log(d) for d in args.calibration_dirs]
-        argument = "RUN_DIR"
+    except ConfigurationError as error:
+        raise usage_error(f"argument MORE_RUN_DIRS: {error}") from None
+    try:
         params, fits = fit_log(log, calibration)
     except ConfigurationError as error:
-        raise usage_error(f"argument {argument}: {error}") from None
+        raise usage_error(f"argument RUN_DIR: {error}") from None
     out = args.out or (log.path.parent / FITTED_FILE)
     params.to_json(out)
     print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")

@@ -81,8 +81,8 @@ from dynamix_byteps.policy.sim.params import (
 )
 
 __all__ = ["MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
-           "RunLog",
-           "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "load_log", "replay"]
+           "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "load_log",
+           "replay"]
 
 #: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
 MIN_BATCH_SPREAD = 0.1
@@ -343,17 +343,19 @@ def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
         spread = _log_sd(np.log(noise[ok]) - gamma * x[ok] - log_b0, ref.noise_scale_noise, 2)
         stats = replace(stats, noise_scale=math.exp(log_b0), noise_growth=gamma, noise_scale_noise=spread)
 
+    # Per run: steps in each interval, global batch, ln x without NaN (what every candidate law reuses).
+    runs = [(log, np.diff(log.steps, prepend=0).astype(np.float64), log.batch.sum(axis=1), x_log, np.nan_to_num(x_log))
+            for log, x_log in zip(logs, xs)]
+
     def progress(factor: float, growth: float, measured: bool) -> tuple[np.ndarray, np.ndarray]:
         """Noise-free steps E at each interval's middle and ln x, pooled over the runs, when the
         B_noise that sets progress is ``factor · B0 · x^growth`` (B0 of the measured law), or the
         measurement itself where there is one (``measured``)."""
         e_all, x_all = [], []
-        for log, x_log in zip(logs, xs):
-            b_noise = factor * stats.noise_scale * np.exp(growth * np.nan_to_num(x_log))
+        for log, gaps, m, x_log, x_known in runs:
+            b_noise = factor * stats.noise_scale * np.exp(growth * x_known)
             if measured:
                 b_noise = np.where(np.isfinite(log.noise_scale), log.noise_scale, b_noise)
-            gaps = np.diff(log.steps, prepend=0).astype(np.float64)
-            m = log.batch.sum(axis=1)
             d_eff = gaps * m / (m + b_noise)
             e_mid = np.cumsum(d_eff) - d_eff / 2.0  # a line's loss is its interval's mean
             use = np.isfinite(x_log) & (x_log > 0) & (e_mid > 0)
