@@ -22,10 +22,14 @@ Columns of the table:
     python benchmarks/time_to_accuracy.py --scenario straggler --quick    # CI: ~3 min
     python benchmarks/time_to_accuracy.py --scenario homogeneous --configs static64,proportional
 
-With ``--repeats N`` every configuration runs N times and each column is the median over the
-runs (a time to target never reached counts as longer than any other); the JSON keeps every run.
-Runs of one configuration on this shared 2-core machine differ by up to ~50% in time to target,
-so one run each cannot settle a comparison within a few percent.
+With ``--repeats N`` every configuration runs N times, round-robin over the configurations (a
+drift in the machine's load hits them alike), run r with the example's ``--seed`` at ``--seed + r``
+(model initialisation and data order). Each column is the median over the runs (a time to target
+never reached counts as longer than any other); the JSON keeps every run and its seed. Runs of one
+configuration on this shared 2-core machine differ by up to ~50% in time to target, so one run
+each cannot settle a comparison within a few percent; and with one seed for every repeat, two
+policies that choose nearly the same batches still differed by ~20% (one data order plateaued
+just under the target), which only other seeds average out.
 
 Writes ``benchmarks/results/time_to_accuracy_<scenario>[_quick].json`` and ``.png`` (accuracy
 against training time), and keeps each run's log directory (TensorBoard files, decisions.jsonl)
@@ -100,7 +104,8 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
     output = run_dir / "result.json"
     launch = [*config["launch"], "--log-dir", str(run_dir)]
     launch += [flag for s in scenario.slowdowns for flag in ("--slowdown", s.launch_flag(args.budget))]
-    command = [sys.executable, str(EXAMPLE), "--batch-size", str(config["batch"]), "--epochs", "1000",
+    seed = args.seed + repeat
+    command = [sys.executable, str(EXAMPLE), "--batch-size", str(config["batch"]), "--epochs", "1000", "--seed", str(seed),
                "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
                "--model", args.model, "--output", str(output)]
     started = time.perf_counter()
@@ -110,11 +115,12 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
             returncode = run_behind_links(scenario, launch, command, timeout, log)
         else:
             argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
-            returncode = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            returncode = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if returncode != 0 or not output.exists():
         raise RuntimeError(f"{name} on {scenario.name} failed with exit code {returncode}; see {run_dir}")
     result = json.loads(output.read_text())
     result["run_wall_s"] = time.perf_counter() - started
+    result["seed"] = seed
     result["run_dir"] = str(run_dir)
     return result
 
@@ -206,6 +212,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy: a directory or a library name (`dynamix policy list`)")
     p.add_argument("--repeats", type=int_in(1, 20), default=1, metavar="N",
                    help="run every configuration N times and report the median of each column (default 1)")
+    p.add_argument("--seed", type=int, default=42, help="the example's --seed for the first run; run r of --repeats "
+                   "uses SEED + r (default 42)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
     p.add_argument("--table-only", action="store_true", help="run nothing: redo the table, plot and rows of --out "
@@ -256,15 +264,16 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"scenario {args.scenario.name}: {args.scenario.description}; budget {args.budget:g} s of training, "
           f"evaluation every {args.eval_every:g} s, target {args.target:.0%}, model {args.model}", flush=True)
-    results = {}
-    for name, config in args.configs.items():
-        runs = []
-        for repeat in range(args.repeats):
-            runs.append(run_config(name, config, args.scenario, args, repeat))
-            r = summarise(name, runs[-1], args.target)
-            print(f"  {name}: accuracy {r['accuracy_at_budget']:.4f}, {r['samples_per_s']:.0f} samples/s, "
-                  f"efficiency {r['straggler_efficiency']:.2f} ({runs[-1]['run_wall_s']:.0f} s)", flush=True)
-        results[name] = runs[0] if args.repeats == 1 else {**median_run(runs, args.target), "runs": runs}
+    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
+    for repeat in range(args.repeats):  # round-robin, so a drift in the machine's load hits every configuration
+        for name, config in args.configs.items():
+            runs[name].append(run_config(name, config, args.scenario, args, repeat))
+            r = summarise(name, runs[name][-1], args.target)
+            print(f"  {name} (seed {args.seed + repeat}): accuracy {r['accuracy_at_budget']:.4f}, "
+                  f"{r['samples_per_s']:.0f} samples/s, efficiency {r['straggler_efficiency']:.2f} "
+                  f"({runs[name][-1]['run_wall_s']:.0f} s)", flush=True)
+    results = {name: done[0] if args.repeats == 1 else {**median_run(done, args.target), "runs": done}
+               for name, done in runs.items()}
     if args.append and args.out.exists():
         results = {**args.earlier, **results}
         order = list(configurations("any", args.decision_interval))

@@ -65,6 +65,7 @@ def test_quick_benchmark_writes_every_column(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["config"] for r in report["rows"]] == ["static32", "proportional"]
+    assert [report["results"][c]["seed"] for c in ("static32", "proportional")] == [42, 42]
     assert report["quick"] and report["budget_s"] == 15.0
     for row in report["rows"]:
         for column, value in row.items():
