@@ -401,6 +401,20 @@ def test_bpslaunch_refuses_fine_tune_without_a_ppo_policy(args, needle):
 
 
 @pytest.mark.timeout(60)
+def test_a_checkpoint_with_another_ladder_than_the_served_policy_is_refused(policy_dir, tmp_path):
+    """Its generations would size batches with rungs the served policy never chose."""
+    from dynamix_byteps.policy.ppo.finetune import FineTuner
+    from dynamix_byteps.policy.ppo.mdp import LADDERS
+
+    served = served_copy(policy_dir, tmp_path)
+    meta = json.loads((served / FEATURES_FILE).read_text())
+    meta["actions"]["ladder"] = list(LADDERS["fine"])  # same length as the checkpoint's coarse ladder
+    (served / FEATURES_FILE).write_text(json.dumps(meta))
+    with pytest.raises(ConfigurationError, match="action ladder .* is not the served policy's"):
+        FineTuner(tmp_path / "run", served, checkpoint=policy_dir / "checkpoint")
+
+
+@pytest.mark.timeout(60)
 def test_bpslaunch_refuses_fine_tune_of_a_policy_without_checkpoint(policy_dir, tmp_path):
     served = served_copy(policy_dir, tmp_path)
     result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",

@@ -57,7 +57,7 @@ import numpy as np
 from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.guardrails import SETTLING
-from dynamix_byteps.policy.ppo.mdp import RewardWeights, reward
+from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
@@ -235,7 +235,7 @@ class FineTuner:
 
     Raises:
         ConfigurationError: bad numbers, a policy directory without a checkpoint, or a checkpoint
-            whose network does not match.
+            whose network or action ladder does not match the served policy's.
     """
 
     def __init__(self, run_dir, policy_path, *, checkpoint=None, every: int = 64, window: int = 16,
@@ -260,6 +260,13 @@ class FineTuner:
         self.weights = RewardWeights.from_dict((meta.get("training") or {}).get("reward"))
         self.module = load_module(checkpoint if checkpoint is not None else self.root / "checkpoint")
         self.num_actions = int(self.module.action_space.nvec[0])  # the length of its ladder
+        trained = [float(f) for f in self.module.model_config.get("dynamix", {}).get("ladder") or LADDER]
+        served_ladder = [float(f) for f in (meta.get("actions") or {}).get("ladder") or LADDER]
+        if len(trained) != len(served_ladder) or not all(map(math.isclose, trained, served_ladder)):
+            raise ConfigurationError(
+                f"the checkpoint's action ladder {[round(f, 3) for f in trained]} is not the served policy's "
+                f"{[round(f, 3) for f in served_ladder]} ({served / 'features.json'}); fine-tune the checkpoint the "
+                "served policy was exported from")
         state_file = served / STATE_FILE
         if state_file.is_file():
             self.module.set_state(torch.load(state_file, weights_only=True))
