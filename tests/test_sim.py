@@ -98,6 +98,7 @@ def test_params_round_trip_through_json(tmp_path):
     (lambda d: d["stats"].update(target_loss=5.0), "target_loss"),
     (lambda d: d.update(initial_batch=[32]), "initial_batch"),
     (lambda d: d["workers"][0].update(samples_per_s=-1), "samples_per_s"),
+    (lambda d: d["stats"].update(loss_tail=0), "loss_tail"),
 ])
 def test_params_reject_bad_fields(mutate, needle):
     data = reference().to_dict()
@@ -140,6 +141,23 @@ def test_noise_scale_grows_as_the_loss_falls():
     s = StatParams()
     values = [sim.noise_scale(loss) for loss in np.linspace(s.initial_loss, s.target_loss, 6)]
     assert values[0] == pytest.approx(s.noise_scale) and all(b > a for a, b in itertools.pairwise(values))
+
+
+def test_a_loss_tail_falls_fast_then_slowly_and_tends_to_the_exponential():
+    s = StatParams()
+    steps = np.array([0.0, 0.5, 1.0, 4.0]) * s.steps_scale
+    exponential = s.remaining(steps)
+    assert exponential == pytest.approx(np.exp(-steps / s.steps_scale))
+    tail = dataclasses.replace(s, loss_tail=1.0).remaining(steps)
+    assert tail[0] == 1.0 and tail[-1] == pytest.approx(1 / 5)  # (1 + 4)^-1: 10x the exponential's e^-4
+    assert dataclasses.replace(s, loss_tail=1e6).remaining(steps) == pytest.approx(exponential, rel=1e-4)
+    sims = [Simulator(dataclasses.replace(reference(), stats=stats), rng=np.random.default_rng(0))
+            for stats in (s, dataclasses.replace(s, loss_tail=1.0))]
+    for sim in sims:
+        sim.reset()
+        while not sim.done:
+            sim.step(sim.batch)
+    assert sims[1].time_s > 1.5 * sims[0].time_s  # the same job, slower to the target with the tail
 
 
 def _schedule(params, early, late, seed=0):

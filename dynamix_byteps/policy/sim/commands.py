@@ -78,7 +78,8 @@ def _fit(args, usage_error) -> int:
     print(format_fit_table(replay(params, log), [f.method for f in fits]))
     c, s = params.comm, params.stats
     print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "
-          f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps; K {params.decision_interval}")
+          f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps, loss tail "
+          f"{'exponential' if s.loss_tail is None else f'α {s.loss_tail:g}'}; K {params.decision_interval}")
     if calibration:
         spread = global_batch_spread([log, *calibration])
         print(f"noise scale calibrated with {len(calibration)} more run(s): progress uses B_noise {s.noise_scale:.1f} "

@@ -11,7 +11,8 @@ Empirical Model of Large-Batch Training* (arXiv 1812.06162, eq. 2.11 ``S = S_min
 one step at global batch ``M`` is worth ``M / (M + B_noise)`` noise-free steps ``E`` (B_noise is
 taken at the start of each interval and held for its K steps), and::
 
-    L(E)       = L_min + (L0 − L_min) · exp(−E / τ)
+    L(E)       = L_min + (L0 − L_min) · exp(−E / τ)         or, with a loss tail α,
+    L(E)       = L_min + (L0 − L_min) · (1 + E/(α·τ))^−α    (→ the exponential as α → ∞)
     B_noise(L) = B0 · ((L0 − L_min) / (L − L_min))^γ       B_noise grows as the loss falls
 
 The scheduler is shown the workers' estimate, which follows a law of the same form with its own
@@ -193,7 +194,7 @@ class Simulator:
         # B_noise is held at its value at the start of the interval for its K steps.
         d_eff = m / (m + self.noise_scale(self.loss))
         eff = self.effective_steps + d_eff * np.arange(1, k_steps + 1)
-        losses = s.min_loss + (s.initial_loss - s.min_loss) * np.exp(-eff / s.steps_scale)
+        losses = s.min_loss + (s.initial_loss - s.min_loss) * s.remaining(eff)
         reached = np.flatnonzero(losses <= s.target_loss)
         done_steps = int(reached[0]) + 1 if reached.size else k_steps
         target_gap = s.gap_per_doubling * max(0.0, math.log2(m / (s.gap_free_ratio * self._m0)))

@@ -39,16 +39,21 @@ What is fitted (units: seconds, samples):
 * statistics, with ``L0``, ``L_min``, the target and the accuracy proxy at reference values
   (widened only if the run's losses fall outside them): ``B_noise(L) = B0·x^γ``,
   ``x = (L0 − L_min)/(L − L_min)``, by least squares on ``ln B_noise`` (``noise_scale``, ``noise_growth``;
-  ``noise_scale_noise`` from the residuals), and τ (``steps_scale``) from
-  ``−ln((L − L_min)/(L0 − L_min)) = E/τ`` through the origin, ``E`` the noise-free steps
-  ``Σ Δsteps·M/(M + B_noise)``. Too few usable points keep the reference value; losses <= 0 (a
-  loss this positive, cross-entropy-like model cannot hold) are left out;
+  ``noise_scale_noise`` from the residuals), and the loss curve ``ln x = −ln remaining(E)``
+  (``StatParams.remaining``): τ (``steps_scale``) for each tail α of :data:`LOSS_TAILS`
+  (``loss_tail``; None the exponential ``ln x = E/τ``) by least squares through the origin on the
+  law made linear, and the α whose curve misses ln x least, ``E`` the noise-free steps
+  ``Σ Δsteps·M/(M + B_noise)``. The tail matters: an exponential is too steep late in training
+  for real curves, and a calibration (below) then makes B_noise grow too fast to slow it down
+  (on the example's runs γ' 3.0 with the exponential against 1.5–2.0 with α 1–1.5, whose error
+  is 35% lower). Too few usable points keep the reference value; losses <= 0 (a loss this
+  positive, cross-entropy-like model cannot hold) are left out;
 * **noise-scale calibration**, from several runs of the same model and data (``dynamix sim fit
   RUN_DIR MORE_RUN_DIRS...``, e.g. static runs at 2× and ½× the global batch): the measured
   B_noise (B_simple of arXiv 1812.06162, an estimate from gradient norms) need not be the batch
   size at which larger batches stop paying. Progress then uses its own law ``c·B0·x^γ'``, the
   ``(c, γ')`` of :data:`NOISE_SCALE_FACTORS` × :data:`NOISE_GROWTHS` that puts every run's losses
-  on one line ``ln x = E/τ`` (least squares, τ refitted for each candidate); the measured law is
+  on one loss curve (τ and α refitted for each candidate); the measured law is
   kept as ``measured_noise_scale``/``measured_noise_growth``, what the scheduler is shown. One run,
   or runs whose median global batches differ by less than :data:`MIN_GLOBAL_BATCH_SPREAD`, cannot
   tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
@@ -77,10 +82,11 @@ from dynamix_byteps.policy.sim.params import (
     SimParams,
     StatParams,
     WorkerParams,
+    loss_remaining,
     reference,
 )
 
-__all__ = ["MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
+__all__ = ["LOSS_TAILS", "MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
            "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "load_log",
            "replay"]
 
@@ -94,6 +100,8 @@ MIN_GLOBAL_BATCH_SPREAD = 1.5
 #: measured B0, and its growth γ.
 NOISE_SCALE_FACTORS = np.geomspace(1 / 16, 64.0, 41)
 NOISE_GROWTHS = np.linspace(0.0, 3.0, 13)
+#: Candidate loss tails α (:class:`~dynamix_byteps.policy.sim.params.StatParams`); None = exponential.
+LOSS_TAILS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, None)
 _REF = reference(1)
 
 
@@ -373,17 +381,30 @@ def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
         e, x_use = progress(factor, growth, measured=not calibrate)
         if e.size < 2:
             continue
-        inverse_tau = float(np.dot(e, x_use) / np.dot(e, e))
-        error = float(np.sum((x_use - e * inverse_tau) ** 2))
-        if inverse_tau > 0 and (best is None or error < best[0]):
-            best = (error, factor, growth, 1.0 / inverse_tau)
+        for tail in LOSS_TAILS:
+            curve = _loss_curve(e, x_use, tail)
+            if curve is not None and (best is None or curve[0] < best[0]):
+                best = (curve[0], factor, growth, tail, curve[1])
     if best is None:
         return stats
-    _, factor, growth, tau = best
+    _, factor, growth, tail, tau = best
     if not calibrate:
-        return replace(stats, steps_scale=tau)
-    return replace(stats, steps_scale=tau, noise_scale=factor * stats.noise_scale, noise_growth=growth,
+        return replace(stats, steps_scale=tau, loss_tail=tail)
+    return replace(stats, steps_scale=tau, loss_tail=tail, noise_scale=factor * stats.noise_scale, noise_growth=growth,
                    measured_noise_scale=stats.noise_scale, measured_noise_growth=stats.noise_growth)
+
+
+def _loss_curve(e: np.ndarray, log_x: np.ndarray, tail: float | None) -> tuple[float, float] | None:
+    """``(squared error of ln x, τ)`` of the loss law with ``tail`` through the points ``(E, ln x)``;
+    None when no positive τ fits. τ by least squares through the origin on the law made linear,
+    ``z = E/τ`` with ``z = ln x`` (exponential) or ``α·(x^(1/α) − 1)``; every law is then judged
+    by its error in ln x, so that the tails compare."""
+    z = log_x if tail is None else tail * np.expm1(log_x / tail)
+    inverse_tau = float(np.dot(e, z) / np.dot(e, e))
+    if not inverse_tau > 0:
+        return None
+    predicted = -np.log(loss_remaining(e * inverse_tau, tail))
+    return float(np.sum((log_x - predicted) ** 2)), 1.0 / inverse_tau
 
 
 def fitted_rows(log: RunLog) -> slice:

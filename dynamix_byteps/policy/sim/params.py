@@ -23,6 +23,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import numpy as np
+
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
@@ -121,7 +123,11 @@ class StatParams:
 
     Attributes:
         initial_loss, min_loss, target_loss: L0 > target > L_min (the episode ends at the target).
-        steps_scale: τ, noise-free optimiser steps per e-fold of ``L − L_min``.
+        steps_scale: τ, noise-free optimiser steps per e-fold of ``L − L_min`` (at the start,
+            with a ``loss_tail``).
+        loss_tail: α of a power-law tail, ``L − L_min ∝ (1 + E/(α·τ))^−α``, which tends to
+            ``exp(−E/τ)`` as α grows; None: the exponential. Real loss curves fall fast, then
+            slowly (α ≈ 1–1.5 for the example's CNN, fitted by ``dynamix sim fit``).
         noise_scale: B_noise at the initial loss (samples).
         noise_growth: γ in ``B_noise(L) = noise_scale · ((L0 − L_min)/(L − L_min))^γ``.
         gap_per_doubling: accuracy lost per doubling of the global batch above
@@ -153,9 +159,10 @@ class StatParams:
     noise_scale_noise: float = 0.2
     measured_noise_scale: float | None = None
     measured_noise_growth: float | None = None
+    loss_tail: float | None = None
 
     def __post_init__(self):
-        optional = ("measured_noise_scale", "measured_noise_growth")
+        optional = ("measured_noise_scale", "measured_noise_growth", "loss_tail")
         for f in fields(self):
             if f.name not in optional or getattr(self, f.name) is not None:
                 _non_negative(getattr(self, f.name), f.name)
@@ -167,6 +174,21 @@ class StatParams:
         _check(self.max_accuracy > self.chance_accuracy, "max_accuracy must exceed chance_accuracy")
         if self.measured_noise_scale is not None:
             _positive(self.measured_noise_scale, "measured_noise_scale")
+        if self.loss_tail is not None:
+            _positive(self.loss_tail, "loss_tail")
+
+    def remaining(self, effective_steps):
+        """``(L − L_min)/(L0 − L_min)`` after ``effective_steps`` noise-free steps E (float or
+        array, >= 0): :func:`loss_remaining` of ``E/τ`` and the ``loss_tail``."""
+        return loss_remaining(np.asarray(effective_steps, dtype=np.float64) / self.steps_scale, self.loss_tail)
+
+
+def loss_remaining(scaled_steps, tail: float | None):
+    """``exp(−s)`` for ``tail`` None, else ``(1 + s/α)^−α`` (α = ``tail`` > 0), of ``s = E/τ`` >= 0
+    (float or array): the fraction of ``L0 − L_min`` left (:class:`StatParams`)."""
+    if tail is None:
+        return np.exp(-scaled_steps)
+    return (1.0 + scaled_steps / tail) ** -tail
 
 
 @dataclass(frozen=True)
