@@ -149,10 +149,9 @@ class Guarded(Policy):
                 if w.batch_size_ran is not None and abs(w.batch_size_ran - w.batch_size) > SETTLE_TOLERANCE * w.batch_size]
 
     # -- rules 3 and 4 -----------------------------------------------------------------------
-    def _windows(self, state: ClusterState) -> tuple[list[int], list[float]]:
+    def _windows(self, state: ClusterState, bounds: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
         lows, highs = [], []
-        for w in state.workers:
-            b_lo, b_hi = worker_bounds(w)
+        for w, (b_lo, b_hi) in zip(state.workers, bounds):
             now = max(1, int(w.batch_size))
             if math.isfinite(self.max_change):
                 c_lo = max(1, math.ceil(now / self.max_change - 1e-9))
@@ -230,7 +229,7 @@ class Guarded(Policy):
             notes.append(f"{_ranks(clipped_bounds)} clamped to their bounds")
 
         # 4. maximum change
-        lows, highs = self._windows(state)
+        lows, highs = self._windows(state, bounds)
         sizes = [_clamp(b, lo, hi) for b, lo, hi in zip(bounded, lows, highs)]
         clipped_change = [w.rank for w, a, b in zip(workers, bounded, sizes) if a != b]
         if clipped_change:

@@ -97,14 +97,14 @@ def _columns(rows: list[tuple]) -> np.ndarray:
     """float64 matrix of ``rows``; None and non-numbers become NaN."""
     try:
         return np.array(rows, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return np.array([[_number(v) for v in row] for row in rows], dtype=np.float64)
 
 
 def _number(v) -> float:
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return math.nan
 
 
@@ -182,22 +182,14 @@ def _observation(state: ClusterState) -> np.ndarray:
     step = np.where(valid_c, c, 0.0) + pp
     obs[:, 5] = np.divide(pp, step, out=np.zeros(n), where=step > _TINY)
 
-    for i, w in enumerate(ws):
-        node = w.node or {}
-        known = 0.0
-        util = node.get("cpu_util")
-        if util is not None and math.isfinite(util):
-            obs[i, 6] = min(max(float(util), 0.0), 1.0)
-            known = 1.0
-        rtt = node.get("rtt_s")
-        if rtt is not None and math.isfinite(rtt) and rtt > 0:
-            obs[i, 7] = math.log10(float(rtt) * 1000.0)
-            known = 1.0
-        retrans = node.get("retransmits")
-        if retrans is not None and math.isfinite(retrans) and retrans >= 0:
-            obs[i, 8] = math.log1p(float(retrans))
-            known = 1.0
-        obs[i, 9] = known
+    nodes = [w.node or {} for w in ws]
+    util, rtt, retrans = _columns([(d.get("cpu_util"), d.get("rtt_s"), d.get("retransmits")) for d in nodes]).T
+    has_util, has_rtt = np.isfinite(util), np.isfinite(rtt) & (rtt > 0)
+    has_retrans = np.isfinite(retrans) & (retrans >= 0)
+    obs[:, 6] = np.where(has_util, np.clip(util, 0.0, 1.0), 0.0)
+    obs[:, 7] = np.where(has_rtt, np.log10(np.where(has_rtt, rtt, 1.0) * 1000.0), 0.0)
+    obs[:, 8] = np.where(has_retrans, np.log1p(np.where(has_retrans, retrans, 0.0)), 0.0)
+    obs[:, 9] = has_util | has_rtt | has_retrans
 
     g = len(WORKER_FEATURES)
     obs[:, g] = math.log2(m / m0) if m > 0 and m0 > 0 else 0.0

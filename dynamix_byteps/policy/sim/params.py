@@ -29,7 +29,7 @@ from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
 
-__all__ = ["CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "reference"]
+__all__ = ["CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "loss_remaining", "reference"]
 
 SCHEMA_VERSION = 1
 
