@@ -45,8 +45,8 @@ What is fitted (units: seconds, samples):
   law made linear, and the α whose curve misses ln x least, ``E`` the noise-free steps
   ``Σ Δsteps·M/(M + B_noise)``. The tail matters: an exponential is too steep late in training
   for real curves, and a calibration (below) then makes B_noise grow too fast to slow it down
-  (on the example's runs γ' 3.0 with the exponential against 1.5–2.0 with α 1–1.5, whose error
-  is 35% lower). Too few usable points keep the reference value; losses <= 0 (a loss this
+  (on ten of the example's runs γ' 3.0 with the exponential against 2.0 with α 1.5, whose error
+  is 35% lower; on four, 2.75 against 1.25 with α 1). Too few usable points keep the reference value; losses <= 0 (a loss this
   positive, cross-entropy-like model cannot hold) are left out;
 * **noise-scale calibration**, from several runs of the same model and data (``dynamix sim fit
   RUN_DIR MORE_RUN_DIRS...``, e.g. static runs at 2× and ½× the global batch): the measured
