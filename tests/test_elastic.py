@@ -132,7 +132,15 @@ def test_node_0_answers_every_host_with_one_decision_and_refuses_a_wrong_token()
             mine = dataclasses.replace(report(node, 137, node, True, 1.0, [], [node]), token=token)
             answers[(node, token)] = report_and_wait(address, mine, timeout_s=20)
 
-        threads = [threading.Thread(target=host, args=args) for args in ((1, "wrong"), (1, "secret"), (2, "secret"))]
+        # Node 2 reports only once the wrong token was refused: collect() returns when both nodes
+        # have reported, and a refusal still waiting in the backlog then would never be read.
+        wrong = threading.Thread(target=host, args=(1, "wrong"))
+
+        def node_2_after_the_refusal():
+            wrong.join(25)
+            host(2, "secret")
+
+        threads = [wrong, threading.Thread(target=host, args=(1, "secret")), threading.Thread(target=node_2_after_the_refusal)]
         for thread in threads:
             thread.start()
         got = coordinator.collect(0, 2, timeout_s=20)
