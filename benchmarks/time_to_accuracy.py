@@ -269,7 +269,7 @@ def main() -> None:
         for name, config in args.configs.items():
             runs[name].append(run_config(name, config, args.scenario, args, repeat))
             r = summarise(name, runs[name][-1], args.target)
-            print(f"  {name} (seed {args.seed + repeat}): accuracy {r['accuracy_at_budget']:.4f}, "
+            print(f"  {name} (seed {runs[name][-1]['seed']}): accuracy {r['accuracy_at_budget']:.4f}, "
                   f"{r['samples_per_s']:.0f} samples/s, efficiency {r['straggler_efficiency']:.2f} "
                   f"({runs[name][-1]['run_wall_s']:.0f} s)", flush=True)
     results = {name: done[0] if args.repeats == 1 else {**median_run(done, args.target), "runs": done}

@@ -34,7 +34,7 @@ from dynamix_byteps.policy.ppo.serve import (
     sha256,
 )
 
-__all__ = ["MODULE_SUBDIR", "ExportError", "export_module", "greedy_actions", "load_module", "module_dir"]
+__all__ = ["MODULE_SUBDIR", "ExportError", "export_module", "greedy_actions", "load_module", "module_dir", "module_ladder"]
 
 #: Where ``Algorithm.save_to_path`` puts the policy module inside a checkpoint.
 MODULE_SUBDIR = Path("learner_group", "learner", "rl_module", "default_policy")
@@ -129,6 +129,12 @@ def _verify(net: torch.nn.Module, onnx_bytes: bytes) -> int:
     return graph_params
 
 
+def module_ladder(module) -> tuple[float, ...]:
+    """The action ladder ``dynamix policy train`` recorded in ``module``'s ``model_config``; the
+    default :data:`~.mdp.LADDER` for a module trained before ladders were recorded."""
+    return tuple(float(f) for f in module.model_config.get("dynamix", {}).get("ladder") or LADDER)
+
+
 def export_module(module, out_dir, extra: dict | None = None) -> Path:
     """Write ``policy.onnx`` and ``features.json`` for ``module`` into ``out_dir``; return ``out_dir``.
 
@@ -143,7 +149,7 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
     import ray
 
     config = dict(module.model_config)
-    ladder = tuple(config.get("dynamix", {}).get("ladder") or LADDER)
+    ladder = module_ladder(module)
     if len(ladder) != int(module.action_space.nvec[0]):
         raise ExportError(f"the module chooses among {int(module.action_space.nvec[0])} actions but records a "
                           f"{len(ladder)}-step ladder {list(ladder)}; it was not built by `dynamix policy train`")

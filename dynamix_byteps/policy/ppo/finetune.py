@@ -57,7 +57,7 @@ import numpy as np
 from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.guardrails import SETTLING
-from dynamix_byteps.policy.ppo.mdp import LADDER, RewardWeights, reward
+from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
@@ -243,7 +243,7 @@ class FineTuner:
                  seed: int = 0):
         import torch
 
-        from dynamix_byteps.policy.ppo.export import load_module
+        from dynamix_byteps.policy.ppo.export import load_module, module_ladder
 
         if every < 2 or window < 1 or epochs < 1 or not (collapse_k >= 0) or not (lr > 0):
             raise ConfigurationError(f"fine-tuning needs every >= 2 (got {every}), window >= 1 ({window}), "
@@ -260,8 +260,9 @@ class FineTuner:
         self.weights = RewardWeights.from_dict((meta.get("training") or {}).get("reward"))
         self.module = load_module(checkpoint if checkpoint is not None else self.root / "checkpoint")
         self.num_actions = int(self.module.action_space.nvec[0])  # the length of its ladder
-        trained = [float(f) for f in self.module.model_config.get("dynamix", {}).get("ladder") or LADDER]
-        served_ladder = [float(f) for f in (meta.get("actions") or {}).get("ladder") or LADDER]
+        trained = module_ladder(self.module)
+        served_ladder = check_ladder((meta.get("actions") or {}).get("ladder"),
+                                     f"{served / 'features.json'}: the served policy's action ladder")
         if len(trained) != len(served_ladder) or not all(map(math.isclose, trained, served_ladder)):
             raise ConfigurationError(
                 f"the checkpoint's action ladder {[round(f, 3) for f in trained]} is not the served policy's "

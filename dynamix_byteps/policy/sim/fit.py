@@ -46,8 +46,8 @@ What is fitted (units: seconds, samples):
   ``Σ Δsteps·M/(M + B_noise)``. The tail matters: an exponential is too steep late in training
   for real curves, and a calibration (below) then makes B_noise grow too fast to slow it down
   (on ten of the example's runs γ' 3.0 with the exponential against 2.0 with α 1.5, whose error
-  is 35% lower; on four, 2.75 against 1.25 with α 1). Too few usable points keep the reference value; losses <= 0 (a loss this
-  positive, cross-entropy-like model cannot hold) are left out;
+  is 35% lower; on four, 2.75 against 1.25 with α 1). Too few usable points keep the reference
+  value; losses <= 0 (a loss this positive, cross-entropy-like model cannot hold) are left out;
 * **noise-scale calibration**, from several runs of the same model and data (``dynamix sim fit
   RUN_DIR MORE_RUN_DIRS...``, e.g. static runs at 2× and ½× the global batch): the measured
   B_noise (B_simple of arXiv 1812.06162, an estimate from gradient norms) need not be the batch
