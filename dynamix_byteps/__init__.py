@@ -60,8 +60,13 @@ def init(lazy: bool = True) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job and release the engine; flushes and closes this worker's TensorBoard
-    events. Safe to call twice."""
+    """Leave the job and release the engine; stops reporting to the scheduler, flushes and closes
+    this worker's TensorBoard events. Safe to call twice."""
+    from dynamix_byteps.control.worker import active_monitor
+
+    monitor = active_monitor()
+    if monitor is not None:
+        monitor.close()
     _summaries.close()
     _engine.stop()
 

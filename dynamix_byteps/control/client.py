@@ -9,6 +9,7 @@ reconnects with exponential backoff by itself.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -60,12 +61,16 @@ class SchedulerClient:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="dynamix-scheduler-client", daemon=True)
         self._thread.start()
+        # A daemon thread inside gRPC while the interpreter finalises is killed mid-call, so the
+        # thread is stopped before that even when nobody calls bps.shutdown().
+        atexit.register(self.close)
 
     def submit(self, report: dynamix_pb2.Report) -> None:
         """Queue ``report`` for sending, replacing an unsent older one; never blocks."""
         with self._cond:
-            self._pending = report
-            self._cond.notify()
+            if not self._stopped:
+                self._pending = report
+                self._cond.notify()
 
     def latest(self) -> dynamix_pb2.Assignment | None:
         """The newest assignment the scheduler answered with, or None before the first answer."""
@@ -73,11 +78,16 @@ class SchedulerClient:
             return self._latest
 
     def close(self) -> None:
+        """Stop the thread and close the channel; an RPC in flight is cancelled and an unsent
+        report dropped. Safe to call twice; :meth:`submit` does nothing afterwards."""
         with self._cond:
+            if self._stopped:
+                return
             self._stopped = True
             self._cond.notify()
+        self._channel.close()  # cancels the RPC in flight, so the join is short
         self._thread.join(timeout=RPC_TIMEOUT_S + 1)
-        self._channel.close()
+        atexit.unregister(self.close)
 
     def _run(self) -> None:
         while True:
@@ -90,7 +100,13 @@ class SchedulerClient:
             try:
                 self._send(report)
             except grpc.RpcError as exc:
+                if self._stopped:  # cancelled by close()
+                    return
                 self._note_failure(exc)
+            except ValueError:  # "Cannot invoke RPC on closed channel": close() came first
+                if self._stopped:
+                    return
+                raise
             else:
                 if self._failing:
                     log.warning("scheduler at %s is reachable again", self.address)

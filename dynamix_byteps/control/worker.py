@@ -166,6 +166,12 @@ class StepMonitor:
         if self.env.slowdown > 1.0 and start <= self.training_seconds() < end:
             time.sleep((self.env.slowdown - 1.0) * max(time.perf_counter() - self._last_end, 0.0))
 
+    def close(self) -> None:
+        """Stop reporting to the scheduler: the client's thread ends and its channel closes, later
+        reports are dropped (``bps.shutdown``). Safe to call twice."""
+        if self._client is not None:
+            self._client.close()
+
     def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None) -> None:
         """Called after every optimizer step, on every worker, with this step's local samples, the
         gradient noise statistics, the learning-rate factor applied, and the global step completed

@@ -13,6 +13,7 @@ TensorFlow ops. Importing this module imports TensorFlow; ``dynamix_byteps`` and
 """
 
 from dynamix_byteps import engine as _engine
+from dynamix_byteps import shutdown as _shutdown
 from dynamix_byteps import (
     is_initialized,
     local_rank,
@@ -61,9 +62,9 @@ def init(lazy: bool = True) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job and release the engine. Safe to call twice."""
+    """:func:`dynamix_byteps.shutdown`, after dropping this frontend's gradient-tape reducers."""
     forget_tape_reducers()
-    _engine.stop()
+    _shutdown()
 
 
 __all__ = [

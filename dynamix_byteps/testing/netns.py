@@ -508,7 +508,8 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
     for flag in ("--hosts", "--node-rank"):
         if any(arg == flag or arg.startswith(flag + "=") for arg in launcher_args):
             raise ValueError(f"launcher_args must not set {flag}: run_job sets it for each host")
-    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    # A process that aborts in native code (std::terminate, a segfault) prints every thread's Python stack.
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     host0 = bed.hosts[0].address
     extra = list(launcher_args)
     if _flag_value(extra, "--port") is None:

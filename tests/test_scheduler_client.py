@@ -1,0 +1,77 @@
+"""The worker's scheduler client (dynamix_byteps.control.client) against a real gRPC server that
+holds every call until told to answer."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
+from dynamix_byteps.control.client import RPC_TIMEOUT_S, SchedulerClient
+
+
+class HoldingScheduler(dynamix_pb2_grpc.SchedulerServicer):
+    """Answers Register and ReportMetrics only once ``release`` is set; counts calls and cancellations."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.cancelled = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def _hold(self, context) -> None:
+        self.calls += 1
+        context.add_callback(lambda: None if self.release.is_set() else self.cancelled.set())
+        self.entered.set()
+        self.release.wait(30)
+
+    def Register(self, request, context):
+        self._hold(context)
+        return dynamix_pb2.RegisterReply()
+
+    def ReportMetrics(self, request, context):
+        self._hold(context)
+        return dynamix_pb2.Assignment()
+
+
+@pytest.fixture
+def holding_server():
+    servicer = HoldingScheduler()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    dynamix_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield servicer, f"127.0.0.1:{port}"
+    finally:
+        servicer.release.set()
+        server.stop(grace=None)
+
+
+def _report() -> dynamix_pb2.Report:
+    return dynamix_pb2.Report(rank=0, step=10, local_batch_size=32, compute_s=0.1, push_pull_s=0.01,
+                              samples_per_s=320.0)
+
+
+@pytest.mark.timeout(60)
+def test_close_cancels_the_call_in_flight_and_drops_later_reports(holding_server, caplog):
+    servicer, address = holding_server
+    client = SchedulerClient(address, None, lambda: dynamix_pb2.WorkerInfo(rank=0, world_size=1))
+    client.submit(_report())
+    assert servicer.entered.wait(20), "the client never called the scheduler"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
+        client.close()
+        closing_s = time.monotonic() - started
+        assert servicer.cancelled.wait(10), "the call in flight was not cancelled"
+        client.submit(_report())
+        client.close()
+    assert closing_s < RPC_TIMEOUT_S / 2, f"close() waited {closing_s:.2f} s: it waited out the call instead of cancelling it"
+    assert not client._thread.is_alive()
+    assert servicer.calls == 1
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
