@@ -15,6 +15,7 @@ not change the cost); that needs ``pip install 'dynamix-byteps[rl]'``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -68,7 +69,7 @@ def bench(policy, cases: list, calls: int) -> dict:
     try:
         times = []
         for i in range(calls):
-            s = cases[i % len(cases)]
+            s = dataclasses.replace(cases[i % len(cases)])  # a new state, as the scheduler builds every decision
             t0 = time.perf_counter()
             guarded.decide(s)
             times.append(time.perf_counter() - t0)

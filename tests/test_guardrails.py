@@ -26,7 +26,7 @@ class Fixed(Policy):
     name = "fixed"
 
     def __init__(self, sizes, gain=1.0):
-        self.sizes, self.gain, self.calls = tuple(sizes), gain, 0
+        self.sizes, self.gain, self.calls = sizes, gain, 0
 
     def decide(self, state):
         self.calls += 1
@@ -70,6 +70,8 @@ def test_invalid_proposals_keep_the_current_size():
     assert d.batch_sizes == (32, 32, 40)
     d = Guarded(Fixed([10, 10]), hysteresis=0.0).decide(s)  # wrong length
     assert d.batch_sizes == (32, 32, 32)
+    d = Guarded(Fixed(None), hysteresis=0.0).decide(s)  # not a sequence at all
+    assert d.batch_sizes == (32, 32, 32) and "0 sizes for 3 workers" in d.reason
 
 
 # -- rule 3: maximum change ----------------------------------------------------------------------

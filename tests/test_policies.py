@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -38,6 +39,20 @@ def make_state(thetas, sizes, *, push_pull=0.05, min_batch=1, max_batch=None, in
         ))
     return ClusterState(step=100, workers=tuple(workers),
                         initial_batch_sizes=tuple(initial or sizes), **kw)
+
+
+# -- the state -----------------------------------------------------------------------------------
+
+def test_bounds_are_integer_columns_where_a_missing_or_odd_bound_is_no_bound():
+    lo = [1, 8, 0, "7", float("nan"), None, 5.9, 3]
+    hi = [None, 64, 0, None, float("inf"), "x", 3, 2]
+    s = make_state([100.0] * 8, [32] * 8, min_batch=lo, max_batch=hi)
+    low, high = s.bounds
+    assert low.dtype == np.int64 and low.tolist() == [1, 8, 1, 7, 1, 1, 5, 3]
+    assert high.tolist() == [math.inf, 64, 1, math.inf, math.inf, math.inf, 5, 3]  # high >= low
+    assert s.bounds is s.bounds  # computed once per state
+    with pytest.raises(ValueError, match="read-only"):
+        low[0] = 4
 
 
 # -- static --------------------------------------------------------------------------------------

@@ -8,7 +8,11 @@ and asks the job's :class:`Policy` for a :class:`Decision`. Everything here is p
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,17 @@ class ClusterState:
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(w.batch_size for w in self.workers)
 
+    @cached_property
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each worker's inclusive batch bounds as read-only columns ``(low, high)`` of shape (N,):
+        ``low`` int64 >= 1, ``high`` float64 >= ``low`` (inf = unbounded). Bounds are truncated to
+        integers; a missing, non-numeric or non-finite one is no bound. Computed once per state."""
+        low = np.maximum(_truncated([w.min_batch for w in self.workers], 1.0), 1.0)
+        high = np.maximum(_truncated([w.max_batch for w in self.workers], math.inf), low)
+        low = low.astype(np.int64)
+        low.flags.writeable = high.flags.writeable = False
+        return low, high
+
     @property
     def global_batch(self) -> int:
         return sum(self.batch_sizes)
@@ -79,6 +94,32 @@ class ClusterState:
         if self.grad_sq is None or self.trace_cov is None or self.grad_sq <= 0:
             return None
         return max(self.trace_cov, 0.0) / self.grad_sq
+
+
+def float_or_nan(v) -> float:
+    """``float(v)``, or NaN when ``v`` is None or not a number."""
+    try:
+        return float(v)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
+def as_floats(values) -> np.ndarray:
+    """float64 array of a sequence of numbers, or of equal-length rows of numbers; None and
+    anything that is not a number become NaN."""
+    try:
+        return np.array(values, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return np.array([[float_or_nan(v) for v in row] if isinstance(row, (tuple, list)) else float_or_nan(row)
+                         for row in values], dtype=np.float64)
+
+
+def _truncated(values: list, missing: float) -> np.ndarray:
+    """float64 column of the values truncated to integers; ``missing`` where one is None, not a
+    number, or not finite."""
+    column = np.trunc(as_floats(values))
+    column[~np.isfinite(column)] = missing
+    return column
 
 
 @dataclass(frozen=True)

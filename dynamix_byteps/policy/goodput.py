@@ -39,7 +39,6 @@ from dynamix_byteps.policy.proportional import (
     proportional_sizes,
     step_time,
     throughput,
-    worker_bounds,
 )
 
 __all__ = ["GoodputPolicy", "efficiency"]
@@ -131,8 +130,7 @@ class GoodputPolicy(Policy):
     def feasible_range(self, state: ClusterState) -> tuple[int, int]:
         """``(M_lo, M_hi)`` in samples, both integers, ``M_lo <= M_hi`` (see the class docstring)."""
         lo = hi = 0.0
-        for w in state.workers:
-            b_lo, b_hi = worker_bounds(w)
+        for w, b_lo, b_hi in zip(state.workers, *(column.tolist() for column in state.bounds)):
             if throughput(w) is None:  # keeps its (clamped) size
                 b = min(max(w.batch_size, b_lo), b_hi)
                 lo, hi = lo + b, hi + b

@@ -45,8 +45,16 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from dynamix_byteps.policy.base import ClusterState, Decision, Policy
-from dynamix_byteps.policy.proportional import bounded_split, worker_bounds
+import numpy as np
+
+from dynamix_byteps.policy.base import (
+    ClusterState,
+    Decision,
+    Policy,
+    as_floats,
+    float_or_nan,
+)
+from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]
 
@@ -56,9 +64,20 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {ranks}" if len(ranks) <= 8 else f"{len(ranks)} ranks"
 
 
-def _clamp(b: int, lo: int, hi: float) -> int:
-    b = max(int(lo), int(b))
-    return int(min(b, hi)) if math.isfinite(hi) else b
+def _clamp(sizes: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """``sizes`` within ``[low, high]`` element-wise, float64 (``high`` may be inf)."""
+    return np.minimum(np.maximum(sizes, low), high)
+
+
+def _ints(sizes: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(b) for b in sizes.tolist())
+
+
+def _as_list(proposal) -> list:
+    try:
+        return list(proposal)
+    except TypeError:
+        return []
 
 
 # Relative rise of the windowed mean loss that counts as divergence. Interval means of a healthy
@@ -149,51 +168,43 @@ class Guarded(Policy):
                 if w.batch_size_ran is not None and abs(w.batch_size_ran - w.batch_size) > SETTLE_TOLERANCE * w.batch_size]
 
     # -- rules 3 and 4 -----------------------------------------------------------------------
-    def _windows(self, state: ClusterState, bounds: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
-        lows, highs = [], []
-        for w, (b_lo, b_hi) in zip(state.workers, bounds):
-            now = max(1, int(w.batch_size))
-            if math.isfinite(self.max_change):
-                c_lo = max(1, math.ceil(now / self.max_change - 1e-9))
-                c_hi = max(c_lo, math.floor(now * self.max_change + 1e-9))
-            else:
-                c_lo, c_hi = 1, math.inf
-            lo, hi = max(b_lo, c_lo), min(b_hi, c_hi)
-            if lo > hi:  # the change window misses the bounds: bounds win, nearest edge
-                lo = hi = b_lo if c_hi < b_lo else b_hi
-            lows.append(int(lo))
-            highs.append(float(hi))
-        return lows, highs
+    def _windows(self, current: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rule 4's window ``[lo, hi]`` per worker around ``current``, intersected with the bounds."""
+        if math.isfinite(self.max_change):
+            c_lo = np.maximum(1.0, np.ceil(current / self.max_change - 1e-9))
+            c_hi = np.maximum(c_lo, np.floor(current * self.max_change + 1e-9))
+        else:
+            c_lo, c_hi = np.ones(len(current)), np.full(len(current), math.inf)
+        lo, hi = np.maximum(low, c_lo), np.minimum(high, c_hi)
+        miss = lo > hi  # the change window misses the bounds: bounds win, nearest edge
+        if miss.any():
+            edge = np.where(c_hi < low, low, high)
+            lo, hi = np.where(miss, edge, lo), np.where(miss, edge, hi)
+        return lo, hi
 
     @staticmethod
-    def _sanitise(state: ClusterState, proposal) -> tuple[list[int], list[str]]:
-        """Integers from the proposal; a bad entry (or a bad proposal) keeps the current size."""
-        now = [max(1, int(w.batch_size)) for w in state.workers]
-        try:
-            raw = list(proposal)
-        except TypeError:
-            raw = []
-        if len(raw) != len(now):
-            return now, [f"proposal has {len(raw)} sizes for {len(now)} workers; keeping current sizes"]
-        out, bad = [], []
-        for w, b, n in zip(state.workers, raw, now):
-            try:
-                f = float(b)
-                ok = math.isfinite(f) and f == int(f)
-            except (TypeError, ValueError, OverflowError):
-                ok = False
-            out.append(int(f) if ok else n)
-            if not ok:
-                bad.append(w.rank)
-        return out, ([f"{_ranks(bad)}: invalid proposal, kept current size"] if bad else [])
+    def _sanitise(state: ClusterState, raw: list, current: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """float64 integers from the proposal ``raw``; a bad entry (or a bad proposal) keeps the current size."""
+        if len(raw) != len(current):
+            return current, [f"proposal has {len(raw)} sizes for {len(current)} workers; keeping current sizes"]
+        values = as_floats(raw)
+        if values.shape != current.shape:  # some entry is itself a sequence
+            values = np.array([float_or_nan(b) for b in raw])
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(values) & (values == np.trunc(values))
+        if ok.all():
+            return values, []
+        bad = [state.workers[i].rank for i in np.flatnonzero(~ok)]
+        return np.where(ok, values, current), [f"{_ranks(bad)}: invalid proposal, kept current size"]
 
     # -- the policy ----------------------------------------------------------------------------
     def decide(self, state: ClusterState) -> Decision:
         workers = state.workers
         if not workers:
             return Decision((), f"{self.name}: no workers")
-        bounds = [worker_bounds(w) for w in workers]
-        now = [_clamp(max(1, int(w.batch_size)), lo, hi) for w, (lo, hi) in zip(workers, bounds)]
+        low, high = state.bounds
+        current = np.maximum(np.array([int(w.batch_size) for w in workers], dtype=np.float64), 1.0)
+        now = _ints(_clamp(current, low, high))
 
         # 1. fallback
         why = self.divergence(state.loss_history)
@@ -201,8 +212,8 @@ class Guarded(Policy):
             initial = list(state.initial_batch_sizes)
             if len(initial) != len(workers):
                 initial = [int(w.batch_size) for w in workers]
-            sizes = tuple(_clamp(max(1, int(b)), lo, hi) for b, (lo, hi) in zip(initial, bounds))
-            return Decision(sizes, f"{self.name}: fallback to the initial allocation: {why}", 0.0,
+            sizes = _clamp(np.maximum(np.array([int(b) for b in initial], dtype=np.float64), 1.0), low, high)
+            return Decision(_ints(sizes), f"{self.name}: fallback to the initial allocation: {why}", 0.0,
                             {"guard": {"fallback": why}})
 
         # 2. settling
@@ -210,7 +221,7 @@ class Guarded(Policy):
         if pending and self._settle_waits < self.settle_limit:
             self._settle_waits += 1
             ran = [workers[r].batch_size_ran for r in pending[:8]]
-            return Decision(tuple(now), f"{self.name}: waiting for the assignment in force to take effect "
+            return Decision(now, f"{self.name}: waiting for the assignment in force to take effect "
                             f"({_ranks(pending)} ran {ran} per step in the last interval)", 0.0,
                             {"guard": {SETTLING: pending}})
         self._settle_waits = 0
@@ -218,39 +229,40 @@ class Guarded(Policy):
         try:
             d = self.policy.decide(state)
         except Exception as exc:  # noqa: BLE001 - the control plane must never stop training
-            return Decision(tuple(now), f"{self.name}: policy failed ({type(exc).__name__}: {exc}); keeping sizes",
+            return Decision(now, f"{self.name}: policy failed ({type(exc).__name__}: {exc}); keeping sizes",
                             0.0, {"guard": {"error": repr(exc)}})
-        proposal, notes = self._sanitise(state, d.batch_sizes)
+        raw = _as_list(d.batch_sizes)
+        proposal, notes = self._sanitise(state, raw, current)
 
         # 3. bounds
-        bounded = [_clamp(max(1, b), lo, hi) for b, (lo, hi) in zip(proposal, bounds)]
-        clipped_bounds = [w.rank for w, a, b in zip(workers, proposal, bounded) if a != b]
-        if clipped_bounds:
-            notes.append(f"{_ranks(clipped_bounds)} clamped to their bounds")
+        bounded = _clamp(np.maximum(proposal, 1.0), low, high)
+        if (clipped := np.flatnonzero(bounded != proposal)).size:
+            notes.append(f"{_ranks([workers[i].rank for i in clipped])} clamped to their bounds")
 
         # 4. maximum change
-        lows, highs = self._windows(state, bounds)
-        sizes = [_clamp(b, lo, hi) for b, lo, hi in zip(bounded, lows, highs)]
-        clipped_change = [w.rank for w, a, b in zip(workers, bounded, sizes) if a != b]
-        if clipped_change:
-            notes.append(f"{_ranks(clipped_change)} limited to ×{self.max_change:g} change")
+        lows, highs = self._windows(current, low, high)
+        sizes = _clamp(bounded, lows, highs)
+        if (clipped := np.flatnonzero(sizes != bounded)).size:
+            notes.append(f"{_ranks([workers[i].rank for i in clipped])} limited to ×{self.max_change:g} change")
             if self.preserve_global_batch:
-                sizes = bounded_split(sum(bounded), bounded, lows, highs)
+                sizes = np.array(bounded_split(int(bounded.sum()), bounded.tolist(), lows.astype(np.int64).tolist(),
+                                               highs.tolist()), dtype=np.float64)
+        final = _ints(sizes)
 
         # 5. hysteresis
         gain = d.predicted_gain
-        if sizes != list(d.batch_sizes) and hasattr(self.policy, "predict_gain"):
+        if list(final) != raw and hasattr(self.policy, "predict_gain"):
             try:
-                gain = float(self.policy.predict_gain(state, sizes))
+                gain = float(self.policy.predict_gain(state, list(final)))
             except Exception:  # noqa: BLE001
                 gain = float("nan")
-        guard = {"proposed": [int(b) for b in proposal], "notes": notes, "predicted_gain_after_guard": gain}
+        guard = {"proposed": _ints(proposal), "notes": notes, "predicted_gain_after_guard": gain}
         terms = dict(d.terms, guard=guard)
         reason = d.reason + ("; guard: " + "; ".join(notes) if notes else "")
-        if sizes != now and getattr(self.policy, "reports_gain", True):
+        if final != now and getattr(self.policy, "reports_gain", True):
             if not (isinstance(gain, (int, float)) and math.isfinite(gain) and gain >= self.hysteresis):
-                return Decision(tuple(now), f"{reason}; hysteresis: predicted gain {gain:.3g} < {self.hysteresis:g}, "
+                return Decision(now, f"{reason}; hysteresis: predicted gain {gain:.3g} < {self.hysteresis:g}, "
                                 "keeping current sizes", 0.0, terms)
-        if sizes == now:
+        if final == now:
             gain = 0.0
-        return Decision(tuple(int(b) for b in sizes), reason, float(gain) if math.isfinite(gain) else 0.0, terms)
+        return Decision(final, reason, float(gain) if math.isfinite(gain) else 0.0, terms)

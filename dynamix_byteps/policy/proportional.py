@@ -33,7 +33,6 @@ __all__ = [
     "comm_time",
     "step_time",
     "throughput",
-    "worker_bounds",
     "proportional_sizes",
 ]
 
@@ -50,21 +49,6 @@ def _finite_positive(x) -> bool:
 def throughput(worker: WorkerState) -> float | None:
     """θ_i in samples/s, or None when missing, zero, negative or non-finite."""
     return float(worker.samples_per_s) if _finite_positive(worker.samples_per_s) else None
-
-
-def worker_bounds(worker: WorkerState) -> tuple[int, float]:
-    """Normalised inclusive bounds ``(lo, hi)``: ``lo >= 1`` integer, ``hi >= lo`` (``inf`` = none)."""
-    try:
-        lo = max(1, int(worker.min_batch))
-    except (TypeError, ValueError, OverflowError):
-        lo = 1
-    hi: float = math.inf
-    if worker.max_batch is not None:
-        try:
-            hi = float(int(worker.max_batch))
-        except (TypeError, ValueError, OverflowError):
-            hi = math.inf
-    return lo, max(hi, float(lo))
 
 
 def bounded_split(
@@ -200,8 +184,8 @@ def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list
     every worker keeps its (clamped) size.
     """
     thetas = [throughput(w) for w in state.workers]
-    bounds = [worker_bounds(w) for w in state.workers]
-    sizes = [int(min(max(w.batch_size, lo), hi)) for w, (lo, hi) in zip(state.workers, bounds)]
+    lows, highs = state.bounds
+    sizes = [int(min(max(w.batch_size, lo), hi)) for w, lo, hi in zip(state.workers, lows.tolist(), highs.tolist())]
     kept = [w.rank for w, t in zip(state.workers, thetas) if t is None]
     idx = [i for i, t in enumerate(thetas) if t is not None]
     if idx:
@@ -209,8 +193,8 @@ def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list
         split = bounded_split(
             rest,
             [thetas[i] for i in idx],
-            [bounds[i][0] for i in idx],
-            [bounds[i][1] for i in idx],
+            lows[idx].tolist(),
+            highs[idx].tolist(),
         )
         for i, b in zip(idx, split):
             sizes[i] = b

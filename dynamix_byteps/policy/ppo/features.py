@@ -48,7 +48,7 @@ import math
 import numpy as np
 
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.policy.base import ClusterState
+from dynamix_byteps.policy.base import ClusterState, as_floats, float_or_nan
 
 __all__ = [
     "CLIP",
@@ -93,21 +93,6 @@ NUM_FEATURES = len(FEATURES)
 _TINY = 1e-12
 
 
-def _columns(rows: list[tuple]) -> np.ndarray:
-    """float64 matrix of ``rows``; None and non-numbers become NaN."""
-    try:
-        return np.array(rows, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):
-        return np.array([[_number(v) for v in row] for row in rows], dtype=np.float64)
-
-
-def _number(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError, OverflowError):
-        return math.nan
-
-
 def _log2_ratio(num: np.ndarray, den) -> np.ndarray:
     """Element-wise log2(num/den), 0 where it is not finite (a zero, negative, NaN or inf input).
     Call under ``np.errstate(all="ignore")``."""
@@ -117,7 +102,7 @@ def _log2_ratio(num: np.ndarray, den) -> np.ndarray:
 
 
 def _loss(x) -> float | None:
-    v = _number(x)
+    v = float_or_nan(x)
     return v if math.isfinite(v) and v > 0 else None
 
 
@@ -159,9 +144,8 @@ def _observation(state: ClusterState) -> np.ndarray:
     obs = np.zeros((n, NUM_FEATURES), dtype=np.float64)
     if n == 0:
         return obs.astype(np.float32)
-    b, c, p, theta, lo, hi = _columns([(w.batch_size, w.compute_s, w.push_pull_s, w.samples_per_s,
-                                        w.min_batch, w.max_batch if w.max_batch else math.inf) for w in ws]).T
-    lo = np.where(np.isfinite(lo) & (lo > 1), lo, 1.0)
+    b, c, p, theta = as_floats([(w.batch_size, w.compute_s, w.push_pull_s, w.samples_per_s) for w in ws]).T
+    lo, hi = state.bounds
 
     init = [float(x) for x in state.initial_batch_sizes if x]
     b0 = sum(init) / len(init) if init else float(np.nanmean(b))
@@ -183,7 +167,7 @@ def _observation(state: ClusterState) -> np.ndarray:
     obs[:, 5] = np.divide(pp, step, out=np.zeros(n), where=step > _TINY)
 
     nodes = [w.node or {} for w in ws]
-    util, rtt, retrans = _columns([(d.get("cpu_util"), d.get("rtt_s"), d.get("retransmits")) for d in nodes]).T
+    util, rtt, retrans = as_floats([(d.get("cpu_util"), d.get("rtt_s"), d.get("retransmits")) for d in nodes]).T
     has_util, has_rtt = np.isfinite(util), np.isfinite(rtt) & (rtt > 0)
     has_retrans = np.isfinite(retrans) & (retrans >= 0)
     obs[:, 6] = np.where(has_util, np.clip(util, 0.0, 1.0), 0.0)

@@ -46,7 +46,6 @@ import numpy as np
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState
-from dynamix_byteps.policy.proportional import worker_bounds
 
 __all__ = ["KEEP", "LADDER", "LADDERS", "LADDER_LENGTHS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
            "keep_index", "ladder_factors", "reward"]
@@ -165,16 +164,11 @@ def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: 
 
 
 def apply_actions(state: ClusterState, actions, ladder: tuple[float, ...] = LADDER) -> tuple[int, ...]:
-    """:func:`apply_ladder` on a :class:`ClusterState` (bounds from each worker's min/max_batch)."""
-    bounds = [worker_bounds(w) for w in state.workers]
-    new = apply_ladder(
-        np.array([max(1, int(w.batch_size)) for w in state.workers], dtype=np.int64),
-        np.asarray(actions, dtype=np.int64).reshape(-1),
-        np.array([lo for lo, _ in bounds], dtype=np.float64),
-        np.array([hi for _, hi in bounds], dtype=np.float64),
-        ladder,
-    )
-    return tuple(int(x) for x in new)
+    """:func:`apply_ladder` on a :class:`ClusterState` (bounds: ``state.bounds``)."""
+    low, high = state.bounds
+    batch = np.maximum(np.array([int(w.batch_size) for w in state.workers], dtype=np.int64), 1)
+    new = apply_ladder(batch, np.asarray(actions, dtype=np.int64).reshape(-1), low, high, ladder)
+    return tuple(new.tolist())
 
 
 def reward(weights: RewardWeights, progress: float, interval_s: float, ref_interval_s: float,
