@@ -121,10 +121,16 @@ def test_three_plus_one_workers_get_ranks_in_host_order(tmp_path):
     assert [r["interface"] for r in ranks] == [bed.hosts[0].device] * 3 + [bed.hosts[1].device]
 
 
-def _job_report(result: netns.JobResult, log_dir: Path) -> str:
-    """Every host's console output and the end of every log under ``log_dir``, for a failed job
+def _job_report(result: netns.JobResult, out: Path) -> str:
+    """For a failed job of rank_worker.py writing to ``out``: which ranks finished, how far the
+    decision log got, every host's console output and the end of every log under ``out/logs``
     (the temporary directory is gone by the time anyone reads a CI log)."""
-    parts = [f"return codes {result.returncodes}, timed out {result.timed_out}"]
+    log_dir = out / "logs"
+    decisions = log_dir / "decisions.jsonl"
+    steps = [json.loads(line)["step"] for line in decisions.read_text().splitlines()] if decisions.exists() else []
+    parts = [f"return codes {result.returncodes}, timed out {result.timed_out}",
+             f"ranks that wrote their result: {sorted(int(f.stem[4:]) for f in out.glob('rank*.json'))}",
+             f"decisions: {len(steps)}, at steps {steps}"]
     parts += [f"---- host {host} console ----\n{output}" for host, output in enumerate(result.outputs)]
     parts += [f"---- {log.relative_to(log_dir)} (end) ----\n{log.read_text(errors='replace')[-4000:]}"
               for log in sorted(log_dir.rglob("*.log"))]
@@ -162,7 +168,7 @@ def test_a_slow_link_shows_in_the_decision_log(tmp_path):
                 bed, [3, 1], [sys.executable, RANK_WORKER, str(out), "100", "1024"],
                 ["--policy", "proportional", "--monitor", "auto", "--decision-interval", "10", "--timeout", "120",
                  "--log-dir", str(out / "logs")], timeout_s=270)
-        assert result.ok, _job_report(result, out / "logs")
+        assert result.ok, _job_report(result, out)
         assert (out / "logs" / "decisions.jsonl").exists() and not (out / "logs" / "host1" / "decisions.jsonl").exists()
         measured[rate] = _rank3_metrics(out / "logs")
     free, slow = measured[None], measured[20.0]
