@@ -52,7 +52,9 @@ PPO_SETTINGS = {
     "vf_clip_param": 100.0,
 }
 ENTROPY = (0.01, 0.001)
-ENVS_PER_RUNNER = 4
+# Environments stepped together: one forward pass of the network per step for all of them. RLlib's
+# per-call overhead, not the simulator, dominates sampling; 16 instead of 4 halves it.
+ENVS_PER_RUNNER = 16
 
 
 def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, padded: bool = False,
