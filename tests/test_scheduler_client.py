@@ -59,14 +59,25 @@ def _report() -> dynamix_pb2.Report:
 
 
 @pytest.mark.timeout(60)
-def test_close_cancels_the_call_in_flight_and_drops_later_reports(holding_server, caplog):
+def test_close_sends_the_waiting_report_before_it_stops(holding_server):
+    servicer, address = holding_server
+    servicer.release.set()  # the scheduler answers at once
+    client = SchedulerClient(address, None, lambda: dynamix_pb2.WorkerInfo(rank=0, world_size=1))
+    client.submit(_report())
+    client.close()
+    assert servicer.calls == 2, "close() dropped the report instead of sending it"  # Register, then ReportMetrics
+    assert not client._thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_close_cancels_a_call_the_scheduler_holds_past_the_grace_and_drops_later_reports(holding_server, caplog):
     servicer, address = holding_server
     client = SchedulerClient(address, None, lambda: dynamix_pb2.WorkerInfo(rank=0, world_size=1))
     client.submit(_report())
     assert servicer.entered.wait(20), "the client never called the scheduler"
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
-        client.close()
+        client.close(grace_s=0.2)
         closing_s = time.monotonic() - started
         assert servicer.cancelled.wait(10), "the call in flight was not cancelled"
         client.submit(_report())

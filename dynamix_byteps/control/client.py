@@ -59,6 +59,7 @@ class SchedulerClient:
         self._failing = False
         self._tls_failed = False
         self._stopped = False
+        self._sending = False
         self._thread = threading.Thread(target=self._run, name="dynamix-scheduler-client", daemon=True)
         self._thread.start()
         # A daemon thread inside gRPC while the interpreter finalises is killed mid-call, so the
@@ -70,22 +71,25 @@ class SchedulerClient:
         with self._cond:
             if not self._stopped:
                 self._pending = report
-                self._cond.notify()
+                self._cond.notify_all()
 
     def latest(self) -> dynamix_pb2.Assignment | None:
         """The newest assignment the scheduler answered with, or None before the first answer."""
         with self._cond:
             return self._latest
 
-    def close(self) -> None:
-        """Stop the thread and close the channel; an RPC in flight is cancelled and an unsent
-        report dropped. Safe to call twice; :meth:`submit` does nothing afterwards."""
+    def close(self, grace_s: float = RPC_TIMEOUT_S) -> None:
+        """Give the report still waiting (and a call in flight) up to ``grace_s`` seconds to reach
+        the scheduler, then stop the thread and close the channel, cancelling whatever is left: the
+        last interval still reaches the decision log, and a gone scheduler delays the exit by at
+        most ``grace_s``. Safe to call twice; :meth:`submit` does nothing afterwards."""
         with self._cond:
             if self._stopped:
                 return
+            self._cond.wait_for(lambda: self._pending is None and not self._sending, timeout=grace_s)
             self._stopped = True
-            self._cond.notify()
-        self._channel.close()  # cancels the RPC in flight, so the join is short
+            self._cond.notify_all()
+        self._channel.close()  # cancels a call still in flight, so the join is short
         self._thread.join(timeout=RPC_TIMEOUT_S + 1)
         atexit.unregister(self.close)
 
@@ -97,6 +101,7 @@ class SchedulerClient:
                 if self._stopped:
                     return
                 report, self._pending = self._pending, None
+                self._sending = True
             try:
                 self._send(report)
             except grpc.RpcError as exc:
@@ -111,6 +116,10 @@ class SchedulerClient:
                 if self._failing:
                     log.warning("scheduler at %s is reachable again", self.address)
                 self._failing = False
+            finally:
+                with self._cond:
+                    self._sending = False
+                    self._cond.notify_all()
 
     def _send(self, report: dynamix_pb2.Report) -> None:
         if not self._registered:
