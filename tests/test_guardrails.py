@@ -72,6 +72,10 @@ def test_invalid_proposals_keep_the_current_size():
     assert d.batch_sizes == (32, 32, 32)
     d = Guarded(Fixed(None), hysteresis=0.0).decide(s)  # not a sequence at all
     assert d.batch_sizes == (32, 32, 32) and "0 sizes for 3 workers" in d.reason
+    d = Guarded(Fixed([40, [48, 56], 24]), max_change=math.inf, hysteresis=0.0).decide(s)  # one entry a sequence
+    assert d.batch_sizes == (40, 32, 24) and "ranks [1]: invalid proposal" in d.reason
+    d = Guarded(Fixed([[40], [48], [24]]), max_change=math.inf, hysteresis=0.0).decide(s)  # every entry one
+    assert d.batch_sizes == (32, 32, 32) and "ranks [0, 1, 2]: invalid proposal" in d.reason
 
 
 # -- rule 3: maximum change ----------------------------------------------------------------------

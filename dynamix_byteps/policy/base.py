@@ -105,13 +105,15 @@ def float_or_nan(v) -> float:
 
 
 def as_floats(values) -> np.ndarray:
-    """float64 array of a sequence of numbers, or of equal-length rows of numbers; None and
-    anything that is not a number become NaN."""
+    """float64 array of a sequence of numbers, shape (N,), or of equal-length rows of numbers,
+    shape (N, K); None and anything that is not a number become NaN (in a sequence that is not
+    all rows, a row too)."""
     try:
         return np.array(values, dtype=np.float64)
     except (TypeError, ValueError, OverflowError):
-        return np.array([[float_or_nan(v) for v in row] if isinstance(row, (tuple, list)) else float_or_nan(row)
-                         for row in values], dtype=np.float64)
+        if all(isinstance(row, (tuple, list)) for row in values):
+            return np.array([[float_or_nan(v) for v in row] for row in values], dtype=np.float64)
+        return np.array([float_or_nan(v) for v in values], dtype=np.float64)
 
 
 def _truncated(values: list, missing: float) -> np.ndarray:

@@ -47,13 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynamix_byteps.policy.base import (
-    ClusterState,
-    Decision,
-    Policy,
-    as_floats,
-    float_or_nan,
-)
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, as_floats
 from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]
@@ -188,8 +182,8 @@ class Guarded(Policy):
         if len(raw) != len(current):
             return current, [f"proposal has {len(raw)} sizes for {len(current)} workers; keeping current sizes"]
         values = as_floats(raw)
-        if values.shape != current.shape:  # some entry is itself a sequence
-            values = np.array([float_or_nan(b) for b in raw])
+        if values.shape != current.shape:  # every entry is itself a sequence
+            values = np.full(current.shape, math.nan)
         with np.errstate(invalid="ignore"):
             ok = np.isfinite(values) & (values == np.trunc(values))
         if ok.all():
