@@ -24,7 +24,7 @@ test: install
 	$(PY) -m pytest
 
 benchmark: install
-	$(PY) benchmarks/push_pull_overhead.py
+	$(PY) benchmarks/ddp_comparison.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info dynamix_byteps/*.so dynamix_byteps/control/dynamix_pb2*.py*

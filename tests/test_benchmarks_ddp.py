@@ -1,0 +1,76 @@
+"""benchmarks/ddp_comparison.py: its statistics and sanity checks, and its quickest run end to end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "ddp_comparison.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from ddp_comparison import VARIANTS, markdown, mlp, sanity_failures, summarise
+
+
+def _run(model, workers, scale):
+    """A job result whose variants take ``scale[variant]`` x 100 ms per step, +-2% noise, 3 repeats of 30 steps."""
+    rng = np.random.default_rng(1)
+    return {"model": model, "workers": workers,
+            "step_s": {name: (0.1 * factor * rng.uniform(0.98, 1.02, (3, 30))).tolist() for name, factor in scale.items()},
+            "same_on_every_rank": {name: [True] * 3 for name in scale},
+            "relative_difference_to_torch_ddp": {name: [0.0] * 3 for name in scale if name != "torch DDP"}}
+
+
+def test_verdict_needs_the_ratio_interval_to_exclude_one_and_targets_follow_model_and_workers():
+    rows = {r["variant"]: r for r in summarise(_run("mlp", 4, dict(zip(VARIANTS, (0.9, 1.0, 1.0)))))}
+    ahead, tie, base = rows["DistributedOptimizer"], rows["bps.DistributedDataParallel"], rows["torch DDP"]
+    assert ahead["ratio"] == pytest.approx(0.9, abs=0.01) and ahead["ratio_ci90"][1] < 1
+    assert ahead["verdict"] == "ahead" and ahead["target"] == 0.97 and ahead["target_met"] == "met"
+    assert tie["verdict"] == "tie" and tie["ratio_ci90"][0] < 1 < tie["ratio_ci90"][1]
+    assert tie["target_met"] == "missed"  # the whole interval lies above 0.97
+    assert "ratio" not in base and base["median_ci90_ms"][0] <= base["median_ms"] <= base["median_ci90_ms"][1]
+    behind = summarise(_run("cnn", 2, {"DistributedOptimizer": 1.1, "torch DDP": 1.0}))[0]
+    assert behind["verdict"] == "behind" and behind["target"] == 1.0 and behind["target_met"] == "missed"
+    assert markdown([ahead, base]).count("\n") == 3  # header, rule, two rows
+
+
+def test_sanity_failures_name_ranks_that_disagree_and_training_that_left_torch_ddps():
+    run = _run("cnn", 2, {"DistributedOptimizer": 1.0, "torch DDP": 1.0})
+    assert sanity_failures(run) == []
+    run["same_on_every_rank"]["torch DDP"][1] = False
+    run["relative_difference_to_torch_ddp"]["DistributedOptimizer"][2] = 0.02
+    failures = sanity_failures(run)
+    assert len(failures) == 2
+    assert "torch DDP, repeat 1" in failures[0] and "DistributedOptimizer, repeat 2" in failures[1]
+
+
+def test_mlp_is_the_communication_heavy_model_of_about_nine_million_parameters():
+    assert sum(p.numel() for p in mlp().parameters()) == 8_962_058
+
+
+@pytest.mark.timeout(300)
+def test_quickest_run_measures_all_three_variants_and_the_table_comes_back_from_the_json(tmp_path):
+    out = tmp_path / "ddp.json"
+    command = [sys.executable, str(SCRIPT), "--workers", "2", "--models", "cnn", "--repeats", "1", "--steps", "3",
+               "--warmup", "1", "--out", str(out)]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    assert job.returncode == 0, output[-4000:]
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["skipped"] == [] and list(run["step_s"]) == list(VARIANTS)
+    assert all(len(times) == 1 and len(times[0]) == 3 for times in run["step_s"].values())
+    assert report["sanity_failures"] == [] and [r["variant"] for r in report["rows"]] == list(VARIANTS)
+    again = subprocess.run([sys.executable, str(SCRIPT), "--table-only", "--markdown", "--out", str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "| cnn | 2 | torch DDP |" in again and "SANITY FAILURE" not in again
