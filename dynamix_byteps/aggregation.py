@@ -6,24 +6,30 @@ produces the gradient of the mean loss over the global batch instead:
 
     g = Σ_i b_i · g_i / Σ_i b_i          (DESIGN.md "Aggregation"; research/anchors.md §0.4)
 
-where g_i is worker i's gradient of its own mean loss. Each worker scales its gradient by
-b_i / Σ b before one sum all-reduce, so every worker ends with g, exactly once per step. With
-equal batches (or when no batch size is given) the weights are 1/n: BytePS's average.
+where g_i is worker i's gradient of its own mean loss.
 
-A frontend hands :class:`GradientAggregator` its gradients fused into flat 1-D buffers (one per
-dtype, up to ``DYNAMIX_FUSION_BYTES``, default 64 MiB: :func:`plan_buckets`) as CPU
-``torch.Tensor`` s, the engine's currency. Per step the workers exchange one small message
-(b_i, the local squared gradient norm |g_i|², and a digest of the gradients' names, shapes and
-dtypes, so a mismatch raises instead of corrupting), then the buffers are reduced. The norms
-feed the gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) at no extra
-communication, the learning-rate factor follows the global batch by the chosen rule
-(:mod:`dynamix_byteps.data.lr_scaling`), and the step monitor reports to the scheduler.
+A step is one :class:`Round`. Gradients arrive fused into flat buckets (torch tensors on the
+engine's device, one dtype each, :func:`plan_buckets`); each bucket's sum all-reduce starts as
+soon as the bucket is full (the PyTorch frontend does this from the backward hooks, while
+backward goes on), after scaling it by s_i = b_i / R, where R is a reference size every worker
+knows (rank 0's batch of the previous step, so equal batches need no scaling at all). The last
+collective of the round is a small float64 *trailer*, one row per worker: the batch size it
+scaled by, the one it holds now, its local squared gradient norm |g_i|² and the digest of its
+bucket plan. When the round finishes, every worker divides the sums by Σ b_i / R and so holds
+g exactly; the trailer's norms feed the gradient noise scale
+(:mod:`dynamix_byteps.data.gradient_noise`) and its digests turn a mismatched plan into
+:class:`TensorMismatchError` on every worker. One collective per bucket and one trailer per step.
+
+The names, shapes and dtypes behind a plan are negotiated once, when the plan is built
+(:meth:`GradientAggregator.agree_on_plan`), not on every step.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,12 +39,15 @@ from dynamix_byteps import engine as _engine
 from dynamix_byteps.control.worker import StepMonitor
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.data.lr_scaling import get_rule
-from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.negotiation import negotiate, round_lock
+from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
+from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
 
-DEFAULT_FUSION_BYTES = 64 << 20
+DEFAULT_FUSION_BYTES = 25 << 20
 MAX_SAMPLES = 2**31
 UNSET = -1  # a worker that declared no batch size for the step
+DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
+
+_SCALED, _HELD, _SQ_NORM, _DIGEST = range(4)  # the trailer's columns
 
 
 def squared_norm(tensor: torch.Tensor) -> float:
@@ -50,7 +59,8 @@ def squared_norm(tensor: torch.Tensor) -> float:
 
 
 def fusion_bytes() -> int:
-    """Bytes per fused buffer, from ``DYNAMIX_FUSION_BYTES`` (default 64 MiB).
+    """Bytes per gradient bucket, from ``DYNAMIX_FUSION_BYTES`` (default 25 MiB, as DDP's
+    ``bucket_cap_mb``; ``benchmarks/ddp_comparison.py --fusion-bytes`` measures others).
 
     Raises:
         ConfigurationError: the variable is not an integer >= 1.
@@ -65,14 +75,11 @@ def fusion_bytes() -> int:
     return value
 
 
-def batch_weights(local_batch_sizes: np.ndarray) -> np.ndarray:
-    """Weights w_i = b_i / Σ b for the batch-weighted mean of per-worker mean gradients.
+def global_batch(local_batch_sizes: np.ndarray) -> int | None:
+    """Σ b_i of one step, or None when no worker declared a size (BytePS's plain average).
 
     Args:
         local_batch_sizes: int array of shape ``(size,)``; :data:`UNSET` marks a worker that gave none.
-
-    Returns:
-        float64 array of shape ``(size,)`` summing to 1; uniform 1/n when no worker gave a size.
 
     Raises:
         ConfigurationError: some workers gave a size and others did not, or all sizes are 0.
@@ -80,7 +87,7 @@ def batch_weights(local_batch_sizes: np.ndarray) -> np.ndarray:
     sizes = np.asarray(local_batch_sizes, dtype=np.int64)
     unset = sizes == UNSET
     if unset.all():
-        return np.full(len(sizes), 1.0 / len(sizes))
+        return None
     if unset.any():
         raise ConfigurationError(
             f"ranks {np.flatnonzero(~unset).tolist()} declared a local batch size for this step but "
@@ -89,30 +96,52 @@ def batch_weights(local_batch_sizes: np.ndarray) -> np.ndarray:
     total = int(sizes.sum())
     if total == 0:
         raise ConfigurationError("every worker reported a local batch size of 0 for this step; nothing to average")
-    return sizes / total
+    return total
 
 
 def plan_buckets(items: Sequence[tuple[int, Hashable]], limit: int) -> list[list[int]]:
-    """Group tensors into fusion buffers: one dtype per buffer, at most ``limit`` bytes each
-    (a single larger tensor gets a buffer of its own).
+    """Group tensors into buckets: one kind (dtype, or dtype and device) per bucket, at most
+    ``limit`` bytes each (a single larger tensor gets a bucket of its own).
 
     Args:
-        items: ``(nbytes, dtype)`` per tensor, in the order every worker uses.
-        limit: bytes per buffer.
+        items: ``(nbytes, kind)`` per tensor, in the order every worker uses.
+        limit: bytes per bucket.
 
     Returns:
-        Lists of indices into ``items``, in order within each dtype, dtypes by first appearance.
+        Lists of indices into ``items``, in order within each kind, kinds by first appearance.
     """
-    by_dtype: dict[Hashable, list[list[int]]] = {}
+    by_kind: dict[Hashable, list[list[int]]] = {}
     filled: dict[Hashable, int] = {}
-    for index, (nbytes, dtype) in enumerate(items):
-        buckets = by_dtype.setdefault(dtype, [[]])
-        if buckets[-1] and filled.get(dtype, 0) + nbytes > limit:
+    for index, (nbytes, kind) in enumerate(items):
+        buckets = by_kind.setdefault(kind, [[]])
+        if buckets[-1] and filled.get(kind, 0) + nbytes > limit:
             buckets.append([])
-            filled[dtype] = 0
+            filled[kind] = 0
         buckets[-1].append(index)
-        filled[dtype] = filled.get(dtype, 0) + nbytes
-    return [bucket for buckets in by_dtype.values() for bucket in buckets]
+        filled[kind] = filled.get(kind, 0) + nbytes
+    return [bucket for buckets in by_kind.values() for bucket in buckets]
+
+
+def plan_digest(description: str) -> int:
+    """The 52-bit digest of a plan's description that the trailer carries."""
+    return fingerprint([description]) & DIGEST_MASK
+
+
+@dataclass
+class Round:
+    """One step's reduction, from its first bucket to :meth:`GradientAggregator.finish`.
+
+    Attributes:
+        samples: the local batch size this worker scaled by (:data:`UNSET`: none declared).
+        scale: s_i = b_i / reference (1 for an undeclared size).
+        reference: R, the reference batch every worker used this round.
+    """
+
+    samples: int
+    scale: float
+    reference: float
+    local_sq: float = 0.0
+    in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
 
 
 class GradientAggregator:
@@ -132,6 +161,7 @@ class GradientAggregator:
         lr_scale: the learning-rate factor of the last step.
         next_step: the global step after the last one taken from the sampler (None without one).
         monitor: the :class:`~dynamix_byteps.control.worker.StepMonitor` (timing, scheduler reports).
+        wait_s: seconds the last :meth:`finish` blocked on communication (the exposed push_pull time).
 
     Raises:
         ValueError: an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1.
@@ -142,7 +172,7 @@ class GradientAggregator:
         if base_batch_size is not None and (isinstance(base_batch_size, bool) or not isinstance(base_batch_size, int)
                                             or base_batch_size < 1):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
-        engine = _engine.current()
+        self.engine = _engine.current()
         self.lr_scaling = get_rule(lr_scaling or os.environ.get("DYNAMIX_LR_SCALING") or "none", optimizer_family)
         self.base_batch_size = base_batch_size
         self.compression = compression
@@ -151,7 +181,9 @@ class GradientAggregator:
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
         self.next_step: int | None = None
-        self.monitor = StepMonitor(engine, engine.env, optimizer_family)
+        self.wait_s = 0.0
+        self._reference = 1.0
+        self.monitor = StepMonitor(self.engine, self.engine.env, optimizer_family)
         batching.register_noise(self.gradient_noise)
 
     def take_samples(self, declared: int = UNSET, passes: int = 1) -> int:
@@ -164,46 +196,99 @@ class GradientAggregator:
             return declared
         return sum(samples for _, samples in drawn) if drawn else UNSET
 
-    def reduce(self, flats: list[torch.Tensor], samples: int, description: str) -> list[torch.Tensor]:
-        """Replace this worker's gradients by the batch-weighted global mean (blocking).
-
-        Args:
-            flats: contiguous 1-D CPU buffers of this worker's gradients (:func:`plan_buckets`);
-                scaled in place by the weight, and reduced in place unless compressed.
-            samples: this worker's samples in the step, or :data:`UNSET` on every worker.
-            description: what must match across workers (gradient digest and settings).
+    def agree_on_plan(self, description: str, flag: int = 0) -> np.ndarray:
+        """Check that every worker built the same bucket plan (a blocking collective, run when
+        a plan is built, not per step) and share one integer ``flag`` each.
 
         Returns:
-            The reduced buffers, one per input (the inputs themselves without compression).
+            int64 array of shape ``(size,)``: every rank's ``flag``.
 
         Raises:
-            TensorMismatchError: workers described different gradients or settings.
-            ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
+            TensorMismatchError: on every worker, when the descriptions differ.
+        """
+        with round_lock:
+            return negotiate(self.engine, "gradient reduction", description, flag)[:, 0]
+
+    def open_round(self, samples: int) -> Round:
+        """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared)."""
+        effective = 1 if samples == UNSET else samples
+        return Round(samples, effective / self._reference, self._reference)
+
+    def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
+        """Scale ``flat`` (bucket number ``bucket`` of the plan, contiguous, 1-D) in place and
+        start its sum all-reduce. Buckets must be launched in the same order on every worker."""
+        self.monitor.stretch()
+        step.local_sq += squared_norm(flat)
+        if step.scale != 1.0:
+            flat.mul_(step.scale)
+        wire, ctx = self.compression.compress(flat)
+        with round_lock:
+            handle = self.engine.all_reduce_async(wire, f"Gradient.bucket.{bucket}")
+        step.in_flight.append((flat, handle, wire, ctx))
+
+    def drain(self, step: Round) -> None:
+        """Wait for a round's collectives and drop its results (``zero_grad`` before ``step``)."""
+        for _, handle, _, _ in step.in_flight:
+            handle.wait()
+        step.in_flight.clear()
+
+    def finish(self, step: Round, samples_now: int, description: str) -> None:
+        """Run the trailer, wait for every bucket and leave the global mean g in each launched buffer.
+
+        Args:
+            step: the round, every bucket launched.
+            samples_now: this worker's batch size as known now (a size declared after the first
+                bucket left differs from ``step.samples``).
+            description: the plan's description (its digest goes in the trailer; the text is
+                gathered only to explain a mismatch).
+
+        Raises:
+            TensorMismatchError: workers reduced different plans (every worker raises).
+            ConfigurationError: batch sizes declared on some workers only, summing to 0, or
+                declared after this step's reduction had started.
             CommunicationError: a peer failed.
         """
-        engine = _engine.current()
-        local_sq = sum(squared_norm(flat) for flat in flats)
-        with round_lock, torch.no_grad():
-            table = negotiate(engine, "DistributedOptimizer step", description,
-                              samples, int(np.float64(local_sq).view(np.int64)))
-            sizes, local_sq_norms = table[:, 0], np.ascontiguousarray(table[:, 1]).view(np.float64)
-            weight = float(batch_weights(sizes)[engine.rank])
-            in_flight = []
-            for index, flat in enumerate(flats):
-                flat.mul_(weight)
-                wire, ctx = self.compression.compress(flat)
-                in_flight.append((engine.all_reduce_async(wire, f"Gradient.fused.{index}"), wire, ctx))
-            outputs, global_sq = [], 0.0
-            for work, wire, ctx in in_flight:
-                work.wait()
-                reduced = self.compression.decompress(wire, ctx)
-                global_sq += squared_norm(reduced)
-                outputs.append(reduced)
-        known = bool((sizes != UNSET).all())
-        self.global_batch_size = int(sizes.sum()) if known else None
-        if known:
-            self.gradient_noise.update(local_sq_norms, sizes, global_sq)
-        return outputs
+        self.monitor.stretch()
+        engine = self.engine
+        trailer = torch.zeros((engine.size, 4), dtype=torch.float64, device=engine.device)
+        trailer[engine.rank] = torch.tensor([step.samples, samples_now, step.local_sq,
+                                             plan_digest(description)], dtype=torch.float64)
+        with round_lock:
+            handle = engine.all_reduce_async(trailer, "Gradient.trailer")
+        begin = time.perf_counter()
+        for _, work, _, _ in step.in_flight:
+            work.wait()
+        handle.wait()
+        self.wait_s = time.perf_counter() - begin
+        table = trailer.cpu().numpy()
+        self._check(table, description)
+        sizes = table[:, _SCALED].astype(np.int64)
+        total = global_batch(sizes)
+        divisor = (engine.size if total is None else total) / step.reference
+        global_sq = 0.0
+        for flat, _, wire, ctx in step.in_flight:
+            reduced = self.compression.decompress(wire, ctx)
+            global_sq += squared_norm(reduced)
+            torch.mul(reduced, 1.0 / divisor, out=flat)
+        global_sq /= divisor * divisor
+        self._reference = float(1 if sizes[0] == UNSET else max(sizes[0], 1))
+        self.global_batch_size = total
+        if total is not None:
+            self.gradient_noise.update(table[:, _SQ_NORM], sizes, global_sq)
+
+    def _check(self, table: np.ndarray, description: str) -> None:
+        digests = table[:, _DIGEST]
+        if not np.all(digests == digests[0]):
+            texts = gather_text(self.engine, description)
+            lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(texts))
+            raise TensorMismatchError(
+                "workers reduced different gradients in the same step; every worker must have the same "
+                f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
+        late = np.flatnonzero(table[:, _SCALED] != table[:, _HELD])
+        if late.size:
+            raise ConfigurationError(
+                f"ranks {late.tolist()} declared their local batch size after this step's gradients had started "
+                "reducing (during backward()); call set_local_batch_size() before loss.backward()")
 
     def update_lr_scale(self) -> float:
         """Set and return :attr:`lr_scale` for the step just reduced (1 when batch sizes are unknown)."""
@@ -218,7 +303,7 @@ class GradientAggregator:
     def after_step(self, samples: int) -> None:
         """Tell the step monitor the step is complete (timing, reports, assignment boundary)."""
         self.monitor.after_step(None if samples == UNSET else samples, self.gradient_noise, self.lr_scale,
-                                self.next_step)
+                                self.next_step, self.wait_s)
 
     def state_dict(self) -> dict:
         """What a checkpoint needs: base batch, noise statistics, next step."""

@@ -64,7 +64,7 @@ def negotiate(engine: Engine, what: str, description: str, *payload: int) -> np.
     table = engine.exchange([fingerprint([description]), *padded])
     if np.all(table[:, 0] == table[0, 0]):
         return table[:, 1:]
-    descriptions = _gather_text(engine, description)
+    descriptions = gather_text(engine, description)
     lines = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(descriptions))
     raise TensorMismatchError(
         f"workers submitted different tensors to the same {what} round; every worker must issue "
@@ -75,7 +75,8 @@ def negotiate(engine: Engine, what: str, description: str, *payload: int) -> np.
 _MAX_TEXT_BYTES = 2000
 
 
-def _gather_text(engine: Engine, text: str) -> list[str]:
+def gather_text(engine: Engine, text: str) -> list[str]:
+    """Every worker's ``text`` (its first 2000 bytes), in rank order; a collective."""
     data = text.encode()[:_MAX_TEXT_BYTES]
     lengths = engine.exchange([len(data)])[:, 0]
     padded = np.zeros(int(lengths.max()), dtype=np.uint8)

@@ -31,7 +31,7 @@ def _monitor(slowdown="1", steps=0):
 
     monitor = StepMonitor(_OneWorker(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")
     for _ in range(steps):
-        monitor.before_aggregation()
+        monitor.stretch()
         monitor.after_step(8, None)
     return monitor
 
@@ -44,7 +44,7 @@ def test_untimed_sections_are_left_out_of_compute_and_training_time():
     monitor = _monitor(steps=1)
     with bps.untimed():
         time.sleep(0.3)
-    monitor.before_aggregation()
+    monitor.stretch()
     monitor.after_step(8, None)
     stats = bps.step_statistics()
     assert (stats.steps, stats.samples) == (2, 16)
@@ -59,7 +59,7 @@ def test_slowdown_applies_only_inside_its_window():
     def one_step(slowdown):
         monitor = _monitor(slowdown)
         time.sleep(0.01)
-        monitor.before_aggregation()
+        monitor.stretch()
         monitor.after_step(8, None)
         return monitor
 
@@ -79,6 +79,6 @@ def test_nested_untimed_sections_count_once():
             time.sleep(0.2)
         time.sleep(0.1)
     assert 0.3 <= monitor._untimed_s < 0.5
-    monitor.before_aggregation()
+    monitor.stretch()
     monitor.after_step(8, None)
     assert monitor.totals.steps == 2

@@ -1,7 +1,7 @@
 """The worker's half of the control loop, driven by ``DistributedOptimizer`` once per step.
 
-Every step it measures compute time (from the end of the previous step to the start of
-gradient aggregation) and push_pull time (the step's span in the timing ring). Every
+Every step it measures push_pull time (the seconds the worker waited for gradient
+communication that backward did not hide) and compute time (the rest of the step). Every
 ``decision_interval`` steps, on every worker at the same step, it
 
 1. sends this worker's averages to the scheduler without waiting (:class:`SchedulerClient`);
@@ -14,8 +14,8 @@ compute time, push_pull time and samples to a shared-memory mailbox, where the n
 host finds it (and its pid) to add network and GPU metrics.
 
 ``DYNAMIX_SLOWDOWN`` (set by ``bpslaunch --slowdown RANK=FACTOR``) emulates a straggler: before
-aggregation the worker sleeps (FACTOR - 1) × its measured compute time, so its compute time
-grows in proportion to its batch. It is an emulation for benchmarks and tests.
+each gradient bucket leaves, the worker sleeps (FACTOR - 1) × the compute time since the last
+one, so its compute time grows in proportion to its batch. It is an emulation for benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class StepMonitor:
         self.optimizer_family = optimizer_family
         self.steps = 0
         self.global_step = 0  # steps completed in the job (across restarts when a sampler knows them)
-        self._start = self._last_end = time.perf_counter()
+        self._start = self._last_end = self._stretched_until = time.perf_counter()
         self._untimed_s = 0.0
         self._untimed_depth = 0
         self._interval = StepStatistics()
@@ -153,18 +153,16 @@ class StepMonitor:
             if self._untimed_depth == 0:
                 spent = time.perf_counter() - begin
                 self._last_end += spent
+                self._stretched_until += spent
                 self._untimed_s += spent
 
-    def before_aggregation(self) -> None:
-        """Called when the gradients are ready; applies the straggler emulation.
-
-        Collectives recorded since the last step (the user's own, e.g. metrics) are dropped from
-        the timing ring, so the step's push_pull span covers gradient aggregation only.
-        """
-        timing.ring().end_step()
+    def stretch(self) -> None:
+        """Called before each gradient bucket leaves: the straggler emulation stretches the
+        compute since the previous call (or the step's start) by the slowdown factor."""
         start, end = self.env.slowdown_window
         if self.env.slowdown > 1.0 and start <= self.training_seconds() < end:
-            time.sleep((self.env.slowdown - 1.0) * max(time.perf_counter() - self._last_end, 0.0))
+            time.sleep((self.env.slowdown - 1.0) * max(time.perf_counter() - self._stretched_until, 0.0))
+        self._stretched_until = time.perf_counter()
 
     def close(self) -> None:
         """Stop reporting to the scheduler: the client's thread ends and its channel closes, later
@@ -172,16 +170,18 @@ class StepMonitor:
         if self._client is not None:
             self._client.close()
 
-    def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None) -> None:
+    def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None,
+                   push_pull_s: float = 0.0) -> None:
         """Called after every optimizer step, on every worker, with this step's local samples, the
-        gradient noise statistics, the learning-rate factor applied, and the global step completed
-        (None: this monitor's count of steps)."""
+        gradient noise statistics, the learning-rate factor applied, the global step completed
+        (None: this monitor's count of steps) and the seconds spent waiting for the gradients'
+        communication (the rest of the step counts as compute)."""
         end = time.perf_counter()
-        push_pull_s = timing.ring().end_step()["span_ns"] / 1e9
+        timing.ring().end_step()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
         self._interval.add(compute_s, push_pull_s, samples or 0)
         self.totals.add(compute_s, push_pull_s, samples or 0)
-        self._last_end = end
+        self._last_end = self._stretched_until = end
         self.steps += 1
         self.global_step = self.steps if step is None else step
         if self._mailbox is not None:
@@ -200,7 +200,7 @@ class StepMonitor:
         if self.env.scheduler is not None:
             self._report(iv, loss, noise)
             self._apply_newest_assignment()
-        self._last_end = time.perf_counter()  # the boundary's collectives and logging are not compute
+        self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
 
     def _report(self, iv: StepStatistics, loss: float | None, noise) -> None:
         from dynamix_byteps.control import dynamix_pb2

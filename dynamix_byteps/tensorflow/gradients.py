@@ -31,7 +31,7 @@ from dynamix_byteps.tensorflow.bridge import (
     to_tf,
     to_torch,
 )
-from dynamix_byteps.tensorflow.ops import variable_name
+from dynamix_byteps.tensorflow.ops import Average, check_gradient_op, variable_name
 from dynamix_byteps.torch.compression import Compression, Compressor
 
 
@@ -64,6 +64,7 @@ class GradientReducer:
                  lr_scaling=None, base_batch_size: int | None = None):
         self.aggregator = GradientAggregator(optimizer_family, compression, lr_scaling, base_batch_size)
         self._descriptions: dict[tuple, str] = {}
+        self._agreed: str | None = None  # the description last agreed with the other workers
 
     def reduce(self, grads: list, names: list[str], local_batch_size=None) -> tuple[list, tf.Tensor]:
         """Replace ``grads`` by the batch-weighted mean over all workers.
@@ -80,7 +81,7 @@ class GradientReducer:
             learning-rate factor for the step as a float32 scalar tensor.
 
         Raises:
-            TensorMismatchError, ConfigurationError, CommunicationError: as ``GradientAggregator.reduce``
+            TensorMismatchError, ConfigurationError, CommunicationError: as ``GradientAggregator.finish``
             (inside ``tf.function`` they reach the caller as TensorFlow errors carrying the message).
             ValueError: ``local_batch_size`` is negative or too large.
         """
@@ -109,15 +110,21 @@ class GradientReducer:
     def _reduce_now(self, grads, names: list[str], declared: int) -> list[tf.Tensor]:
         aggregator = self.aggregator
         samples = aggregator.take_samples(declared)
-        aggregator.monitor.before_aggregation()
         views = [to_torch(g) for g in grads]
         buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
         layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
                    for bucket in buckets]
         flats = [_fuse([views[i] for i in bucket], offsets, length) for bucket, (offsets, length) in zip(buckets, layouts)]
-        reduced = aggregator.reduce(flats, samples, self._description(names, views))
+        description = self._description(names, views)
+        if description != self._agreed:
+            aggregator.agree_on_plan(description)
+            self._agreed = description
+        step = aggregator.open_round(samples)
+        for number, flat in enumerate(flats):
+            aggregator.launch(step, number, flat)
+        aggregator.finish(step, samples, description)
         results: list = [None] * len(views)
-        for bucket, (offsets, _), flat in zip(buckets, layouts, reduced):
+        for bucket, (offsets, _), flat in zip(buckets, layouts, flats):
             for i, offset in zip(bucket, offsets):
                 results[i] = to_tf(flat[offset:offset + views[i].numel()].view(views[i].shape))
         aggregator.update_lr_scale()
@@ -170,7 +177,7 @@ class _DistributedGradientTape(tf.GradientTape):
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-                            local_batch_size=None, lr_scaling: str | None = None,
+                            op: str = Average, local_batch_size=None, lr_scaling: str | None = None,
                             base_batch_size: int | None = None) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all workers,
     weighted by each worker's local batch size: Σ b_i g_i / Σ b_i.
@@ -187,6 +194,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         device_dense, device_sparse: accepted for BytePS compatibility.
         compression: ``Compression.none`` or ``Compression.fp16``.
         sparse_as_dense: accepted for BytePS compatibility; sparse gradients are always densified.
+        op: must be ``Average`` (BytePS's tape averaged whatever ``op`` said).
         local_batch_size: this worker's samples in the step (int or integer tensor, e.g.
             ``tf.shape(x)[0]``); default: the batch a ``DynamicBatchSampler`` handed out, else
             BytePS's plain average over workers.
@@ -195,10 +203,11 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         base_batch_size: B0, the global batch of factor 1; default: the first step's.
 
     Raises:
-        ValueError: an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1 (at the
-            first ``gradient()`` call).
+        ValueError: ``op`` is not ``Average``; an unknown ``lr_scaling`` rule or a
+            ``base_batch_size`` below 1 (at the first ``gradient()`` call).
     """
     del device_dense, device_sparse, sparse_as_dense
+    check_gradient_op(op)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)

@@ -2,10 +2,11 @@
 
 Each step the gradients are replaced by Σ_i b_i · g_i / Σ_i b_i, the gradient of the mean loss
 over the global batch (plain BytePS averaging when no batch sizes are known), the learning rate
-follows the global batch for that step only, and the gradient noise scale is updated: the
-framework-neutral :class:`~dynamix_byteps.aggregation.GradientAggregator` does all of it, on
-the gradients fused into one buffer per dtype. b_i comes from ``set_local_batch_size`` or,
-when a ``DynamicBatchSampler`` feeds the model, from the sizes of the batches it drew.
+follows the global batch for that step only, and the gradient noise scale is updated. The
+reduction runs during backward, bucket by bucket, from the gradient hooks
+(:class:`~dynamix_byteps.torch.reducer.BucketReducer`); ``step()`` only waits for it. b_i
+comes from the batches a ``DynamicBatchSampler`` drew or from ``set_local_batch_size``, which
+must then be called before ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -16,19 +17,10 @@ import numbers
 import numpy as np
 import torch
 
-from dynamix_byteps.aggregation import (
-    MAX_SAMPLES,
-    UNSET,
-    GradientAggregator,
-    plan_buckets,
-)
+from dynamix_byteps.aggregation import MAX_SAMPLES, UNSET, GradientAggregator
 from dynamix_byteps.data.lr_scaling import optimizer_family_of
-from dynamix_byteps.negotiation import describe, fingerprint
 from dynamix_byteps.torch.compression import Compression, Compressor
-
-# Parameter attribute holding its backward-pass counting hook: a new DistributedOptimizer over
-# the same model removes the old one's, which would otherwise count (and refuse) the new passes.
-_PASS_HOOK_ATTR = "_dynamix_pass_hook"
+from dynamix_byteps.torch.reducer import BucketReducer
 
 
 def _not_count(value) -> bool:
@@ -43,18 +35,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if base_batch_size is not None and _not_count(base_batch_size):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
-        self.backward_passes_per_step = int(backward_passes_per_step)
         self._aggregator = GradientAggregator(optimizer_family_of(self), compression, lr_scaling,
                                               None if base_batch_size is None else int(base_batch_size))
-        self._step_samples = UNSET
         self._names = self._name_parameters(named_parameters)
-        self._descriptions: dict[tuple, str] = {}
-        self._passes: dict[torch.Tensor, int] = {}
-        self._hooks: dict[torch.Tensor, object] = {}
         self._samples = UNSET
+        self._step_samples = UNSET
         self._synchronized = False
         self._skip_sync = False
-        self._gradient_params()  # registers the backward-pass counting hooks
+        self._reducer = BucketReducer(
+            self._aggregator, self._gradient_params, f"compression={compression.name}",
+            lambda: self._aggregator.take_samples(self._samples, self._reducer.passes_per_step),
+            int(backward_passes_per_step))
 
     # The step's statistics, kept by the shared aggregator.
     gradient_noise = property(lambda self: self._aggregator.gradient_noise,
@@ -67,6 +58,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                doc="B0, the global batch of factor 1 (the first step's unless given).")
     next_step = property(lambda self: self._aggregator.next_step,
                          doc="The sampler step after the last one trained on (None without a sampler).")
+    backward_passes_per_step = property(lambda self: self._reducer.passes_per_step,
+                                        doc="Backward passes accumulated locally before each reduction.")
 
     def _name_parameters(self, named_parameters) -> dict:
         if named_parameters is None:
@@ -86,55 +79,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return by_param
 
     def _gradient_params(self) -> list[tuple[str, torch.Tensor]]:
-        """Parameters to reduce this step: every one in ``param_groups`` that requires grad now
-        (so parameters unfrozen or groups added after wrapping are reduced too)."""
-        named = []
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.requires_grad:
-                    named.append((self._names.get(p, f"Gradient.group{g}.{i}"), p))
-                    if p not in self._hooks:
-                        previous = getattr(p, _PASS_HOOK_ATTR, None)
-                        if previous is not None:  # an earlier DistributedOptimizer of this model
-                            previous.remove()
-                        self._hooks[p] = p.register_post_accumulate_grad_hook(self._count_pass)
-                        setattr(p, _PASS_HOOK_ATTR, self._hooks[p])
-        return named
+        """Parameters to reduce: every one in ``param_groups`` that requires grad now (so
+        parameters unfrozen or groups added after wrapping are reduced too)."""
+        return [(self._names.get(p, f"Gradient.group{g}.{i}"), p)
+                for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"]) if p.requires_grad]
 
-    def _step_description(self, named) -> str:
-        key = tuple((name, tuple(p.shape), p.dtype) for name, p in named)
-        if key not in self._descriptions:
-            digest = fingerprint(describe(name, p) for name, p in named)
-            self._descriptions[key] = (
-                f"DistributedOptimizer step over {len(named)} gradients (digest {digest:016x}), "
-                f"compression={self._aggregator.compression.name}, "
-                f"backward_passes_per_step={self.backward_passes_per_step}, fusion_bytes={self._aggregator.fusion_bytes}"
-            )
-        return self._descriptions[key]
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally before each reduction (as BytePS's and
+        Horovod's optimizers); every worker must set the same value at the same step.
 
-    def _count_pass(self, param: torch.Tensor) -> None:
-        self._passes[param] = self._passes.get(param, 0) + 1
-        if self._passes[param] > self.backward_passes_per_step:
-            raise RuntimeError(
-                f"gradients were computed {self._passes[param]} times before step(), more than "
-                f"backward_passes_per_step={self.backward_passes_per_step}; call step() (or zero_grad()) after every "
-                f"{self.backward_passes_per_step} backward passes or raise backward_passes_per_step"
-            )
+        Raises:
+            ValueError: ``passes`` is not an integer >= 1.
+        """
+        if _not_count(passes):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self._reducer.passes_per_step = int(passes)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; also starts a new count of backward passes
-        (a GAN's generator backward may fill the discriminator's gradients, then zero them)."""
-        self._passes.clear()
+        """As ``torch.optim.Optimizer.zero_grad``; also drops a reduction that backward started
+        for this step (a GAN's generator backward may fill the discriminator's gradients, then
+        zero them) and starts a new count of backward passes."""
+        self._reducer.discard()
         self._synchronized = False
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def set_local_batch_size(self, samples: int) -> None:
-        """Declare how many samples this worker's last backward pass used (call once per pass).
+        """Declare how many samples this worker's next backward pass uses; call it before
+        ``loss.backward()`` (the reduction starts during backward, weighted by it).
 
         Not needed when a ``DynamicBatchSampler`` feeds the model: its batch sizes are used.
         Over ``backward_passes_per_step`` passes the counts add up. The step's weight is this
         worker's total over the global total; pass sizes within one step are assumed equal on
-        a worker, since the accumulated gradient is a sum of per-pass mean gradients.
+        a worker, since the accumulated gradient is a sum of per-pass mean gradients. Declared
+        after backward, the step is still weighted exactly, but reduced only in ``step()``
+        from then on (a warning-free slower path); declared after backward on a step where
+        the reduction had already started, ``step()`` raises ConfigurationError.
 
         Raises:
             ValueError: ``samples`` is not an integer >= 0.
@@ -144,39 +123,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._samples = int(samples) + max(self._samples, 0)
 
     def synchronize(self) -> None:
-        """Replace every gradient with the batch-weighted global mean (blocking).
+        """Wait until every gradient holds the batch-weighted global mean (blocking).
 
         Parameters without a gradient on this worker contribute zeros, so all workers reduce
-        the same buffers. Called by :meth:`step`; call it yourself to clip gradients first,
+        the same buckets. Called by :meth:`step`; call it yourself to clip gradients first,
         then step inside :meth:`skip_synchronize`.
 
         Raises:
             TensorMismatchError: workers have different parameters or settings.
-            ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
+            ConfigurationError: batch sizes were declared on some workers only, sum to 0, or
+                were declared after this step's reduction had started.
             TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
+            CommunicationError: a peer failed.
         """
-        named = self._gradient_params()
-        sparse = [name for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
-        if sparse:
-            raise TypeError(f"sparse gradients are not supported ({', '.join(sparse)}); use dense ones, "
-                            "e.g. nn.Embedding(..., sparse=False)")
-        aggregator = self._aggregator
-        aggregator.monitor.before_aggregation()
-        self._step_samples = aggregator.take_samples(self._samples, self.backward_passes_per_step)
-        with torch.no_grad():
-            for p in (p for _, p in named if p.grad is None):
-                p.grad = torch.zeros_like(p)
-            grads = [p.grad for _, p in named]
-            buckets = plan_buckets([(g.numel() * g.element_size(), g.dtype) for g in grads], aggregator.fusion_bytes)
-            flats = [torch.cat([grads[i].reshape(-1) for i in bucket]) for bucket in buckets]
-            reduced = aggregator.reduce(flats, self._step_samples, self._step_description(named))
-            for bucket, flat in zip(buckets, reduced):
-                offset = 0
-                for i in bucket:
-                    n = grads[i].numel()
-                    grads[i].copy_(flat[offset:offset + n].view_as(grads[i]))
-                    offset += n
-        self._passes.clear()
+        try:
+            self._step_samples = self._reducer.finish(None if self._samples == UNSET else self._samples)
+        finally:
+            self._samples = UNSET
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -189,8 +152,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._skip_sync = False
 
     def step(self, closure=None):
-        """Reduce gradients (unless already done this step) and apply the wrapped optimizer's
-        update with each group's learning rate multiplied by :attr:`lr_scale` for this step.
+        """Wait for the gradients' reduction (unless already done this step) and apply the wrapped
+        optimizer's update with each group's learning rate multiplied by :attr:`lr_scale` for this step.
 
         A ``closure`` is evaluated once, before the gradients are reduced; its loss is returned.
         """
@@ -210,7 +173,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group, lr in zip(self.param_groups, base_lrs):
                 group["lr"] = lr
         self._synchronized = False
-        self._samples = UNSET
         self._aggregator.after_step(self._step_samples)
         return loss
 
@@ -237,6 +199,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         named_parameters: ``model.named_parameters()``; names appear in errors and timing.
         compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
         backward_passes_per_step: backward passes accumulated locally before each reduction.
+            Bucket size: ``DYNAMIX_FUSION_BYTES`` (default 25 MiB).
         lr_scaling: how the learning rate follows the global batch B: ``none``, ``linear``
             (B/B0), ``sqrt`` (√(B/B0)) or ``adascale`` (AdaScale gain; AdamScale for Adam/AdamW);
             default: ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.

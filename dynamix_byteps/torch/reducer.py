@@ -1,0 +1,239 @@
+"""Gradients reduced during backward: buckets launched from the post-accumulate-grad hooks.
+
+:class:`BucketReducer` serves both ``DistributedOptimizer`` and ``DistributedDataParallel``.
+As PyTorch DDP's reducer does, it groups the parameters into buckets in reverse registration
+order (roughly the order backward produces their gradients), up to ``fusion_bytes`` each, and
+makes every gradient a view of its bucket, so nothing is copied back after the reduction. When
+the last gradient of a bucket has been accumulated, and buckets are launched in plan order, the
+bucket's batch-weighted all-reduce starts (:meth:`GradientAggregator.launch`) while backward
+goes on; at the end of backward the buckets still open (parameters that got no gradient, which
+contribute zeros) are launched; :meth:`finish` only waits.
+
+The plan is agreed with the other workers once, when it is built (the first step, and whenever
+the set of parameters requiring gradients changes, which must happen on every worker at the
+same step). Rounds where a hook cannot launch (no plan yet, a plan gone stale, or a job whose
+batch sizes become known only after backward) are reduced whole in :meth:`finish` instead:
+correct, without the overlap.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dynamix_byteps.aggregation import UNSET, GradientAggregator, Round, plan_buckets
+from dynamix_byteps.negotiation import describe, fingerprint
+
+# Parameter attribute holding the reducer hook: a new reducer over the same model removes the old
+# one's, which would otherwise count (and refuse) the new passes.
+_HOOK_ATTR = "_dynamix_reducer_hook"
+
+
+@dataclass
+class _Bucket:
+    buffer: torch.Tensor  # flat, one dtype and device
+    params: list[torch.Tensor]
+    views: list[torch.Tensor]  # views of buffer shaped like each parameter
+    pending: int = 0  # gradients not yet ready this round
+
+
+class _Plan:
+    """Buckets over the parameters that require gradients, in reverse registration order."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], limit: int, settings: str):
+        self.key = _key(named)
+        ordered = list(reversed(named))
+        groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit)
+        self.buckets: list[_Bucket] = []
+        self.slot: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
+        for number, group in enumerate(groups):
+            params = [ordered[i][1] for i in group]
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            views, offset = [], 0
+            for p in params:
+                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                self.slot[p] = (number, views[-1])
+                offset += p.numel()
+            self.buckets.append(_Bucket(buffer, params, views))
+        digest = fingerprint(describe(name, p) for name, p in ordered)
+        self.description = (f"gradient buckets over {len(named)} parameters (digest {digest:016x}), "
+                            f"{len(self.buckets)} buckets, {settings}")
+
+
+def _key(named: list[tuple[str, torch.Tensor]]) -> tuple:
+    return tuple((id(p), p.shape, p.dtype, p.device) for _, p in named)
+
+
+class BucketReducer:
+    """Batch-weighted, bucketed, overlapped gradient reduction of a set of parameters.
+
+    Args:
+        aggregator: the step statistics and collectives (:class:`GradientAggregator`).
+        parameters: called at each plan check; returns ``[(name, parameter)]`` in registration
+            order, only those requiring gradients.
+        settings: what must also match across workers (e.g. compression), for the plan's description.
+        step_samples: called once per round, when its last backward pass starts (or at
+            :meth:`finish` when none did); returns this worker's samples in the step
+            (:data:`UNSET` when unknown).
+        passes_per_step: backward passes accumulated before a reduction (``backward_passes_per_step``).
+        on_backward_end: when given, the round is finished at the end of its last backward pass
+            (as DDP does) and this is called afterwards with the step's local batch size; else
+            the owner calls :meth:`finish`.
+
+    Attributes:
+        sync: whether the next backward pass reduces (``DistributedDataParallel.no_sync`` clears it).
+    """
+
+    def __init__(self, aggregator: GradientAggregator, parameters: Callable[[], list], settings: str,
+                 step_samples: Callable[[], int], passes_per_step: int = 1,
+                 on_backward_end: Callable[[int], None] | None = None):
+        self.aggregator = aggregator
+        self._parameters = parameters
+        self._settings = settings
+        self._step_samples = step_samples
+        self.passes_per_step = passes_per_step
+        self._on_backward_end = on_backward_end
+        self.sync = True
+        self._plan: _Plan | None = None
+        self._overlap = True  # False once some worker's batch size came after backward: reduce in finish()
+        self._hooks: dict[torch.Tensor, object] = {}
+        self._round: Round | None = None
+        self._samples: int | None = None  # taken when the round's last backward pass started
+        self._launching = False  # this backward pass launches buckets from its hooks
+        self._next_bucket = 0
+        self._passes = 0  # backward passes completed since the last reduction
+        self._in_backward = False
+        self._register_hooks(parameters())
+
+    def _register_hooks(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for _, p in named:
+            if p not in self._hooks:
+                previous = getattr(p, _HOOK_ATTR, None)
+                if previous is not None:  # an earlier reducer over this model
+                    previous.remove()
+                self._hooks[p] = p.register_post_accumulate_grad_hook(self._on_gradient)
+                setattr(p, _HOOK_ATTR, self._hooks[p])
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        if not self._launching or param not in self._plan.slot:
+            return
+        number, view = self._plan.slot[param]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+        self._plan.buckets[number].pending -= 1
+        self._launch_ready()
+
+    def _begin_backward(self) -> None:
+        if self._passes >= self.passes_per_step:
+            raise RuntimeError(
+                f"gradients were computed {self._passes + 1} times before step(), more than "
+                f"backward_passes_per_step={self.passes_per_step}; call step() (or zero_grad()) after every "
+                f"{self.passes_per_step} backward passes or raise backward_passes_per_step")
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not (self.sync and self._passes + 1 == self.passes_per_step):
+            return
+        self._samples = self._step_samples()
+        self._launching = self._overlap and self._plan is not None and self._plan.key == _key(self._parameters())
+        if self._launching:
+            self._round = self.aggregator.open_round(self._samples)
+            self._next_bucket = 0
+            for bucket in self._plan.buckets:
+                bucket.pending = len(bucket.params)
+
+    def _launch_ready(self) -> None:
+        buckets = self._plan.buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            self.aggregator.launch(self._round, self._next_bucket, buckets[self._next_bucket].buffer)
+            self._next_bucket += 1
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if not self.sync:
+            return
+        self._passes += 1
+        if self._launching:
+            self._launching = False
+            for bucket in self._plan.buckets[self._next_bucket:]:
+                bucket.pending = 0
+                _fill(bucket)
+            self._launch_ready()
+        if self._on_backward_end is not None and self._passes == self.passes_per_step:
+            self._on_backward_end(self.finish())
+
+    def finish(self, declared: int | None = None) -> int:
+        """Complete this step's reduction: every gradient then holds the batch-weighted global mean.
+
+        Launches whatever backward did not (the whole round when no hook could), then waits.
+
+        Args:
+            declared: this worker's batch size as declared by now (``set_local_batch_size``), if any.
+
+        Returns:
+            The local batch size the step was weighted by (:data:`UNSET`: none).
+
+        Raises:
+            TensorMismatchError: workers have different parameters or settings.
+            ConfigurationError: batch sizes declared on some workers only, summing to 0, or
+                declared after backward had started reducing.
+            TypeError: a gradient is sparse.
+            CommunicationError: a peer failed.
+        """
+        if self._round is None:
+            self._reduce_whole_round(declared)
+        step, self._round, self._samples, self._passes = self._round, None, None, 0
+        self.aggregator.finish(step, step.samples if declared is None else declared, self._plan.description)
+        return step.samples
+
+    def _reduce_whole_round(self, declared: int | None) -> None:
+        named = self._parameters()
+        sparse = [name for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
+        if sparse:
+            raise TypeError(f"sparse gradients are not supported ({', '.join(sparse)}); use dense ones, "
+                            "e.g. nn.Embedding(..., sparse=False)")
+        if self._samples is None:
+            self._samples = self._step_samples()
+        if self._plan is None or self._plan.key != _key(named):
+            self._register_hooks(named)
+            self._plan = _Plan(named, self.aggregator.fusion_bytes, self._settings)
+            late = declared is not None and declared != self._samples
+            self._overlap = not self.aggregator.agree_on_plan(self._plan.description, int(late)).any()
+            if late:
+                warnings.warn("set_local_batch_size() was called after backward(): gradients are now reduced "
+                              "in step(), after backward, instead of during it; call it before loss.backward()",
+                              stacklevel=4)
+        self._round = self.aggregator.open_round(self._samples if declared is None else declared)
+        for number, bucket in enumerate(self._plan.buckets):
+            _fill(bucket)
+            self.aggregator.launch(self._round, number, bucket.buffer)
+
+    def replan(self) -> None:
+        """Build and agree on a new plan at the next step (a setting in the description changed)."""
+        self._plan = None
+
+    def discard(self) -> None:
+        """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
+        launched and forget the passes."""
+        if self._round is not None:
+            self.aggregator.drain(self._round)
+        self._round, self._samples, self._passes = None, None, 0
+        self._launching = self._in_backward = False
+
+
+def _fill(bucket: _Bucket) -> None:
+    """Move the bucket's gradients into it (zeros for a parameter without one) and make each
+    parameter's ``.grad`` its view."""
+    for p, view in zip(bucket.params, bucket.views):
+        if p.grad is view:
+            continue
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view

@@ -1,0 +1,177 @@
+"""Worker functions for tests/test_overlap.py: gradients reduced during backward.
+
+Each compares against a single process training on the concatenated global batches in
+float64, so every rank checks the exact answer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps import timing
+from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
+
+
+class Branchy(torch.nn.Module):
+    """Three layers used every pass, one never used (its bucket gets no gradient), one used
+    only when ``use_extra`` is true."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, width)
+        self.middle = torch.nn.Linear(width, width)
+        self.extra = torch.nn.Linear(width, width)
+        self.last = torch.nn.Linear(width, 3)
+        self.unused = torch.nn.Linear(3, 3)
+        self.double()
+
+    def forward(self, x, use_extra: bool = False):
+        h = torch.tanh(self.middle(torch.tanh(self.first(x))))
+        if use_extra:
+            h = torch.tanh(self.extra(h))
+        return self.last(h)
+
+
+def _data(total: int, steps: int, passes: int):
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(total, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (total,), generator=g))
+             for _ in range(passes)] for _ in range(steps)]
+
+
+def _reference(data):
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    first_grads = None
+    for step in data:
+        opt.zero_grad()
+        for x, y in step:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return model, first_grads
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-300))
+
+
+def exact_weighting(variant: str, sizes: list[int], steps: int) -> dict:
+    """Train ``steps`` steps with per-worker batches ``sizes`` through ``variant``:
+
+    ``optimizer`` (set_local_batch_size before backward), ``optimizer_accumulate`` (2 passes per
+    step), ``optimizer_late`` (declared after backward), ``ddp``, ``ddp_no_sync`` (first of 2
+    passes inside no_sync). Buckets of one parameter each, so several leave during backward.
+    """
+    os.environ["DYNAMIX_FUSION_BYTES"] = "64"
+    rank = bps.rank()
+    passes = 2 if variant in ("optimizer_accumulate", "ddp_no_sync") else 1
+    data = _data(sum(sizes), steps, passes)
+    reference, ref_grads = _reference(data)
+    start, b = sum(sizes[:rank]), sizes[rank]
+    model = Branchy()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if variant.startswith("ddp"):
+        net, opt = bps.DistributedDataParallel(model), plain
+    else:
+        net, opt = model, bps.DistributedOptimizer(plain, model.named_parameters(), backward_passes_per_step=passes)
+    grad_error, overlapped = None, 0
+    for step in data:
+        opt.zero_grad()
+        timing.ring().drain()
+        for index, (x, y) in enumerate(step):
+            if variant in ("optimizer", "optimizer_accumulate"):
+                opt.set_local_batch_size(b)
+            if variant == "ddp_no_sync" and index == 0:
+                with net.no_sync():
+                    torch.nn.functional.cross_entropy(net(x[start:start + b]), y[start:start + b]).backward()
+            else:
+                torch.nn.functional.cross_entropy(net(x[start:start + b]), y[start:start + b]).backward()
+            if variant == "optimizer_late":
+                opt.set_local_batch_size(b)
+        backward_end = timing.now_ns()
+        if variant.startswith("optimizer"):
+            opt.synchronize()
+        if grad_error is None:
+            grad_error = max(_error(p.grad, ref_grads[n]) for n, p in model.named_parameters() if n in ref_grads)
+        if variant.startswith("optimizer"):
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        events = timing.ring().drain()
+        names = timing.names()
+        overlapped = sum(1 for i, s in zip(events["name_id"], events["start_ns"])
+                         if names[i].startswith("Gradient.bucket.") and s < backward_end)
+    param_error = max(_error(p, r) for p, r in zip(model.parameters(), reference.parameters()))
+    return {"grad_error": grad_error, "param_error": param_error, "overlapped": overlapped,
+            "unused_grad_zero": bool(model.unused.weight.grad is not None and not model.unused.weight.grad.any())}
+
+
+def unused_on_some_ranks(variant: str) -> dict:
+    """``extra`` is used on rank 0 only and ``unused`` nowhere: every rank must finish the step
+    with the same gradients, ``extra``'s being rank 0's local gradient weighted by b_0 / Σb."""
+    os.environ["DYNAMIX_FUSION_BYTES"] = "64"
+    rank, sizes = bps.rank(), [5, 7]
+    model = Branchy()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
+    opt = plain if variant == "ddp" else bps.DistributedOptimizer(plain, model.named_parameters())
+    x, y = _data(sum(sizes), 1, 1)[0][0]
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    local = Branchy()
+    torch.nn.functional.cross_entropy(local(x[:sizes[0]], use_extra=True), y[:sizes[0]]).backward()
+    expected_extra = local.extra.weight.grad * sizes[0] / sum(sizes)
+    opt.zero_grad()
+    if variant != "ddp":
+        opt.set_local_batch_size(sizes[rank])
+    torch.nn.functional.cross_entropy(net(x[mine], use_extra=rank == 0), y[mine]).backward()
+    if variant != "ddp":
+        opt.synchronize()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    total = bps.push_pull(grads, average=False, name="check")
+    return {"same_on_every_rank": bool(torch.allclose(total, grads * bps.size(), rtol=1e-12, atol=1e-15)),
+            "extra_error": _error(model.extra.weight.grad, expected_extra),
+            "unused_zero": not model.unused.weight.grad.any()}
+
+
+def different_model(variant: str) -> str:
+    """Rank 1 has a wider model: every rank must raise TensorMismatchError, none hang."""
+    model = Branchy(width=8 if bps.rank() == 0 else 9)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        if variant == "ddp":
+            net = bps.DistributedDataParallel(model)
+            torch.nn.functional.cross_entropy(net(torch.randn(4, 6, dtype=torch.float64)), torch.zeros(4, dtype=torch.long)).backward()
+        else:
+            opt = bps.DistributedOptimizer(plain, model.named_parameters())
+            torch.nn.functional.cross_entropy(model(torch.randn(4, 6, dtype=torch.float64)), torch.zeros(4, dtype=torch.long)).backward()
+            opt.step()
+    except TensorMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def declared_late_after_overlap() -> str:
+    """Step 1 declares before backward (overlapped); in step 2 rank 1 declares after: every rank
+    must raise ConfigurationError, none may sum with a weight that was not declared."""
+    model = Branchy()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    for step in range(2):
+        opt.zero_grad()
+        late = step == 1 and bps.rank() == 1
+        if not late:
+            opt.set_local_batch_size(4)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if late:
+            opt.set_local_batch_size(4)
+        try:
+            opt.step()
+        except ConfigurationError as exc:
+            return f"step {step}: {exc}"
+    return "no error"

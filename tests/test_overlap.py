@@ -1,0 +1,54 @@
+"""Gradients reduced during backward (DistributedOptimizer and DistributedDataParallel) on real
+worker processes over loopback: exact batch weighting, unused parameters, mismatches."""
+
+import pytest
+
+from multiworker import run_workers
+
+SIZES = [13, 29, 50]
+
+
+def _ok(results):
+    for rank, result in enumerate(results):
+        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
+    return [result["ok"] for result in results]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", ["optimizer", "optimizer_accumulate", "ddp", "ddp_no_sync"])
+def test_unequal_batches_reduced_during_backward_match_one_process(variant):
+    for result in _ok(run_workers(3, "overlap_cases:exact_weighting", variant, SIZES, 3)):
+        assert result["grad_error"] < 1e-12
+        assert result["param_error"] < 1e-12
+        assert result["overlapped"] >= 2, "no bucket left before backward returned"
+        assert result["unused_grad_zero"]
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_size_declared_after_backward_is_still_exact_without_overlap():
+    for result in _ok(run_workers(3, "overlap_cases:exact_weighting", "optimizer_late", SIZES, 3)):
+        assert result["grad_error"] < 1e-12
+        assert result["param_error"] < 1e-12
+        assert result["overlapped"] == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_parameters_without_gradients_on_some_ranks_neither_hang_nor_get_lost(variant):
+    for result in _ok(run_workers(2, "overlap_cases:unused_on_some_ranks", variant)):
+        assert result["same_on_every_rank"]
+        assert result["extra_error"] < 1e-12
+        assert result["unused_zero"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
+    for message in _ok(run_workers(2, "overlap_cases:different_model", variant)):
+        assert "rank 0" in message and "rank 1" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_size_declared_late_once_reduction_overlaps_raises_everywhere():
+    for message in _ok(run_workers(2, "overlap_cases:declared_late_after_overlap")):
+        assert message.startswith("step 1:") and "before loss.backward()" in message
