@@ -18,6 +18,7 @@ from dynamix_byteps.errors import (
     DatasetNotFoundError,
     DynamixError,
     EngineUnavailableError,
+    InvalidAssignmentError,
     NotInitializedError,
     TensorMismatchError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "DatasetNotFoundError",
     "DynamixError",
     "EngineUnavailableError",
+    "InvalidAssignmentError",
     "NotInitializedError",
     "TensorMismatchError",
     "init",

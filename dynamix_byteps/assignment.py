@@ -18,11 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from dynamix_byteps.errors import ConfigurationError
-
-
-class InvalidAssignmentError(ConfigurationError):
-    """An assignment broke a rule (sizes, bounds, step, version); the previous one stays in force."""
+from dynamix_byteps.errors import ConfigurationError, InvalidAssignmentError
 
 
 @dataclass(frozen=True)
