@@ -12,8 +12,6 @@ TensorFlow ops. Importing this module imports TensorFlow; ``dynamix_byteps`` and
 ``dynamix_byteps.torch`` never do.
 """
 
-from dynamix_byteps import engine as _engine
-from dynamix_byteps import shutdown as _shutdown
 from dynamix_byteps import (
     is_initialized,
     local_rank,
@@ -30,51 +28,34 @@ from dynamix_byteps.batching import (
     set_batch_sizes,
 )
 from dynamix_byteps.data.sampler import DynamicBatchSampler
+from dynamix_byteps.errors import InvalidAssignmentError
+from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.data import dynamic_batch_dataset
-from dynamix_byteps.tensorflow.gradients import (
-    DistributedGradientTape,
-    forget_tape_reducers,
-)
-from dynamix_byteps.tensorflow.keras.optimizer import DistributedOptimizer
+from dynamix_byteps.tensorflow.gradients import DistributedGradientTape
 from dynamix_byteps.tensorflow.ops import (
+    Adasum,
     Average,
     Sum,
     broadcast,
+    broadcast_global_variables,
     broadcast_variables,
     push_pull,
 )
+from dynamix_byteps.tensorflow.optimizer import DistributedOptimizer
 from dynamix_byteps.tensorflow.reporting import report_loss
 from dynamix_byteps.torch.compression import Compression
 
-
-def init(lazy: bool = True) -> None:
-    """Join the job described by the environment (set by ``bpslaunch``); idempotent.
-
-    Blocks until every worker has joined. ``lazy`` exists for BytePS compatibility and is ignored.
-
-    Raises:
-        ConfigurationError: a ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_*`` variable is invalid.
-        EngineUnavailableError: the selected engine cannot be imported.
-        CommunicationError: the rendezvous with the other workers failed.
-    """
-    del lazy
-    _engine.start(framework="tensorflow")
-
-
-def shutdown() -> None:
-    """:func:`dynamix_byteps.shutdown`, after dropping this frontend's gradient-tape reducers."""
-    forget_tape_reducers()
-    _shutdown()
-
-
 __all__ = [
+    "Adasum",
     "Average",
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
     "DynamicBatchSampler",
+    "InvalidAssignmentError",
     "Sum",
     "broadcast",
+    "broadcast_global_variables",
     "broadcast_variables",
     "dynamic_batch_dataset",
     "gradient_noise_scale",

@@ -25,6 +25,7 @@ from dynamix_byteps.torch.functions import broadcast_parameters
 
 Average = "Average"
 Sum = "Sum"
+Adasum = "Adasum"  # BytePS's name; no reduction here implements it
 
 _BROADCAST_NAME = "Broadcast"
 
@@ -35,8 +36,19 @@ def _is_average(average: bool | None, op: str | None) -> bool:
     if average is not None:
         raise ValueError("push_pull takes average= or op=, not both; use op=bps.Average or op=bps.Sum")
     if op not in (Average, Sum):
-        raise ValueError(f"push_pull op must be bps.Average or bps.Sum, got {op!r}")
+        raise ValueError(f"push_pull op must be bps.Average or bps.Sum, got {op!r} (Adasum is not implemented)")
     return op == Average
+
+
+def check_gradient_op(op: str) -> None:
+    """Raise ValueError unless ``op`` is ``Average``: gradients are always averaged over the workers.
+
+    BytePS's ``DistributedOptimizer`` and ``DistributedGradientTape`` take ``op`` too, average
+    whatever it says and refuse ``Adasum``; here ``Sum`` is refused as well instead of being ignored.
+    """
+    if op != Average:
+        raise ValueError(f"op={op!r}: gradients are always averaged over the workers, weighted by their batch "
+                         "sizes; pass op=bps.Average or leave op out")
 
 
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,
@@ -163,7 +175,7 @@ def broadcast_variables(variables: Iterable, root_rank: int, scope: str = ""):
     """Assign ``root_rank``'s values to ``variables`` (``tf.Variable`` or Keras variables) on every worker.
 
     One negotiation for the whole list. Eagerly the assignment is done on return (None is
-    returned); inside ``tf.function`` the grouped assign op is returned.
+    returned); inside ``tf.function`` or a TensorFlow 1 graph the grouped assign op is returned.
 
     Raises:
         ValueError: ``root_rank`` is not a rank of this job.
@@ -171,7 +183,7 @@ def broadcast_variables(variables: Iterable, root_rank: int, scope: str = ""):
     """
     variables = list(variables)
     if not variables:
-        return None
+        return None if tf.executing_eagerly() else tf.group()
     names = [f"{scope}{variable_name(v, i)}" for i, v in enumerate(variables)]
     values = [tf.convert_to_tensor(v) for v in variables]
 
@@ -186,3 +198,20 @@ def broadcast_variables(variables: Iterable, root_rank: int, scope: str = ""):
         result.set_shape(value.shape)
         assigns.append(variable.assign(result))
     return None if tf.executing_eagerly() else tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int):
+    """Broadcast ``root_rank``'s global variables (``tf.compat.v1.global_variables()``) to every worker.
+
+    For TensorFlow 1-style graphs only, as in BytePS: returns the grouped assign op, to run in
+    the session on every worker.
+
+    Raises:
+        RuntimeError: called eagerly, where no global variable collection exists.
+        ValueError: ``root_rank`` is not a rank of this job (when the op runs).
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("bps.broadcast_global_variables() needs a TensorFlow 1 graph; eagerly, call "
+                           "bps.broadcast_variables(model.variables, root_rank) (or, with Keras, "
+                           "bps_keras.broadcast_global_variables(root_rank, model))")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)

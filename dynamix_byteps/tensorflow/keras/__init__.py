@@ -1,12 +1,33 @@
 """The ``byteps.tensorflow.keras`` API on dynamix_byteps for Keras 3 (TensorFlow backend).
 
 ``import dynamix_byteps.tensorflow.keras as bps_keras`` gives ``DistributedOptimizer``,
-``broadcast_global_variables`` and ``callbacks`` (``BroadcastGlobalVariablesCallback``,
-``MetricAverageCallback``, and ``BatchSizeCallback``, which applies batch-size assignments).
+``broadcast_global_variables``, ``push_pull``, ``broadcast``, ``load_model``, the TensorFlow
+frontend's ``init``, ``shutdown``, ``size``, ``local_size``, ``rank``, ``local_rank`` and
+``Compression``, and ``callbacks`` (``BroadcastGlobalVariablesCallback``,
+``MetricAverageCallback``, ``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``,
+and ``BatchSizeCallback``, which applies batch-size assignments).
 """
 
+from dynamix_byteps import local_rank, local_size, rank, size
+from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.keras import callbacks
 from dynamix_byteps.tensorflow.keras.callbacks import broadcast_global_variables
+from dynamix_byteps.tensorflow.keras.functions import broadcast, load_model, push_pull
 from dynamix_byteps.tensorflow.keras.optimizer import DistributedOptimizer
+from dynamix_byteps.torch.compression import Compression
 
-__all__ = ["DistributedOptimizer", "broadcast_global_variables", "callbacks"]
+__all__ = [
+    "Compression",
+    "DistributedOptimizer",
+    "broadcast",
+    "broadcast_global_variables",
+    "callbacks",
+    "init",
+    "load_model",
+    "local_rank",
+    "local_size",
+    "push_pull",
+    "rank",
+    "shutdown",
+    "size",
+]

@@ -1,5 +1,5 @@
-"""Keras callbacks for ``model.fit`` on dynamix_byteps: the BytePS ones, and one that applies
-batch-size assignments.
+"""Keras callbacks for ``model.fit`` on dynamix_byteps: the BytePS ones (variable broadcast,
+metric averaging, learning-rate schedule and warm-up), and one that applies batch-size assignments.
 
 Every callback here is a collective where it communicates: give every worker the same callbacks
 in the same order.
@@ -163,3 +163,132 @@ class BatchSizeCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if logs and "loss" in logs:
             report_loss(logs["loss"])
+
+
+def _learning_rate(optimizer) -> float:
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the optimizer's learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch``
+    up to, not including, ``end_epoch`` (BytePS's and Horovod's callback, for Keras 3).
+
+    With ``staircase=True`` the rate is set at the start of each epoch and ``multiplier`` gets
+    the epoch (int, 0-based); with ``staircase=False`` it is set before every batch and gets the
+    fractional epoch ``epoch + batch / steps_per_epoch``. Outside the range the rate is left as
+    it is. The rate at the end of each epoch goes into the logs as ``lr``. Under
+    ``DistributedOptimizer(lr_scaling=...)`` this is the base rate the scaling multiplies.
+
+    Args:
+        multiplier: a number (then always staircase) or a function of the epoch returning the factor.
+        start_epoch: the first epoch adjusted.
+        end_epoch: the first epoch no longer adjusted; None: every epoch from ``start_epoch`` on.
+        staircase: set the rate per epoch (True) or per batch (False).
+        momentum_correction: when the rate changes from η to η', scale the momentum buffers of a
+            ``keras.optimizers.SGD`` (its velocity carries the rate) by η'/η, so the next update
+            follows the new rate at once (Goyal et al. 2017, arXiv 1706.02677, "momentum
+            correction"). Other optimizers are left alone.
+        steps_per_epoch: batches per epoch, for ``staircase=False``; default: what ``model.fit``
+            knows (its ``steps_per_epoch`` or the dataset's length). When neither is known, as
+            for ``dynamic_batch_dataset`` whose steps follow the batch sizes, the rate is set
+            once per epoch, with a warning.
+        initial_lr: the base rate; default: the optimizer's rate when training starts.
+
+    Raises (at the start of training):
+        ValueError: the model has no optimizer, or its rate is a ``LearningRateSchedule``,
+            which cannot be set.
+    """
+
+    def __init__(self, multiplier, start_epoch: int = 0, end_epoch: int | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 initial_lr: float | None = None):
+        super().__init__()
+        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        self.staircase = staircase or not callable(multiplier)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.initial_lr = initial_lr
+        self._epoch_step = 1.0  # epochs between two settings of the rate: 1, or 1/steps_per_epoch per batch
+        self._per_batch = False
+        self._epoch = 0
+
+    def on_train_begin(self, logs=None):
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError(f"{type(self).__name__} needs a compiled model: call model.compile(optimizer=...) first")
+        if not isinstance(optimizer.learning_rate, keras.Variable):
+            raise ValueError(f"{type(self).__name__} sets the learning rate itself, but this optimizer's is a "
+                             "LearningRateSchedule; give the optimizer a float learning_rate")
+        if self.initial_lr is None:
+            self.initial_lr = _learning_rate(optimizer)
+        steps = self.steps_per_epoch or self.params.get("steps")
+        self._per_batch = not self.staircase and bool(steps)
+        if self._per_batch:
+            self._epoch_step = 1.0 / steps
+        elif not self.staircase:
+            warnings.warn(f"{type(self).__name__}: the number of steps per epoch is unknown, so the learning rate "
+                          "changes once per epoch; pass steps_per_epoch= to change it every batch", stacklevel=2)
+
+    def _in_range(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set(self, factor) -> None:
+        optimizer = self.model.optimizer
+        old, new = _learning_rate(optimizer), self.initial_lr * float(factor)
+        optimizer.learning_rate = new
+        if self.momentum_correction and old > 0 and new != old and isinstance(optimizer, keras.optimizers.SGD):
+            for velocity in getattr(optimizer, "momentums", ()):
+                velocity.assign(velocity * (new / old))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if not self._per_batch and self._in_range(epoch):
+            self._set(self.multiplier(epoch))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._per_batch and self._in_range(self._epoch):
+            self._set(self.multiplier(self._epoch + batch * self._epoch_step))
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["lr"] = _learning_rate(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Gradual learning-rate warm-up from ``initial_lr / size()`` to ``initial_lr`` over the first
+    ``warmup_epochs`` epochs (Goyal et al. 2017, arXiv 1706.02677; BytePS's and Horovod's callback).
+
+    After ``p`` epochs of training (fractional) the rate is
+    ``initial_lr / size() * (1 + p * (size() - 1) / warmup_epochs)``, set before each batch for
+    the ``p`` at that batch's end, so the last warm-up batch runs at ``initial_lr``. When the
+    steps per epoch are unknown (see :class:`LearningRateScheduleCallback`) it is set per epoch,
+    for ``p`` at the epoch's end.
+
+    Args:
+        warmup_epochs: length of the warm-up, in epochs.
+        momentum_correction, steps_per_epoch, initial_lr: as for :class:`LearningRateScheduleCallback`.
+        verbose: 1 prints a line when the warm-up is done.
+
+    Raises (at the start of training): as :class:`LearningRateScheduleCallback`.
+    """
+
+    def __init__(self, warmup_epochs: int = 5, momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0, initial_lr: float | None = None):
+        super().__init__(self._warmup, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
+                         initial_lr=initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def _warmup(self, epoch: float) -> float:
+        size = _engine.current().size
+        done = epoch + self._epoch_step
+        return (1 + done * (size - 1) / self.warmup_epochs) / size
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        if self.verbose and epoch == self.warmup_epochs - 1:
+            rate = _learning_rate(self.model.optimizer)
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}.")

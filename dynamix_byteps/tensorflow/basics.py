@@ -1,0 +1,28 @@
+"""``init`` and ``shutdown`` of the TensorFlow frontend, shared by ``dynamix_byteps.tensorflow``
+and ``dynamix_byteps.tensorflow.keras`` (as BytePS's Keras module re-exports its TensorFlow ones)."""
+
+from __future__ import annotations
+
+from dynamix_byteps import engine as _engine
+from dynamix_byteps import shutdown as _shutdown
+from dynamix_byteps.tensorflow.gradients import forget_tape_reducers
+
+
+def init(lazy: bool = True) -> None:
+    """Join the job described by the environment (set by ``bpslaunch``); idempotent.
+
+    Blocks until every worker has joined. ``lazy`` exists for BytePS compatibility and is ignored.
+
+    Raises:
+        ConfigurationError: a ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_*`` variable is invalid.
+        EngineUnavailableError: the selected engine cannot be imported.
+        CommunicationError: the rendezvous with the other workers failed.
+    """
+    del lazy
+    _engine.start(framework="tensorflow")
+
+
+def shutdown() -> None:
+    """:func:`dynamix_byteps.shutdown`, after dropping this frontend's gradient-tape reducers."""
+    forget_tape_reducers()
+    _shutdown()
