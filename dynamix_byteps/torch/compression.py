@@ -19,6 +19,9 @@ class Compressor:
         return tensor
 
 
+NoneCompressor = Compressor  # BytePS's name for the identity compressor
+
+
 class FP16Compressor(Compressor):
     """Sends floating-point tensors as float16 (half the bytes); other dtypes pass unchanged.
 

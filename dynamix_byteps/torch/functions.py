@@ -17,24 +17,52 @@ def _check_root(engine, root_rank: int) -> None:
         raise ValueError(f"root_rank must be an integer rank in [0, {engine.size}), got {root_rank!r}")
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+def _named_tensors(params) -> list[tuple[str, torch.Tensor]]:
+    """``params`` as ``(name, tensor)`` pairs; a plain tensor is named by its position."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("broadcast_parameters takes a collection of tensors (model.parameters(), "
+                        "model.named_parameters() or model.state_dict()), not a single tensor; wrap it in a list")
+    items = params.items() if isinstance(params, Mapping) else params
+    try:
+        iterator = iter(items)
+    except TypeError:
+        raise TypeError(f"broadcast_parameters takes model.parameters(), model.named_parameters() or "
+                        f"model.state_dict(), got {type(params).__name__}") from None
+    named = []
+    for index, item in enumerate(iterator):
+        if isinstance(item, torch.Tensor):
+            named.append((str(index), item))
+        elif isinstance(item, tuple) and len(item) == 2:
+            name, tensor = item
+            if isinstance(tensor, torch.Tensor):  # a state_dict may hold non-tensor extra state
+                named.append((str(name), tensor))
+        else:
+            raise TypeError(f"broadcast_parameters: entry {index} is a {type(item).__name__}; expected a "
+                            "tensor or a (name, tensor) pair")
+    return named
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor | tuple[str, torch.Tensor]],
                          root_rank: int, prefix: str = "Parameter.") -> None:
     """Overwrite each tensor in ``params`` on every worker with ``root_rank``'s values, in place.
 
     Args:
-        params: ``model.state_dict()`` or ``model.named_parameters()``; same names, shapes and
-            dtypes on every worker.
+        params: ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``:
+            a mapping or an iterable (a generator too) of ``(name, tensor)`` pairs or of tensors,
+            which are named by their position; the same names, shapes and dtypes on every
+            worker. Non-tensor values of a mapping or pair (extra state) are skipped.
         root_rank: the rank whose values win.
         prefix: prepended to each name in errors and timing.
 
     Raises:
         ValueError: ``root_rank`` is not a rank of this job.
+        TypeError: ``params`` is a single tensor or not iterable, or an entry is neither a
+            tensor nor a ``(name, tensor)`` pair.
         TensorMismatchError: the workers' parameter lists differ.
     """
     engine = _engine.current()
     _check_root(engine, root_rank)
-    items = list(params.items()) if isinstance(params, Mapping) else list(params)
-    named = [(prefix + name, tensor) for name, tensor in items if isinstance(tensor, torch.Tensor)]
+    named = [(prefix + name, tensor) for name, tensor in _named_tensors(params)]
     description = f"broadcast_parameters root={root_rank} " + "; ".join(describe(n, t) for n, t in named)
     with round_lock, torch.no_grad():
         negotiate(engine, "broadcast_parameters", description)
@@ -82,14 +110,22 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     return torch.load(io.BytesIO(buffer.numpy().tobytes()), weights_only=False)
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, prefix: str = "Parameter.") -> None:
     """Give every worker ``root_rank``'s optimizer state and hyper-parameters (e.g. momentum, lr).
 
-    Works before the first step too (an empty state is broadcast as such).
+    Works before the first step too (an empty state is broadcast as such), and for any
+    optimizer whose ``state_dict`` can be pickled (``LBFGS`` included).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` or a ``DistributedOptimizer``, over the same
+            parameters on every worker.
+        root_rank: the rank whose state wins.
+        prefix: prepended to the broadcast's name in errors and timing, as in BytePS.
 
     Raises:
         ValueError: ``root_rank`` is not a rank of this job.
+        TensorMismatchError: the workers called it with different roots or prefixes.
     """
-    state = broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state")
+    state = broadcast_object(optimizer.state_dict(), root_rank, name=f"{prefix}optimizer_state")
     if _engine.current().rank != root_rank:
         optimizer.load_state_dict(state)
