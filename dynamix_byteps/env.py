@@ -25,12 +25,28 @@ from typing import Mapping
 
 from dynamix_byteps.errors import ConfigurationError
 
-ENGINES = ("gloo", "byteps")
+ENGINES = ("gloo", "nccl", "byteps", "auto")
 DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_WORKERS = 4096  # worker processes in one job (launcher, scheduler and protocol limit)
 DEFAULT_DECISION_INTERVAL = 20
+
+
+def resolve_engine(name: str, local_size: int) -> str:
+    """The engine that ``name`` (one of :data:`ENGINES`) stands for on a node of ``local_size`` workers.
+
+    ``auto`` is ``nccl`` when this torch has CUDA and NCCL and every local worker gets a GPU of
+    its own (``torch.cuda.device_count() >= local_size``), else ``gloo``; any other name is itself.
+    """
+    if name != "auto":
+        return name
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= local_size:
+        return "nccl"
+    return "gloo"
 
 
 def _int_var(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
@@ -59,7 +75,8 @@ class WorkerEnv:
         local_rank: this process's index on its node (``BYTEPS_LOCAL_RANK``).
         root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``), rank 0 listens there.
         root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``).
-        engine: communication engine name (``DYNAMIX_ENGINE``), one of :data:`ENGINES`.
+        engine: communication engine (``DYNAMIX_ENGINE``), one of :data:`ENGINES` but ``auto``,
+            which :func:`resolve_engine` has replaced.
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
         scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``); None = no control plane.
         token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
@@ -142,7 +159,7 @@ class WorkerEnv:
             local_rank=local_rank,
             root_addr=env.get("DMLC_PS_ROOT_URI") or "127.0.0.1",
             root_port=root_port,
-            engine=engine,
+            engine=resolve_engine(engine, local_size),
             timeout_s=timeout_s,
             scheduler=scheduler,
             token=env.get("DYNAMIX_TOKEN") or None,

@@ -404,6 +404,33 @@ def test_env_mode_scheduler_and_server_with_gloo_exit_0(role):
     assert b"gloo" in result.stderr and b"nothing to start" in result.stderr
 
 
+@pytest.mark.parametrize("gpus, expected", [(0, "gloo"), (2, "gloo"), (3, "nccl")])
+def test_engine_auto_is_resolved_once_and_passed_on(monkeypatch, gpus, expected):
+    """``--engine auto`` (or DYNAMIX_ENGINE=auto) becomes nccl only when each of this host's 3 workers gets a GPU."""
+    import torch
+    import torch.distributed as dist
+
+    from dynamix_byteps.launcher import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    local = launch.local_mode(launch.parse_args(["-n", "3", "--engine", "auto", "--", "true"]), {}, [])
+    environment = launch.env_mode(launch.parse_args(["--", "true"]),
+                                  dict(ENV_WORKER, BYTEPS_LOCAL_SIZE="3", DYNAMIX_ENGINE="auto"), [])
+    for specs in (local, environment):
+        assert [s.env["DYNAMIX_ENGINE"] for s in specs] == [expected] * 3
+
+
+@pytest.mark.parametrize("engine", ["nccl", "auto"])
+def test_env_mode_server_roles_need_no_process_with_nccl(engine):
+    from dynamix_byteps.launcher import launch
+
+    notes: list[str] = []
+    assert launch.env_mode(launch.parse_args(["--engine", engine]), {"DMLC_ROLE": "server"}, notes) == []
+    assert "needs no server process; nothing to start" in notes[0]
+
+
 def _free_port() -> int:
     import socket
 

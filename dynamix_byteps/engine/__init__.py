@@ -1,16 +1,18 @@
 """Communication engines behind one small interface, and the process's current engine.
 
-``start()`` creates the engine named by ``DYNAMIX_ENGINE`` (default ``gloo``) for the worker
-described by the ``DMLC_*``/``BYTEPS_*`` environment; ``current()`` returns it; ``stop()``
-shuts it down. Engines are imported only when selected.
+``start()`` creates the engine named by ``DYNAMIX_ENGINE`` (default ``gloo``; ``auto`` is nccl
+where every local worker has a GPU, else gloo) for the worker described by the ``DMLC_*``/
+``BYTEPS_*`` environment; ``current()`` returns it; ``stop()`` shuts it down. Engines are
+imported only when selected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from dynamix_byteps.engine.base import Engine, Handle
-from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.env import WorkerEnv, resolve_engine
 from dynamix_byteps.errors import NotInitializedError
 
 __all__ = ["Engine", "Handle", "create", "current", "is_started", "start", "stop"]
@@ -20,15 +22,19 @@ _current: Engine | None = None
 
 
 def create(env: WorkerEnv, framework: str = "torch") -> Engine:
-    """Construct the engine ``env.engine`` (``gloo`` or ``byteps``).
+    """Construct the engine ``env.engine``: ``gloo`` or ``nccl`` (``torch.distributed`` with that
+    backend, :class:`~dynamix_byteps.engine.distributed.TorchDistributedEngine`), ``byteps``, or
+    ``auto`` (resolved by :func:`~dynamix_byteps.env.resolve_engine`).
 
     ``framework`` (``torch`` or ``tensorflow``) picks BytePS's plugin for the ``byteps`` engine;
-    the gloo engine serves both frontends.
+    the torch.distributed engines serve both frontends.
 
     Raises:
         EngineUnavailableError: the engine's library is missing or broken; the message says how to fix it.
         CommunicationError: the rendezvous with the other workers failed.
     """
+    if env.engine == "auto":
+        env = dataclasses.replace(env, engine=resolve_engine(env.engine, env.local_size))
     if env.engine == "byteps" and framework == "tensorflow":
         from dynamix_byteps.engine.byteps_tensorflow import BytePSTensorFlowEngine
 
@@ -37,9 +43,9 @@ def create(env: WorkerEnv, framework: str = "torch") -> Engine:
         from dynamix_byteps.engine.byteps import BytePSEngine
 
         return BytePSEngine(env)
-    from dynamix_byteps.engine.gloo import GlooEngine
+    from dynamix_byteps.engine.distributed import TorchDistributedEngine
 
-    return GlooEngine(env)
+    return TorchDistributedEngine(env, env.engine)
 
 
 def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:

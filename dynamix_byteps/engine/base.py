@@ -1,8 +1,9 @@
 """The interface every communication engine implements.
 
-An engine moves ``torch.Tensor`` buffers between the worker processes of one job. It knows
-nothing about models, names of gradients or batch sizes: the frontends build those on top
-of four collectives (in-place sum all-reduce, broadcast, integer exchange, barrier).
+An engine moves ``torch.Tensor`` buffers, on the engine's :attr:`Engine.device` (CPU for gloo,
+the worker's GPU for nccl), between the worker processes of one job. It knows nothing about
+models, names of gradients or batch sizes: the frontends build those on top of four collectives
+(in-place sum all-reduce, broadcast, integer exchange, barrier).
 
 Collectives are matched by **issue order**: every worker must issue the same sequence of
 collectives. :mod:`dynamix_byteps.negotiation` checks that before each round, because gloo
@@ -20,7 +21,8 @@ from dynamix_byteps.env import WorkerEnv
 
 
 class Handle(abc.ABC):
-    """An in-flight collective. ``wait`` returns once the tensor holds the result."""
+    """An in-flight collective. ``wait`` returns once the tensor holds the result (for CUDA
+    tensors: for every kernel issued on the current stream afterwards, as with torch.distributed)."""
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -59,23 +61,35 @@ class Engine(abc.ABC):
     def local_size(self) -> int:
         return self.env.local_size
 
+    @property
+    def device(self):
+        """The ``torch.device`` that collective tensors must be on; CPU unless the engine says otherwise."""
+        import torch
+
+        return torch.device("cpu")
+
     @abc.abstractmethod
     def all_reduce_async(self, tensor, name: str) -> Handle:
         """Start an in-place element-wise **sum** of ``tensor`` over all workers.
 
         Args:
-            tensor: contiguous CPU ``torch.Tensor`` (any shape; float16/32/64, int32/64);
-                it is overwritten with the sum.
+            tensor: contiguous ``torch.Tensor`` on :attr:`device` (any shape; float16/32/64,
+                int32/64); it is overwritten with the sum.
             name: label for timing and error messages (not used for matching).
         """
 
     @abc.abstractmethod
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
-        """Overwrite ``tensor`` on every worker with ``root_rank``'s copy (blocking)."""
+        """Overwrite ``tensor`` on every worker with ``root_rank``'s copy (blocking). ``tensor`` may be
+        on any device: an engine that can only move tensors on :attr:`device` stages a copy there."""
 
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every worker has called ``barrier``."""
+
+    def flush_timings(self) -> None:
+        """Record in the timing ring every finished collective whose duration is still pending,
+        waiting for the device where needed (nccl times on CUDA events); a no-op for host-timed engines."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -85,14 +99,14 @@ class Engine(abc.ABC):
         """Every worker contributes ``len(values)`` integers; all receive everyone's.
 
         Built on the sum all-reduce so that any engine supports it: each worker fills its
-        own row of a zero matrix. ``values`` must have the same length on every worker.
+        own row of a zero matrix on :attr:`device`. ``values`` must have the same length on every worker.
 
         Returns:
             ``np.ndarray`` of dtype int64 and shape ``(size, len(values))``; row r is rank r's.
         """
         import torch
 
-        table = torch.zeros((self.size, len(values)), dtype=torch.int64)
+        table = torch.zeros((self.size, len(values)), dtype=torch.int64, device=self.device)
         table[self.rank] = torch.as_tensor(list(values), dtype=torch.int64)
         self.all_reduce_async(table, "dynamix.exchange").wait()
-        return table.numpy()
+        return table.cpu().numpy()

@@ -70,11 +70,13 @@ from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
 from dynamix_byteps.env import (
     DEFAULT_DECISION_INTERVAL,
+    DEFAULT_ENGINE,
     ENGINES,
     MAX_TIMEOUT_S,
     MAX_WORKERS,
     WorkerEnv,
     parse_slowdown,
+    resolve_engine,
 )
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.launcher.restart import (
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--engine", choices=ENGINES, default=None,
-        help="communication engine (default: $DYNAMIX_ENGINE, else gloo)",
+        help="communication engine (default: $DYNAMIX_ENGINE, else gloo): gloo (CPU tensors), nccl (CUDA "
+        "tensors, a GPU per worker), auto (nccl when every worker on this host gets a GPU, else gloo), byteps",
     )
     parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
@@ -308,13 +311,14 @@ def _check_port_free(port: int, host: str = LOCAL_HOST) -> None:
             raise UsageError(f"argument --port: {host}:{port} is not available ({error.strerror}); choose another port or omit --port") from None
 
 
-def _engine(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    if args.engine is not None:
-        return args.engine
-    engine = env.get("DYNAMIX_ENGINE", "").strip() or ENGINES[0]
-    if engine not in ENGINES:
-        raise UsageError(f"environment variable DYNAMIX_ENGINE={engine!r} is not an engine; set it to one of {', '.join(ENGINES)} or pass --engine")
-    return engine
+def _engine(args: argparse.Namespace, env: Mapping[str, str], local_size: int) -> str:
+    """--engine, else $DYNAMIX_ENGINE, else gloo, with ``auto`` resolved for ``local_size`` workers on this host."""
+    engine = args.engine
+    if engine is None:
+        engine = env.get("DYNAMIX_ENGINE", "").strip() or DEFAULT_ENGINE
+        if engine not in ENGINES:
+            raise UsageError(f"environment variable DYNAMIX_ENGINE={engine!r} is not an engine; set it to one of {', '.join(ENGINES)} or pass --engine")
+    return resolve_engine(engine, local_size)
 
 
 def _require_byteps(role: str) -> None:
@@ -410,8 +414,8 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
     """``--num-workers N``: N workers on this machine (and, with ``--hosts``, on each host, or
     the host's slots of ``--hosts H:S,...``); with ``--policy``, the scheduler first, on node 0."""
     _require_command(args)
-    engine = _engine(args, env)
     topology = _topology(args)
+    engine = _engine(args, env, topology.local_size)
     hosts, node_rank, total = topology.hosts, topology.node_rank, topology.size
     if len(hosts) > 1 and args.port is None:
         raise UsageError("--hosts needs --port: every host must use the same rendezvous port")
@@ -687,9 +691,8 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
         raise UsageError(f"environment variable DMLC_ROLE is not set; {_ENV_MODE_HINT}")
     if role not in ("worker", "server", "scheduler"):
         raise UsageError(f"environment variable DMLC_ROLE={role!r} is not a role; set it to worker, server or scheduler")
-    engine = _engine(args, env)
     if role != "worker":
-        return _server_specs(args, env, role, engine, notes)
+        return _server_specs(args, env, role, _engine(args, env, 1), notes)
     _require_command(args)
     num_nodes = _env_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
     node_rank = _env_int(env, "DMLC_WORKER_ID", f"this node's index (0..{num_nodes - 1})", 0, num_nodes - 1)
@@ -701,6 +704,7 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
         local_size = _env_int(env, "BYTEPS_LOCAL_SIZE", "the number of worker processes on this node", 1, MAX_WORKERS)
     else:
         local_size = _visible_gpu_count(env)
+    engine = _engine(args, env, local_size)
     if engine == "byteps" and num_nodes > 1:
         _env_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
     return worker_specs(
@@ -710,8 +714,8 @@ def env_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str])
 
 
 def _server_specs(args: argparse.Namespace, env: Mapping[str, str], role: str, engine: str, notes: list[str]) -> list[ChildSpec]:
-    if engine == "gloo":
-        notes.append(f"DMLC_ROLE={role}: the gloo engine needs no {role} process; nothing to start")
+    if engine != "byteps":
+        notes.append(f"DMLC_ROLE={role}: the {engine} engine needs no {role} process; nothing to start")
         return []
     _env_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
     _env_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)

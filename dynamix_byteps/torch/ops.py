@@ -47,23 +47,32 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
                     torch.complex128, torch.uint8, torch.int8, torch.int32, torch.int64)
 
 
-def check_tensor(tensor) -> None:
-    """Raise TypeError unless ``tensor`` is a dense CPU tensor of a dtype push_pull can sum."""
+def check_tensor(tensor, device: torch.device) -> None:
+    """Raise TypeError unless ``tensor`` is a dense tensor on ``device`` (the engine's) of a dtype
+    push_pull can sum; the message says which engine takes tensors where ``tensor`` is."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise TypeError(f"push_pull cannot sum {tensor.dtype} tensors; use one of: {names}")
-    if tensor.layout != torch.strided or tensor.device.type != "cpu":
-        raise TypeError(f"push_pull needs a dense CPU tensor with the gloo engine, got layout "
-                        f"{tensor.layout} on device {tensor.device}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"push_pull needs a dense tensor, got layout {tensor.layout}; call .to_dense() first")
+    if tensor.device != device:
+        if tensor.device.type == "cuda" and device.type == "cpu":
+            hint = "start the job with --engine nccl (DYNAMIX_ENGINE=nccl), or move the tensor with .cpu()"
+        elif tensor.device.type == "cpu":
+            hint = f"move it with .to({str(device)!r}), or start the job with --engine gloo for CPU tensors"
+        else:
+            hint = f"move it with .to({str(device)!r})"
+        raise TypeError(f"push_pull got a tensor on {tensor.device}, but this worker's engine reduces tensors on "
+                        f"{device}: {hint}")
 
 
 def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
            compression: type[Compressor]) -> int:
-    check_tensor(tensor)
-    output = make_output(tensor)
     engine = _engine.current()
+    check_tensor(tensor, engine.device)
+    output = make_output(tensor)
     with round_lock:
         name = _auto_name() if name is None else str(name)
         negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
@@ -85,17 +94,19 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
     """Start summing (or averaging) ``tensor`` over all workers, writing the result into it.
 
     Args:
-        tensor: dense CPU tensor of any shape and a dtype in :data:`SUPPORTED_DTYPES`.
+        tensor: dense tensor on the engine's device (CPU with gloo, this worker's GPU with nccl),
+            of any shape and a dtype in :data:`SUPPORTED_DTYPES`.
         average: divide the sum by ``size()``.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
-        version, priority: accepted for BytePS compatibility; the gloo engine runs rounds in issue order.
+        version, priority: accepted for BytePS compatibility; the engines run rounds in issue order.
         compression: ``Compression.none`` or ``Compression.fp16``.
 
     Returns:
         A handle for :func:`poll` and :func:`synchronize`.
 
     Raises:
-        TypeError: not a dense CPU tensor of a supported dtype (e.g. bool, int16, sparse).
+        TypeError: not a dense tensor on the engine's device of a supported dtype (e.g. bool,
+            int16, sparse, a CUDA tensor with the gloo engine).
         TensorMismatchError: the workers disagree on name, shape, dtype, ``average`` or compression.
         NotInitializedError: ``init()`` was not called.
     """

@@ -1,0 +1,211 @@
+"""The embedded engines: ``torch.distributed`` with the gloo backend (CPU tensors, the default)
+or the nccl backend (CUDA tensors, one GPU per worker process).
+
+Rank 0 hosts the rendezvous at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``; a job of one worker
+needs no network at all.
+
+Every collective's start, end and bytes go to the timing ring (``dynamix_byteps.timing``). With
+gloo the end is the host time of gloo's completion callback. With nccl the host returns long
+before the GPU has reduced anything, so the duration comes from CUDA events: one recorded on the
+current stream before the collective is issued, one after :meth:`Handle.wait` has made that
+stream wait for it; the event is recorded in the ring, as ``start_ns + elapsed``, once the GPU has
+passed both (checked without blocking at later issues and waits; :meth:`flush_timings` blocks).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import threading
+
+from dynamix_byteps import timing
+from dynamix_byteps.engine.base import Engine, Handle
+from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as exc:  # pragma: no cover - torch is an install requirement
+    raise EngineUnavailableError(
+        f"the gloo and nccl engines need PyTorch ({exc}); install it with: pip install torch==2.13.0"
+    ) from exc
+
+BACKENDS = ("gloo", "nccl")
+
+
+def _communication_error(exc: Exception, what: str) -> CommunicationError:
+    return CommunicationError(
+        f"{what} failed: {exc}. A peer worker probably exited or hung; check the other "
+        "workers' output (bpslaunch prefixes each line with its rank)."
+    )
+
+
+class _CudaTimings:
+    """Collectives whose CUDA events are not yet resolved, oldest first (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+
+    def add(self, name: str, nbytes: int, start_ns: int, start, end) -> None:
+        with self._lock:
+            self._pending.append((name, nbytes, start_ns, start, end))
+
+    def resolve(self, block: bool = False) -> None:
+        """Record every pending collective whose end event the GPU has passed (all of them if ``block``)."""
+        with self._lock:
+            while self._pending:
+                name, nbytes, start_ns, start, end = self._pending[0]
+                if block:
+                    end.synchronize()
+                elif not end.query():
+                    break
+                self._pending.popleft()
+                timing.record(name, nbytes, start_ns, start_ns + round(start.elapsed_time(end) * 1e6))
+
+
+class _DistributedHandle(Handle):
+    def __init__(self, work, what: str, timed=None):
+        self._work = work
+        self._what = what
+        self._timed = timed  # nccl: (timings, name, nbytes, start_ns, start event), completed by wait()
+
+    def done(self) -> bool:
+        return self._work.is_completed()
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as exc:
+            raise _communication_error(exc, self._what) from exc
+        if self._timed is not None:
+            timings, name, nbytes, start_ns, start = self._timed
+            self._timed = None
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            timings.add(name, nbytes, start_ns, start, end)
+            timings.resolve()
+
+
+def _device(env: WorkerEnv, backend: str) -> torch.device:
+    """The device this worker's collectives use; for nccl, makes it the current CUDA device.
+
+    Raises:
+        EngineUnavailableError: nccl without CUDA, NCCL, or a GPU for this local rank.
+    """
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise EngineUnavailableError(
+            f"the nccl engine needs a CUDA build of PyTorch with NCCL and a GPU, and this one (torch "
+            f"{torch.__version__}) has {'no NCCL' if torch.cuda.is_available() else 'no usable CUDA device'}. "
+            "Use --engine gloo (DYNAMIX_ENGINE=gloo) for CPU tensors, or --engine auto to pick nccl only "
+            "where every worker has a GPU; README.md ('Engines and devices') shows how to install a CUDA torch."
+        )
+    count = torch.cuda.device_count()
+    if count >= env.local_size:
+        index = env.local_rank
+    elif count == 1:  # the launcher gave each process its own GPU (CUDA_VISIBLE_DEVICES per worker)
+        index = 0
+    else:
+        raise EngineUnavailableError(
+            f"the nccl engine needs one GPU per worker process, and this node runs {env.local_size} workers "
+            f"but this process sees {count} GPUs; run at most {count} workers per node, or use --engine gloo"
+        )
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+class TorchDistributedEngine(Engine):
+    """A ``torch.distributed`` process group with the gloo or nccl backend.
+
+    Attributes:
+        name: the backend, ``gloo`` or ``nccl``.
+        device: where collective tensors must live: CPU for gloo, ``cuda:<local_rank>`` for nccl
+            (``cuda:0`` when the process sees a single GPU).
+    """
+
+    def __init__(self, env: WorkerEnv, backend: str = "gloo"):
+        super().__init__(env)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.name = backend
+        if not dist.is_available() or (backend == "gloo" and not dist.is_gloo_available()):
+            raise EngineUnavailableError(
+                f"the {backend} engine needs a PyTorch build with torch.distributed and gloo, which torch "
+                f"{torch.__version__} lacks; install the CPU wheel with: pip install torch==2.13.0"
+            )
+        if dist.is_initialized():
+            raise EngineUnavailableError(
+                "torch.distributed is already initialised in this process; call "
+                "dist.destroy_process_group() first, or let dynamix_byteps own it"
+            )
+        self._device = _device(env, backend)
+        self._timings = _CudaTimings() if backend == "nccl" else None
+        timeout = datetime.timedelta(seconds=env.timeout_s)
+        options = {"device_id": self._device} if backend == "nccl" else {}
+        try:
+            if env.size == 1:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                        **options)
+            else:
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://{env.root_addr}:{env.root_port}",
+                    rank=env.rank,
+                    world_size=env.size,
+                    timeout=timeout,
+                    **options,
+                )
+        except (RuntimeError, ValueError) as exc:
+            raise CommunicationError(
+                f"{backend} rendezvous at {env.root_addr}:{env.root_port} as rank {env.rank} of {env.size} "
+                f"failed: {exc}. Check that every worker was started with the same DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT "
+                "and that rank 0 can listen there."
+            ) from exc
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def all_reduce_async(self, tensor, name: str) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        start_ns = timing.now_ns()
+        if self._timings is not None:
+            self._timings.resolve()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        try:
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        except RuntimeError as exc:
+            raise _communication_error(exc, f"push_pull of {name!r}") from exc
+        if self._timings is not None:
+            return _DistributedHandle(work, f"push_pull of {name!r}", (self._timings, name, nbytes, start_ns, start))
+        work.get_future().add_done_callback(lambda _: timing.record(name, nbytes, start_ns, timing.now_ns()))
+        return _DistributedHandle(work, f"push_pull of {name!r}")
+
+    def broadcast(self, tensor, root_rank: int, name: str) -> None:
+        wire = tensor if tensor.device == self._device else tensor.to(self._device)
+        try:
+            dist.broadcast(wire, src=root_rank)
+        except RuntimeError as exc:
+            raise _communication_error(exc, f"broadcast of {name!r}") from exc
+        if wire is not tensor:
+            tensor.copy_(wire)
+
+    def barrier(self) -> None:
+        try:
+            dist.barrier()
+        except RuntimeError as exc:
+            raise _communication_error(exc, "barrier") from exc
+
+    def flush_timings(self) -> None:
+        if self._timings is not None:
+            self._timings.resolve(block=True)
+
+    def shutdown(self) -> None:
+        self.flush_timings()
+        if dist.is_initialized():
+            dist.destroy_process_group()
