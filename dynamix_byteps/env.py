@@ -1,23 +1,34 @@
-"""The environment contract between ``bpslaunch`` and a worker process.
+"""The environment contract between a launcher and a worker process.
 
-BytePS names the cluster with ``DMLC_*`` variables: ``DMLC_NUM_WORKER`` worker *nodes*
-(machines), this node's index ``DMLC_WORKER_ID``, and the root's address
-``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``; inside a node, ``BYTEPS_LOCAL_SIZE`` worker
-processes with ``BYTEPS_LOCAL_RANK`` 0..local_size-1. As in BytePS, the global rank is
-``worker_id * local_size + local_rank`` and the size is ``num_worker * local_size``.
+Two launchers' contracts are read; a process started with neither is a single worker (rank 0
+of 1), which is what ``python train.py`` without a launcher gives.
 
-Hosts with different numbers of workers (``bpslaunch --hosts H0:3,H1:1``) cannot use that
-formula, so ``bpslaunch`` also sets ``DYNAMIX_RANK_OFFSET`` (the global rank of this node's
-local rank 0) and ``DYNAMIX_SIZE`` (workers in the job); when both are set, the global rank is
-``rank_offset + local_rank`` and the size is ``DYNAMIX_SIZE``. BytePS's environment mode sets
-neither and keeps BytePS's formula.
+**BytePS** (``bpslaunch``, or BytePS's own variables set by hand) names the cluster with
+``DMLC_*`` variables: ``DMLC_NUM_WORKER`` worker *nodes* (machines), this node's index
+``DMLC_WORKER_ID``, and the root's address ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``; inside a
+node, ``BYTEPS_LOCAL_SIZE`` worker processes with ``BYTEPS_LOCAL_RANK`` 0..local_size-1. As in
+BytePS, the global rank is ``worker_id * local_size + local_rank`` and the size is
+``num_worker * local_size``. Hosts with different numbers of workers (``bpslaunch --hosts
+H0:3,H1:1``) cannot use that formula, so ``bpslaunch`` also sets ``DYNAMIX_RANK_OFFSET`` (the
+global rank of this node's local rank 0) and ``DYNAMIX_SIZE`` (workers in the job); when both
+are set, the global rank is ``rank_offset + local_rank`` and the size is ``DYNAMIX_SIZE``.
 
-A process started with none of these variables is a single worker (rank 0 of 1), which is
-what ``python train.py`` without a launcher gives.
+**torchrun** (also Slurm or Kubeflow PyTorchJob scripts that follow it) sets ``RANK`` of
+``WORLD_SIZE``, ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE`` on this node, and the rendezvous
+``MASTER_ADDR:MASTER_PORT``. ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` may both be absent (one
+process per node or pod, as a PyTorchJob without torchrun starts): local rank 0 of 1.
+
+A partial contract is an error, never a silent single worker: once any of a contract's rank
+variables is set, the job's size (``DMLC_NUM_WORKER``, ``WORLD_SIZE``) is required, the
+process's index whenever the size is above 1, a local index whenever the local size is
+above 1 (and the local size whenever a local index is given), and the root's address and
+port whenever the job has more than one worker. When both contracts are set (a ``bpslaunch``
+started inside a torchrun job) they must describe the same rank and size; BytePS's wins.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -31,6 +42,10 @@ DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_WORKERS = 4096  # worker processes in one job (launcher, scheduler and protocol limit)
 DEFAULT_DECISION_INTERVAL = 20
+
+BYTEPS_RANK_VARIABLES = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "BYTEPS_LOCAL_SIZE", "BYTEPS_LOCAL_RANK",
+                         "DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE")
+TORCHRUN_RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
 
 
 def resolve_engine(name: str, local_size: int) -> str:
@@ -49,19 +64,40 @@ def resolve_engine(name: str, local_size: int) -> str:
     return "gloo"
 
 
-def _int_var(env: Mapping[str, str], name: str, default: int | None, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise ConfigurationError(f"environment variable {name} is not set; set it or start the job with bpslaunch")
-        return default
+def _is_set(env: Mapping[str, str], name: str) -> bool:
+    return bool(env.get(name))
+
+
+def _optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int | None = None) -> int | None:
+    """``name``'s value, None when unset; raises ConfigurationError when it is not an integer in range."""
+    if not _is_set(env, name):
+        return None
+    raw = env[name]
     try:
         value = int(raw)
     except ValueError:
         raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
     if value < minimum:
         raise ConfigurationError(f"environment variable {name}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigurationError(f"environment variable {name}={value} must be <= {maximum}")
     return value
+
+
+def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, ...],
+             needed: list[tuple[str, bool]]) -> None:
+    """Raise one ConfigurationError naming every variable of ``needed`` whose condition holds and that is unset."""
+    missing = [name for name, condition in needed if condition and not _is_set(env, name)]
+    if not missing:
+        return
+    given = [name for name in rank_variables if _is_set(env, name)]
+    names, plural = ", ".join(missing), len(missing) > 1
+    raise ConfigurationError(
+        f"environment variable{'s' if plural else ''} {names} {'are' if plural else 'is'} not set, but this process "
+        f"has {', '.join(f'{name}={env[name]}' for name in given)}, which make{'' if len(given) > 1 else 's'} it "
+        f"part of a job that {launcher} describes: set {names} as {launcher} does (or start the job with "
+        f"{launcher}), or unset {', '.join(given)} to run a single worker"
+    )
 
 
 @dataclass(frozen=True)
@@ -69,12 +105,13 @@ class WorkerEnv:
     """Where this worker process sits in the job, read from the environment.
 
     Attributes:
-        num_nodes: worker nodes in the job (``DMLC_NUM_WORKER``).
+        num_nodes: worker nodes in the job (``DMLC_NUM_WORKER``; torchrun: ``WORLD_SIZE / LOCAL_WORLD_SIZE``).
         node_rank: this node's index (``DMLC_WORKER_ID``), ``0 <= node_rank < num_nodes``.
-        local_size: worker processes on this node (``BYTEPS_LOCAL_SIZE``).
-        local_rank: this process's index on its node (``BYTEPS_LOCAL_RANK``).
-        root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``), rank 0 listens there.
-        root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``).
+        local_size: worker processes on this node (``BYTEPS_LOCAL_SIZE``, ``LOCAL_WORLD_SIZE``).
+        local_rank: this process's index on its node (``BYTEPS_LOCAL_RANK``, ``LOCAL_RANK``).
+        root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``, ``MASTER_ADDR``).
+        root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``, ``MASTER_PORT``); None in a
+            job of one worker that was given none.
         engine: communication engine (``DYNAMIX_ENGINE``), one of :data:`ENGINES` but ``auto``,
             which :func:`resolve_engine` has replaced.
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
@@ -86,10 +123,12 @@ class WorkerEnv:
             (``DYNAMIX_SLOWDOWN``, ``FACTOR`` or ``FACTOR@START-END``, >= 1; for benchmarks and tests).
         slowdown_window: ``(start_s, end_s)``, seconds of training (since the worker's first step,
             untimed sections excluded) during which ``slowdown`` applies; ``(0, inf)`` = always.
-        rank_offset: global rank of this node's local rank 0 (``DYNAMIX_RANK_OFFSET``), for
-            nodes with different numbers of workers; None = BytePS's ``node_rank * local_size``.
-        world_size: workers in the job (``DYNAMIX_SIZE``), set together with ``rank_offset``;
-            None = BytePS's ``num_nodes * local_size``.
+        rank_offset: global rank of this node's local rank 0 (``DYNAMIX_RANK_OFFSET``; torchrun:
+            ``RANK - LOCAL_RANK``); None = BytePS's ``node_rank * local_size``.
+        world_size: workers in the job (``DYNAMIX_SIZE``, ``WORLD_SIZE``), set together with
+            ``rank_offset``; None = BytePS's ``num_nodes * local_size``.
+        contract: whose variables described the job: ``byteps`` (the ``DMLC_*`` variables, or
+            none at all) or ``torchrun`` (``RANK``, ``WORLD_SIZE``, ...); error messages name them.
     """
 
     num_nodes: int = 1
@@ -108,6 +147,7 @@ class WorkerEnv:
     slowdown_window: tuple[float, float] = (0.0, math.inf)
     rank_offset: int | None = None
     world_size: int | None = None
+    contract: str = "byteps"
 
     @property
     def rank(self) -> int:
@@ -119,24 +159,27 @@ class WorkerEnv:
     def size(self) -> int:
         return self.world_size if self.world_size is not None else self.num_nodes * self.local_size
 
+    @property
+    def root_variables(self) -> str:
+        """The variables that name the rendezvous, for messages: ``MASTER_ADDR/MASTER_PORT`` under torchrun."""
+        return "MASTER_ADDR/MASTER_PORT" if self.contract == "torchrun" else "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"
+
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
-        """Read and validate the variables; raises :class:`ConfigurationError` naming the bad one."""
+        """Read and validate the variables (see the module docstring for both launchers' contracts).
+
+        Raises:
+            ConfigurationError: a variable is invalid, a contract is partial (the message names
+                every missing variable), or the BytePS and torchrun variables disagree.
+        """
         env = os.environ if env is None else env
-        num_nodes = _int_var(env, "DMLC_NUM_WORKER", 1, 1)
-        node_rank = _int_var(env, "DMLC_WORKER_ID", 0, 0)
-        local_size = _int_var(env, "BYTEPS_LOCAL_SIZE", 1, 1)
-        local_rank = _int_var(env, "BYTEPS_LOCAL_RANK", 0, 0)
-        if node_rank >= num_nodes:
-            raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
-        if local_rank >= local_size:
-            raise ConfigurationError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
-        rank_offset, world_size = _rank_layout(env, local_size)
-        distributed = (world_size or num_nodes * local_size) > 1
-        root_port = _int_var(env, "DMLC_PS_ROOT_PORT", None if distributed else 0, 0) or None
-        if root_port is not None and root_port > 65535:
-            raise ConfigurationError(f"DMLC_PS_ROOT_PORT={root_port} is not a TCP port (1-65535)")
-        engine = env.get("DYNAMIX_ENGINE", DEFAULT_ENGINE) or DEFAULT_ENGINE
+        layout = _byteps_layout(env)
+        torchrun = _torchrun_layout(env)
+        if layout is None:
+            layout = torchrun or cls()
+        elif torchrun is not None:
+            _check_agreement(env, layout, torchrun)
+        engine = env.get("DYNAMIX_ENGINE") or DEFAULT_ENGINE
         if engine not in ENGINES:
             raise ConfigurationError(f"DYNAMIX_ENGINE={engine!r} is not an engine; choose one of {', '.join(ENGINES)}")
         try:
@@ -152,42 +195,103 @@ class WorkerEnv:
             slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
         except ValueError as error:
             raise ConfigurationError(f"DYNAMIX_SLOWDOWN: {error}") from None
-        return cls(
-            num_nodes=num_nodes,
-            node_rank=node_rank,
-            local_size=local_size,
-            local_rank=local_rank,
-            root_addr=env.get("DMLC_PS_ROOT_URI") or "127.0.0.1",
-            root_port=root_port,
-            engine=resolve_engine(engine, local_size),
+        return dataclasses.replace(
+            layout,
+            engine=resolve_engine(engine, layout.local_size),
             timeout_s=timeout_s,
             scheduler=scheduler,
             token=env.get("DYNAMIX_TOKEN") or None,
             tls_ca=env.get("DYNAMIX_TLS_CA") or None,
-            decision_interval=_int_var(env, "DYNAMIX_DECISION_INTERVAL", DEFAULT_DECISION_INTERVAL, 1),
+            decision_interval=_optional_int(env, "DYNAMIX_DECISION_INTERVAL", 1) or DEFAULT_DECISION_INTERVAL,
             slowdown=slowdown,
             slowdown_window=slowdown_window,
-            rank_offset=rank_offset,
-            world_size=world_size,
         )
 
 
-def _rank_layout(env: Mapping[str, str], local_size: int) -> tuple[int | None, int | None]:
-    """``(DYNAMIX_RANK_OFFSET, DYNAMIX_SIZE)``, both or neither, with this node's ranks inside the job."""
-    if not env.get("DYNAMIX_RANK_OFFSET") and not env.get("DYNAMIX_SIZE"):
-        return None, None
-    for name in ("DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE"):
-        if not env.get(name):
-            raise ConfigurationError(f"environment variable {name} is not set; DYNAMIX_RANK_OFFSET and DYNAMIX_SIZE "
-                                     "go together (bpslaunch sets both): set both or neither")
-    rank_offset = _int_var(env, "DYNAMIX_RANK_OFFSET", None, 0)
-    world_size = _int_var(env, "DYNAMIX_SIZE", None, 1)
-    if world_size > MAX_WORKERS:
-        raise ConfigurationError(f"DYNAMIX_SIZE={world_size} must be <= {MAX_WORKERS}")
-    if rank_offset + local_size > world_size:
+def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
+    """The job as the ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_RANK_OFFSET``/``DYNAMIX_SIZE`` variables give it;
+    None when none of their rank variables is set."""
+    if not any(_is_set(env, name) for name in BYTEPS_RANK_VARIABLES):
+        return None
+    num_nodes = _optional_int(env, "DMLC_NUM_WORKER", 1)
+    node_rank = _optional_int(env, "DMLC_WORKER_ID", 0)
+    local_size = _optional_int(env, "BYTEPS_LOCAL_SIZE", 1)
+    local_rank = _optional_int(env, "BYTEPS_LOCAL_RANK", 0)
+    rank_offset = _optional_int(env, "DYNAMIX_RANK_OFFSET", 0)
+    world_size = _optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
+    root_port = _optional_int(env, "DMLC_PS_ROOT_PORT", 1, 65535)
+    if world_size is not None:
+        size = world_size
+    else:
+        size = None if num_nodes is None else num_nodes * (local_size or 1)
+    _require(env, "bpslaunch", BYTEPS_RANK_VARIABLES, [
+        ("DMLC_NUM_WORKER", True),
+        ("DMLC_WORKER_ID", num_nodes != 1),
+        ("BYTEPS_LOCAL_SIZE", local_rank is not None),
+        ("BYTEPS_LOCAL_RANK", (local_size or 1) > 1),
+        ("DYNAMIX_RANK_OFFSET", world_size is not None),
+        ("DYNAMIX_SIZE", rank_offset is not None),
+        ("DMLC_PS_ROOT_URI", size != 1),
+        ("DMLC_PS_ROOT_PORT", size != 1),
+    ])
+    node_rank, local_size, local_rank = node_rank or 0, local_size or 1, local_rank or 0
+    if node_rank >= num_nodes:
+        raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
+    if local_rank >= local_size:
+        raise ConfigurationError(f"BYTEPS_LOCAL_RANK={local_rank} must be < BYTEPS_LOCAL_SIZE={local_size}")
+    if rank_offset is not None and rank_offset + local_size > world_size:
         raise ConfigurationError(f"DYNAMIX_RANK_OFFSET={rank_offset} + BYTEPS_LOCAL_SIZE={local_size} must be "
                                  f"<= DYNAMIX_SIZE={world_size}: this node's ranks must lie inside the job")
-    return rank_offset, world_size
+    return WorkerEnv(num_nodes=num_nodes, node_rank=node_rank, local_size=local_size, local_rank=local_rank,
+                     root_addr=env.get("DMLC_PS_ROOT_URI") or "127.0.0.1", root_port=root_port,
+                     rank_offset=rank_offset, world_size=world_size)
+
+
+def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
+    """The job as torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_*``/``MASTER_*`` variables give it;
+    None when none of its rank variables is set."""
+    if not any(_is_set(env, name) for name in TORCHRUN_RANK_VARIABLES):
+        return None
+    world_size = _optional_int(env, "WORLD_SIZE", 1, MAX_WORKERS)
+    rank = _optional_int(env, "RANK", 0)
+    local_size = _optional_int(env, "LOCAL_WORLD_SIZE", 1)
+    local_rank = _optional_int(env, "LOCAL_RANK", 0)
+    root_port = _optional_int(env, "MASTER_PORT", 1, 65535)
+    _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, [
+        ("WORLD_SIZE", True),
+        ("RANK", world_size != 1),
+        ("LOCAL_WORLD_SIZE", local_rank is not None),
+        ("LOCAL_RANK", (local_size or 1) > 1),
+        ("MASTER_ADDR", world_size != 1),
+        ("MASTER_PORT", world_size != 1),
+    ])
+    rank, local_size, local_rank = rank or 0, local_size or 1, local_rank or 0
+    if rank >= world_size:
+        raise ConfigurationError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
+    if local_rank >= local_size:
+        raise ConfigurationError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_size}")
+    rank_offset = rank - local_rank
+    if rank_offset < 0 or rank_offset + local_size > world_size:
+        raise ConfigurationError(f"RANK={rank} - LOCAL_RANK={local_rank} + LOCAL_WORLD_SIZE={local_size} must lie "
+                                 f"in 0..WORLD_SIZE={world_size}: this node's ranks must lie inside the job")
+    return WorkerEnv(num_nodes=-(-world_size // local_size), node_rank=rank_offset // local_size,
+                     local_size=local_size, local_rank=local_rank,
+                     root_addr=env.get("MASTER_ADDR") or "127.0.0.1", root_port=root_port,
+                     rank_offset=rank_offset, world_size=world_size, contract="torchrun")
+
+
+def _check_agreement(env: Mapping[str, str], byteps: WorkerEnv, torchrun: WorkerEnv) -> None:
+    """Both launchers' variables are set: they must name the same worker (local ones only if torchrun gave them)."""
+    same = (byteps.rank, byteps.size) == (torchrun.rank, torchrun.size)
+    if _is_set(env, "LOCAL_RANK"):
+        same = same and (byteps.local_rank, byteps.local_size) == (torchrun.local_rank, torchrun.local_size)
+    if not same:
+        raise ConfigurationError(
+            f"the BytePS variables make this process rank {byteps.rank} of {byteps.size} (local "
+            f"{byteps.local_rank} of {byteps.local_size}), torchrun's RANK={torchrun.rank} of "
+            f"WORLD_SIZE={torchrun.size} (LOCAL_RANK={torchrun.local_rank} of LOCAL_WORLD_SIZE="
+            f"{torchrun.local_size}); start the job with one launcher, or unset the other's variables"
+        )
 
 
 def parse_slowdown(text: str) -> tuple[float, tuple[float, float]]:

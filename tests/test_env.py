@@ -1,4 +1,5 @@
-"""The DMLC_*/BYTEPS_* environment contract, engine selection, and the framework-neutral API."""
+"""The launchers' environment contracts (BytePS's DMLC_*/BYTEPS_*, torchrun's RANK/WORLD_SIZE/...),
+engine selection, and the framework-neutral API."""
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from dynamix_byteps.errors import ConfigurationError, EngineUnavailableError, No
 from dynamix_byteps.torch.ops import check_tensor
 
 ROOT = {"DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "1234"}
+TORCHRUN = {"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
+            "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"}
 
 
 def test_no_variables_is_a_single_worker():
@@ -21,17 +24,26 @@ def test_no_variables_is_a_single_worker():
 def test_global_rank_follows_byteps():
     env = WorkerEnv.from_environ({
         "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "4",
-        "BYTEPS_LOCAL_RANK": "3", "DMLC_PS_ROOT_PORT": "1234",
+        "BYTEPS_LOCAL_RANK": "3", **ROOT,
     })
     assert (env.rank, env.size, env.local_rank, env.local_size) == (7, 8, 3, 4)
+    assert (env.root_addr, env.root_port, env.contract) == ("10.0.0.1", 1234, "byteps")
 
 
 @pytest.mark.parametrize("variables, named", [
-    ({"DMLC_NUM_WORKER": "2"}, "DMLC_PS_ROOT_PORT"),
     ({"DMLC_NUM_WORKER": "x"}, "DMLC_NUM_WORKER"),
-    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "2", "DMLC_PS_ROOT_PORT": "1"}, "DMLC_WORKER_ID"),
-    ({"BYTEPS_LOCAL_SIZE": "2", "BYTEPS_LOCAL_RANK": "2", "DMLC_PS_ROOT_PORT": "1"}, "BYTEPS_LOCAL_RANK"),
-    ({"DMLC_NUM_WORKER": "2", "DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT"),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "2", **ROOT}, "DMLC_WORKER_ID=2 must be < DMLC_NUM_WORKER=2"),
+    ({"DMLC_NUM_WORKER": "1", "BYTEPS_LOCAL_SIZE": "2", "BYTEPS_LOCAL_RANK": "2", **ROOT},
+     "BYTEPS_LOCAL_RANK=2 must be < BYTEPS_LOCAL_SIZE=2"),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "0", **ROOT, "DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT"),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "0", **ROOT, "DMLC_PS_ROOT_PORT": "0"}, "DMLC_PS_ROOT_PORT"),
+    ({**TORCHRUN, "RANK": "6"}, "RANK=6 must be < WORLD_SIZE=6"),
+    ({**TORCHRUN, "LOCAL_RANK": "3"}, "LOCAL_RANK=3 must be < LOCAL_WORLD_SIZE=3"),
+    ({**TORCHRUN, "RANK": "0"}, "RANK=0 - LOCAL_RANK=1"),  # rank 0 cannot be local rank 1
+    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "RANK": "4"}, "this node's ranks must lie inside"),
+    ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({**TORCHRUN, "WORLD_SIZE": "4097"}, "WORLD_SIZE=4097 must be <= 4096"),
+    ({**TORCHRUN, "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
     ({"DYNAMIX_ENGINE": "mpi"}, "DYNAMIX_ENGINE"),
     ({"DYNAMIX_TIMEOUT": "0"}, "DYNAMIX_TIMEOUT"),
     ({"DYNAMIX_TIMEOUT": "nan"}, "DYNAMIX_TIMEOUT"),
@@ -70,6 +82,55 @@ def test_slowdown_with_and_without_a_window():
     assert WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "2.5"}).slowdown_window == (0.0, float("inf"))
     env = WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "3@40-80.5"})
     assert (env.slowdown, env.slowdown_window) == (3.0, (40.0, 80.5))
+
+
+@pytest.mark.parametrize("variables, missing", [
+    ({"DMLC_NUM_WORKER": "2"}, "DMLC_WORKER_ID, DMLC_PS_ROOT_URI, DMLC_PS_ROOT_PORT are not set"),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "DMLC_PS_ROOT_URI": "h"}, "DMLC_PS_ROOT_PORT is not set"),
+    ({"DMLC_WORKER_ID": "0", **ROOT}, "DMLC_NUM_WORKER is not set"),
+    ({"DMLC_NUM_WORKER": "1", "BYTEPS_LOCAL_SIZE": "2", **ROOT}, "BYTEPS_LOCAL_RANK is not set"),
+    ({"DMLC_NUM_WORKER": "1", "BYTEPS_LOCAL_RANK": "0"}, "BYTEPS_LOCAL_SIZE is not set"),
+    ({"WORLD_SIZE": "3"}, "RANK, MASTER_ADDR, MASTER_PORT are not set"),
+    ({"WORLD_SIZE": "3", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set"),
+    ({"WORLD_SIZE": "3", "RANK": "0", "MASTER_PORT": "29500"}, "MASTER_ADDR is not set"),
+    ({"RANK": "0"}, "WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"),
+    ({**TORCHRUN, "LOCAL_WORLD_SIZE": ""}, "LOCAL_WORLD_SIZE is not set"),
+    ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_RANK"}, "LOCAL_RANK is not set"),
+])
+def test_a_partial_contract_names_exactly_what_is_missing(variables, missing):
+    """Never a silent single worker: the message lists every missing variable, and only those."""
+    with pytest.raises(ConfigurationError, match=f"^environment variables? {missing}, but this process has"):
+        WorkerEnv.from_environ(variables)
+
+
+def test_a_job_of_one_needs_no_rendezvous():
+    for variables in ({"WORLD_SIZE": "1"}, {"DMLC_NUM_WORKER": "1"}, {"WORLD_SIZE": "1", "RANK": "0"}):
+        env = WorkerEnv.from_environ(variables)
+        assert (env.rank, env.size, env.root_port) == (0, 1, None)
+
+
+def test_torchrun_contract_gives_rank_size_and_root():
+    env = WorkerEnv.from_environ(TORCHRUN)
+    assert (env.rank, env.size, env.local_rank, env.local_size) == (4, 6, 1, 3)
+    assert (env.num_nodes, env.node_rank, env.rank_offset) == (2, 1, 3)
+    assert (env.root_addr, env.root_port, env.contract, env.engine) == ("10.0.0.2", 29500, "torchrun", "gloo")
+    assert env.root_variables == "MASTER_ADDR/MASTER_PORT"
+
+
+def test_torchrun_without_local_variables_is_one_worker_per_node():
+    """A Kubeflow PyTorchJob without torchrun sets RANK/WORLD_SIZE/MASTER_* only: one process per pod."""
+    env = WorkerEnv.from_environ({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert (env.rank, env.size, env.local_rank, env.local_size, env.num_nodes, env.node_rank) == (2, 3, 0, 1, 3, 2)
+
+
+def test_both_contracts_must_agree():
+    byteps = {"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "3", "BYTEPS_LOCAL_RANK": "1", **ROOT}
+    env = WorkerEnv.from_environ({**TORCHRUN, **byteps})
+    assert (env.rank, env.size, env.root_addr, env.contract) == (4, 6, "10.0.0.1", "byteps")  # BytePS's root wins
+    for disagreeing in ({"DMLC_WORKER_ID": "0"}, {"BYTEPS_LOCAL_RANK": "2", "DMLC_WORKER_ID": "0",
+                                                   "BYTEPS_LOCAL_SIZE": "6", "DMLC_NUM_WORKER": "1"}):
+        with pytest.raises(ConfigurationError, match="torchrun's RANK=4 of WORLD_SIZE=6.*one launcher"):
+            WorkerEnv.from_environ({**TORCHRUN, **byteps, **disagreeing})
 
 
 @pytest.mark.parametrize("cuda, nccl, gpus, local_size, expected", [

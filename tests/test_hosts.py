@@ -119,22 +119,25 @@ def test_bad_slots_exit_2_naming_the_problem(extra, needle):
     assert needle in proc.stderr and b"usage: bpslaunch" in proc.stderr
 
 
+NODE_1 = {"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
+          "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1234"}
+
+
 @pytest.mark.parametrize("variables, named", [
-    ({"DYNAMIX_RANK_OFFSET": "1"}, "DYNAMIX_SIZE"),
-    ({"DYNAMIX_SIZE": "4"}, "DYNAMIX_RANK_OFFSET"),
-    ({"DYNAMIX_RANK_OFFSET": "-1", "DYNAMIX_SIZE": "4"}, "DYNAMIX_RANK_OFFSET"),
-    ({"DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4", "BYTEPS_LOCAL_SIZE": "2"}, "DYNAMIX_RANK_OFFSET=3"),
-    ({"DYNAMIX_RANK_OFFSET": "0", "DYNAMIX_SIZE": str(MAX_WORKERS + 1)}, "DYNAMIX_SIZE"),
+    ({"DYNAMIX_RANK_OFFSET": "1"}, "^environment variable DYNAMIX_SIZE is not set"),
+    ({"DYNAMIX_SIZE": "4"}, "^environment variable DYNAMIX_RANK_OFFSET is not set"),
+    ({"DYNAMIX_RANK_OFFSET": "-1", "DYNAMIX_SIZE": "4"}, "DYNAMIX_RANK_OFFSET=-1 must be >= 0"),
+    ({"DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4", "BYTEPS_LOCAL_SIZE": "2"},
+     "^DYNAMIX_RANK_OFFSET=3 \\+ BYTEPS_LOCAL_SIZE=2 must be <= DYNAMIX_SIZE=4"),
+    ({"DYNAMIX_RANK_OFFSET": "0", "DYNAMIX_SIZE": str(MAX_WORKERS + 1)}, f"DYNAMIX_SIZE={MAX_WORKERS + 1} must be <="),
 ])
 def test_bad_rank_layout_is_named(variables, named):
     with pytest.raises(ConfigurationError, match=named):
-        WorkerEnv.from_environ({"DMLC_PS_ROOT_PORT": "1234", **variables})
+        WorkerEnv.from_environ({**NODE_1, **variables})
 
 
 def test_rank_offset_overrides_the_byteps_formula():
-    env = WorkerEnv.from_environ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "1",
-                                  "BYTEPS_LOCAL_RANK": "0", "DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4",
-                                  "DMLC_PS_ROOT_PORT": "1234"})
+    env = WorkerEnv.from_environ({**NODE_1, "DYNAMIX_RANK_OFFSET": "3", "DYNAMIX_SIZE": "4"})
     assert (env.rank, env.size) == (3, 4)
 
 

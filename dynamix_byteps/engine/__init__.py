@@ -1,9 +1,9 @@
 """Communication engines behind one small interface, and the process's current engine.
 
 ``start()`` creates the engine named by ``DYNAMIX_ENGINE`` (default ``gloo``; ``auto`` is nccl
-where every local worker has a GPU, else gloo) for the worker described by the ``DMLC_*``/
-``BYTEPS_*`` environment; ``current()`` returns it; ``stop()`` shuts it down. Engines are
-imported only when selected.
+where every local worker has a GPU, else gloo) for the worker described by the environment
+(:class:`~dynamix_byteps.env.WorkerEnv`: bpslaunch's or torchrun's variables); ``current()``
+returns it; ``stop()`` shuts it down. Engines are imported only when selected.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The embedded engines: ``torch.distributed`` with the gloo backend (CPU tensors, the default)
 or the nccl backend (CUDA tensors, one GPU per worker process).
 
-Rank 0 hosts the rendezvous at ``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``; a job of one worker
-needs no network at all.
+Rank 0 hosts the rendezvous at the root address of :class:`~dynamix_byteps.env.WorkerEnv`
+(``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``, or torchrun's ``MASTER_ADDR:MASTER_PORT``); a job of one
+worker needs no network at all. Under torchrun the launcher's agent already serves a TCPStore on
+``MASTER_PORT`` and sets ``TORCHELASTIC_USE_AGENT_STORE=True``; torch's ``tcp://`` rendezvous
+then makes every rank, rank 0 included, a client of that store, so the same code serves both.
 
 Every collective's start, end and bytes go to the timing ring (``dynamix_byteps.timing``). With
 gloo the end is the host time of gloo's completion callback. With nccl the host returns long
@@ -162,7 +165,7 @@ class TorchDistributedEngine(Engine):
         except (RuntimeError, ValueError) as exc:
             raise CommunicationError(
                 f"{backend} rendezvous at {env.root_addr}:{env.root_port} as rank {env.rank} of {env.size} "
-                f"failed: {exc}. Check that every worker was started with the same DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT "
+                f"failed: {exc}. Check that every worker was started with the same {env.root_variables} "
                 "and that rank 0 can listen there."
             ) from exc
 
