@@ -4,7 +4,7 @@ Workers may train on different local batch sizes b_i. The average over workers t
 Horovod compute, (1/n) Σ g_i, then over-weights the samples of small batches. Aggregation here
 produces the gradient of the mean loss over the global batch instead:
 
-    g = Σ_i b_i · g_i / Σ_i b_i          (DESIGN.md "Aggregation"; research/anchors.md §0.4)
+    g = Σ_i b_i · g_i / Σ_i b_i
 
 where g_i is worker i's gradient of its own mean loss.
 
@@ -50,12 +50,28 @@ DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
 _SCALED, _HELD, _SQ_NORM, _DIGEST = range(4)  # the trailer's columns
 
 
-def squared_norm(tensor: torch.Tensor) -> float:
-    """|t|² of a 1-D buffer: a BLAS dot product for float32/float64 (relative error ~4e-7 for
-    421k float32 values, 14x faster than a float64 reduction), else accumulated in float64."""
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """|t|² of a 1-D buffer as a 0-dim float64 tensor on its device (read without a host sync):
+    a BLAS dot product for float32/float64 (relative error ~4e-7 for 421k float32 values, 14x
+    faster than a float64 reduction), else accumulated in float64."""
     if tensor.dtype in (torch.float32, torch.float64):
-        return float(torch.dot(tensor, tensor))
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
+        return torch.dot(tensor, tensor).double()
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2
+
+
+def _timed_wait(device: torch.device, wait) -> float:
+    """Seconds ``wait()`` holds up this worker's work: host time on the CPU, CUDA events on the
+    current stream on a GPU (where waiting makes the stream, not the host, wait)."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        wait()
+        return time.perf_counter() - begin
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    wait()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def fusion_bytes() -> int:
@@ -140,7 +156,7 @@ class Round:
     samples: int
     scale: float
     reference: float
-    local_sq: float = 0.0
+    local_sq: torch.Tensor | float = 0.0  # |g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
 
 
@@ -218,7 +234,7 @@ class GradientAggregator:
         """Scale ``flat`` (bucket number ``bucket`` of the plan, contiguous, 1-D) in place and
         start its sum all-reduce. Buckets must be launched in the same order on every worker."""
         self.monitor.stretch()
-        step.local_sq += squared_norm(flat)
+        step.local_sq = step.local_sq + squared_norm(flat)
         if step.scale != 1.0:
             flat.mul_(step.scale)
         wire, ctx = self.compression.compress(flat)
@@ -251,15 +267,18 @@ class GradientAggregator:
         self.monitor.stretch()
         engine = self.engine
         trailer = torch.zeros((engine.size, 4), dtype=torch.float64, device=engine.device)
-        trailer[engine.rank] = torch.tensor([step.samples, samples_now, step.local_sq,
-                                             plan_digest(description)], dtype=torch.float64)
+        trailer[engine.rank] = torch.tensor([step.samples, samples_now, 0.0, plan_digest(description)],
+                                            dtype=torch.float64)
+        trailer[engine.rank, _SQ_NORM] = step.local_sq
         with round_lock:
             handle = engine.all_reduce_async(trailer, "Gradient.trailer")
-        begin = time.perf_counter()
-        for _, work, _, _ in step.in_flight:
-            work.wait()
-        handle.wait()
-        self.wait_s = time.perf_counter() - begin
+
+        def wait() -> None:
+            for _, work, _, _ in step.in_flight:
+                work.wait()
+            handle.wait()
+
+        self.wait_s = _timed_wait(engine.device, wait)
         table = trailer.cpu().numpy()
         self._check(table, description)
         sizes = table[:, _SCALED].astype(np.int64)
@@ -268,9 +287,9 @@ class GradientAggregator:
         global_sq = 0.0
         for flat, _, wire, ctx in step.in_flight:
             reduced = self.compression.decompress(wire, ctx)
-            global_sq += squared_norm(reduced)
+            global_sq = global_sq + squared_norm(reduced)
             torch.mul(reduced, 1.0 / divisor, out=flat)
-        global_sq /= divisor * divisor
+        global_sq = float(global_sq) / (divisor * divisor)
         self._reference = float(1 if sizes[0] == UNSET else max(sizes[0], 1))
         self.global_batch_size = total
         if total is not None:

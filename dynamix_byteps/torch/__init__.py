@@ -21,6 +21,7 @@ from dynamix_byteps import (
 )
 from dynamix_byteps.batching import gradient_noise_scale, gradient_statistics, set_batch_sizes
 from dynamix_byteps.control.worker import report_loss
+from dynamix_byteps.errors import InvalidAssignmentError
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -34,12 +35,15 @@ from dynamix_byteps.torch.ops import (
     synchronize,
 )
 from dynamix_byteps.torch.optimizer import DistributedOptimizer
+from dynamix_byteps.torch.parallel import DistributedDataParallel
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 __all__ = [
     "Compression",
+    "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicBatchSampler",
+    "InvalidAssignmentError",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
