@@ -1,0 +1,379 @@
+"""The "change one import" promise: every public name of BytePS 0.2.5's PyTorch and TensorFlow
+frontends exists in the matching ``dynamix_byteps`` module and takes the same arguments.
+
+The lists below are written by hand from BytePS's source (``byteps/torch/__init__.py``,
+``byteps/torch/ops.py``, ``byteps/torch/parallel/distributed.py``, ``byteps/torch/compression.py``,
+``byteps/common/__init__.py``, ``byteps/tensorflow/__init__.py``, ``byteps/tensorflow/ops.py``,
+``byteps/tensorflow/keras/__init__.py``, ``byteps/tensorflow/keras/callbacks.py``,
+``byteps/_keras/``) at tag v0.2.5 and at its last 0.2.5 release, v0.2.5.post20 (its
+``__version__`` is still 0.2.5); where they differ the later one, a superset (``prefix`` of the
+torch broadcasts, ``DistributedDataParallel.no_sync``, ``get_pushpull_speed``), is listed. Modules
+BytePS only imports (``torch``, ``os``, ``keras``, ``K``, ...) are not API and are left out, and so
+is ``byteps.keras``, the frontend for the standalone Keras 2 package.
+
+A signature is compatible when every BytePS parameter is there, by the same name and at the same
+position, a BytePS default is kept (the same value), and whatever follows is optional.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+
+import pytest
+
+from multiworker import run_workers
+
+P = inspect.Parameter
+
+
+def function(signature: str) -> tuple:
+    return ("function", signature)
+
+
+def cls(signature: str | None, **methods: str) -> tuple:
+    """A class: its constructor's signature (None: not checked) and ``method=signature`` pairs."""
+    return ("class", signature, methods)
+
+
+def constant(value) -> tuple:
+    return ("constant", value)
+
+
+def namespace(*attributes: str) -> tuple:
+    return ("namespace", attributes)
+
+
+MODULE = ("module",)
+
+ROOT = "()"  # size(), rank(), ...: no arguments
+BASICS = {"init": function("(lazy=True)"), "shutdown": function(ROOT), "size": function(ROOT),
+          "local_size": function(ROOT), "rank": function(ROOT), "local_rank": function(ROOT)}
+COMPRESSION = namespace("none", "fp16")
+COMPRESSOR_METHODS = {"compress": "(tensor)", "decompress": "(tensor, ctx)"}
+
+# byteps module -> (dynamix module, the module whose names a default like Compression.none means, names)
+BYTEPS = {
+    "byteps.torch": ("dynamix_byteps.torch", "dynamix_byteps.torch", {
+        **BASICS,
+        "Compression": COMPRESSION,
+        "push_pull": function("(tensor, average=True, name=None, version=0, priority=0, "
+                              "compression=Compression.none)"),
+        "poll": function("(handle)"),
+        "synchronize": function("(handle)"),
+        "declare": function("(name)"),
+        "DistributedOptimizer": function("(optimizer, named_parameters=None, compression=Compression.none, "
+                                         "backward_passes_per_step=1)"),
+        "broadcast_parameters": function("(params, root_rank, prefix='Parameter.')"),
+        "broadcast_optimizer_state": function("(optimizer, root_rank, prefix='Parameter.')"),
+        "broadcast_object": function("(obj, root_rank=0, name=None)"),
+    }),
+    "byteps.torch.parallel": ("dynamix_byteps.torch.parallel", "dynamix_byteps.torch", {
+        "DistributedDataParallel": cls("(module, device_ids=None, broadcast_buffers=True, "
+                                       "compression=Compression.none)",
+                                       no_sync="(self)", synchronize="(self)", forward="(self, *inputs, **kwargs)"),
+    }),
+    "byteps.torch.compression": ("dynamix_byteps.torch.compression", "dynamix_byteps.torch", {
+        "Compressor": cls(None, **COMPRESSOR_METHODS),
+        "NoneCompressor": cls(None, **COMPRESSOR_METHODS),
+        "FP16Compressor": cls(None, **COMPRESSOR_METHODS),
+        "Compression": COMPRESSION,
+    }),
+    "byteps.tensorflow": ("dynamix_byteps.tensorflow", "dynamix_byteps.tensorflow", {
+        **BASICS,
+        "Compression": COMPRESSION,
+        "Average": constant("Average"),
+        "Sum": constant("Sum"),
+        "Adasum": constant("Adasum"),
+        "push_pull": function("(tensor, scope='', average=None, device_dense='', device_sparse='', "
+                              "compression=Compression.none, op=None, enable_async=False)"),
+        "broadcast": function("(tensor, root_rank, scope='', name=None, is_variable=True)"),
+        "broadcast_global_variables": function("(root_rank)"),
+        "broadcast_variables": function("(variables, root_rank, scope='')"),
+        "DistributedOptimizer": function("(optimizer, name=None, use_locking=False, device_dense='', "
+                                         "device_sparse='', compression=Compression.none, sparse_as_dense=False, "
+                                         "backward_passes_per_step=1, op=Average)"),
+        "DistributedGradientTape": function("(gradtape, device_dense='', device_sparse='', "
+                                            "compression=Compression.none, sparse_as_dense=False, op=Average)"),
+    }),
+    "byteps.tensorflow.keras": ("dynamix_byteps.tensorflow.keras", "dynamix_byteps.tensorflow", {
+        **BASICS,
+        "Compression": COMPRESSION,
+        "callbacks": MODULE,
+        "DistributedOptimizer": function("(optimizer, name=None, device_dense='', device_sparse='', "
+                                         "compression=Compression.none, sparse_as_dense=False)"),
+        "broadcast_global_variables": function("(root_rank)"),
+        "push_pull": function("(value, name=None, average=True)"),
+        "broadcast": function("(value, root_rank, name=None)"),
+        "load_model": function("(filepath, custom_optimizers=None, custom_objects=None, "
+                               "compression=Compression.none)"),
+    }),
+    "byteps.tensorflow.keras.callbacks": ("dynamix_byteps.tensorflow.keras.callbacks", "dynamix_byteps.tensorflow", {
+        "BroadcastGlobalVariablesCallback": cls("(root_rank, device='')"),
+        "MetricAverageCallback": cls("(device='')"),
+        "LearningRateScheduleCallback": cls("(multiplier, start_epoch=0, end_epoch=None, staircase=True, "
+                                            "momentum_correction=True, steps_per_epoch=None, initial_lr=None)"),
+        "LearningRateWarmupCallback": cls("(warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, "
+                                          "verbose=0, initial_lr=None)"),
+    }),
+}
+
+# Methods of the objects BytePS's factories return (checked on real instances).
+TORCH_OPTIMIZER_METHODS = {"synchronize": "(self)", "skip_synchronize": "(self)",
+                           "set_backward_passes_per_step": "(self, passes)", "step": "(self, closure=None)"}
+TAPE_METHODS = {"gradient": "(self, target, sources, output_gradients=None)"}
+
+ELASTIC = ("BytePS core's in-process elastic training (leave and rejoin with a new worker count); "
+           "here elasticity is bpslaunch --restart-on-failure, which restarts the workers from the last checkpoint")
+DELIBERATELY_ABSENT = {
+    ("byteps.torch", "byteps_push_pull"): "BytePS's own optimizer's alias of push_pull_async_inplace, which "
+                                          "dynamix_byteps.torch exports under that name",
+    ("byteps.torch", "suspend"): ELASTIC,
+    ("byteps.torch", "resume"): ELASTIC,
+    ("byteps.torch.cross_barrier", "CrossBarrier"): "cross-iteration scheduling by the priorities of BytePS's own "
+                                                    "core scheduler, which the gloo engine does not have",
+    ("byteps.tensorflow", "suspend"): ELASTIC,
+    ("byteps.tensorflow", "resume"): ELASTIC,
+    ("byteps.tensorflow", "get_pushpull_speed"): "reads the 10-second throughput monitor of BytePS's C++ core; "
+                                                 "push_pull time per step is in bps.step_statistics() and "
+                                                 "TensorBoard",
+    ("byteps.tensorflow", "BroadcastGlobalVariablesHook"): "a tf.estimator SessionRunHook; BytePS defines it only "
+                                                           "when tf.estimator or tf.train.SessionRunHook exists, "
+                                                           "and TensorFlow 2.16+ has neither",
+    ("byteps.tensorflow", "handle_average_backwards_compatibility"): "BytePS's internal helper for push_pull's "
+                                                                     "average/op arguments",
+}
+
+CASES = [(byteps_module, name) for byteps_module, (_, _, names) in BYTEPS.items() for name in names]
+
+
+REQUIRED = object()  # a BytePS parameter without a default
+
+
+class _Unresolved:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"<{self.path}: missing>"
+
+
+def _default(node: ast.expr, defaults_from):
+    if isinstance(node, ast.Constant):
+        return node.value
+    value = defaults_from
+    for part in ast.unparse(node).split("."):
+        if not hasattr(value, part):
+            return _Unresolved(ast.unparse(node))
+        value = getattr(value, part)
+    return value
+
+
+def _expected(signature: str, defaults_from) -> tuple[list[tuple[str, object]], bool, bool]:
+    args = ast.parse(f"def f{signature}: pass").body[0].args
+    defaults = [REQUIRED] * (len(args.args) - len(args.defaults)) + [_default(d, defaults_from) for d in args.defaults]
+    return [(a.arg, d) for a, d in zip(args.args, defaults)], args.vararg is not None, args.kwarg is not None
+
+
+def signature_problems(obj, signature: str, defaults_from) -> list[str]:
+    """Why a call written for BytePS's ``signature`` could fail on ``obj``; [] when none."""
+    expected, varargs, varkw = _expected(signature, defaults_from)
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError) as exc:
+        return [f"no signature: {exc}"]
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    problems = []
+    for index, (name, default) in enumerate(expected):
+        if index >= len(positional):
+            problems.append(f"parameter {name!r} (position {index}) is missing")
+            continue
+        ours = positional[index]
+        if ours.name != name or ours.kind is P.POSITIONAL_ONLY:
+            problems.append(f"position {index} is {ours.name!r}; BytePS has {name!r}")
+        elif default is not REQUIRED and ours.default is P.empty:
+            problems.append(f"{name!r} is required; BytePS defaults it to {default!r}")
+        elif default is not REQUIRED and not (ours.default is default or (type(ours.default) is type(default)
+                                                                            and ours.default == default)):
+            problems.append(f"{name!r} defaults to {ours.default!r}; BytePS to {default!r}")
+    extra = [p for p in params if p not in positional[:len(expected)]]
+    problems += [f"extra parameter {p.name!r} has no default" for p in extra
+                 if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p.default is P.empty]
+    if varargs and not any(p.kind is P.VAR_POSITIONAL for p in params):
+        problems.append("takes no *args; BytePS does")
+    if varkw and not any(p.kind is P.VAR_KEYWORD for p in params):
+        problems.append("takes no **kwargs; BytePS does")
+    return problems
+
+
+def methods_problems(kind: type, methods: dict[str, str], defaults_from) -> list[str]:
+    problems = []
+    for method, signature in methods.items():
+        if not callable(getattr(kind, method, None)):
+            problems.append(f"method {method} is missing")
+        else:
+            problems += [f"{method}: {p}" for p in signature_problems(getattr(kind, method), signature, defaults_from)]
+    return problems
+
+
+def entry_problems(module, name: str, spec: tuple, defaults_from) -> list[str]:
+    if not hasattr(module, name):
+        return ["missing"]
+    obj = getattr(module, name)
+    problems = []
+    if getattr(module, "__all__", None) is not None and name not in module.__all__:
+        problems.append("not in __all__, so `from ... import *` loses it")
+    kind = spec[0]
+    if kind == "function":
+        problems += ([] if callable(obj) else ["not callable"]) + signature_problems(obj, spec[1], defaults_from)
+    elif kind == "class":
+        if not inspect.isclass(obj):
+            return problems + [f"not a class but {type(obj).__name__}"]
+        if spec[1] is not None:
+            problems += signature_problems(obj, spec[1], defaults_from)
+        problems += methods_problems(obj, spec[2], defaults_from)
+    elif kind == "constant":
+        if obj != spec[1]:
+            problems.append(f"is {obj!r}; BytePS's is {spec[1]!r}")
+    elif kind == "namespace":
+        problems += [f"has no attribute {a!r}" for a in spec[1] if not hasattr(obj, a)]
+    elif not inspect.ismodule(obj):
+        problems.append(f"not a module but {type(obj).__name__}")
+    return problems
+
+
+def _ok(results):
+    for rank, result in enumerate(results):
+        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
+    return [result["ok"] for result in results]
+
+
+@pytest.mark.parametrize("byteps_module,name", CASES, ids=[f"{m}.{n}" for m, n in CASES])
+def test_byteps_name_exists_with_compatible_arguments(byteps_module, name):
+    ours, defaults_module, names = BYTEPS[byteps_module]
+    if "tensorflow" in ours:
+        pytest.importorskip("tensorflow")
+    module = importlib.import_module(ours)
+    problems = entry_problems(module, name, names[name], importlib.import_module(defaults_module))
+    assert problems == [], f"{ours}.{name} (BytePS {byteps_module}.{name}): " + "; ".join(problems)
+
+
+def test_deliberately_absent_names_are_absent():
+    for (byteps_module, name), reason in DELIBERATELY_ABSENT.items():
+        ours, _, names = BYTEPS.get(byteps_module, (None, None, {}))
+        assert name not in names and reason
+        if ours is not None and ("tensorflow" not in ours or importlib.util.find_spec("tensorflow") is not None):
+            assert not hasattr(importlib.import_module(ours), name), f"{ours}.{name} exists now: list it in BYTEPS"
+
+
+def test_the_check_finds_what_a_byteps_script_would_trip_on():
+    def keyword_renamed(tensor, avg=True): ...
+    def required_extra(tensor, average=True, name=None, extra=None, *, must): ...
+    def default_changed(tensor, average=False): ...
+    def moved(average=True, tensor=None): ...
+    spec = "(tensor, average=True)"
+    assert signature_problems(keyword_renamed, spec, None) == ["position 1 is 'avg'; BytePS has 'average'"]
+    assert signature_problems(required_extra, spec, None) == ["extra parameter 'must' has no default"]
+    assert signature_problems(default_changed, spec, None) == ["'average' defaults to False; BytePS to True"]
+    assert len(signature_problems(moved, spec, None)) == 2
+    assert signature_problems(lambda tensor, average=1: None, spec, None) == ["'average' defaults to 1; BytePS to True"]
+    assert signature_problems(lambda *inputs: None, "(*inputs, **kwargs)", None) == ["takes no **kwargs; BytePS does"]
+
+
+def test_distributed_gradient_tape_has_byteps_methods():
+    tf = pytest.importorskip("tensorflow")
+    import dynamix_byteps.tensorflow as bps
+
+    tape = bps.DistributedGradientTape(tf.GradientTape())
+    assert methods_problems(type(tape), TAPE_METHODS, bps) == []
+
+
+def test_invalid_assignment_error_is_exported_by_every_frontend():
+    import dynamix_byteps
+    import dynamix_byteps.assignment
+    import dynamix_byteps.torch
+
+    frontends = [dynamix_byteps, dynamix_byteps.torch]
+    if importlib.util.find_spec("tensorflow") is not None:
+        frontends.append(importlib.import_module("dynamix_byteps.tensorflow"))
+    for frontend in frontends:
+        assert frontend.InvalidAssignmentError is dynamix_byteps.assignment.InvalidAssignmentError
+        assert "InvalidAssignmentError" in frontend.__all__
+    assert issubclass(dynamix_byteps.InvalidAssignmentError, dynamix_byteps.ConfigurationError)
+
+
+@pytest.mark.timeout(120)
+def test_torch_broadcast_forms_and_optimizer_methods():
+    results = _ok(run_workers(2, "parity_cases:torch_checks", timeout=100))
+    assert [r["optimizer_methods"] for r in results] == [[], []]
+    root = results[1]
+    for form, digests in root["forms"].items():
+        for rank, result in enumerate(results):
+            mine = result["forms"][form]
+            assert mine["after"]["parameters"] == digests["before"]["parameters"], f"{form}: rank {rank}"
+            expected_buffers = digests["before"] if form == "state_dict" else mine["before"]
+            assert mine["after"]["buffers"] == expected_buffers["buffers"], f"{form}: rank {rank}'s buffers"
+        assert results[0]["forms"][form]["before"] != digests["before"], "the ranks started equal"
+    assert [r["lr"] for r in results] == [pytest.approx(0.2)] * 2
+    assert results[0]["momentum"] == root["momentum"]
+    for result in results:
+        assert "not a single tensor" in result["errors"]["tensor"]
+        assert "entry 0 is a str" in result["errors"]["names"]
+        assert "got int" in result["errors"]["number"]
+
+
+@pytest.mark.timeout(300)
+def test_tensorflow_and_keras_additions(tmp_path):
+    pytest.importorskip("tensorflow")
+    results = _ok(run_workers(2, "tf_parity_cases:all_checks", str(tmp_path), timeout=280))
+    for rank, result in enumerate(results):
+        functions = result["keras_functions"]
+        assert functions["push_pull_sum"] == [2.0, 2.0]
+        assert functions["push_pull_mean"] == 0.5 and functions["push_pull_default_name"] == 2.0
+        assert functions["broadcast"] == [10, 11, 12]
+        assert all(functions["same_functions"])
+
+        refusals = result["refusals"]
+        assert refusals["bpps"].startswith("ValueError") and "backward_passes_per_step=2" in refusals["bpps"]
+        assert refusals["optimizer_sum"].startswith("ValueError") and "op='Sum'" in refusals["optimizer_sum"]
+        assert refusals["tape_adasum"].startswith("ValueError") and "op='Adasum'" in refusals["tape_adasum"]
+        assert refusals["push_pull_adasum"].startswith("ValueError") and "Adasum" in refusals["push_pull_adasum"]
+        assert refusals["v1_optimizer"].startswith("TypeError") and "Keras 3 optimizer" in refusals["v1_optimizer"]
+        assert refusals["eager_global_variables"].startswith("RuntimeError")
+        assert "broadcast_variables" in refusals["eager_global_variables"]
+
+        assert result["graph_global_variables"] == [[10.0, 11.0, 12.0], 1.0]
+
+        loaded = result["loaded_model"]
+        assert loaded["uncompiled_optimizer"] == "None"
+        for label, expected_class in [("builtin", "SGD"), ("custom", "MySGD")]:
+            assert loaded[label]["wrapped"] and loaded[label]["class"] == expected_class
+            assert loaded[label]["iterations"] == 2, "the saved optimizer state (2 steps) was not kept"
+            assert loaded[label]["saved_velocity"] > 0
+            assert loaded[label]["loaded_velocity"] == pytest.approx(loaded[label]["saved_velocity"], rel=1e-6)
+    assert results[0]["positional_optimizer"] == pytest.approx(results[1]["positional_optimizer"], rel=1e-6)
+    assert results[0]["loaded_model"]["weights"] == pytest.approx(results[1]["loaded_model"]["weights"], rel=1e-6)
+    _check_learning_rates(results[0]["lr_callbacks"], size=2)
+
+
+def _check_learning_rates(result: dict, size: int, initial: float = 0.1, warmup: int = 2, steps: int = 4):
+    rows = result["known"]["rows"]
+    assert len(rows) == 3 * steps and result["known"]["warnings"] == []
+    for index, (batch, rate, velocity_before, velocity_after) in enumerate(rows):
+        epoch = index // steps
+        progress = epoch + (batch + 1) / steps  # epochs done at the end of this batch
+        expected = initial / size * (1 + progress * (size - 1) / warmup) if epoch < warmup else initial * 0.1
+        assert rate == pytest.approx(expected, rel=1e-6), f"epoch {epoch} batch {batch}"
+        if index:  # momentum correction: the velocity follows the rate's change before the step
+            previous = rows[index - 1]
+            assert velocity_before == pytest.approx(previous[3] * rate / previous[1], rel=1e-4)
+    assert result["known"]["lr_log"] == pytest.approx([rows[steps - 1][1], initial, initial * 0.1], rel=1e-6)
+
+    per_epoch = result["unknown"]
+    assert per_epoch["warnings"], "no warning that the rate changes once per epoch"
+    for epoch, expected in enumerate([initial / size * (1 + (size - 1) / warmup), initial, initial * 0.1]):
+        rates = [row[1] for row in per_epoch["rows"][epoch * steps:(epoch + 1) * steps]]
+        assert rates == pytest.approx([expected] * steps, rel=1e-6), f"epoch {epoch}"
+    assert result["schedule_refused"].startswith("ValueError") and "LearningRateSchedule" in result["schedule_refused"]
