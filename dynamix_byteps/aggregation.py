@@ -8,17 +8,18 @@ produces the gradient of the mean loss over the global batch instead:
 
 where g_i is worker i's gradient of its own mean loss.
 
-A step is one :class:`Round`. Gradients arrive fused into flat buckets (torch tensors on the
-engine's device, one dtype each, :func:`plan_buckets`); each bucket's sum all-reduce starts as
-soon as the bucket is full (the PyTorch frontend does this from the backward hooks, while
-backward goes on), after scaling it by s_i = b_i / R, where R is a reference size every worker
-knows (rank 0's batch of the previous step, so equal batches need no scaling at all). The last
-collective of the round is a small float64 *trailer*, one row per worker: the batch size it
-scaled by, the one it holds now, its local squared gradient norm |g_i|² and the digest of its
-bucket plan. When the round finishes, every worker divides the sums by Σ b_i / R and so holds
-g exactly; the trailer's norms feed the gradient noise scale
-(:mod:`dynamix_byteps.data.gradient_noise`) and its digests turn a mismatched plan into
-:class:`TensorMismatchError` on every worker. One collective per bucket and one trailer per step.
+A step is one :class:`Round`. Gradients arrive in flat buckets (torch tensors on the engine's
+device, one dtype each, :func:`plan_buckets`), already multiplied by s_i = b_i / R while they were
+copied in, where R is a reference every worker knows (the global batch of the previous step, so
+with steady batch sizes the sums need no division afterwards). Each bucket's sum all-reduce
+starts as soon as the bucket is full (the PyTorch frontend does this from the backward hooks,
+while backward goes on). The last collective of the round, issued right behind the last bucket,
+is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
+norm |g_i|² and the digest of its bucket plan. When the round finishes every worker divides the
+sums by Σ b_i / R (when that is not 1) and so holds g exactly; the trailer's norms feed the
+gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) and its digests turn a
+mismatched plan into :class:`TensorMismatchError` on every worker. One collective per bucket
+and one trailer per step.
 
 The names, shapes and dtypes behind a plan are negotiated once, when the plan is built
 (:meth:`GradientAggregator.agree_on_plan`), not on every step.
@@ -47,7 +48,7 @@ MAX_SAMPLES = 2**31
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
 
-_SCALED, _HELD, _SQ_NORM, _DIGEST = range(4)  # the trailer's columns
+_SAMPLES, _SQ_NORM, _DIGEST = range(3)  # the trailer's columns
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,16 +149,18 @@ class Round:
     """One step's reduction, from its first bucket to :meth:`GradientAggregator.finish`.
 
     Attributes:
-        samples: the local batch size this worker scaled by (:data:`UNSET`: none declared).
-        scale: s_i = b_i / reference (1 for an undeclared size).
-        reference: R, the reference batch every worker used this round.
+        samples: this worker's local batch size b_i (:data:`UNSET`: none declared, counted as 1).
+        scale: s_i = b_i / reference: the factor every gradient is multiplied by on its way into
+            its bucket.
+        reference: R, the same on every worker.
     """
 
     samples: int
     scale: float
     reference: float
-    local_sq: torch.Tensor | float = 0.0  # |g_i|² so far, on the buckets' device
+    local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
+    trailer: tuple | None = None  # (tensor, handle) once closed
 
 
 class GradientAggregator:
@@ -231,71 +234,51 @@ class GradientAggregator:
         return Round(samples, effective / self._reference, self._reference)
 
     def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
-        """Scale ``flat`` (bucket number ``bucket`` of the plan, contiguous, 1-D) in place and
-        start its sum all-reduce. Buckets must be launched in the same order on every worker."""
+        """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
+        1-D) holds this worker's gradients times ``step.scale``. Buckets must be launched in the
+        same order on every worker."""
         self.monitor.stretch()
         step.local_sq = step.local_sq + squared_norm(flat)
-        if step.scale != 1.0:
-            flat.mul_(step.scale)
         wire, ctx = self.compression.compress(flat)
         with round_lock:
             handle = self.engine.all_reduce_async(wire, f"Gradient.bucket.{bucket}")
         step.in_flight.append((flat, handle, wire, ctx))
 
+    def close(self, step: Round, description: str) -> None:
+        """Start the round's trailer, after its last bucket: this worker's batch size, local
+        squared norm and plan digest (``description``'s)."""
+        self.monitor.stretch()
+        engine = self.engine
+        trailer = torch.zeros((engine.size, 3), dtype=torch.float64, device=engine.device)
+        trailer[engine.rank, _SAMPLES] = step.samples
+        trailer[engine.rank, _DIGEST] = plan_digest(description)
+        if step.scale > 0:
+            trailer[engine.rank, _SQ_NORM] = step.local_sq / (step.scale * step.scale)
+        with round_lock:
+            step.trailer = (trailer, engine.all_reduce_async(trailer, "Gradient.trailer"))
+
     def drain(self, step: Round) -> None:
         """Wait for a round's collectives and drop its results (``zero_grad`` before ``step``)."""
         for _, handle, _, _ in step.in_flight:
             handle.wait()
-        step.in_flight.clear()
+        if step.trailer is not None:
+            step.trailer[1].wait()
 
-    def finish(self, step: Round, samples_now: int, description: str) -> None:
-        """Run the trailer, wait for every bucket and leave the global mean g in each launched buffer.
+    def finish(self, step: Round, description: str) -> None:
+        """Wait for the closed round and leave the global mean g in each launched buffer.
 
         Args:
-            step: the round, every bucket launched.
-            samples_now: this worker's batch size as known now (a size declared after the first
-                bucket left differs from ``step.samples``).
-            description: the plan's description (its digest goes in the trailer; the text is
-                gathered only to explain a mismatch).
+            step: the round, every bucket launched and the trailer started (:meth:`close`).
+            description: the plan's description, gathered only to explain a mismatch.
 
         Raises:
             TensorMismatchError: workers reduced different plans (every worker raises).
-            ConfigurationError: batch sizes declared on some workers only, summing to 0, or
-                declared after this step's reduction had started.
+            ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
-        self.monitor.stretch()
-        engine = self.engine
-        trailer = torch.zeros((engine.size, 4), dtype=torch.float64, device=engine.device)
-        trailer[engine.rank] = torch.tensor([step.samples, samples_now, 0.0, plan_digest(description)],
-                                            dtype=torch.float64)
-        trailer[engine.rank, _SQ_NORM] = step.local_sq
-        with round_lock:
-            handle = engine.all_reduce_async(trailer, "Gradient.trailer")
-
-        def wait() -> None:
-            for _, work, _, _ in step.in_flight:
-                work.wait()
-            handle.wait()
-
-        self.wait_s = _timed_wait(engine.device, wait)
+        trailer, handle = step.trailer
+        self.wait_s = _timed_wait(self.engine.device, lambda: self.drain(step))
         table = trailer.cpu().numpy()
-        self._check(table, description)
-        sizes = table[:, _SCALED].astype(np.int64)
-        total = global_batch(sizes)
-        divisor = (engine.size if total is None else total) / step.reference
-        global_sq = 0.0
-        for flat, _, wire, ctx in step.in_flight:
-            reduced = self.compression.decompress(wire, ctx)
-            global_sq = global_sq + squared_norm(reduced)
-            torch.mul(reduced, 1.0 / divisor, out=flat)
-        global_sq = float(global_sq) / (divisor * divisor)
-        self._reference = float(1 if sizes[0] == UNSET else max(sizes[0], 1))
-        self.global_batch_size = total
-        if total is not None:
-            self.gradient_noise.update(table[:, _SQ_NORM], sizes, global_sq)
-
-    def _check(self, table: np.ndarray, description: str) -> None:
         digests = table[:, _DIGEST]
         if not np.all(digests == digests[0]):
             texts = gather_text(self.engine, description)
@@ -303,11 +286,23 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
-        late = np.flatnonzero(table[:, _SCALED] != table[:, _HELD])
-        if late.size:
-            raise ConfigurationError(
-                f"ranks {late.tolist()} declared their local batch size after this step's gradients had started "
-                "reducing (during backward()); call set_local_batch_size() before loss.backward()")
+        sizes = table[:, _SAMPLES].astype(np.int64)
+        total = global_batch(sizes)
+        effective_total = self.engine.size if total is None else total
+        divisor = effective_total / step.reference
+        global_sq = 0.0
+        for flat, _, wire, ctx in step.in_flight:
+            reduced = self.compression.decompress(wire, ctx)
+            global_sq = global_sq + squared_norm(reduced)
+            if reduced is not flat:
+                torch.mul(reduced, 1.0 / divisor, out=flat)
+            elif divisor != 1.0:
+                flat.mul_(1.0 / divisor)
+        global_sq = float(global_sq) / (divisor * divisor)
+        self._reference = float(effective_total)
+        self.global_batch_size = total
+        if total is not None and (sizes > 0).all():
+            self.gradient_noise.update(table[:, _SQ_NORM], sizes, global_sq)
 
     def update_lr_scale(self) -> float:
         """Set and return :attr:`lr_scale` for the step just reduced (1 when batch sizes are unknown)."""

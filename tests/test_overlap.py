@@ -50,5 +50,6 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
 
 @pytest.mark.timeout(120)
 def test_a_size_declared_late_once_reduction_overlaps_raises_everywhere():
-    for message in _ok(run_workers(2, "overlap_cases:declared_late_after_overlap")):
-        assert message.startswith("step 1:") and "before loss.backward()" in message
+    on_time, late = _ok(run_workers(2, "overlap_cases:declared_late_after_overlap"))
+    assert late.startswith("step 1:") and "before loss.backward()" in late
+    assert on_time.startswith("step 1:") and "declare it on every worker or on none" in on_time

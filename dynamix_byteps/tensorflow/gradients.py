@@ -42,13 +42,13 @@ def _checked_samples(value) -> int:
     return samples
 
 
-def _fuse(views: list[torch.Tensor], offsets: list[int], length: int) -> torch.Tensor:
-    """One flat buffer holding ``views`` at ``offsets`` (zeros in the alignment gaps)."""
+def _fuse(views: list[torch.Tensor], offsets: list[int], length: int, scale: float) -> torch.Tensor:
+    """One flat buffer holding ``scale`` times ``views`` at ``offsets`` (zeros in the alignment gaps)."""
     flat = torch.empty(length, dtype=views[0].dtype)
     end = 0
     for view, offset in zip(views, offsets):
         flat[end:offset].zero_()
-        flat[offset:offset + view.numel()].copy_(view.reshape(-1))
+        torch.mul(view.reshape(-1), scale, out=flat[offset:offset + view.numel()])
         end = offset + view.numel()
     flat[end:].zero_()
     return flat
@@ -114,15 +114,17 @@ class GradientReducer:
         buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
         layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
                    for bucket in buckets]
-        flats = [_fuse([views[i] for i in bucket], offsets, length) for bucket, (offsets, length) in zip(buckets, layouts)]
         description = self._description(names, views)
         if description != self._agreed:
             aggregator.agree_on_plan(description)
             self._agreed = description
         step = aggregator.open_round(samples)
+        flats = [_fuse([views[i] for i in bucket], offsets, length, step.scale)
+                 for bucket, (offsets, length) in zip(buckets, layouts)]
         for number, flat in enumerate(flats):
             aggregator.launch(step, number, flat)
-        aggregator.finish(step, samples, description)
+        aggregator.close(step, description)
+        aggregator.finish(step, description)
         results: list = [None] * len(views)
         for bucket, (offsets, _), flat in zip(buckets, layouts, flats):
             for i, offset in zip(bucket, offsets):

@@ -19,6 +19,7 @@ import torch
 
 from dynamix_byteps.aggregation import MAX_SAMPLES, UNSET, GradientAggregator
 from dynamix_byteps.data.lr_scaling import optimizer_family_of
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.reducer import BucketReducer
 
@@ -110,16 +111,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Not needed when a ``DynamicBatchSampler`` feeds the model: its batch sizes are used.
         Over ``backward_passes_per_step`` passes the counts add up. The step's weight is this
         worker's total over the global total; pass sizes within one step are assumed equal on
-        a worker, since the accumulated gradient is a sum of per-pass mean gradients. Declared
-        after backward, the step is still weighted exactly, but reduced only in ``step()``
-        from then on (a warning-free slower path); declared after backward on a step where
-        the reduction had already started, ``step()`` raises ConfigurationError.
+        a worker, since the accumulated gradient is a sum of per-pass mean gradients.
+
+        A job whose first step declares after backward keeps working, weighted exactly, but
+        reduces in ``step()`` from then on, without the overlap (with a warning).
 
         Raises:
             ValueError: ``samples`` is not an integer >= 0.
+            ConfigurationError: this step's gradients already started reducing during backward
+                with the size known then; declare before ``loss.backward()``.
         """
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples < MAX_SAMPLES:
             raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_SAMPLES}), got {samples!r}")
+        if self._reducer.reducing:
+            raise ConfigurationError(
+                "set_local_batch_size() was called after this step's gradients had started reducing during "
+                "backward(); call it before loss.backward(), as on earlier steps")
         self._samples = int(samples) + max(self._samples, 0)
 
     def synchronize(self) -> None:
@@ -131,8 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             TensorMismatchError: workers have different parameters or settings.
-            ConfigurationError: batch sizes were declared on some workers only, sum to 0, or
-                were declared after this step's reduction had started.
+            ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
             TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
             CommunicationError: a peer failed.
         """

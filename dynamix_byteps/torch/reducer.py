@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,7 +37,7 @@ class _Bucket:
     buffer: torch.Tensor  # flat, one dtype and device
     params: list[torch.Tensor]
     views: list[torch.Tensor]  # views of buffer shaped like each parameter
-    pending: int = 0  # gradients not yet ready this round
+    pending: set = field(default_factory=set)  # parameters whose gradient is not in the bucket yet
 
 
 class _Plan:
@@ -123,10 +123,8 @@ class BucketReducer:
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
-        if param.grad is not view:
-            view.copy_(param.grad)
-            param.grad = view
-        self._plan.buckets[number].pending -= 1
+        _move_into_bucket(param, view, self._round.scale)
+        self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
     def _begin_backward(self) -> None:
@@ -145,11 +143,11 @@ class BucketReducer:
             self._round = self.aggregator.open_round(self._samples)
             self._next_bucket = 0
             for bucket in self._plan.buckets:
-                bucket.pending = len(bucket.params)
+                bucket.pending = set(bucket.params)
 
     def _launch_ready(self) -> None:
         buckets = self._plan.buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+        while self._next_bucket < len(buckets) and not buckets[self._next_bucket].pending:
             self.aggregator.launch(self._round, self._next_bucket, buckets[self._next_bucket].buffer)
             self._next_bucket += 1
 
@@ -161,34 +159,41 @@ class BucketReducer:
         if self._launching:
             self._launching = False
             for bucket in self._plan.buckets[self._next_bucket:]:
-                bucket.pending = 0
-                _fill(bucket)
+                for param in bucket.pending:  # no gradient this pass: its own, or zeros
+                    _move_into_bucket(param, self._plan.slot[param][1], self._round.scale)
+                bucket.pending.clear()
             self._launch_ready()
+            self.aggregator.close(self._round, self._plan.description)
         if self._on_backward_end is not None and self._passes == self.passes_per_step:
             self._on_backward_end(self.finish())
+
+    @property
+    def reducing(self) -> bool:
+        """True from the moment this step's first bucket left until :meth:`finish`."""
+        return self._round is not None
 
     def finish(self, declared: int | None = None) -> int:
         """Complete this step's reduction: every gradient then holds the batch-weighted global mean.
 
-        Launches whatever backward did not (the whole round when no hook could), then waits.
+        Reduces the whole round here when backward could not start it, then waits.
 
         Args:
-            declared: this worker's batch size as declared by now (``set_local_batch_size``), if any.
+            declared: this worker's batch size as declared by now (``set_local_batch_size``), if
+                any; used when the round is reduced here.
 
         Returns:
             The local batch size the step was weighted by (:data:`UNSET`: none).
 
         Raises:
             TensorMismatchError: workers have different parameters or settings.
-            ConfigurationError: batch sizes declared on some workers only, summing to 0, or
-                declared after backward had started reducing.
+            ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             TypeError: a gradient is sparse.
             CommunicationError: a peer failed.
         """
         if self._round is None:
             self._reduce_whole_round(declared)
         step, self._round, self._samples, self._passes = self._round, None, None, 0
-        self.aggregator.finish(step, step.samples if declared is None else declared, self._plan.description)
+        self.aggregator.finish(step, self._plan.description)
         return step.samples
 
     def _reduce_whole_round(self, declared: int | None) -> None:
@@ -210,12 +215,10 @@ class BucketReducer:
                               stacklevel=4)
         self._round = self.aggregator.open_round(self._samples if declared is None else declared)
         for number, bucket in enumerate(self._plan.buckets):
-            _fill(bucket)
+            for param, view in zip(bucket.params, bucket.views):
+                _move_into_bucket(param, view, self._round.scale)
             self.aggregator.launch(self._round, number, bucket.buffer)
-
-    def replan(self) -> None:
-        """Build and agree on a new plan at the next step (a setting in the description changed)."""
-        self._plan = None
+        self.aggregator.close(self._round, self._plan.description)
 
     def discard(self) -> None:
         """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
@@ -226,14 +229,18 @@ class BucketReducer:
         self._launching = self._in_backward = False
 
 
-def _fill(bucket: _Bucket) -> None:
-    """Move the bucket's gradients into it (zeros for a parameter without one) and make each
-    parameter's ``.grad`` its view."""
-    for p, view in zip(bucket.params, bucket.views):
-        if p.grad is view:
-            continue
-        if p.grad is None:
-            view.zero_()
-        else:
-            view.copy_(p.grad)
-        p.grad = view
+def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:
+    """Make ``param.grad`` its bucket ``view``, holding ``scale`` times the gradient (zeros for a
+    parameter without one), in one pass over the memory."""
+    grad = param.grad
+    if grad is view:
+        if scale != 1.0:
+            view.mul_(scale)
+    elif grad is None:
+        view.zero_()
+    elif scale == 1.0:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=view)
+    param.grad = view
+
