@@ -44,6 +44,7 @@ from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
 
 DEFAULT_FUSION_BYTES = 25 << 20
+FIRST_BUCKET_BYTES = 1 << 20
 MAX_SAMPLES = 2**31
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
@@ -116,13 +117,17 @@ def global_batch(local_batch_sizes: np.ndarray) -> int | None:
     return total
 
 
-def plan_buckets(items: Sequence[tuple[int, Hashable]], limit: int) -> list[list[int]]:
-    """Group tensors into buckets: one kind (dtype, or dtype and device) per bucket, at most
-    ``limit`` bytes each (a single larger tensor gets a bucket of its own).
+def plan_buckets(items: Sequence[tuple[int, Hashable]], limit: int, first_limit: int | None = None) -> list[list[int]]:
+    """Group tensors into buckets: one kind (dtype, or dtype and device) per bucket, each closed
+    as soon as it holds ``limit`` bytes or more (PyTorch DDP's rule: the tensor that crosses the
+    limit joins the bucket, so the last bucket, whose communication backward cannot hide, stays small).
 
     Args:
-        items: ``(nbytes, kind)`` per tensor, in the order every worker uses.
+        items: ``(nbytes, kind)`` per tensor, in the order every worker uses (the order backward
+            produces them, for overlap).
         limit: bytes per bucket.
+        first_limit: bytes of each kind's first bucket (default ``limit``); a small one lets
+            communication start early in backward, as DDP's 1 MiB first bucket does.
 
     Returns:
         Lists of indices into ``items``, in order within each kind, kinds by first appearance.
@@ -131,12 +136,12 @@ def plan_buckets(items: Sequence[tuple[int, Hashable]], limit: int) -> list[list
     filled: dict[Hashable, int] = {}
     for index, (nbytes, kind) in enumerate(items):
         buckets = by_kind.setdefault(kind, [[]])
-        if buckets[-1] and filled.get(kind, 0) + nbytes > limit:
-            buckets.append([])
-            filled[kind] = 0
         buckets[-1].append(index)
         filled[kind] = filled.get(kind, 0) + nbytes
-    return [bucket for buckets in by_kind.values() for bucket in buckets]
+        if filled[kind] >= (first_limit if first_limit is not None and len(buckets) == 1 else limit):
+            buckets.append([])
+            filled[kind] = 0
+    return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
 
 
 def plan_digest(description: str) -> int:

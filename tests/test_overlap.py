@@ -53,3 +53,17 @@ def test_a_size_declared_late_once_reduction_overlaps_raises_everywhere():
     on_time, late = _ok(run_workers(2, "overlap_cases:declared_late_after_overlap"))
     assert late.startswith("step 1:") and "before loss.backward()" in late
     assert on_time.startswith("step 1:") and "declare it on every worker or on none" in on_time
+
+
+def test_buckets_close_at_the_limit_and_the_first_is_small():
+    from dynamix_byteps.aggregation import plan_buckets
+
+    mib = 1 << 20
+    # benchmarks/ddp_comparison.py's MLP, in the order backward produces its gradients (bytes)
+    sizes = [40, 40_960, 4096, 4 * mib, 8192, 8 * mib, 8192, 16 * mib, 8192, 784 * 2048 * 4]
+    assert plan_buckets([(n, "f32") for n in sizes], 25 * mib, mib) == [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    assert plan_buckets([(n, "f32") for n in sizes], 8 * mib, mib) == [[0, 1, 2, 3], [4, 5], [6, 7], [8, 9]]
+    # the tensor that crosses the limit joins the bucket (DDP's rule)
+    assert plan_buckets([(10, "f"), (15, "f"), (10, "f")], 20) == [[0, 1], [2]]
+    # one kind per bucket, kinds by first appearance; a tensor above the limit is a bucket alone
+    assert plan_buckets([(10, "a"), (10, "b"), (30, "a"), (10, "a")], 20) == [[0, 2], [3], [1]]

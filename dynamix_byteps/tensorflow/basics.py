@@ -9,15 +9,8 @@ from dynamix_byteps.tensorflow.gradients import forget_tape_reducers
 
 
 def init(lazy: bool = True) -> None:
-    """Join the job described by the environment (set by ``bpslaunch``); idempotent.
-
-    Blocks until every worker has joined. ``lazy`` exists for BytePS compatibility and is ignored.
-
-    Raises:
-        ConfigurationError: a ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_*`` variable is invalid.
-        EngineUnavailableError: the selected engine cannot be imported.
-        CommunicationError: the rendezvous with the other workers failed.
-    """
+    """:func:`dynamix_byteps.init` with the engine's TensorFlow plugin (BytePS's ops under
+    ``--engine byteps``); same arguments and errors."""
     del lazy
     _engine.start(framework="tensorflow")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dynamix_byteps.aggregation import UNSET, GradientAggregator, Round, plan_buckets
+from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, UNSET, GradientAggregator, Round, plan_buckets
 from dynamix_byteps.negotiation import describe, fingerprint
 
 # Parameter attribute holding the reducer hook: a new reducer over the same model removes the old
@@ -46,7 +46,8 @@ class _Plan:
     def __init__(self, named: list[tuple[str, torch.Tensor]], limit: int, settings: str):
         self.key = _key(named)
         ordered = list(reversed(named))
-        groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit)
+        groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit,
+                              min(limit, FIRST_BUCKET_BYTES))
         self.buckets: list[_Bucket] = []
         self.slot: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
         for number, group in enumerate(groups):
