@@ -170,7 +170,7 @@ class BucketReducer:
 
     @property
     def reducing(self) -> bool:
-        """True from the moment this step's first bucket left until :meth:`finish`."""
+        """True from the start of the backward pass whose hooks reduce this step until :meth:`finish`."""
         return self._round is not None
 
     def finish(self, declared: int | None = None) -> int:
