@@ -33,6 +33,22 @@ def cnn_worker(batch_size: int):
     return bps, Net, x, y, torch.nn.CrossEntropyLoss()
 
 
+def timed_steps(bps, step, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``step()``, after a barrier so that every worker starts
+    timing together."""
+    import time
+
+    import torch
+
+    bps.push_pull(torch.zeros(1), name="bench.barrier")
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def machine() -> dict:
     """Where the figures come from: CPUs, load, Python and platform."""
     return {"cpu_count": os.cpu_count(), "load_average_1min": os.getloadavg()[0],

@@ -46,12 +46,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS, cnn_worker, worker_counts, write_report
+from common import RESULTS, cnn_worker, timed_steps, worker_counts, write_report
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
 BASELINE = "torch DDP"
@@ -130,13 +129,7 @@ def _worker(args: argparse.Namespace) -> None:
             model, step = makers[name]()
             for _ in range(args.warmup):
                 step()
-            bps.push_pull(torch.zeros(1), name="bench.barrier")
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - start)
-            step_s[name].append(times)
+            step_s[name].append(timed_steps(bps, step, args.steps))
             final[name] = flat(model)
             same_on_every_rank[name].append(_same_on_every_rank(bps, final[name]))
         moved = float((final[BASELINE] - initial).abs().max())

@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, cnn_worker, write_report
+from common import REPO, cnn_worker, timed_steps, write_report
 
 from dynamix_byteps.testing.netns import stop
 
@@ -87,12 +87,7 @@ def _worker(args: argparse.Namespace) -> None:
         control.connect(args.control)
         control = control.makefile("rw")
         _ask(control, "start")
-    bps.push_pull(torch.zeros(1), name="bench.barrier")
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    times = timed_steps(bps, step, args.steps)
     if control is not None:
         _ask(control, "end " + json.dumps(times))
     bps.shutdown()
