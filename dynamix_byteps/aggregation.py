@@ -78,7 +78,7 @@ def _timed_wait(device: torch.device, wait) -> float:
 
 def fusion_bytes() -> int:
     """Bytes per gradient bucket, from ``DYNAMIX_FUSION_BYTES`` (default 25 MiB, as DDP's
-    ``bucket_cap_mb``; ``benchmarks/ddp_comparison.py --fusion-bytes`` measures others).
+    ``bucket_cap_mb``; 4 and 8 MiB measured the same in ``benchmarks/ddp_comparison.py``).
 
     Raises:
         ConfigurationError: the variable is not an integer >= 1.

@@ -25,7 +25,7 @@ from typing import Sequence
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.atomic import write_atomic
-from dynamix_byteps.env import MAX_WORKERS
+from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.policy.ppo.commands import add_policy_parser
 from dynamix_byteps.policy.sim.commands import add_sim_parser
@@ -83,7 +83,7 @@ def _add_scheduler(sub) -> None:
     p.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
     p.add_argument("--num-workers", type=int_in(1, MAX_WORKERS, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
-    p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=10, metavar="K", help="steps between decisions (default 10)")
+    p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=DEFAULT_DECISION_INTERVAL, metavar="K", help=f"steps between decisions (default {DEFAULT_DECISION_INTERVAL}, as the workers')")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
     p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
     p.add_argument("--max-change", type=float_in(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")

@@ -21,7 +21,12 @@ from dynamix_byteps import (
 )
 from dynamix_byteps.batching import gradient_noise_scale, gradient_statistics, set_batch_sizes
 from dynamix_byteps.control.worker import report_loss
-from dynamix_byteps.errors import InvalidAssignmentError
+from dynamix_byteps.errors import (
+    CommunicationError,
+    ConfigurationError,
+    InvalidAssignmentError,
+    TensorMismatchError,
+)
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -39,11 +44,14 @@ from dynamix_byteps.torch.parallel import DistributedDataParallel
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 __all__ = [
+    "CommunicationError",
     "Compression",
+    "ConfigurationError",
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicBatchSampler",
     "InvalidAssignmentError",
+    "TensorMismatchError",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
