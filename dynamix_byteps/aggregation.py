@@ -220,9 +220,11 @@ class GradientAggregator:
             return declared
         return sum(samples for _, samples in drawn) if drawn else UNSET
 
-    def agree_on_plan(self, description: str, flag: int = 0) -> np.ndarray:
+    def agree_on_plan(self, description: str, samples: int, flag: int = 0) -> np.ndarray:
         """Check that every worker built the same bucket plan (a blocking collective, run when
-        a plan is built, not per step) and share one integer ``flag`` each.
+        a plan is built, not per step), share one integer ``flag`` each, and take the reference R
+        of the round about to open from every worker's ``samples`` (so even the first round is
+        scaled by b_i / Σb, not by b_i: no float16 overflow from a large batch).
 
         Returns:
             int64 array of shape ``(size,)``: every rank's ``flag``.
@@ -231,7 +233,9 @@ class GradientAggregator:
             TensorMismatchError: on every worker, when the descriptions differ.
         """
         with round_lock:
-            return negotiate(self.engine, "gradient reduction", description, flag)[:, 0]
+            table = negotiate(self.engine, "gradient reduction", description, flag, samples)
+        self._reference = float(np.where(table[:, 1] == UNSET, 1, table[:, 1]).sum() or 1)
+        return table[:, 0]
 
     def open_round(self, samples: int) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared)."""

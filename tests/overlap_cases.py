@@ -177,3 +177,45 @@ def declared_late_after_overlap() -> str:
                 opt.zero_grad()  # what a script that catches it does: drop the step
             return f"step {step}: {exc}"
     return "no error"
+
+
+def found_by_a_tester() -> dict:
+    """Cases a tester broke: an evaluation under no_grad on rank 0 only through the DDP wrapper
+    (buffers of BatchNorm were broadcast on every forward: a hang), a worker with an empty batch
+    under the wrapper (taken for an undeclared size), and fp16 compression with a large declared
+    batch on the first step (scaled by b_i, not b_i / Σb: inf)."""
+    rank, out = bps.rank(), {}
+    torch.manual_seed(0)
+    net = bps.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).double())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    for _ in range(2):
+        opt.zero_grad()
+        net(x).square().mean().backward()
+        opt.step()
+        if rank == 0:
+            with torch.no_grad():
+                net.eval()
+                net(x)
+                net.train()
+    out["evaluated"] = True
+
+    model = Branchy()
+    net = bps.DistributedDataParallel(model)
+    x, y = _data(5, 1, 1)[0][0]
+    mine = slice(0, 0) if rank == 0 else slice(0, 5)
+    loss = torch.nn.functional.cross_entropy(net(x[mine]), y[mine], reduction="sum") / max(len(y[mine]), 1)
+    loss.backward()
+    reference = Branchy()
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    out["empty_batch_error"] = max(_error(p.grad, r.grad) for p, r in zip(model.parameters(), reference.parameters())
+                                   if r.grad is not None)
+
+    model = Branchy()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression=bps.Compression.fp16)
+    opt.set_local_batch_size(1_000_000)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    out["fp16_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    return out

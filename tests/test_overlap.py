@@ -67,3 +67,11 @@ def test_buckets_close_at_the_limit_and_the_first_is_small():
     assert plan_buckets([(10, "f"), (15, "f"), (10, "f")], 20) == [[0, 1], [2]]
     # one kind per bucket, kinds by first appearance; a tensor above the limit is a bucket alone
     assert plan_buckets([(10, "a"), (10, "b"), (30, "a"), (10, "a")], 20) == [[0, 2], [3], [1]]
+
+
+@pytest.mark.timeout(120)
+def test_rank0_evaluation_an_empty_batch_and_fp16_with_a_large_batch():
+    for result in _ok(run_workers(2, "overlap_cases:found_by_a_tester")):
+        assert result["evaluated"]
+        assert result["empty_batch_error"] < 1e-12
+        assert result["fp16_finite"]

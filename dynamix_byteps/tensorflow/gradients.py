@@ -116,7 +116,7 @@ class GradientReducer:
                    for bucket in buckets]
         description = self._description(names, views)
         if description != self._agreed:
-            aggregator.agree_on_plan(description)
+            aggregator.agree_on_plan(description, samples)
             self._agreed = description
         step = aggregator.open_round(samples)
         flats = [_fuse([views[i] for i in bucket], offsets, length, step.scale)

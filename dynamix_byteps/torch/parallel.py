@@ -22,12 +22,12 @@ from dynamix_byteps.torch.functions import broadcast_parameters
 from dynamix_byteps.torch.reducer import BucketReducer
 
 
-def _leading_dimension(inputs, kwargs) -> int:
-    """Size of dimension 0 of the first tensor among the forward inputs; 0 when there is none."""
+def _leading_dimension(inputs, kwargs) -> int | None:
+    """Size of dimension 0 of the first tensor among the forward inputs; None when there is none."""
     for value in (*inputs, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
-    return 0
+    return None
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -40,7 +40,8 @@ class DistributedDataParallel(torch.nn.Module):
         device_ids: the one CUDA device the module lives on (``[local_rank]``), as in BytePS and
             PyTorch; None for a CPU module or one already placed.
         broadcast_buffers: give every worker rank 0's buffers (e.g. BatchNorm statistics) before
-            each forward pass.
+            each forward pass that records gradients (as DDP: a forward under ``torch.no_grad()``,
+            e.g. an evaluation on one rank, is not a collective).
         compression: ``Compression.none`` or ``Compression.fp16``.
         bucket_cap_mb: bucket size in MiB (default ``DYNAMIX_FUSION_BYTES``, else 25, as DDP).
 
@@ -68,7 +69,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._aggregator = GradientAggregator("sgd", compression, "none")
         if bucket_cap_mb is not None:
             self._aggregator.fusion_bytes = max(int(bucket_cap_mb * 2**20), 1)
-        self._forward_samples = 0
+        self._forward_samples: int | None = None  # None: no forward input had a batch dimension
         self._forwards = 0
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
@@ -81,17 +82,20 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _take_samples(self) -> int:
         samples = self._aggregator.take_samples(UNSET, max(self._forwards, 1))
-        if samples == UNSET and self._forward_samples > 0:
+        if samples == UNSET and self._forward_samples is not None:
             samples = self._forward_samples
-        self._forward_samples = self._forwards = 0
+        self._forward_samples, self._forwards = None, 0
         return samples
 
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers:
-            self._broadcast_buffers()
-        if torch.is_grad_enabled() and self.training:
-            self._forward_samples += _leading_dimension(inputs, kwargs)
-            self._forwards += 1
+        if torch.is_grad_enabled():
+            if self.broadcast_buffers:
+                self._broadcast_buffers()
+            if self.training:
+                batch = _leading_dimension(inputs, kwargs)
+                if batch is not None:
+                    self._forward_samples = (self._forward_samples or 0) + batch
+                self._forwards += 1
         return self.module(*inputs, **kwargs)
 
     def _broadcast_buffers(self) -> None:

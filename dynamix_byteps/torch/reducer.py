@@ -205,16 +205,17 @@ class BucketReducer:
                             "e.g. nn.Embedding(..., sparse=False)")
         if self._samples is None:
             self._samples = self._step_samples()
+        samples = self._samples if declared is None else declared
         if self._plan is None or self._plan.key != _key(named):
             self._register_hooks(named)
             self._plan = _Plan(named, self.aggregator.fusion_bytes, self._settings)
             late = declared is not None and declared != self._samples
-            self._overlap = not self.aggregator.agree_on_plan(self._plan.description, int(late)).any()
+            self._overlap = not self.aggregator.agree_on_plan(self._plan.description, samples, int(late)).any()
             if late:
                 warnings.warn("set_local_batch_size() was called after backward(): gradients are now reduced "
                               "in step(), after backward, instead of during it; call it before loss.backward()",
                               stacklevel=4)
-        self._round = self.aggregator.open_round(self._samples if declared is None else declared)
+        self._round = self.aggregator.open_round(samples)
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
                 _move_into_bucket(param, view, self._round.scale)
