@@ -219,3 +219,22 @@ def found_by_a_tester() -> dict:
     opt.synchronize()
     out["fp16_finite"] = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
     return out
+
+
+def scheduler_after_load() -> list[float]:
+    """A StepLR built before wrapping keeps halving the learning rate after load_state_dict."""
+    model = Branchy()
+    base = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = bps.DistributedOptimizer(base, model.named_parameters())
+    x, y = _data(4, 1, 1)[0][0]
+    rates = []
+    for step in range(4):
+        if step == 2:
+            opt.load_state_dict(opt.state_dict())
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        scheduler.step()
+        rates.append(opt.param_groups[0]["lr"])
+    return rates

@@ -75,3 +75,8 @@ def test_rank0_evaluation_an_empty_batch_and_fp16_with_a_large_batch():
         assert result["evaluated"]
         assert result["empty_batch_error"] < 1e-12
         assert result["fp16_finite"]
+
+
+@pytest.mark.timeout(60)
+def test_an_lr_scheduler_built_before_wrapping_survives_load_state_dict():
+    assert _ok(run_workers(1, "overlap_cases:scheduler_after_load")) == [[0.5, 0.25, 0.125, 0.0625]]

@@ -226,9 +226,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                          "aggregated across workers; use a first-order optimizer")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
-    # An LR scheduler built on ``optimizer`` patched its instance ``step``; that copy would bypass
-    # the aggregation. The scheduler keeps working: it edits the shared ``param_groups``.
+    # One attribute dict for both objects: an LR scheduler built on ``optimizer`` keeps editing the
+    # learning rates the wrapper steps with, also after ``load_state_dict`` rebinds ``param_groups``
+    # (a copy of the dict lost the schedule there). The scheduler's patched instance ``step``
+    # would bypass the aggregation, so it goes; the scheduler does not need it.
+    wrapped.__dict__ = optimizer.__dict__
     wrapped.__dict__.pop("step", None)
     wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size)
     return wrapped
