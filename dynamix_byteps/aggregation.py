@@ -166,6 +166,7 @@ class Round:
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
+    counts: np.ndarray | None = None  # after finish: the per-tensor counts of close(), summed over workers
 
 
 class GradientAggregator:
@@ -253,16 +254,21 @@ class GradientAggregator:
             handle = self.engine.all_reduce_async(wire, f"Gradient.bucket.{bucket}")
         step.in_flight.append((flat, handle, wire, ctx))
 
-    def close(self, step: Round, description: str) -> None:
+    def close(self, step: Round, description: str, counts: torch.Tensor | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
-        squared norm and plan digest (``description``'s)."""
+        squared norm and plan digest (``description``'s), and ``counts`` (float64, one per
+        tensor, e.g. 1 for a gradient this worker had), summed over the workers into ``step.counts``."""
         self.monitor.stretch()
         engine = self.engine
-        trailer = torch.zeros((engine.size, 3), dtype=torch.float64, device=engine.device)
-        trailer[engine.rank, _SAMPLES] = step.samples
-        trailer[engine.rank, _DIGEST] = plan_digest(description)
+        trailer = torch.zeros(engine.size * 3 + (0 if counts is None else counts.numel()), dtype=torch.float64,
+                              device=engine.device)
+        rows = trailer[:engine.size * 3].view(engine.size, 3)
+        rows[engine.rank, _SAMPLES] = step.samples
+        rows[engine.rank, _DIGEST] = plan_digest(description)
         if step.scale > 0:
-            trailer[engine.rank, _SQ_NORM] = step.local_sq / (step.scale * step.scale)
+            rows[engine.rank, _SQ_NORM] = step.local_sq / (step.scale * step.scale)
+        if counts is not None:
+            trailer[engine.size * 3:] = counts
         with round_lock:
             step.trailer = (trailer, engine.all_reduce_async(trailer, "Gradient.trailer"))
 
@@ -287,7 +293,8 @@ class GradientAggregator:
         """
         trailer, handle = step.trailer
         self.wait_s = _timed_wait(self.engine.device, lambda: self.drain(step))
-        table = trailer.cpu().numpy()
+        values = trailer.cpu().numpy()
+        table, step.counts = values[:self.engine.size * 3].reshape(self.engine.size, 3), values[self.engine.size * 3:]
         digests = table[:, _DIGEST]
         if not np.all(digests == digests[0]):
             texts = gather_text(self.engine, description)

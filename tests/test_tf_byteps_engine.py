@@ -101,12 +101,12 @@ def test_gradient_tape_and_keras_fit_reduce_through_the_engine(fake_byteps):
         loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
     reduced = bps.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
     assert all(np.allclose(a.numpy(), b.numpy()) for a, b in zip(local, reduced))
-    assert any(c[1] == "Gradient.fused.0" for c in _pushed(fake_byteps))
+    assert any(c[1] == "Gradient.bucket.0" for c in _pushed(fake_byteps))
     fake_byteps.calls.clear()
     model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.1)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=2, epochs=1, verbose=0)
-    assert [c[1] for c in _pushed(fake_byteps)].count("Gradient.fused.0") == 2
+    assert [c[1] for c in _pushed(fake_byteps)].count("Gradient.bucket.0") == 2
 
 
 def test_op_names_are_valid_tensorflow_names():

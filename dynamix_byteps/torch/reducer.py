@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, UNSET, GradientAggregator, Round, plan_buckets
@@ -46,6 +47,8 @@ class _Plan:
     def __init__(self, named: list[tuple[str, torch.Tensor]], limit: int, settings: str):
         self.key = _key(named)
         ordered = list(reversed(named))
+        self.params = [p for _, p in ordered]
+        self.index = {p: i for i, p in enumerate(self.params)}
         groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit,
                               min(limit, FIRST_BUCKET_BYTES))
         self.buckets: list[_Bucket] = []
@@ -107,6 +110,7 @@ class BucketReducer:
         self._next_bucket = 0
         self._passes = 0  # backward passes completed since the last reduction
         self._in_backward = False
+        self._had_gradient: torch.Tensor | None = None  # per plan parameter, this round: 1 if it had a gradient
         self._register_hooks(parameters())
 
     def _register_hooks(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -124,7 +128,7 @@ class BucketReducer:
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
-        _move_into_bucket(param, view, self._round.scale)
+        self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
@@ -142,6 +146,7 @@ class BucketReducer:
         self._launching = self._overlap and self._plan is not None and self._plan.key == _key(self._parameters())
         if self._launching:
             self._round = self.aggregator.open_round(self._samples)
+            self._had_gradient = torch.zeros(len(self._plan.params), dtype=torch.float64)
             self._next_bucket = 0
             for bucket in self._plan.buckets:
                 bucket.pending = set(bucket.params)
@@ -161,10 +166,11 @@ class BucketReducer:
             self._launching = False
             for bucket in self._plan.buckets[self._next_bucket:]:
                 for param in bucket.pending:  # no gradient this pass: its own, or zeros
-                    _move_into_bucket(param, self._plan.slot[param][1], self._round.scale)
+                    self._had_gradient[self._plan.index[param]] = _move_into_bucket(
+                        param, self._plan.slot[param][1], self._round.scale)
                 bucket.pending.clear()
             self._launch_ready()
-            self.aggregator.close(self._round, self._plan.description)
+            self.aggregator.close(self._round, self._plan.description, self._had_gradient)
         if self._on_backward_end is not None and self._passes == self.passes_per_step:
             self._on_backward_end(self.finish())
 
@@ -195,6 +201,8 @@ class BucketReducer:
             self._reduce_whole_round(declared)
         step, self._round, self._samples, self._passes = self._round, None, None, 0
         self.aggregator.finish(step, self._plan.description)
+        for i in np.flatnonzero(step.counts == 0):  # no worker had a gradient: None, as in one process
+            self._plan.params[i].grad = None
         return step.samples
 
     def _reduce_whole_round(self, declared: int | None) -> None:
@@ -216,11 +224,12 @@ class BucketReducer:
                               "in step(), after backward, instead of during it; call it before loss.backward()",
                               stacklevel=4)
         self._round = self.aggregator.open_round(samples)
+        self._had_gradient = torch.zeros(len(self._plan.params), dtype=torch.float64)
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
-                _move_into_bucket(param, view, self._round.scale)
+                self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
             self.aggregator.launch(self._round, number, bucket.buffer)
-        self.aggregator.close(self._round, self._plan.description)
+        self.aggregator.close(self._round, self._plan.description, self._had_gradient)
 
     def discard(self) -> None:
         """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
@@ -231,9 +240,9 @@ class BucketReducer:
         self._launching = self._in_backward = False
 
 
-def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:
+def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> bool:
     """Make ``param.grad`` its bucket ``view``, holding ``scale`` times the gradient (zeros for a
-    parameter without one), in one pass over the memory."""
+    parameter without one), in one pass over the memory; returns whether it had one."""
     grad = param.grad
     if grad is view:
         if scale != 1.0:
@@ -245,4 +254,5 @@ def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> 
     else:
         torch.mul(grad, scale, out=view)
     param.grad = view
+    return grad is not None
 
