@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, UNSET, GradientAggregator, Round, plan_buckets
+from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, plan_buckets
 from dynamix_byteps.negotiation import describe, fingerprint
 
 # Parameter attribute holding the reducer hook: a new reducer over the same model removes the old
