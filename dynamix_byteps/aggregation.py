@@ -291,7 +291,7 @@ class GradientAggregator:
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
-        trailer, handle = step.trailer
+        trailer = step.trailer[0]
         self.wait_s = _timed_wait(self.engine.device, lambda: self.drain(step))
         values = trailer.cpu().numpy()
         table, step.counts = values[:self.engine.size * 3].reshape(self.engine.size, 3), values[self.engine.size * 3:]
