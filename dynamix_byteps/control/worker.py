@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynamix_byteps import batching, progress, summaries, timing
+from dynamix_byteps import batching, progress, summaries
 from dynamix_byteps.assignment import InvalidAssignmentError
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.negotiation import negotiate, round_lock
@@ -130,7 +130,6 @@ class StepMonitor:
             self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
         self._progress = progress.writer_from_env()
         summaries.worker_writer()  # with a log dir, the event file's first event marks the start
-        timing.ring().end_step()
         global _active
         _active = self
 
@@ -177,7 +176,6 @@ class StepMonitor:
         (None: this monitor's count of steps) and the seconds spent waiting for the gradients'
         communication (the rest of the step counts as compute)."""
         end = time.perf_counter()
-        timing.ring().end_step()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
         self._interval.add(compute_s, push_pull_s, samples or 0)
         self.totals.add(compute_s, push_pull_s, samples or 0)

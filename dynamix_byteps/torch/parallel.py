@@ -101,11 +101,11 @@ class DistributedDataParallel(torch.nn.Module):
     def _broadcast_buffers(self) -> None:
         """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
         engine = _engine.current()
+        if engine.size == 1:
+            return
         groups: dict[tuple, list[torch.Tensor]] = {}
         for b in self.module.buffers():
             groups.setdefault((b.dtype, b.device), []).append(b)
-        if engine.size == 1:
-            return
         with torch.no_grad():
             for buffers in groups.values():
                 flat = torch.cat([b.reshape(-1) for b in buffers])
