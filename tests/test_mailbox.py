@@ -654,3 +654,80 @@ def test_mailbox_name_and_leading_slash(name):
         assert repr(mb) == f"Mailbox({name!r}, creator)"
         with Mailbox.open(name[1:]) as agent:
             assert repr(agent) == f"Mailbox({name!r}, opened)"
+
+
+# ---- truncation, squatting, cleanup (issue 18, item 13) -----------------------------------------
+
+# Opens the mailbox, polls both slots and owner_pid every 2 ms (the agent polls every second, a
+# worker once a step) until told to stop on stdin; a truncation under it must not kill it (SIGBUS)
+# but detach the handle. The size check leaves a window of about a microsecond per poll between
+# check and access, which a poll loop without pause would hit.
+TRUNCATED_READER = """
+import json, sys, threading, time, warnings
+from dynamix_byteps.control.mailbox import Mailbox
+
+warnings.simplefilter("always")
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+mb = Mailbox.open(sys.argv[1], timeout=20)
+print("ready", flush=True)
+reads = 0
+with warnings.catch_warnings(record=True) as caught:
+    while not stop.is_set():
+        mb.read_metrics()
+        mb.read_assignment()
+        mb.owner_pid
+        reads += 1
+        time.sleep(0.002)
+print(json.dumps({"reads": reads, "detached": mb.detached, "owner_pid": mb.owner_pid,
+                  "metrics": mb.read_metrics(), "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [0, 100, mbox.SEGMENT_BYTES - 8])
+def test_a_reader_survives_its_segment_being_truncated_under_it(name, size):
+    worker = Mailbox.create(name)
+    reader = subprocess.Popen([sys.executable, "-c", TRUNCATED_READER, name], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        worker.publish_metrics(1, [1.0])
+        assert reader.stdout.readline().strip() == "ready"
+        os.truncate(shm_file(name), size)
+        time.sleep(0.3)  # the reader goes on polling the shortened segment
+        out, err = reader.communicate("stop\n", timeout=40)
+        assert reader.returncode == 0, f"reader died with {reader.returncode}: {err}"
+        result = json.loads(out)
+        assert result["detached"] and result["owner_pid"] == 0 and result["metrics"] is None
+        assert len(result["warnings"]) == 1 and "truncated" in result["warnings"][0], result
+        with pytest.warns(mbox.MailboxDetachedWarning):
+            assert worker.publish_metrics(2, [2.0]) == 0  # the creator survives it too
+        assert worker.read_assignment() is None
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+        worker.close()
+
+
+def test_unavailable_reason_names_the_live_holder_and_leaves_a_free_name_free(name):
+    assert mbox.unavailable_reason(name) is None
+    assert not os.path.exists(shm_file(name))
+    with Mailbox.create(name):
+        reason = mbox.unavailable_reason(name)
+    assert reason is not None and str(os.getpid()) in reason
+
+
+def test_remove_job_mailboxes_removes_every_rank_of_that_job_only():
+    job, other = f"test{os.getpid()}-{uuid.uuid4().hex[:6]}", f"test{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    names = [mailbox_name(job, r) for r in (0, 1, 12)] + [mailbox_name(other, 0)]
+    try:
+        for n in names:
+            with open(shm_file(n), "wb"):  # as a SIGKILLed worker leaves them
+                pass
+        removed = mbox.remove_job_mailboxes(job)
+        assert sorted(p.name for p in removed) == sorted(n[1:] for n in names[:3])
+        assert not any(os.path.exists(shm_file(n)) for n in names[:3]) and os.path.exists(shm_file(names[3]))
+    finally:
+        for n in names:
+            remove(n)

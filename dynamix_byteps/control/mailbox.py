@@ -22,6 +22,13 @@ interpreter exit (``atexit``). A process killed by a signal cannot clean up; the
 :meth:`Mailbox.create` with that name finds the dead owner's pid in the header, removes the
 stale segment and warns. The agent attaches with :meth:`Mailbox.open`; closing it only unmaps.
 
+Truncation: every access first checks with ``fstat`` that the segment still has its full size.
+A segment that someone truncated (which would make touching its pages raise SIGBUS and kill the
+process) is *detached*: reads return ``None``, publishes publish nothing and return 0,
+:attr:`~Mailbox.owner_pid` is 0, and one :class:`MailboxDetachedWarning` says why. A truncation
+in the microseconds between that check and the access can still fault; the check closes the
+window any real mistake (a cleanup script, a second job) leaves open.
+
 Calls on one :class:`Mailbox` are serialised by the GIL; share a handle between threads
 freely, but do not publish into one slot from two processes (one writer per slot; the roles
 above are enforced).
@@ -30,9 +37,11 @@ above are enforced).
 from __future__ import annotations
 
 import atexit
+import os
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -45,10 +54,14 @@ __all__ = [
     "MAX_READ_ATTEMPTS",
     "METRICS_CAPACITY",
     "Mailbox",
+    "MailboxDetachedWarning",
     "MailboxLayoutError",
     "MailboxRoleError",
     "StaleMailboxWarning",
+    "job_mailboxes",
     "mailbox_name",
+    "remove_job_mailboxes",
+    "unavailable_reason",
 ]
 
 METRICS_CAPACITY: int = _core.MAILBOX_METRICS_CAPACITY  # float64 values per metrics record
@@ -56,6 +69,7 @@ MAX_BATCH_SIZES: int = _core.MAILBOX_MAX_BATCH_SIZES  # batch sizes per assignme
 MAX_READ_ATTEMPTS: int = _core.MAILBOX_MAX_READ_ATTEMPTS  # seqlock attempts before a read gives up
 SEGMENT_BYTES: int = _core.MAILBOX_SEGMENT_BYTES  # size of the shared-memory segment, bytes
 LAYOUT_VERSION: int = _core.MAILBOX_LAYOUT_VERSION
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory segments
 
 
 class MailboxLayoutError(DynamixError, ValueError):
@@ -74,6 +88,10 @@ class StaleMailboxWarning(RuntimeWarning):
     """Mailbox.create replaced a segment left behind by a process that no longer runs."""
 
 
+class MailboxDetachedWarning(RuntimeWarning):
+    """The segment was truncated under this handle: it reads and publishes nothing from now on."""
+
+
 def mailbox_name(job: str, rank: int) -> str:
     """The conventional segment name of a worker: ``/dynamix.<job>.<rank>``.
 
@@ -85,6 +103,45 @@ def mailbox_name(job: str, rank: int) -> str:
     if int(rank) < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return f"/dynamix.{job}.{int(rank)}"
+
+
+def job_mailboxes(job: str) -> list[Path]:
+    """The segment files of job ``job`` on this host: ``/dev/shm/dynamix.<job>.<rank>``, any rank."""
+    prefix = f"dynamix.{job}."
+    return [path for path in SHM_DIR.glob(prefix + "*") if path.name[len(prefix):].isdigit()]
+
+
+def remove_job_mailboxes(job: str) -> list[Path]:
+    """Remove every segment of job ``job`` on this host that belongs to this process's user.
+
+    For the launcher, once the job's workers are gone: a worker killed by a signal cannot
+    remove its own. Returns the paths removed; never raises for a segment that vanished or
+    cannot be removed.
+    """
+    removed = []
+    for path in job_mailboxes(job):
+        try:
+            if path.lstat().st_uid != os.geteuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why a worker could not create the mailbox ``name`` now (another live process holds it,
+    a foreign file has the name, an invalid name, /dev/shm full), or None when it can.
+
+    Creates and removes the segment to find out; warns as :meth:`Mailbox.create` does when it
+    replaces a stale one.
+    """
+    try:
+        Mailbox.create(name).close()
+    except (OSError, ValueError, TypeError) as error:
+        return str(error)
+    return None
 
 
 def _normalise(name: str) -> str:
@@ -108,13 +165,37 @@ class Mailbox:
     Usable as a context manager (``close()`` on exit).
     """
 
-    __slots__ = ("_mb", "__weakref__")
+    __slots__ = ("_mb", "_fd", "_detached", "__weakref__")
 
     def __init__(self, native: _core.Mailbox) -> None:
         """Internal: wraps a native handle. Use :meth:`create` (worker) or :meth:`open` (agent)."""
         if not isinstance(native, _core.Mailbox):
             raise TypeError("use Mailbox.create(name) or Mailbox.open(name)")
         self._mb = native
+        self._detached = False
+        try:  # the file behind the mapping, to see its size before every access
+            self._fd = os.open(SHM_DIR / native.name.lstrip("/"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1  # no /dev/shm (not Linux) or already removed: nothing to check against
+
+    def _attached(self) -> bool:
+        """False once the segment is shorter than a mailbox (touching it would raise SIGBUS)."""
+        if self._detached or self._fd < 0 or self._mb.closed:
+            return not self._detached
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError:
+            return True
+        if size >= SEGMENT_BYTES:
+            return True
+        self._detached = True
+        warnings.warn(
+            f"mailbox {self.name} was truncated to {size} bytes (a mailbox is {SEGMENT_BYTES}) by another "
+            "process; this handle reads and publishes nothing from now on",
+            MailboxDetachedWarning,
+            stacklevel=3,
+        )
+        return False
 
     # -- construction ----------------------------------------------------------------------
 
@@ -193,7 +274,8 @@ class Mailbox:
                 the policy's fallback must see.
 
         Returns:
-            The record's version: 1 for the first publish, then +1 each time.
+            The record's version: 1 for the first publish, then +1 each time; 0 when the segment
+            was truncated under this handle (nothing is published, see :attr:`detached`).
 
         Raises:
             ValueError: more than 32 values, an array that is not 1-D, step out of range,
@@ -201,6 +283,8 @@ class Mailbox:
             TypeError: step not an int, or a value that is not a number.
             MailboxRoleError: this handle came from :meth:`open` (metrics are the creator's).
         """
+        if not self._attached():
+            return 0
         try:
             return self._mb.publish_metrics(step, values)
         except _core.MailboxRoleError as e:
@@ -212,12 +296,15 @@ class Mailbox:
         Returns:
             ``(version, step, values)`` with ``values`` a new float64 array of the published
             length, or ``None`` when nothing was published yet, nothing newer than
-            ``newer_than`` was, or every attempt overlapped a write (counted in
-            :attr:`busy_reads`; ask again later). Never blocks.
+            ``newer_than`` was, every attempt overlapped a write (counted in
+            :attr:`busy_reads`; ask again later), or the segment was truncated
+            (:attr:`detached`). Never blocks.
 
         Raises:
             ValueError: ``newer_than`` outside [0, 2**64), handle closed.
         """
+        if not self._attached():
+            return None
         return self._mb.read_metrics(newer_than)
 
     # -- agent -> worker -------------------------------------------------------------------
@@ -238,6 +325,8 @@ class Mailbox:
             TypeError: version or effective_step not an int.
             MailboxRoleError: this handle came from :meth:`create` (assignments are the agent's).
         """
+        if not self._attached():
+            return
         try:
             self._mb.publish_assignment(version, effective_step, batch_sizes)
         except _core.MailboxRoleError as e:
@@ -248,12 +337,15 @@ class Mailbox:
 
         Returns:
             ``(version, effective_step, batch_sizes)`` or ``None`` when nothing was published
-            yet, nothing newer than ``newer_than`` was, or every attempt overlapped a write
-            (counted in :attr:`busy_reads`; ask again later). Never blocks.
+            yet, nothing newer than ``newer_than`` was, every attempt overlapped a write
+            (counted in :attr:`busy_reads`; ask again later), or the segment was truncated
+            (:attr:`detached`). Never blocks.
 
         Raises:
             ValueError: ``newer_than`` outside [0, 2**64), handle closed.
         """
+        if not self._attached():
+            return None
         return self._mb.read_assignment(newer_than)
 
     # -- lifetime and introspection --------------------------------------------------------
@@ -264,7 +356,14 @@ class Mailbox:
         Further publish/read calls raise ValueError.
         """
         self._mb.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         _created.discard(self)
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:  # the native handle unmaps (and unlinks) by itself
+            os.close(self._fd)
 
     def __enter__(self) -> "Mailbox":
         return self
@@ -288,8 +387,17 @@ class Mailbox:
 
     @property
     def owner_pid(self) -> int:
-        """Pid of the process that created the segment, as stored in its header."""
+        """Pid of the process that created the segment, as stored in its header; 0 when the
+        segment was truncated (:attr:`detached`). Anyone who can write the file can write it:
+        check the file's owner before trusting it."""
+        if not self._attached():
+            return 0
         return self._mb.owner_pid
+
+    @property
+    def detached(self) -> bool:
+        """True once this handle found the segment truncated; it then reads and publishes nothing."""
+        return self._detached
 
     @property
     def busy_reads(self) -> int:
