@@ -37,6 +37,15 @@ def test_workers_are_found_through_their_mailboxes(job):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a segment file to another user")
+def test_a_segment_whose_file_belongs_to_another_user_than_its_owner_pid_is_ignored(job):
+    # A segment written by user 54321 that names a process of this user (root): forged, skipped.
+    with Mailbox.create(mailbox_name(job, 0)) as forged, Mailbox.create(mailbox_name(job, 1)):
+        os.chown("/dev/shm" + forged.name, 54321, 54321)
+        assert discover_workers(job) == {1: os.getpid()}
+
+
+@pytest.mark.timeout(60)
 def test_agent_reports_traffic_and_host_metrics_that_reach_the_policy(job):
     policy = Remember()
     server = SchedulerServer(policy, num_workers=1, decision_interval=1)

@@ -35,12 +35,10 @@ from dynamix_byteps.agent.gpu import GpuMonitor
 from dynamix_byteps.agent.procfs import HostMonitor, ProcCollector
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
-from dynamix_byteps.control.mailbox import Mailbox
+from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes
 from dynamix_byteps.control.security import open_channel
 
 log = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
 
 
 def make_collector(monitor: str) -> NetworkCollector | None:
@@ -63,21 +61,30 @@ def make_collector(monitor: str) -> NetworkCollector | None:
     return ProcCollector()
 
 
+def _process_uid(pid: int) -> int | None:
+    """The real uid of process ``pid``, None when it does not run."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
 def discover_workers(job: str) -> dict[int, int]:
-    """``{rank: pid}`` of the live workers of ``job`` on this host, from their mailboxes."""
+    """``{rank: pid}`` of the live workers of ``job`` on this host, from their mailboxes.
+
+    A segment counts only when its file belongs to the user its ``owner_pid`` runs as: anyone
+    who can write a segment could otherwise point the agent at another user's process.
+    """
     workers = {}
-    prefix = f"dynamix.{job}."
-    for path in SHM_DIR.glob(prefix + "*"):
-        rank = path.name[len(prefix):]
-        if not rank.isdigit():
-            continue
+    for path in job_mailboxes(job):
         try:
+            file_uid = path.stat().st_uid
             with Mailbox.open(path.name) as box:
                 pid = box.owner_pid
         except (OSError, ValueError):
             continue  # being created or removed right now
-        if pid > 0 and Path(f"/proc/{pid}").exists():
-            workers[int(rank)] = pid
+        if pid > 0 and _process_uid(pid) == file_uid:
+            workers[int(path.name.rpartition(".")[2])] = pid
     return workers
 
 
