@@ -115,7 +115,7 @@ def test_one_interval_gives_one_logged_decision_and_a_new_version(tmp_path):
         assert [a.version for a in answers[:3]] == [0, 0, 0]
         new = answers[3]  # the report that completed the interval triggers the decision
         assert new.version == 1 and list(new.batch_sizes) == [16, 32, 48, 64]
-        assert new.effective_step == K and new.policy == "scripted" and new.reason == "scripted answer"
+        assert new.effective_step == 2 * K and new.policy == "scripted" and new.reason == "scripted answer"
         assert new.lr_scale == pytest.approx(160 / 128)
         # the next caller gets it too: a duplicate (ignored) report and the next interval's first report
         assert stub.ReportMetrics(report(0, K), metadata=md).version == 1
@@ -225,7 +225,7 @@ def test_restarted_scheduler_continues_the_version_count_and_repairs_a_torn_log(
         replies = register_all(stub, md, batch=16, step=15)
         assert replies[-1].assignment.version == 1 and list(replies[-1].assignment.batch_sizes) == [16] * 4
         answers = [stub.ReportMetrics(report(r, 25, batch=16), metadata=md) for r in range(4)]
-        assert answers[-1].version == 2 and answers[-1].effective_step == 25
+        assert answers[-1].version == 2 and answers[-1].effective_step == 25 + K
     assert [d["version"] for d in decisions(tmp_path)] == [1, 2]  # torn line removed, every line parses
 
 

@@ -1,7 +1,8 @@
 """The worker's gRPC client of the scheduler, on a background thread.
 
 Training never waits for the scheduler: ``submit`` only replaces the report waiting to be sent
-and returns. The thread registers (again after a scheduler restart), sends the newest report,
+and returns. The thread registers (again after a scheduler restart, and after a refused report,
+which may mean that the scheduler holds another registration of this rank), sends the newest report,
 and keeps the newest assignment it was answered with. When the scheduler is slow, restarting
 or gone, one warning is logged, training goes on with the last assignment, and gRPC's channel
 reconnects with exponential backoff by itself.
@@ -129,7 +130,9 @@ class SchedulerClient:
         try:
             self._keep(self._stub.ReportMetrics(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata))
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the scheduler restarted and forgot us
+            # FAILED_PRECONDITION: the scheduler restarted and forgot us. INVALID_ARGUMENT: it holds
+            # another registration of our rank (other bounds or host); registering again restores ours.
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 self._registered = False
             raise
 

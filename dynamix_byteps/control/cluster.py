@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.policy.base import ClusterState, WorkerState
@@ -23,6 +25,19 @@ MAX_HOST_LEN = 255
 MAX_NAME_LEN = 64
 MAX_STEP = 2**53  # steps; a larger one would make every later real report look old
 MAX_BATCH = 2**31 - 1  # samples
+# Physical ranges of every number the scheduler accepts. Generous, but small enough that sums
+# over any number of reports and workers stay finite (a 1e308 timing made an interval's sum inf,
+# and inf cannot be written to the JSON decision log).
+MAX_SECONDS = 1e6  # a per-step time, RTT or any other duration (11 days), seconds
+MAX_RATE = 1e15  # samples/s or bytes/s
+MAX_BYTES = 2.0**60  # memory in use, bytes
+MAX_COUNT = 2**53  # dataset size, retransmits and other counts
+MAX_LOSS = 1e30  # |loss| beyond this is divergence, recorded as ±inf
+MAX_STATISTIC = 1e30  # grad_sq, trace_cov beyond this are recorded as unknown
+MAX_VERSION = 2**53  # assignment versions, so that version + 1 always fits the proto's uint64
+# A registered rank that has sent nothing for this long may come back from another host or
+# with other bounds (a restarted job); before that, such a re-registration is refused.
+LIVE_RANK_S = 60.0
 LOSS_HISTORY_LEN = 256  # decision intervals kept for ClusterState.loss_history
 # Weight of the newest interval in each worker's throughput θ_i (an exponentially weighted mean
 # over decision intervals). One interval's θ on a shared machine varies by ±20%; with 0.3 the
@@ -39,7 +54,8 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
 _NODE_FRACTIONS = ("cpu_util", "gpu_util")
-_NODE_AMOUNTS = ("memory_used_bytes", "gpu_memory_used_bytes", "rtt_s", "tx_bytes_per_s", "rx_bytes_per_s")
+_NODE_LIMITS = {"memory_used_bytes": MAX_BYTES, "gpu_memory_used_bytes": MAX_BYTES, "rtt_s": MAX_SECONDS,
+                "tx_bytes_per_s": MAX_RATE, "rx_bytes_per_s": MAX_RATE}
 
 
 class Rejected(Exception):
@@ -63,15 +79,28 @@ def _check_text(value: str, name: str, limit: int) -> str:
     return value
 
 
-def _check_duration(value: float, name: str) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise _invalid(f"{name}={value!r} must be a finite number >= 0")
+def _check_amount(value: float, name: str, limit: float) -> float:
+    """A measured quantity in ``[0, limit]``; NaN and ±inf are refused too."""
+    if not 0.0 <= value <= limit:
+        raise _invalid(f"{name}={value!r} must be a number between 0 and {limit:g}")
+    return value
+
+
+def _check_count(value: int, name: str, limit: int = MAX_COUNT) -> int:
+    if value > limit:
+        raise _invalid(f"{name}={value} is beyond any real run (limit {limit})")
     return value
 
 
 def _optional_stat(value: float) -> float | None:
-    """grad_sq / trace_cov: NaN (the proto's 'unknown') and ±inf (a diverging run) become None."""
-    return value if math.isfinite(value) else None
+    """grad_sq / trace_cov: NaN (the proto's 'unknown'), ±inf (a diverging run) and values beyond
+    :data:`MAX_STATISTIC` become None."""
+    return value if abs(value) <= MAX_STATISTIC else None
+
+
+def _bounded_loss(value: float) -> float:
+    """A loss beyond ±:data:`MAX_LOSS` is a diverged run: ±inf (NaN stays NaN)."""
+    return value if not abs(value) > MAX_LOSS else math.copysign(math.inf, value)
 
 
 @dataclass(frozen=True)
@@ -152,10 +181,10 @@ def validate_worker_info(info, world_size: int | None) -> WorkerRecord:
         min_batch=min_batch,
         max_batch=max_batch,
         batch_size=info.batch_size,
-        dataset_size=info.dataset_size or None,
+        dataset_size=_check_count(info.dataset_size, "dataset_size") or None,
         model_family=_check_text(info.model_family, "model_family", MAX_NAME_LEN),
         optimizer_family=_check_text(info.optimizer_family, "optimizer_family", MAX_NAME_LEN),
-        step=info.step,
+        step=_check_count(info.step, "step", MAX_STEP),
     )
 
 
@@ -168,22 +197,23 @@ def validate_node(msg) -> dict:
             if not 0.0 <= value <= 1.0:  # also rejects NaN
                 raise _invalid(f"node.{name}={value!r} must be between 0 and 1")
             node[name] = value
-    for name in _NODE_AMOUNTS:
+    for name, limit in _NODE_LIMITS.items():
         if msg.HasField(name):
-            node[name] = _check_duration(getattr(msg, name), f"node.{name}")
+            node[name] = _check_amount(getattr(msg, name), f"node.{name}", limit)
     if msg.HasField("retransmits"):
-        node["retransmits"] = msg.retransmits
+        node["retransmits"] = _check_count(msg.retransmits, "node.retransmits")
     return node
 
 
 def validate_report(report, worker: WorkerRecord) -> ReportRecord:
     """Check a ``Report`` from the registered ``worker``; raises :class:`Rejected` naming the bad field.
 
-    ``loss`` may be NaN or ±inf (a diverging run; the guardrails act on it); ``grad_sq`` and
-    ``trace_cov`` that are not finite are recorded as unknown.
+    Every number must lie in its physical range (``MAX_SECONDS``, ``MAX_RATE``, ...), so sums
+    over reports stay finite. ``loss`` may be NaN or ±inf (a diverging run; the guardrails act
+    on it; beyond ±``MAX_LOSS`` it counts as ±inf); ``grad_sq`` and ``trace_cov`` that are not
+    finite or beyond ``MAX_STATISTIC`` are recorded as unknown.
     """
-    if report.step > MAX_STEP:
-        raise _invalid(f"step={report.step} is beyond any real run (limit {MAX_STEP})")
+    _check_count(report.step, "step", MAX_STEP)
     b = report.local_batch_size
     if b < 1 or b > MAX_BATCH or not worker.within_bounds(b):
         raise _invalid(
@@ -195,10 +225,10 @@ def validate_report(report, worker: WorkerRecord) -> ReportRecord:
         rank=report.rank,
         step=report.step,
         batch_size=b,
-        compute_s=_check_duration(report.compute_s, "compute_s"),
-        push_pull_s=_check_duration(report.push_pull_s, "push_pull_s"),
-        samples_per_s=_check_duration(report.samples_per_s, "samples_per_s"),
-        loss=report.loss if report.HasField("loss") else None,
+        compute_s=_check_amount(report.compute_s, "compute_s", MAX_SECONDS),
+        push_pull_s=_check_amount(report.push_pull_s, "push_pull_s", MAX_SECONDS),
+        samples_per_s=_check_amount(report.samples_per_s, "samples_per_s", MAX_RATE),
+        loss=_bounded_loss(report.loss) if report.HasField("loss") else None,
         grad_sq=_optional_stat(report.grad_sq),
         trace_cov=_optional_stat(report.trace_cov),
         node=node,
@@ -254,6 +284,7 @@ class Cluster:
         policy_name: written into assignments.
         base_version: version of the newest assignment already published by an earlier
             scheduler of this run (read from its decision log), so versions never go back.
+        clock: seconds, monotonic; when each rank was last heard from (:data:`LIVE_RANK_S`).
     """
 
     num_workers: int | None
@@ -261,11 +292,13 @@ class Cluster:
     policy_name: str
     base_version: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def __post_init__(self) -> None:
         self.world_size = self.num_workers
         self.workers: dict[int, WorkerRecord] = {}
         self.last_step: dict[int, int] = {}
+        self.last_heard: dict[int, float] = {}  # rank -> clock() of its last registration or report
         self.intervals: dict[int, _Interval] = {}
         self.ready: set[int] = set()
         self.next_step: int | None = None  # decision due when every rank reported a step >= this
@@ -311,23 +344,44 @@ class Cluster:
 
     # ---- mutations (hold self.lock) -----------------------------------------------------
 
+    def _check_takeover(self, record: WorkerRecord) -> None:
+        """Refuse a re-registration that moves a live rank to another host or other bounds."""
+        known = self.workers.get(record.rank)
+        if known is None or (known.host, known.min_batch, known.max_batch) == (record.host, record.min_batch, record.max_batch):
+            return
+        silent_s = self.clock() - self.last_heard.get(record.rank, -math.inf)
+        if silent_s < LIVE_RANK_S:
+            raise _invalid(
+                f"rank {record.rank} is registered from host {known.host!r} with bounds "
+                f"[{known.min_batch}, {known.max_batch or 'unbounded'}] and was heard from {silent_s:.1f} s ago; "
+                f"a registration from host {record.host!r} with bounds [{record.min_batch}, "
+                f"{record.max_batch or 'unbounded'}] is accepted once it has been silent for {LIVE_RANK_S:g} s")
+
     def register_locked(self, info) -> AssignmentRecord:
-        """Record a (re-)registration; returns the assignment the worker should start from."""
+        """Record a (re-)registration; returns the assignment the worker should start from.
+
+        Raises:
+            Rejected: an invalid ``WorkerInfo``, or one that changes the host or bounds of a rank
+                heard from in the last :data:`LIVE_RANK_S` seconds.
+        """
         record = validate_worker_info(info, self.world_size)
         rank = record.rank
+        self._check_takeover(record)
         again = rank in self.workers
         self.world_size = record.world_size
         self.workers[rank] = record
+        self.last_heard[rank] = self.clock()
         self.last_step.pop(rank, None)  # a restarted worker may resume from an earlier step
         self.intervals.pop(rank, None)
         self.ready.discard(rank)
         if self.initial_batch_sizes is None:
             if self.complete:
                 self.initial_batch_sizes = tuple(self.workers[r].batch_size for r in range(self.world_size))
-                self.next_step = max(w.step for w in self.workers.values()) + self.decision_interval
+                start = min(w.step for w in self.workers.values())  # one bogus huge step cannot stall decisions
+                self.next_step = start + self.decision_interval
                 self.current = AssignmentRecord(
                     version=self.base_version,
-                    effective_step=max(w.step for w in self.workers.values()),
+                    effective_step=start,
                     batch_sizes=self.initial_batch_sizes,
                     lr_scale=1.0,
                     policy=self.policy_name,
@@ -354,19 +408,26 @@ class Cluster:
     def report_locked(self, report) -> tuple[AssignmentRecord, Snapshot | None]:
         """Store a report; returns the current assignment and, when a decision is due, a snapshot.
 
-        A report whose step is not newer than that rank's last one is ignored (a retry or a
-        late duplicate), not an error.
+        A report whose step is not newer than that rank's last one, by at most one interval, is
+        ignored (a retry or a late duplicate), not an error. One further back means the rank went
+        back (a restart from a checkpoint, or the step recorded before was bogus): its interval
+        starts again from this report, so a single huge step cannot make every later report stale.
         """
         worker = self.worker(report.rank)
         record = validate_report(report, worker)
-        last = self.last_step.get(record.rank)
+        rank = record.rank
+        self.last_heard[rank] = self.clock()
+        last = self.last_step.get(rank)
         if last is not None and record.step <= last:
-            return self.current, None
-        self.last_step[record.rank] = record.step
-        self.intervals.setdefault(record.rank, _Interval()).add(record)
+            if record.step + self.decision_interval >= last:
+                return self.current, None
+            self.intervals.pop(rank, None)
+            self.ready.discard(rank)
+        self.last_step[rank] = record.step
+        self.intervals.setdefault(rank, _Interval()).add(record)
         if self.next_step is None or record.step < self.next_step:
             return self.current, None
-        self.ready.add(record.rank)
+        self.ready.add(rank)
         if len(self.ready) < self.world_size:
             return self.current, None
         return self.current, self._take_snapshot()
@@ -374,7 +435,8 @@ class Cluster:
     def _take_snapshot(self) -> Snapshot:
         n = self.world_size
         intervals = tuple(self.intervals[r] for r in range(n))
-        step = max(self.last_step.values())
+        # The lowest of the ranks' steps: a bogus huge one must not push the next decision out of reach.
+        step = min(self.last_step[r] for r in range(n))
         losses = [iv.loss / iv.loss_count for iv in intervals if iv.loss_count]
         if losses:
             self.loss_history.append(sum(losses) / len(losses))
@@ -402,13 +464,18 @@ class Cluster:
         return snap
 
     def publish_locked(self, snap: Snapshot, batch_sizes: tuple[int, ...], reason: str, lr_scale: float) -> AssignmentRecord:
-        """Install a decision taken on ``snap``; a new version only when the sizes change."""
+        """Install a decision taken on ``snap``; a new version only when the sizes change.
+
+        Its ``effective_step`` is ``snap.step + K``: rank 0 reads the answer to its report of
+        ``snap.step`` at its next report boundary, one interval later, and every worker switches
+        at the first step none of them has drawn by then (later when loaders prefetch more deeply).
+        """
         self.decisions += 1
         if batch_sizes == self.current.batch_sizes:
             return self.current
         self.current = AssignmentRecord(
             version=self.current.version + 1,
-            effective_step=snap.step,
+            effective_step=snap.step + self.decision_interval,
             batch_sizes=batch_sizes,
             lr_scale=lr_scale,
             policy=self.policy_name,

@@ -6,7 +6,9 @@ step, the caller whose report completed the interval runs the policy (outside th
 one decision at a time), a new :class:`~dynamix_byteps.control.cluster.AssignmentRecord`
 version is published if the sizes change, and that caller gets it back; every later caller
 gets it too. Rank 0's report, whose answer all workers apply (rank 0 broadcasts it), is
-answered only after the decision it waits for (at most ``ANSWER_WAIT_S``).
+answered only after the decision it waits for (at most ``ANSWER_WAIT_S``): only the report that
+made rank 0 ready waits, and one at a time, so repeated or concurrent rank-0 reports (a burst,
+a retrying client) are answered at once and cannot tie up the handler threads.
 
 Observability: each decision, "keep" included, is one JSON line in ``<run_dir>/decisions.jsonl``
 (written off the RPC path by one thread, one ``write`` per line on an ``O_APPEND`` descriptor,
@@ -34,10 +36,13 @@ import math
 import operator
 import os
 import queue
+import socket
 import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,6 +50,7 @@ from google.protobuf.message import DecodeError
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import (
     DECISION_LOG,
+    MAX_VERSION,
     MAX_WORLD_SIZE,
     AssignmentRecord,
     Cluster,
@@ -58,6 +64,7 @@ from dynamix_byteps.control.security import (
     TokenInterceptor,
     grpc_address,
     is_loopback,
+    require_bearer_token,
     server_credentials,
 )
 from dynamix_byteps.errors import ConfigurationError, DynamixError
@@ -89,14 +96,35 @@ def _jsonable(x, depth: int = 0):
         return x
     if isinstance(x, float):
         return _num(x)
-    if depth < 8 and isinstance(x, dict):
+    if depth < 12 and isinstance(x, dict):
         return {str(k): _jsonable(v, depth + 1) for k, v in x.items()}
-    if depth < 8 and isinstance(x, (list, tuple)):
+    if depth < 12 and isinstance(x, (list, tuple)):
         return [_jsonable(v, depth + 1) for v in x]
     try:
         return _num(float(x))  # numpy scalars
     except (TypeError, ValueError):
         return str(x)
+
+
+def _logged_version(line: bytes) -> int | None:
+    """The ``version`` of one decision-log line, None if absent or not an integer in ``[0, MAX_VERSION]``."""
+    try:
+        version = json.loads(line)["version"]
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        return None
+    return version
+
+
+def _encode_line(record: dict) -> bytes:
+    """One JSON line; a value JSON cannot hold (inf, NaN, an object) is written as null or text,
+    so a decision is never missing from the log."""
+    try:
+        text = json.dumps(record, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        text = json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":"))
+    return (text + "\n").encode()
 
 
 class DecisionLog:
@@ -121,7 +149,8 @@ class DecisionLog:
         self._thread.start()
 
     def _repair_and_scan(self) -> int:
-        """Cut a torn last line (crash mid-write) and return the newest logged version (0 if none)."""
+        """Cut a torn last line (crash mid-write) and return the newest logged version (0 if none);
+        a line whose version is not an integer in ``[0, MAX_VERSION]`` is skipped with a warning."""
         try:
             with open(self.path, "rb+") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -131,10 +160,10 @@ class DecisionLog:
                 if end < len(tail):
                     f.truncate(size - (len(tail) - end))
                 for line in reversed(tail[:end].splitlines()):
-                    try:
-                        return int(json.loads(line)["version"])
-                    except (ValueError, KeyError, TypeError):
-                        continue
+                    if (version := _logged_version(line)) is not None:
+                        return version
+                    log.warning("%s: skipping a line without a valid version (an integer in [0, %d])",
+                                self.path, MAX_VERSION)
         except FileNotFoundError:
             pass
         return 0
@@ -147,8 +176,7 @@ class DecisionLog:
         while (make_record := self._queue.get()) is not None:
             try:
                 record = make_record()
-                data = (json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n").encode()
-                view = memoryview(data)
+                view = memoryview(_encode_line(record))
                 while view:
                     view = view[os.write(self._fd, view):]
             except Exception:  # one bad record or a full disk must not end the log thread
@@ -217,13 +245,23 @@ class SchedulerMetrics:
             if b:
                 self._rank(rank)["assigned_batch_size"].set(b)
 
-    def serve(self, host: str, port: int) -> int:
-        from prometheus_client import start_http_server
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
+        """Serve ``/metrics`` on ``host:port`` (0 = pick) from a daemon thread; returns the port.
+        With ``token``, a request needs ``Authorization: Bearer <token>`` (else 401).
 
+        Raises:
+            SchedulerStartError: the port cannot be bound.
+        """
+        from prometheus_client import make_wsgi_app
+
+        app = make_wsgi_app(self.registry)
+        if token:
+            app = require_bearer_token(app, token)
         try:
-            self.http, _ = start_http_server(port, addr=host.strip("[]"), registry=self.registry)
+            self.http = _metrics_http_server(host.strip("[]"), port, app)
         except OSError as error:
             raise SchedulerStartError(f"cannot serve /metrics on {host}:{port}: {error.strerror or error}") from None
+        threading.Thread(target=self.http.serve_forever, name="dynamix-metrics", daemon=True).start()
         return self.http.server_address[1]
 
     def close(self) -> None:
@@ -231,6 +269,20 @@ class SchedulerMetrics:
             self.http.shutdown()
             self.http.server_close()
             self.http = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # a scrape every few seconds would flood stderr
+        pass
+
+
+def _metrics_http_server(host: str, port: int, app) -> WSGIServer:
+    """A threaded, bound but not yet serving WSGI server for ``app``; IPv6 when ``host`` is one."""
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    return make_server(host, port, app, Server, handler_class=_QuietHandler)
 
 
 class SchedulerServer:
@@ -245,7 +297,8 @@ class SchedulerServer:
         token: shared secret every call must carry as ``x-dynamix-token`` metadata; None = no check.
         tls_cert, tls_key: PEM certificate and private key files: serve TLS only (both or neither).
         run_dir: directory of ``decisions.jsonl`` and ``tensorboard/scheduler``; None = neither.
-        metrics_port: Prometheus port, 0 = pick, None = off.
+        metrics_port: Prometheus port, 0 = pick, None = off; with ``token``, a scrape must send
+            ``Authorization: Bearer <token>``.
         max_threads: handler threads; handlers never wait on clients, so a few suffice.
 
     Raises:
@@ -282,6 +335,7 @@ class SchedulerServer:
         self._metrics_port = metrics_port
         self._turn = threading.Condition()  # decisions one at a time, in the order they became due
         self._tickets = self._serving = 0
+        self._rank0_waiting = False  # a rank-0 report is held for the decision (one at a time)
         self._max_threads = max_threads
         self._server: grpc.Server | None = None
         self._cached: tuple[AssignmentRecord | None, bytes] = (None, b"")
@@ -312,7 +366,7 @@ class SchedulerServer:
         if not port:
             raise SchedulerStartError(f"cannot listen on {address}: {detail}")
         if self.metrics is not None:
-            self.metrics_port = self.metrics.serve(self.bind, self._metrics_port)
+            self.metrics_port = self.metrics.serve(self.bind, self._metrics_port, self.token)
         server.start()
         self._server, self.port = server, port
         return port
@@ -402,11 +456,14 @@ class SchedulerServer:
     def _report_bytes(self, report, wait: bool) -> bytes:
         awaited = None
         with self.cluster.lock:
+            was_ready = 0 in self.cluster.ready
             current, snap = self.cluster.report_locked(report)
             if snap is not None:  # a ticket taken under the state lock: decisions run in interval order
                 ticket, self._tickets = self._tickets, self._tickets + 1
-            elif wait and report.rank == 0 and self.cluster.awaits_others(0):
+            elif (wait and report.rank == 0 and not was_ready and not self._rank0_waiting
+                  and self.cluster.awaits_others(0)):
                 awaited = self._tickets  # the ticket of the decision this report completes with others
+                self._rank0_waiting = True
         if self.metrics is not None:
             self.metrics.report(report)
         if snap is not None:
@@ -420,8 +477,12 @@ class SchedulerServer:
                     self._serving += 1
                     self._turn.notify_all()
         elif awaited is not None:
-            with self._turn:
-                self._turn.wait_for(lambda: self._serving > awaited, timeout=ANSWER_WAIT_S)
+            try:
+                with self._turn:
+                    self._turn.wait_for(lambda: self._serving > awaited, timeout=ANSWER_WAIT_S)
+            finally:
+                with self.cluster.lock:
+                    self._rank0_waiting = False
             current = self.cluster.current
         cached, data = self._cached
         if cached is not current:

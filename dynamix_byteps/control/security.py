@@ -13,6 +13,10 @@ CA certificate (``--tls-ca`` or ``DYNAMIX_TLS_CA``) through gRPC's SSL credentia
 (:func:`server_credentials`, :func:`open_channel`). The certificate must name the address the
 clients dial (a subjectAltName ``IP:10.0.0.1`` or ``DNS:ps0``). A plaintext client of a TLS
 scheduler fails its handshake (UNAVAILABLE); the token is checked on top of TLS.
+
+The scheduler's Prometheus endpoint requires the same token, as an HTTP header
+``Authorization: Bearer <token>`` (Prometheus: ``authorization: {credentials: <token>}`` in the
+scrape config), when the scheduler has one (:func:`require_bearer_token`).
 """
 
 from __future__ import annotations
@@ -165,6 +169,24 @@ def _reject_unauthenticated(request, context):
 
 
 _REJECT = grpc.unary_unary_rpc_method_handler(_reject_unauthenticated)
+
+
+def require_bearer_token(app, token: str):
+    """The WSGI application ``app``, answering 401 to a request without ``Authorization: Bearer <token>``.
+
+    Raises:
+        ValueError: ``token`` is not usable (see :func:`check_token`).
+    """
+    expected = ("Bearer " + check_token(token)).encode("ascii")
+
+    def protected(environ, start_response):
+        supplied = environ.get("HTTP_AUTHORIZATION", "").encode("utf-8", "replace")
+        if hmac.compare_digest(supplied, expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong 'Authorization: Bearer <token>' header\n"]
+
+    return protected
 
 
 class TokenInterceptor(grpc.ServerInterceptor):

@@ -1,0 +1,221 @@
+"""The scheduler and its client under hostile or careless input (issue 18, control plane).
+
+Each test reproduces one class of failure against a real gRPC scheduler on 127.0.0.1: numbers
+beyond any physical range, a damaged decision log, bogus steps, bursts of early rank-0 reports,
+a rank taken over by another client, an unauthenticated ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control.client import SchedulerClient
+from dynamix_byteps.control.cluster import LIVE_RANK_S, MAX_STEP
+from dynamix_byteps.control.scheduler import DECISION_LOG, _encode_line
+from test_scheduler import K, TOKEN, ScriptedPolicy, code_of, decisions, info, register_all, report, running, stub_for
+
+HUGE = 1e308  # finite, but two of them overflow a sum
+
+
+def _complete_interval(stub, md, step, world=4, **kw):
+    return [stub.ReportMetrics(report(r, step, **kw), metadata=md) for r in range(world)][-1]
+
+
+# ---- 3: every number the scheduler accepts is bounded ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field", ["compute_s", "push_pull_s", "samples_per_s"])
+def test_a_huge_finite_timing_is_refused_naming_the_field(field):
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        bad = report(0, K // 2)
+        setattr(bad, field, HUGE)
+        code, details = code_of(stub.ReportMetrics, bad, metadata=md)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field", ["memory_used_bytes", "gpu_memory_used_bytes", "rtt_s", "tx_bytes_per_s",
+                                   "rx_bytes_per_s", "retransmits"])
+def test_a_huge_node_metric_is_refused_naming_the_field(field):
+    value = 2**64 - 1 if field == "retransmits" else HUGE
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        node = dynamix_pb2.NodeMetrics(**{field: value})
+        code, details = code_of(stub.ReportMetrics, report(0, K // 2, node=node), metadata=md)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"node.{field}" in details
+        agent = dynamix_pb2.NodeReport(host="h", workers=[dynamix_pb2.WorkerNode(rank=0, node=node)])
+        assert code_of(stub.ReportNode, agent, metadata=md)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("field", ["step", "dataset_size"])
+def test_a_registration_beyond_any_real_run_is_refused(field):
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):
+        bad = info(0)
+        setattr(bad, field, 2**64 - 1)
+        code, details = code_of(stub.Register, bad, metadata=md)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+@pytest.mark.timeout(60)
+def test_huge_losses_and_statistics_still_give_a_logged_decision(tmp_path):
+    with running(ScriptedPolicy(), run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        for step in (K // 2, K):  # two reports per rank: their sums would overflow
+            for r in range(4):
+                stub.ReportMetrics(report(r, step, loss=HUGE, grad_sq=HUGE, trace_cov=-HUGE), metadata=md)
+    [line] = decisions(tmp_path)
+    assert line["state"]["workers"]["loss"] == [None] * 4  # diverged, not a number
+    assert line["state"]["grad_sq"] is None and line["state"]["trace_cov"] is None
+
+
+def test_a_record_with_a_value_json_cannot_hold_is_still_written():
+    line = json.loads(_encode_line({"decision": 3, "timing": {"policy_s": math.inf}, "x": [math.nan, object()]}))
+    assert line["decision"] == 3 and line["timing"]["policy_s"] is None and line["x"][0] is None
+
+
+# ---- 6: a damaged decision log ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", ["-5", "1e30", str(2**64 - 1), "true", '"7"', "[1]"])
+def test_an_out_of_range_logged_version_is_skipped_and_every_rpc_still_works(tmp_path, bad):
+    (tmp_path / DECISION_LOG).write_text('{"version": 6}\n' + f'{{"version": {bad}}}\n')
+    with running(ScriptedPolicy(lambda s: (16, 16, 16, 16)), run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):
+        assert register_all(stub, md)[-1].assignment.version == 6
+        assert _complete_interval(stub, md, K).version == 7
+    assert decisions(tmp_path)[-1]["version"] == 7
+
+
+# ---- 7: a bogus step cannot make every later report stale --------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_one_report_with_a_huge_step_does_not_stop_the_decisions(tmp_path):
+    policy = ScriptedPolicy()
+    with running(policy, run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        stub.ReportMetrics(report(0, MAX_STEP), metadata=md)
+        for step in (K, 2 * K, 3 * K):
+            _complete_interval(stub, md, step)
+    assert [s.step for s in policy.states][-2:] == [2 * K, 3 * K]
+
+
+@pytest.mark.timeout(60)
+def test_one_registration_with_a_huge_step_does_not_stop_the_decisions():
+    policy = ScriptedPolicy()
+    with running(policy) as server, stub_for(server) as (stub, md, _):
+        stub.Register(info(0, step=MAX_STEP), metadata=md)
+        for r in (1, 2, 3):
+            stub.Register(info(r), metadata=md)
+        for step in (K, 2 * K):
+            _complete_interval(stub, md, step)
+    assert [s.step for s in policy.states] == [K, 2 * K]
+
+
+# ---- 8: no client can starve the others ------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_rank_0_reports_does_not_starve_the_other_ranks():
+    with running(ScriptedPolicy(lambda s: (16, 16, 16, 16))) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        for r in (1, 2):
+            stub.ReportMetrics(report(r, K), metadata=md)
+        burst = [stub.ReportMetrics.future(report(0, K), metadata=md, timeout=30) for _ in range(200)]
+        started = time.monotonic()
+        answer = stub.ReportMetrics(report(3, K), metadata=md, timeout=2)
+        waited_s = time.monotonic() - started
+        assert answer.version == 1 and waited_s < 1.5, f"rank 3 waited {waited_s:.2f} s behind the burst"
+        started = time.monotonic()
+        assert all(f.result().batch_sizes for f in burst)
+        assert time.monotonic() - started < 2
+
+
+# ---- 9: a live rank cannot be taken over -----------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", [{"host": "10.9.9.9"}, {"lo": 100, "batch": 100}, {"hi": 0}])
+def test_a_re_registration_changing_a_live_rank_is_refused_until_it_falls_silent(change):
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):
+        clock = server.cluster.clock = FakeClock()
+        register_all(stub, md)
+        assert stub.Register(info(0), metadata=md).assignment.batch_sizes  # the same worker again: fine
+        code, details = code_of(stub.Register, info(0, **change), metadata=md)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "rank 0 is registered from host" in details
+        assert stub.ReportMetrics(report(0, K // 2), metadata=md).batch_sizes  # the real worker goes on
+        clock.now += LIVE_RANK_S + 1
+        assert stub.Register(info(0, **change), metadata=md).assignment.batch_sizes  # a restarted job
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_refused_by_another_registration_of_its_rank_registers_again():
+    with running(ScriptedPolicy(), num_workers=1) as server, stub_for(server) as (stub, md, _):
+        clock = server.cluster.clock = FakeClock()
+        client = SchedulerClient(f"127.0.0.1:{server.port}", None, lambda: info(0, world=1))
+        try:
+            client.submit(report(0, K))
+            _wait_for(lambda: server.cluster.last_step.get(0) == K)
+            clock.now += LIVE_RANK_S + 1  # the worker was silent: another client takes its rank
+            stub.Register(info(0, world=1, lo=100, batch=100, host="10.9.9.9"), metadata=md)
+            client.submit(report(0, 2 * K))  # refused: 32 is outside [100, 128]
+            _wait_for(lambda: client._failing)
+            clock.now += LIVE_RANK_S + 1
+            client.submit(report(0, 3 * K))  # registers again, then reports
+            _wait_for(lambda: server.cluster.workers[0].host == "127.0.0.1" and server.cluster.last_step.get(0) == 3 * K)
+        finally:
+            client.close()
+
+
+def _wait_for(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+# ---- 12: /metrics needs the token ------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_metrics_need_the_schedulers_token():
+    with running(ScriptedPolicy(), metrics_port=0, token=TOKEN) as server:
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-dynamix-token": TOKEN}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+            assert refused.value.code == 401
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert b"dynamix_assignment_version" in resp.read()
+
+
+# ---- 16: the decision log says when the workers switch ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_logged_effective_step_is_one_interval_after_the_decision(tmp_path):
+    with running(ScriptedPolicy(lambda s: (16, 32, 48, 64)), run_dir=tmp_path) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        assert _complete_interval(stub, md, K).effective_step == 2 * K
+    [line] = decisions(tmp_path)
+    assert (line["step"], line["effective_step"]) == (K, 2 * K)
