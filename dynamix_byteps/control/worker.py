@@ -121,6 +121,8 @@ class StepMonitor:
         self._interval = StepStatistics()
         self.totals = StepStatistics()
         self._scheduler_version_seen = -1
+        self._declared_batch = 0  # samples per step of the last interval, without a sampler; 0 = unknown
+        self._said_unapplied = self._said_unknown_batch = False
         self._client = None
         self._mailbox = None
         job = os.environ.get("DYNAMIX_JOB_ID")
@@ -200,11 +202,27 @@ class StepMonitor:
             self._apply_newest_assignment()
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
 
+    def _reported_batch(self, iv: StepStatistics) -> int:
+        """The batch size this interval reports: the one the schedule assigned this rank for the
+        interval's last step, which lies within the registered bounds even when the epoch's last,
+        partial step drew fewer samples (the throughput still counts the samples really drawn).
+        Without a sampler: the mean declared by ``set_local_batch_size``; 0 when nothing was declared."""
+        schedule = batching.schedule()
+        if schedule is not None:
+            return schedule.at(max(self.global_step - 1, 0)).batch_sizes[self.engine.rank]
+        if iv.samples > 0:
+            self._declared_batch = max(round(iv.samples / iv.steps), 1)
+        return self._declared_batch
+
     def _report(self, iv: StepStatistics, loss: float | None, noise) -> None:
         from dynamix_byteps.control import dynamix_pb2
 
+        batch = self._reported_batch(iv)
+        if batch == 0:
+            self._say_batch_unknown()
+            return
         report = dynamix_pb2.Report(
-            rank=self.engine.rank, step=self._step_index(), local_batch_size=max(round(iv.samples / iv.steps), 1),
+            rank=self.engine.rank, step=self._step_index(), local_batch_size=batch,
             compute_s=iv.compute_s / iv.steps, push_pull_s=iv.push_pull_s / iv.steps,
             samples_per_s=iv.samples_per_s, loss=loss,
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
@@ -215,6 +233,13 @@ class StepMonitor:
 
             self._client = SchedulerClient(self.env.scheduler, self.env.token, self._worker_info, self.env.tls_ca)
         self._client.submit(report)
+
+    def _say_batch_unknown(self) -> None:
+        if not self._said_unknown_batch:
+            log.error("the scheduler's policy needs this worker's batch size, and nothing declares it: "
+                      "draw batches with a DynamicBatchSampler, or call optimizer.set_local_batch_size(n) "
+                      "every step; until then this worker sends the scheduler no reports")
+            self._said_unknown_batch = True
 
     def _step_index(self) -> int:
         schedule = batching.schedule()
@@ -233,7 +258,23 @@ class StepMonitor:
             info.max_batch = schedule.bounds.max_batch[rank] or 0
             info.batch_size = schedule.latest.batch_sizes[rank]
             info.dataset_size = schedule.dataset_size or 0
+        else:  # set_local_batch_size only: no bounds, the declared size
+            info.batch_size = self._declared_batch
         return info
+
+    def _say_unapplied(self, newest) -> None:
+        """Without a sampler nothing can change the batch sizes: say so once, when the policy first
+        publishes a version newer than the one this worker joined with."""
+        if newest is None or self._said_unapplied:
+            return
+        if self._scheduler_version_seen < 0:
+            self._scheduler_version_seen = newest.version
+        if newest.version == self._scheduler_version_seen:
+            return
+        log.error("the scheduler's policy assigned batch sizes %s, but this job has no DynamicBatchSampler, so "
+                  "they are NOT applied and every worker keeps its own; draw batches with "
+                  "dynamix_byteps.torch.DynamicBatchSampler to let the policy change them", list(newest.batch_sizes))
+        self._said_unapplied = True
 
     def _apply_newest_assignment(self) -> None:
         with round_lock:
@@ -243,6 +284,8 @@ class StepMonitor:
         size = self.engine.size
         proposal = torch.zeros(2 + size, dtype=torch.int64)
         schedule = batching.schedule()
+        if self.engine.rank == 0 and self._client is not None and schedule is None:
+            self._say_unapplied(self._client.latest())
         if self.engine.rank == 0 and self._client is not None and schedule is not None:
             newest = self._client.latest()
             if (newest is not None and newest.version != self._scheduler_version_seen
