@@ -29,7 +29,7 @@ class _Pending:
     ctx: object
     compression: type[Compressor]
     output: torch.Tensor  # where the result must end up
-    average: bool
+    divide_after: bool  # an integer average: truncate the sum, as C does
     size: int
 
 
@@ -77,11 +77,16 @@ def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
         name = _auto_name() if name is None else str(name)
         negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
         with torch.no_grad():
+            divide_first = average and _divides_exactly(output)
+            if divide_first:
+                # Scaled before the sum: n values near a narrow wire type's maximum (fp16: 65504)
+                # would overflow when summed, their mean does not.
+                output.div_(engine.size)
             wire, ctx = compression.compress(output)
             if not wire.is_contiguous():
                 wire = wire.contiguous()
             work = engine.all_reduce_async(wire, name)
-    pending = _Pending(work, wire, ctx, compression, output, average, engine.size)
+    pending = _Pending(work, wire, ctx, compression, output, average and not divide_first, engine.size)
     handle = next(_next_handle)
     with _handles_lock:
         _handles[handle] = pending
@@ -96,7 +101,10 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
     Args:
         tensor: dense tensor on the engine's device (CPU with gloo, this worker's GPU with nccl),
             of any shape and a dtype in :data:`SUPPORTED_DTYPES`.
-        average: divide the sum by ``size()``.
+        average: return the mean over the workers: floating-point and complex tensors are divided
+            by ``size()`` before the sum (so a compressed wire type such as float16 holds the mean
+            without overflowing when the sum would not fit), integers are summed and then divided
+            with truncation.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
         version, priority: accepted for BytePS compatibility; the engines run rounds in issue order.
         compression: ``Compression.none`` or ``Compression.fp16``.
@@ -147,12 +155,15 @@ def synchronize(handle: int) -> torch.Tensor:
         result = pending.compression.decompress(pending.wire, pending.ctx)
         if result is not pending.output:
             pending.output.copy_(result)
-        if pending.average:
-            if pending.output.is_floating_point() or pending.output.is_complex():
-                pending.output.div_(pending.size)
-            else:
-                pending.output.copy_(torch.div(pending.output, pending.size, rounding_mode="trunc"))
+        if pending.divide_after:
+            pending.output.copy_(torch.div(pending.output, pending.size, rounding_mode="trunc"))
     return pending.output
+
+
+def _divides_exactly(tensor: torch.Tensor) -> bool:
+    """Floating-point and complex tensors are averaged by scaling each worker's value before the
+    sum; integers are summed first and then divided with truncation."""
+    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _lookup(handle: int) -> _Pending:

@@ -1,0 +1,30 @@
+"""push_pull(average=True) scales before the sum: 30000 on 3 workers averages to 30000 over a
+float16 wire, where summing first gives inf (float16's maximum is 65504). Real workers, gloo."""
+
+import pytest
+from multiworker import run_workers
+
+WORKERS = 3
+
+
+def _ok(results):
+    for rank, result in enumerate(results):
+        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
+    return [result["ok"] for result in results]
+
+
+@pytest.mark.timeout(90)
+def test_torch_average_of_large_values_over_fp16_stays_finite():
+    for result in _ok(run_workers(WORKERS, "average_cases:torch_large_averages", timeout=80)):
+        assert result["fp16_wire"] == [30000.0] * 4
+        assert result["fp16_wire_in_place"] == [30000.0] * 4
+        assert result["half_tensor"] == [30000.0] * 4
+        assert result["int_average_truncates"] == [2]  # (1 + 2 + 3) // 3, summed first as before
+
+
+@pytest.mark.timeout(300)
+def test_tensorflow_average_of_large_values_over_fp16_stays_finite():
+    pytest.importorskip("tensorflow")
+    for result in _ok(run_workers(WORKERS, "tf_average_cases:tf_large_averages", timeout=280)):
+        assert result == {"fp16_wire": [30000.0] * 4, "fp16_wire_in_graph": [30000.0] * 4,
+                          "half_tensor": [30000.0] * 4}
