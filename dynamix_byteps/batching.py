@@ -65,6 +65,11 @@ def forget_draws() -> int | None:
         return oldest
 
 
+def training_started() -> bool:
+    """True once an optimizer took a draw of the installed sampler (its first step)."""
+    return _consumed
+
+
 def take_draw() -> tuple[int, int] | None:
     """The oldest ``(step, samples)`` not yet consumed by the optimizer, or None."""
     global _consumed, _trained

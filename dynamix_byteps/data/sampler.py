@@ -44,6 +44,10 @@ _HISTORY_STEPS = 4096
 class DynamicBatchSampler:
     """Yields this worker's list of dataset indices for each step.
 
+    A new pass (``iter``) draws again the batches no optimizer step trained on: those a
+    prefetching loader drew ahead, and, before the first step, every batch of a pass left
+    unfinished (``next(iter(loader))`` to peek at shapes), so no sample of the epoch is lost.
+
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
         batch_size: local batch size, one for all workers or one per rank.
@@ -80,6 +84,8 @@ class DynamicBatchSampler:
         self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
         self._position = Position()
         self._history: dict[int, Position] = {}
+        # Where the iterator in progress began; None once it ran to the epoch's end.
+        self._unfinished_from: Position | None = None
         batching.install(self.schedule)
 
     @property
@@ -91,13 +97,11 @@ class DynamicBatchSampler:
         mid-epoch keeps its place). Epochs also advance by themselves when one is exhausted."""
         if epoch != self._position.epoch:
             self._position = Position(int(epoch), 0, self._position.step)
+            self._unfinished_from = None
 
     def __iter__(self) -> Iterator[list[int]]:
-        # Batches a prefetching loader drew but nobody trained on are drawn again (same indices).
-        untrained = batching.forget_draws()
-        if untrained is not None and untrained in self._history:
-            self._position = self._history[untrained]
-            self.schedule.rewind(untrained)
+        self._rewind_untrained_draws()
+        self._unfinished_from = self._position
         order = permutation(self.dataset_size, self.seed, self._position.epoch, self.shuffle)
         while True:
             position = self._position
@@ -112,6 +116,23 @@ class DynamicBatchSampler:
             batching.record_draw(position.step, len(indices), position.epoch, self._position.offset)
             yield indices.tolist()
         self._position = Position(self._position.epoch + 1, 0, self._position.step)
+        self._unfinished_from = None
+
+    def _rewind_untrained_draws(self) -> None:
+        """Draw again, with the same indices, the batches no optimizer step trained on.
+
+        Once the optimizer takes draws, those it has not taken were prefetched and are drawn
+        again. Before its first step nothing was trained: an iterator left before the epoch's end
+        (``next(iter(loader))`` to peek at shapes, or a prefetching loader dropped) is started
+        over from where it began, as a new pass over torch's ``DistributedSampler`` would.
+        """
+        untrained = batching.forget_draws()
+        if untrained is None and not batching.training_started() and self._unfinished_from is not None:
+            self._position = self._unfinished_from
+            self.schedule.rewind(self._position.step)
+        elif untrained is not None and untrained in self._history:
+            self._position = self._history[untrained]
+            self.schedule.rewind(untrained)
 
     def __len__(self) -> int:
         """Steps left in the current epoch under the assignments known now (all of the epoch
@@ -168,6 +189,7 @@ class DynamicBatchSampler:
             self.schedule.load_state_dict(
                 {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]})
         self._position = position
+        self._unfinished_from = None
         self._history.clear()
         self.schedule.rewind(position.step)
 
