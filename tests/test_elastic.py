@@ -96,9 +96,9 @@ def test_restart_on_failure_needs_a_checkpoint_and_across_hosts_a_coordinator_po
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
-def report(node, code=0, failed=None, killed=False, at=None, self_failed=(), workers=()):
+def report(node, code=0, failed=None, killed=False, at=None, self_failed=(), workers=(), started=True):
     return RunReport(node=node, run=0, code=code, failed=failed, killed=[failed] if killed else [], failed_at=at,
-                     self_failed=list(self_failed), workers=list(workers))
+                     self_failed=list(self_failed), workers=list(workers), started=started)
 
 
 @pytest.mark.parametrize("reports, left, expected", [
@@ -116,6 +116,9 @@ def report(node, code=0, failed=None, killed=False, at=None, self_failed=(), wor
     ([report(0, 3, 0, False, 1.0, [0, 1], [0, 1]), report(1, 3, 2, False, 1.1, [2, 3], [2, 3])], 1, {"exit": 3}),
     ([report(0, 143, None, workers=[0, 1]), report(1, 137, 3, True, 1.9, [], [2, 3])], 1, {"exit": 137}),
     ([report(0, 137, 0, True, 1.0, [], [0]), report(1, 1, 1, False, 1.1, [1], [1])], 1, {"exit": 137}),
+    # no host's workers got through bps.init: a start-up failure, whichever worker failed first
+    ([report(0, 1, 0, False, 1.0, [0], [0, 1], False), report(1, 143, 2, False, 1.1, [], [2, 3], False)], 1,
+     {"exit": 1}),
 ])
 def test_decide_shrinks_the_hosts_of_lost_workers_or_ends_the_job(reports, left, expected):
     decision = decide([len(r.workers) for r in reports], reports, left)
@@ -185,8 +188,10 @@ def test_a_host_that_loses_its_only_worker_leaves_and_the_job_goes_on_with_three
 
 @pytest.mark.timeout(120)
 def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
-    # Rank 0 fails; rank 1 would run on until the launcher stops it (a lost worker, not a bug in the command).
-    script = "import os,sys,time; os.environ['BYTEPS_LOCAL_RANK'] == '0' and sys.exit(3); time.sleep(60)"
+    # Rank 0 fails after the job started; rank 1 would run on until the launcher stops it (a lost
+    # worker, not a bug in the command).
+    script = ("import os,sys,time; import dynamix_byteps as bps; bps.init(); "
+              "os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
     proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--grace-period", 2, "--",
                      sys.executable, "-c", script, timeout=110)
     assert proc.returncode == 3
@@ -195,11 +200,22 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_when_every_worker_fails_at_once_the_job_is_not_shrunk(tmp_path):
+    # Under load the first failure stops the other workers before they fail by themselves; that a
+    # failure came before any worker got through bps.init decides, whatever the order.
     proc = bpslaunch("-n", 3, "--restart-on-failure", 5, "--checkpoint", tmp_path / "c.pt", "--", "sh", "-c", "exit 3",
                      timeout=50)
     assert proc.returncode == 3, proc.stderr
-    assert "every worker failed on its own at once" in proc.stderr and "[2] 3" in proc.stderr
-    assert "restart 1" not in proc.stderr
+    assert "the job failed before it started" in proc.stderr and "not restarting" in proc.stderr, proc.stderr
+    assert "restart 1" not in proc.stderr and not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_job_whose_workers_cannot_import_their_module_is_not_restarted_and_names_no_checkpoint(tmp_path):
+    proc = bpslaunch("-n", 3, "--restart-on-failure", 2, "--checkpoint", tmp_path / "c.pt", "--", sys.executable, "-c",
+                     "import dynamix_byteps_no_such_module", timeout=80)
+    assert proc.returncode == 1, proc.stderr
+    assert "the job failed before it started" in proc.stderr, proc.stderr
+    assert "restart 1" not in proc.stderr and str(tmp_path / "c.pt") not in proc.stderr
 
 
 @pytest.mark.timeout(60)

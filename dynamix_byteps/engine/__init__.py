@@ -3,16 +3,27 @@
 ``start()`` creates the engine named by ``DYNAMIX_ENGINE`` (default ``gloo``; ``auto`` is nccl
 where every local worker has a GPU, else gloo) for the worker described by the environment
 (:class:`~dynamix_byteps.env.WorkerEnv`: bpslaunch's or torchrun's variables); ``current()``
-returns it; ``stop()`` shuts it down. Engines are imported only when selected.
+returns it; ``stop()`` shuts it down, and runs by itself at interpreter exit (a gloo process
+group left to the interpreter's teardown could abort the process, "terminate called without an
+active exception"). Engines are imported only when selected.
+
+When the engine has started, the worker tells its launcher so (``DYNAMIX_STARTED_DIR``: a failure
+before any worker got there is an error in the command, not a lost worker), and checks that its
+monitoring mailbox (``DYNAMIX_JOB_ID``) can be created: when it cannot, it warns and unsets
+``DYNAMIX_JOB_ID``, so the job trains without this worker's host metrics instead of crashing.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
 import threading
+import warnings
+from pathlib import Path
 
 from dynamix_byteps.engine.base import Engine, Handle
-from dynamix_byteps.env import WorkerEnv, resolve_engine
+from dynamix_byteps.env import JOB_ID_ENV, STARTED_DIR_ENV, WorkerEnv, resolve_engine
 from dynamix_byteps.errors import NotInitializedError
 
 __all__ = ["Engine", "Handle", "create", "current", "is_started", "start", "stop"]
@@ -54,7 +65,39 @@ def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
     with _lock:
         if _current is None:
             _current = create(env or WorkerEnv.from_environ(), framework)
+            atexit.unregister(stop)  # registered once, however often the engine restarts
+            atexit.register(stop)
+            _tell_launcher_started(_current.rank)
+            _give_up_unusable_mailbox(_current.rank)
         return _current
+
+
+def _tell_launcher_started(rank: int) -> None:
+    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>``: this worker joined the job (bpslaunch reads it)."""
+    folder = os.environ.get(STARTED_DIR_ENV)
+    if folder:
+        try:
+            (Path(folder) / str(rank)).touch()
+        except OSError:
+            pass  # only a restart decision reads it, and the folder may be gone with the launcher
+
+
+def _give_up_unusable_mailbox(rank: int) -> None:
+    """Unset ``DYNAMIX_JOB_ID`` with a warning when this worker's mailbox cannot be created (held by
+    another live process, a foreign file, an invalid job id): the mailbox only feeds monitoring."""
+    job = os.environ.get(JOB_ID_ENV)
+    if not job:
+        return
+    from dynamix_byteps.control.mailbox import mailbox_name, unavailable_reason
+
+    try:
+        reason = unavailable_reason(mailbox_name(job, rank))
+    except ValueError as error:
+        reason = str(error)
+    if reason is not None:
+        os.environ.pop(JOB_ID_ENV, None)
+        warnings.warn(f"rank {rank}: the monitoring mailbox is unavailable ({reason}); training goes on without "
+                      "the node agent's network and GPU metrics of this worker", RuntimeWarning, stacklevel=3)
 
 
 def current() -> Engine:

@@ -30,9 +30,11 @@ none leaves the job (exit 0), and the next run rendezvouses on a fresh port; PAT
 system every host sees. Every
 child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
 ...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists. PATH's
-directory must exist and be writable (else exit 2 before the start). When every worker exits
-with a code > 0 by itself at once, that is an error in the command, not a lost worker: the job
-is not restarted::
+directory must exist and be writable (else exit 2 before the start). When the job fails before
+any worker got through ``bps.init`` (an import error, a bad argument: each worker tells the
+launcher through ``DYNAMIX_STARTED_DIR``), or every worker exits with a code > 0 by itself at
+once, that is an error in the command, not a lost worker: the job is not restarted and the
+launcher exits with the failure's code::
 
     bpslaunch -n 4 --restart-on-failure 2 --checkpoint runs/a/ckpt.pt -- python train.py
     DYNAMIX_TOKEN=s bpslaunch --hosts h0:2,h1:2 --node-rank I --port 29500 --restart-port 29501 \
@@ -40,6 +42,11 @@ is not restarted::
 
 TLS: ``--tls-cert/--tls-key`` (node 0) make the scheduler serve TLS only; ``--tls-ca`` (every
 host) is passed to the workers as ``DYNAMIX_TLS_CA`` and to the node agent as ``--tls-ca``.
+
+With ``--policy``, the workers of this launcher name their monitoring mailboxes
+``/dev/shm/dynamix.job<port>-<random>.<rank>`` (``DYNAMIX_JOB_ID``); whatever ends a run (success,
+a worker's death, SIGTERM, SIGINT or SIGHUP to the launcher), the launcher removes what is left
+of them.
 
 Every worker gets the environment contract of :mod:`dynamix_byteps.env`. Output lines are
 prefixed with the worker's global rank (``[0] ...``). The exit code is the first non-zero
@@ -54,6 +61,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -68,12 +76,15 @@ import psutil
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
+from dynamix_byteps.control.mailbox import remove_job_mailboxes
 from dynamix_byteps.env import (
     DEFAULT_DECISION_INTERVAL,
     DEFAULT_ENGINE,
     ENGINES,
+    JOB_ID_ENV,
     MAX_TIMEOUT_S,
     MAX_WORKERS,
+    STARTED_DIR_ENV,
     WorkerEnv,
     parse_slowdown,
     resolve_engine,
@@ -302,13 +313,16 @@ def _free_port(host: str = LOCAL_HOST) -> int:
         return sock.getsockname()[1]
 
 
-def _check_port_free(port: int, host: str = LOCAL_HOST) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+def _check_port_free(port: int, host: str = LOCAL_HOST, flag: str = "--port") -> None:
+    """Raises UsageError naming ``flag`` when ``host:port`` cannot be bound now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as error:
-            raise UsageError(f"argument --port: {host}:{port} is not available ({error.strerror}); choose another port or omit --port") from None
+            raise UsageError(f"argument {flag}: {host}:{port} is not available ({error.strerror}); choose another "
+                             f"port or omit {flag}") from None
 
 
 def _engine(args: argparse.Namespace, env: Mapping[str, str], local_size: int) -> str:
@@ -382,7 +396,7 @@ def worker_specs(
         if args.tls_ca is not None:
             base["DYNAMIX_TLS_CA"] = str(args.tls_ca)
         if args.monitor != "off":
-            base["DYNAMIX_JOB_ID"] = _job_id(root_port)
+            base[JOB_ID_ENV] = _job_id(args, root_port)
     slowdowns = dict(args.slowdown)
     if local_size > 1 and not env.get("OMP_NUM_THREADS"):
         base["OMP_NUM_THREADS"] = "1"
@@ -477,16 +491,20 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return args.temp_run_dir
 
 
-def _job_id(root_port: int) -> str:
-    """Names the job's mailboxes on every host: the rendezvous port is the same on all of them."""
-    return f"job{root_port}"
+def _job_id(args: argparse.Namespace, root_port: int) -> str:
+    """Names the job's mailboxes on this host (``/dev/shm/dynamix.<job>.<rank>``), the same for the
+    whole life of this launcher: the port and a random part, so two jobs on one host with the
+    same ``--port`` never share a name."""
+    if getattr(args, "job_id", None) is None:
+        args.job_id = f"job{root_port}-{secrets.token_hex(4)}"
+    return args.job_id
 
 
 def _agent_spec(args: argparse.Namespace, env: Mapping[str, str], scheduler: str, root_port: int,
                 run_dir: Path) -> ChildSpec:
     ready = run_dir / f".agent-{os.getpid()}.ready"
     ready.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "dynamix_byteps.cli", "agent", "--job", _job_id(root_port), "--scheduler", scheduler,
+    argv = [sys.executable, "-m", "dynamix_byteps.cli", "agent", "--job", _job_id(args, root_port), "--scheduler", scheduler,
             "--monitor", args.monitor, "--ready-file", str(ready)]
     log_path = None if args.log_dir is None else args.log_dir / "agent.log"
     if args.tls_ca is not None:
@@ -632,6 +650,8 @@ def _scheduler_specs(args: argparse.Namespace, env: Mapping[str, str], hosts: li
         raise UsageError("a multi-host job's scheduler listens beyond loopback: set DYNAMIX_TOKEN to a shared "
                          "secret on every host")
     bind = args.bind or (hosts[0] if multi_host else LOCAL_HOST)
+    if args.scheduler_port is not None and node_rank == 0:
+        _check_port_free(args.scheduler_port, bind, "--scheduler-port")
     port = args.scheduler_port if args.scheduler_port is not None else _free_port()
     address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
     if node_rank != 0:
@@ -863,9 +883,9 @@ def _run(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser, s
     restarts = 0
     while True:
         started = time.monotonic()
-        code, supervisor = _supervise(args, specs)
+        code, supervisor, started_workers = _supervise(args, specs)
         if _multi_host_elastic(args):
-            decision = _coordinate(args, env, supervisor, code, restarts, coordinator)
+            decision = _coordinate(args, env, supervisor, code, restarts, coordinator, started_workers)
             if "exit" in decision:
                 if decision["exit"] != 0:
                     print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
@@ -878,6 +898,11 @@ def _run(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser, s
             if code == 0 or failed is None or restarts >= args.restart_on_failure:
                 return code
             workers = [s.label for s in specs if not s.service]
+            if not started_workers:
+                print(f"{PROG}: the job failed before it started (no worker got through bps.init; exit codes "
+                      f"{_exit_codes(self_failed, workers)}): an error in the command or its environment, not a lost "
+                      "worker; not restarting", file=sys.stderr, flush=True)
+                return code
             if set(self_failed) == set(workers):
                 print(f"{PROG}: every worker failed on its own at once (exit codes "
                       f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
@@ -899,8 +924,13 @@ def _run(args: argparse.Namespace, env: dict, parser: argparse.ArgumentParser, s
         specs = [dataclasses.replace(s, append_log=True) for s in specs]
 
 
+def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
+    """``[0] 3, [1] 3, [2] signalled`` for a message: each worker's own exit code, when it had one."""
+    return ", ".join(f"[{w}] {self_failed[w]}" if w in self_failed else f"[{w}] stopped" for w in workers)
+
+
 def _coordinate(args: argparse.Namespace, env: Mapping[str, str], supervisor: Supervisor, code: int, run: int,
-                coordinator: Coordinator | None) -> dict:
+                coordinator: Coordinator | None, started_workers: bool) -> dict:
     """Report how run ``run`` ended on this host and get the job's next step (see :mod:`.restart`):
     node 0 collects every host's report, decides and answers; the others ask node 0."""
     topology = _topology(args)
@@ -908,7 +938,8 @@ def _coordinate(args: argparse.Namespace, env: Mapping[str, str], supervisor: Su
                        failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
                        failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
                        self_failed=[int(label) for label in supervisor.self_failed],
-                       workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"])
+                       workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"],
+                       started=started_workers)
     stopped = code != 0 and report.failed is None  # the launcher was signalled (or could not start the job)
     if coordinator is None:
         if stopped:
@@ -958,9 +989,25 @@ def _apply_decision(args: argparse.Namespace, decision: dict, restarts: int, sta
     return True
 
 
-def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, Supervisor]:
-    """Run the job once; returns its exit code and the Supervisor (which worker's failure ended it,
-    when, and which failed on their own)."""
+def _supervise(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool]:
+    """Run the job once; returns its exit code, the Supervisor (which worker's failure ended it,
+    when, and which failed on their own) and whether any worker got through ``bps.init``.
+
+    Whatever ends the run (success, a worker's death, SIGTERM/SIGINT/SIGHUP to the launcher), the
+    job's mailboxes left in /dev/shm are removed afterwards: a worker killed by a signal cannot."""
+    started = Path(tempfile.mkdtemp(prefix="dynamix-started-"))
+    specs = [spec if spec.service else dataclasses.replace(spec, env={**spec.env, STARTED_DIR_ENV: str(started)})
+             for spec in specs]
+    try:
+        code, supervisor = _supervise_once(args, specs)
+        return code, supervisor, any(started.iterdir())
+    finally:
+        shutil.rmtree(started, ignore_errors=True)
+        if getattr(args, "job_id", None) is not None:
+            remove_job_mailboxes(args.job_id)
+
+
+def _supervise_once(args: argparse.Namespace, specs: list[ChildSpec]) -> tuple[int, Supervisor]:
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
         supervisor = Supervisor(specs, grace_s=args.grace_period)
         return supervisor.run(), supervisor

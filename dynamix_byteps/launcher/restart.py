@@ -15,8 +15,8 @@ Which workers are lost: those killed by a signal their launcher did not send (SI
 killer); when none was, the worker of the earliest failure (the others are the collectives it
 broke; wall-clock times, so the hosts' clocks should agree to well under a second). Each lost
 worker takes one slot from its host. The job ends instead when every report is 0 (done), when no
-restart is left, when every worker failed on its own (an error in the command, not a lost
-worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
+restart is left, when no worker got through ``bps.init`` or every worker failed on its own (an
+error in the command, not a lost worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
 a launcher was stopped by a signal: a stopped host only :func:`tell`-s node 0 and exits; a
 stopped node 0 answers no one, and the others give up after ``REFUSED_S`` of refused connections.
 
@@ -56,6 +56,8 @@ class RunReport:
         self_failed: global ranks of the workers that exited with a code > 0 on their own.
         workers: global ranks of this host's workers in the run.
         token: the shared secret (``DYNAMIX_TOKEN``).
+        started: whether a worker of this host got through ``bps.init`` (the rendezvous completes for
+            all workers or none, so a run no host started failed at start-up).
     """
 
     node: int
@@ -67,6 +69,7 @@ class RunReport:
     self_failed: list[int] = field(default_factory=list)
     workers: list[int] = field(default_factory=list)
     token: str = ""
+    started: bool = True
 
 
 def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> dict:
@@ -83,6 +86,9 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
         return {"exit": first, "reason": "a launcher was stopped; not restarting"}
     if restarts_left <= 0:
         return {"exit": first, "reason": "no restart left"}
+    if not any(r.started for r in reports):
+        return {"exit": first, "reason": "the job failed before it started (no worker got through bps.init): an "
+                "error in the command or its environment, not a lost worker; not restarting"}
     workers = {w for r in reports for w in r.workers}
     if {w for r in reports for w in r.self_failed} == workers:
         return {"exit": first, "reason": "every worker failed on its own: an error in the command, not a lost worker; "

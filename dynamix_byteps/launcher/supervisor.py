@@ -354,7 +354,7 @@ class Supervisor:
                     continue
                 child.returncode = rc
                 if child.spec.service:
-                    if not services_stopping:
+                    if not services_stopping and exit_code is None:  # not while the launcher stops the job
                         self.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
                     continue
                 if rc > 0 and not child.signalled:

@@ -1,0 +1,186 @@
+"""Crashes, leaks and exits (issue 18, items 13-16): what a job leaves behind and how it ends.
+
+Every test that starts processes gives them a hard timeout and, in a ``finally``, kills what is
+left of them and removes every /dev/shm segment of its job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name, remove_job_mailboxes
+from dynamix_byteps.launcher.launch import _job_id
+
+REPO = Path(__file__).resolve().parents[1]
+MAILBOX_WORKER = str(REPO / "tests" / "scripts" / "mailbox_worker.py")
+LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux POSIX shared memory in /dev/shm")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
+def kill_tree(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        family = []
+    for process in family:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# ---- item 13: mailboxes ---------------------------------------------------------------------------
+
+
+def test_two_launchers_on_the_same_port_name_their_mailboxes_differently():
+    first, second = argparse.Namespace(), argparse.Namespace()
+    assert _job_id(first, 29500) != _job_id(second, 29500)
+    assert _job_id(first, 29501) == _job_id(first, 29500)  # one name for the launcher's whole life
+    mailbox_name(_job_id(first, 29500), 0)  # a valid mailbox name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ending", ["sigterm", "sigint", "worker_sigkilled", "normal_exit"])
+def test_the_launcher_removes_its_jobs_mailboxes_however_the_job_ends(tmp_path, ending):
+    how = {"worker_sigkilled": "sigkill", "normal_exit": "exit"}.get(ending, "sleep")
+    args = ["-n", "2", "--policy", "static", "--monitor", "proc", "--grace-period", "2", "--",
+            sys.executable, MAILBOX_WORKER, str(tmp_path), how]
+    job, proc = None, None
+    try:
+        proc = subprocess.Popen(LAUNCH + args, env=clean_env(), stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "launcher.err", "wb"))
+        assert wait_for(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
+        job = (tmp_path / "0.job").read_text()
+        assert job_mailboxes(job) or ending == "normal_exit"
+        if ending in ("sigterm", "sigint"):
+            proc.send_signal(signal.SIGTERM if ending == "sigterm" else signal.SIGINT)
+        proc.wait(timeout=60)
+        err = (tmp_path / "launcher.err").read_text()
+        assert job_mailboxes(job) == [], f"left in /dev/shm after {ending}: {job_mailboxes(job)}\n{err}"
+        assert "go on without it" not in err, err  # the scheduler stopped with the job: no such note
+    finally:
+        kill_tree(proc)
+        if job is not None:
+            remove_job_mailboxes(job)
+
+
+SQUATTED_WORKER = """
+import torch
+import dynamix_byteps.torch as bps
+
+bps.init()
+model = torch.nn.Linear(3, 1)
+opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+for _ in range(2):
+    opt.zero_grad()
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_whose_mailbox_a_live_process_holds_warns_and_trains_without_it():
+    job = f"squat{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    with Mailbox.create(mailbox_name(job, 0)):  # this test process is the live holder
+        proc = subprocess.run([sys.executable, "-c", SQUATTED_WORKER], env=clean_env(DYNAMIX_JOB_ID=job),
+                              capture_output=True, text=True, timeout=100)
+    remove_job_mailboxes(job)
+    assert proc.returncode == 0, proc.stderr
+    assert "trained" in proc.stdout
+    assert "monitoring mailbox is unavailable" in proc.stderr and str(os.getpid()) in proc.stderr, proc.stderr
+
+
+# ---- item 14: the engine shuts down at interpreter exit -------------------------------------------
+
+AT_EXIT = """
+import atexit
+import torch.distributed as dist
+import dynamix_byteps.torch as bps
+
+# Registered before init, so it runs after the engine's own exit handler (last in, first out).
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))
+bps.init()
+print("initialised:", dist.is_initialized(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_without_shutdown_the_process_group_is_destroyed_at_interpreter_exit():
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT], env=clean_env(), capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "initialised: True" in proc.stdout and "group at exit: False" in proc.stdout, proc.stdout
+
+
+# ---- item 16: usage errors exit 2 ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_scheduler_port_is_a_usage_error_like_a_busy_port():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flag in ("--port", "--scheduler-port"):
+            proc = subprocess.run(LAUNCH + ["-n", "1", "--policy", "static", "--monitor", "off", flag, str(port),
+                                            "--", "true"], env=clean_env(), capture_output=True, text=True, timeout=50)
+            assert proc.returncode == 2, (flag, proc.stderr)
+            assert f"argument {flag}: 127.0.0.1:{port} is not available" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_an_invalid_dynamix_batch_size_is_a_usage_error_like_batch_size_0(value):
+    proc = subprocess.run(LAUNCH + ["-n", "1", "--", "true"], env=clean_env(DYNAMIX_BATCH_SIZE=value),
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stderr
+    assert "DYNAMIX_BATCH_SIZE=" in proc.stderr and value in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_an_invalid_dynamix_batch_size_stops_a_worker_at_init_with_a_configuration_error():
+    script = textwrap.dedent("""
+        import dynamix_byteps.torch as bps
+        try:
+            bps.init()
+        except bps.ConfigurationError as error:
+            print("refused:", error)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=clean_env(DYNAMIX_BATCH_SIZE="0"), capture_output=True,
+                          text=True, timeout=100)
+    assert "refused: environment variable DYNAMIX_BATCH_SIZE=0 must be >= 1" in proc.stdout, proc.stdout + proc.stderr
