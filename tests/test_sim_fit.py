@@ -154,6 +154,30 @@ def test_malformed_values_are_a_usage_error(tmp_path, capsys, path, value):
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("path, value, shown", [
+    (("state", "workers", "compute_s", 1), "NaN", "non-finite number NaN"),
+    (("state", "workers", "push_pull_s", 0), "-Infinity", "non-finite number -Infinity"),
+    (("state", "workers", "samples_per_s", 0), "1e400", "non-finite number 1e400"),
+    (("state", "noise_scale",), "Infinity", "non-finite number Infinity"),
+    (("state", "workers", "compute_s", 0), "1e308", "compute_s 1e+308 of rank 0 is beyond"),
+    (("state", "workers", "samples_per_s", 1), "1e300", "samples_per_s 1e+300 of rank 1 is beyond"),
+])
+def test_non_finite_or_impossible_numbers_are_refused_naming_the_line(tmp_path, capsys, path, value, shown):
+    records = [json.loads(line) for line in _lines()]
+    target = records[3]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = "@@"
+    lines = [json.dumps(r) for r in records]
+    lines[3] = lines[3].replace('"@@"', value)
+    (tmp_path / "decisions.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigurationError, match="line 4 is not a decision record") as error:
+        load_log(tmp_path)
+    assert shown in str(error.value)
+    assert main(["sim", "fit", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
+    assert "line 4" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+
+
 def test_out_naming_a_directory_is_a_usage_error_and_leaves_nothing(tmp_path, capsys):
     (tmp_path / "decisions.jsonl").write_text("\n".join(_lines()) + "\n")
     out = tmp_path / "out"

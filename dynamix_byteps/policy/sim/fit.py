@@ -74,7 +74,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynamix_byteps.control.cluster import DECISION_LOG, THROUGHPUT_SMOOTHING
+from dynamix_byteps.control.cluster import DECISION_LOG, MAX_RATE, MAX_SECONDS, THROUGHPUT_SMOOTHING
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import (
@@ -159,6 +159,36 @@ def _corrupt(path: Path, line: int, why: str) -> ConfigurationError:
         "decision log: point `dynamix sim fit` at the --log-dir of a bpslaunch --policy run")
 
 
+class _NonFinite(ValueError):
+    """A number JSON should not hold: NaN, Infinity, or one too large for a float (1e400)."""
+
+
+def _refuse_constant(name: str):
+    raise _NonFinite(f"non-finite number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(f"non-finite number {text}")
+    return value
+
+
+def _parse_record(line: str):
+    """One decision line; raises :class:`_NonFinite` for NaN, ±Infinity or an overflowing number."""
+    return json.loads(line, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
+def _beyond_range(compute, push_pull, smoothed) -> str | None:
+    """What breaks the physical range of a decision's timings (the scheduler's limits), or None."""
+    for name, values, limit in (("compute_s", compute, MAX_SECONDS), ("push_pull_s", push_pull, MAX_SECONDS),
+                                ("samples_per_s", smoothed, MAX_RATE)):
+        for rank, x in enumerate(values):
+            if abs(x) > limit:
+                return f"{name} {x:g} of rank {rank} is beyond {limit:g}"
+    return None
+
+
 def _finite(x) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
 
@@ -167,8 +197,10 @@ def load_log(run_dir) -> RunLog:
     """Read ``run_dir/decisions.jsonl`` (or that file itself) into a :class:`RunLog`.
 
     Raises:
-        ConfigurationError: the file is missing, empty, not JSON lines, lacks the per-worker
-            fields, or changes its number of workers; the message names the file and the fix.
+        ConfigurationError: the file is missing, empty, not JSON lines, holds a non-finite number
+            (NaN, Infinity, 1e400) or a timing beyond the scheduler's physical limits, lacks the
+            per-worker fields, or changes its number of workers; the message names the file, the
+            line and the fix.
     """
     path = Path(run_dir)
     try:
@@ -187,7 +219,7 @@ def load_log(run_dir) -> RunLog:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = _parse_record(line)
             state, w = record["state"], record["state"]["workers"]
             sizes = [int(b) for b in w["batch_size"]]
             compute = [_finite(x) for x in w["compute_s"]]
@@ -203,11 +235,15 @@ def load_log(run_dir) -> RunLog:
             if number == len(lines) and not text.endswith("\n"):
                 break  # the last line of a run killed while writing it
             raise _corrupt(path, number, f"invalid JSON: {error.msg}") from None
+        except _NonFinite as error:
+            raise _corrupt(path, number, str(error)) from None
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise _corrupt(path, number, f"missing or malformed field {error}") from None
         n = len(sizes)
         if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == n:
             raise _corrupt(path, number, "the per-worker lists are empty or of different lengths")
+        if (beyond := _beyond_range(compute, push_pull, smoothed)) is not None:
+            raise _corrupt(path, number, beyond)
         if rows and n != rows[0]["n"]:
             raise ConfigurationError(f"{path} line {number}: the job changed from {rows[0]['n']} to {n} workers "
                                      "(an elastic run); fit a stretch with a fixed number of workers")
