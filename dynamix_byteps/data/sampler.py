@@ -173,25 +173,54 @@ class DynamicBatchSampler:
         batch in force is kept and split evenly over the new workers (clamped to the bounds).
 
         Raises:
-            ConfigurationError: the dataset size, seed or shuffling differs from the saved run.
+            ConfigurationError: the dataset size, seed or shuffling differs from the saved run, or
+                ``state`` is not a valid :meth:`state_dict` (a missing key, a value of the wrong
+                type or range); the sampler is then unchanged.
         """
-        for key in ("dataset_size", "seed", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise ConfigurationError(f"checkpoint was taken with {key}={state[key]!r}, this sampler has "
-                                         f"{key}={getattr(self, key)!r}; they must match to resume the epoch")
-        position = Position(**state["position"])
-        if state["num_replicas"] == self.num_replicas:
-            self.schedule.load_state_dict(state["schedule"])
-        else:
-            saved = [Assignment.from_dict(a) for a in state["schedule"]["assignments"]]
-            current = [a for a in saved if a.effective_step <= position.step][-1]
-            sizes = self._resplit(current.global_batch_size)
-            self.schedule.load_state_dict(
-                {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]})
+        position, schedule_state = self._planned_load(state)
+        self.schedule.load_state_dict(schedule_state)
         self._position = position
         self._unfinished_from = None
         self._history.clear()
         self.schedule.rewind(position.step)
+
+    def check_state_dict(self, state: dict) -> None:
+        """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
+        self._planned_load(state)
+
+    def _planned_load(self, state) -> tuple[Position, dict]:
+        """The position and schedule state ``load_state_dict`` would install; ConfigurationError
+        when ``state`` is not a valid state of a sampler this one may continue."""
+        try:
+            for key in ("dataset_size", "seed", "shuffle"):
+                if state[key] != getattr(self, key):
+                    raise ConfigurationError(f"checkpoint was taken with {key}={state[key]!r}, this sampler has "
+                                             f"{key}={getattr(self, key)!r}; they must match to resume the epoch")
+            position = self._saved_position(state["position"])
+            saved = [Assignment.from_dict(a) for a in state["schedule"]["assignments"]]
+            num_replicas = state["num_replicas"]
+        except ConfigurationError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ConfigurationError(f"invalid sampler state ({type(error).__name__}: {error})") from None
+        in_force = [a for a in saved if a.effective_step <= position.step]
+        if not in_force or any(len(a.batch_sizes) != num_replicas or min(a.batch_sizes, default=0) < 1
+                               for a in saved):
+            raise ConfigurationError(f"invalid sampler state: the assignments {[a.to_dict() for a in saved]} do not "
+                                     f"cover step {position.step} for {num_replicas} workers")
+        if num_replicas == self.num_replicas:
+            return position, {"assignments": [a.to_dict() for a in saved]}
+        current = in_force[-1]
+        sizes = self._resplit(current.global_batch_size)
+        return position, {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]}
+
+    def _saved_position(self, saved: dict) -> Position:
+        fields = {name: saved[name] for name in ("epoch", "offset", "step")}
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in fields.values()):
+            raise ValueError(f"position {fields} is not three integers >= 0")
+        if fields["offset"] > self.dataset_size:
+            raise ValueError(f"position offset {fields['offset']} is past the dataset's {self.dataset_size} samples")
+        return Position(**fields)
 
     def _resplit(self, global_batch: int) -> tuple[int, ...]:
         even = tail_sizes(global_batch, [1] * self.num_replicas)

@@ -4,23 +4,74 @@ gradient statistics and the LR-scaling base, written atomically.
 Resuming continues the epoch where the last *trained* step left it, also with a different
 number of workers (see ``DynamicBatchSampler.load_state_dict``), so no sample is lost or
 repeated.
+
+The file is what ``torch.save`` writes (``torch.load`` reads it), with the SHA-256 digest of
+everything before it in the zip archive's comment, at the very end: loading checks the digest
+before it unpickles anything, so one changed bit anywhere, or a truncation, is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
-from pathlib import Path
-from typing import Any
+import struct
+import zipfile
+from collections.abc import Mapping
+from typing import IO, Any
 
 import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.atomic import atomic_write
+from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.negotiation import negotiate, round_lock
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a SHA-256 digest ends the file; 1: none (still read, checked by the zip CRCs)
+
+_DIGEST_LABEL = b"dynamix_byteps sha256 "
+_TRAILER_LENGTH = len(_DIGEST_LABEL) + 64  # the label and the hex digest: the zip comment
+_END_RECORD = struct.Struct("<4s4H2LH")  # zip end of central directory, the last field the comment's length
+_END_SIGNATURE = b"PK\x05\x06"
+_CHUNK = 1 << 20
+_REDO = "load an older checkpoint or save this one again"
+
+
+class _DigestingWriter:
+    """The file object ``torch.save`` writes to: passes the bytes on to ``file`` and hashes
+    them, holding back the zip's end record until :meth:`finish` gives it a comment."""
+
+    def __init__(self, file: IO[bytes]):
+        self.file, self.digest, self.held = file, hashlib.sha256(), b""
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) >= _END_RECORD.size:
+            self._pass_on(self.held)
+            self._pass_on(data[:-_END_RECORD.size])
+            self.held = bytes(data[-_END_RECORD.size:])
+        else:
+            joined = self.held + bytes(data)
+            self._pass_on(joined[:-_END_RECORD.size])
+            self.held = joined[-_END_RECORD.size:]
+        return len(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def _pass_on(self, data) -> None:
+        self.digest.update(data)
+        self.file.write(data)
+
+    def finish(self) -> None:
+        """Write the end record, naming a comment, and the comment: label and digest."""
+        fields = list(_END_RECORD.unpack(self.held))
+        if fields[0] != _END_SIGNATURE or fields[-1] != 0:
+            raise RuntimeError("torch.save did not end its archive with a plain zip end record")
+        fields[-1] = _TRAILER_LENGTH
+        self._pass_on(_END_RECORD.pack(*fields))
+        self.file.write(_DIGEST_LABEL + self.digest.hexdigest().encode("ascii"))
 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
@@ -63,7 +114,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
             step = getattr(optimizer, "next_step", None)
             state["sampler"] = sampler.state_dict(step=step)
         with atomic_write(path) as f:
-            torch.save(state, f)
+            writer = _DigestingWriter(f)
+            torch.save(state, writer)
+            writer.finish()
     engine.barrier()
 
 
@@ -75,21 +128,31 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     plain containers are unpickled (``torch.load(weights_only=True)``), so a foreign file cannot
     run code; pass ``trusted=True`` for checkpoints whose ``extra`` holds other objects.
 
+    All or nothing: the file's digest is checked, then every part asked for is checked against
+    its object (the model's keys and shapes, the optimizer's parameter groups, the sampler's
+    state), and only then is anything changed. A load that raises leaves ``model``,
+    ``optimizer`` and ``sampler`` as they were.
+
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ConfigurationError: the file is not a dynamix_byteps checkpoint, lacks a part asked for,
-            or holds objects that need ``trusted=True``.
+        ConfigurationError: the file is empty, truncated, corrupted (its digest does not match),
+            not a dynamix_byteps checkpoint, written by a newer dynamix_byteps, lacks a part
+            asked for, holds a part that does not fit its object, or holds objects that need
+            ``trusted=True``; the message names the file and the problem.
     """
-    try:
-        state = torch.load(Path(path), map_location="cpu", weights_only=not trusted)
-    except pickle.UnpicklingError as error:
-        raise ConfigurationError(f"{path} cannot be read as a dynamix_byteps checkpoint ({error}); if you "
-                                 "wrote it yourself with objects in extra=, load it with trusted=True") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (format {FORMAT_VERSION})")
+    state = _read_checkpoint(path, trusted)
     for name, target in (("model", model), ("optimizer", optimizer), ("sampler", sampler)):
         if target is not None and name not in state:
             raise ConfigurationError(f"{path} holds no {name} state; it was saved without {name}=")
+    if model is not None:
+        _check_model_state(path, model, state["model"])
+    if optimizer is not None:
+        _check_optimizer_state(path, optimizer, state["optimizer"], state.get("dynamix"))
+    if sampler is not None:
+        try:
+            sampler.check_state_dict(state["sampler"])
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{path} holds a sampler state this sampler cannot continue: {error}") from None
     if model is not None:
         model.load_state_dict(state["model"])
     if optimizer is not None:
@@ -97,8 +160,120 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
             optimizer.load_dynamix_state_dict(state["dynamix"])
     if sampler is not None:
-        try:
-            sampler.load_state_dict(state["sampler"])
-        except (KeyError, TypeError) as error:
-            raise ConfigurationError(f"{path} holds no valid sampler state ({error!r})") from None
+        sampler.load_state_dict(state["sampler"])
     return state.get("extra", {})
+
+
+def _read_checkpoint(path, trusted: bool) -> dict:
+    """The checkpoint's state after its integrity check; ConfigurationError for anything else."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            raise ConfigurationError(f"{path} is empty (0 bytes), not a dynamix_byteps checkpoint; {_REDO}")
+        digested = _check_digest(path, file, size)
+        if not digested:
+            _check_zip_crcs(path, file)
+        file.seek(0)
+        state = _unpickle(path, file, trusted)
+    if not isinstance(state, dict) or not isinstance(state.get("format"), int) or isinstance(state["format"], bool):
+        raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (no format number in it)")
+    if state["format"] > FORMAT_VERSION:
+        raise ConfigurationError(f"{path} was written by a newer dynamix_byteps (format {state['format']}; this "
+                                 f"version reads up to {FORMAT_VERSION}); upgrade dynamix_byteps to load it")
+    if state["format"] >= 2 and not digested:
+        raise ConfigurationError(f"{path} lacks the digest that ends every format-{state['format']} checkpoint: "
+                                 f"it was truncated or changed; {_REDO}")
+    return state
+
+
+def _check_digest(path, file: IO[bytes], size: int) -> bool:
+    """True when the file ends with a digest that matches its content; False when it ends with
+    none (format 1, or not a checkpoint); ConfigurationError when the digest does not match."""
+    if size < _TRAILER_LENGTH + _END_RECORD.size:
+        return False
+    file.seek(size - _TRAILER_LENGTH)
+    trailer = file.read(_TRAILER_LENGTH)
+    if not trailer.startswith(_DIGEST_LABEL):
+        return False
+    file.seek(0)
+    digest, left = hashlib.sha256(), size - _TRAILER_LENGTH
+    while left > 0:
+        chunk = file.read(min(_CHUNK, left))
+        if not chunk:
+            break
+        digest.update(chunk)
+        left -= len(chunk)
+    if digest.hexdigest().encode("ascii") != trailer[len(_DIGEST_LABEL):]:
+        raise ConfigurationError(f"{path} is corrupted: its content does not match the SHA-256 digest stored at "
+                                 f"its end (a byte was changed or lost); {_REDO}")
+    return True
+
+
+def _check_zip_crcs(path, file: IO[bytes]) -> None:
+    """For a file without a digest: it must be a zip archive whose every member matches its CRC."""
+    file.seek(0)
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except Exception as error:  # zipfile raises many kinds (BadZipFile, EOFError, ValueError, ...)
+        raise ConfigurationError(f"{path} is truncated, corrupted or not a dynamix_byteps checkpoint (not a "
+                                 f"complete zip archive: {error}); {_REDO}") from error
+    if bad is not None:
+        raise ConfigurationError(f"{path} is corrupted: its member {bad!r} does not match its CRC; {_REDO}")
+
+
+def _unpickle(path, file: IO[bytes], trusted: bool):
+    try:
+        return torch.load(file, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as error:
+        raise ConfigurationError(f"{path} cannot be read as a dynamix_byteps checkpoint ({error}); if you "
+                                 "wrote it yourself with objects in extra=, load it with trusted=True") from None
+    except Exception as error:  # torch.load raises RuntimeError, EOFError, KeyError, ... on foreign files
+        raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint ({type(error).__name__}: "
+                                 f"{error})") from error
+
+
+def _check_model_state(path, model: torch.nn.Module, saved) -> None:
+    """ConfigurationError unless ``saved`` has exactly ``model``'s keys, with its tensor shapes."""
+    if not isinstance(saved, Mapping):
+        raise ConfigurationError(f"{path} holds a model state that is a {type(saved).__name__}, not a state_dict")
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise ConfigurationError(f"{path} holds a model state for another model: missing keys {missing[:5]}, "
+                                 f"unexpected keys {unexpected[:5]}; build the model as it was when saved")
+    for key, tensor in expected.items():
+        value = saved[key]
+        if isinstance(tensor, torch.Tensor) and (not isinstance(value, torch.Tensor) or value.shape != tensor.shape):
+            found = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ConfigurationError(f"{path} holds {key!r} of shape {found}, the model has {tuple(tensor.shape)}; "
+                                     "build the model as it was when saved")
+
+
+def _check_optimizer_state(path, optimizer, saved, dynamix) -> None:
+    """ConfigurationError unless ``saved`` is a state_dict for ``optimizer``'s parameter groups
+    (what ``Optimizer.load_state_dict`` would refuse half-way) and ``dynamix`` a valid extra state."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if (not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping)
+            or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)):
+        raise ConfigurationError(f"{path} holds an optimizer state that is not an optimizer state_dict")
+    saved_sizes = [len(g["params"]) for g in groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise ConfigurationError(f"{path} holds an optimizer state for parameter groups of sizes {saved_sizes}, "
+                                 f"this optimizer has {sizes}; build the optimizer as it was when saved")
+    if dynamix is not None and hasattr(optimizer, "load_dynamix_state_dict"):
+        _check_dynamix_state(path, dynamix)
+
+
+def _check_dynamix_state(path, state) -> None:
+    """The base batch, gradient statistics and step ``DistributedOptimizer`` restores."""
+    try:
+        base, step = state["base_batch_size"], state["next_step"]
+        GradientNoiseScale().load_state_dict(state["gradient_noise"])
+        for name, value, low in (("base_batch_size", base, 1), ("next_step", step, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name}={value!r} is not an integer >= {low}")
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigurationError(f"{path} holds an invalid DistributedOptimizer state ({type(error).__name__}: "
+                                 f"{error})") from None

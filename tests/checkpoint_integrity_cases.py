@@ -1,0 +1,174 @@
+"""Damaged, foreign and mismatched checkpoints, loaded in one real worker
+(tests/test_checkpoint_integrity.py): every load is refused and changes nothing."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from pathlib import Path
+
+import torch
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.torch import checkpoint
+
+DATASET_SIZE, BATCH = 50, 5
+
+
+def _job(dataset_size: int = DATASET_SIZE, features: int = 6):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(features, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model.named_parameters())
+    sampler = bps.DynamicBatchSampler(dataset_size, BATCH, seed=3)
+    return model, opt, sampler
+
+
+def _train(model, opt, sampler, steps: int, features: int = 6) -> None:
+    data = torch.randn(sampler.dataset_size, features, generator=torch.Generator().manual_seed(1))
+    for step, indices in enumerate(sampler):
+        opt.zero_grad()
+        model(data[indices]).square().mean().backward()
+        opt.step()
+        if step + 1 == steps:
+            break
+
+
+def _plain(value):
+    """JSON-comparable copy of a (nested) state: tensors as lists."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _snapshot(model, opt, sampler) -> dict:
+    return _plain({"model": model.state_dict(), "optimizer": opt.state_dict(), "dynamix": opt.dynamix_state_dict(),
+                   "sampler": sampler.state_dict()})
+
+
+def _member_data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Each zip member's (first byte of its data, length) in the file."""
+    offsets = {}
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as f:
+        for info in archive.infolist():
+            f.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", f.read(4))
+            offsets[info.filename] = (info.header_offset + 30 + name_length + extra_length, info.file_size)
+    return offsets
+
+
+def _damaged_copies(good: Path, directory: Path) -> dict[str, Path]:
+    """Copies of ``good`` with one bit flipped in each region (zip headers, tensor data, the
+    pickled sampler state, the digest) and truncated at several lengths."""
+    data = good.read_bytes()
+    members = _member_data_offsets(good)
+    pickle_start, pickle_length = next(v for k, v in members.items() if k.endswith("data.pkl"))
+    pickled = data[pickle_start:pickle_start + pickle_length]
+    sampler_at = pickle_start + pickled.index(b"dataset_size")
+    flips = {"header:first byte": 0, "header:local header size field": 20, "header:first member name": 35,
+             "header:central directory": data.rindex(b"PK\x01\x02") + 16, "header:end record": len(data) - 100,
+             "digest": len(data) - 1, "sampler:key": sampler_at + 3, "sampler:value": sampler_at + 20,
+             "pickle:start": pickle_start + 1}
+    for name, (start, length) in members.items():
+        if "/data/" in name and length:
+            flips[f"tensor data:{name.rsplit('/', 1)[-1]}"] = start + length // 2
+    copies = {}
+    for label, offset in flips.items():
+        damaged = bytearray(data)
+        damaged[offset] ^= 0x10
+        copies[f"flip {label} @{offset}"] = damaged
+    trailer = len(checkpoint._DIGEST_LABEL) + 64
+    for length in (0, 1, 21, 100, len(data) // 2, len(data) - trailer - 1, len(data) - trailer, len(data) - 1):
+        copies[f"truncated to {length} of {len(data)} bytes"] = data[:length]
+    paths = {}
+    for index, (label, content) in enumerate(copies.items()):
+        paths[label] = directory / f"damaged{index}.pt"
+        paths[label].write_bytes(bytes(content))
+    return paths
+
+
+def _foreign_and_mismatched(directory: Path, good: Path) -> dict[str, Path]:
+    paths = {"text file": directory / "notes.pt", "plain torch.save": directory / "plain.pt",
+             "pickle": directory / "pickle.pt", "newer format": directory / "newer.pt"}
+    paths["text file"].write_text("not a checkpoint\n")
+    torch.save({"weights": torch.ones(3)}, paths["plain torch.save"])
+    paths["pickle"].write_bytes(b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94.")
+    with open(paths["newer format"], "wb") as f:
+        writer = checkpoint._DigestingWriter(f)
+        torch.save({"format": checkpoint.FORMAT_VERSION + 97, "extra": {}}, writer)
+        writer.finish()
+    # Intact files whose sampler, model or optimizer part does not fit: only one part is wrong.
+    edits = {
+        "another model": lambda state: state["model"].update({"0.weight": torch.zeros(8, 7)}),
+        "sampler for another dataset": lambda state: state["sampler"].update(dataset_size=DATASET_SIZE + 10),
+        "sampler position out of range": lambda state: state["sampler"]["position"].update(offset=-4),
+        "sampler without assignments": lambda state: state["sampler"]["schedule"].update(assignments=[]),
+        "optimizer group of another size": lambda state: state["optimizer"]["param_groups"][0]["params"].pop(),
+        "invalid gradient statistics": lambda state: state["dynamix"]["gradient_noise"].update(smoothing=7.0),
+    }
+    for index, (label, edit) in enumerate(edits.items()):
+        state = torch.load(good, weights_only=True)
+        edit(state)
+        paths[label] = directory / f"mismatched{index}.pt"
+        _write_with_digest(paths[label], state)
+    return paths
+
+
+def _write_with_digest(path: Path, state: dict) -> None:
+    with open(path, "wb") as f:
+        writer = checkpoint._DigestingWriter(f)
+        torch.save(state, writer)
+        writer.finish()
+
+
+def refused_loads(directory: str) -> dict:
+    """Save a checkpoint after 2 steps, train on, then try every damaged, foreign or mismatched
+    file: returns per case the error raised and whether model, optimizer or sampler changed; and
+    whether the good file loads and brings the saved state back."""
+    directory = Path(directory)
+    model, opt, sampler = _job()
+    _train(model, opt, sampler, 2)
+    good = directory / "good.pt"
+    bps.save_checkpoint(good, model, opt, sampler)
+    saved = _snapshot(model, opt, sampler)
+    cases = {**_damaged_copies(good, directory), **_foreign_and_mismatched(directory, good)}
+    _train(model, opt, sampler, 1)
+    before = _snapshot(model, opt, sampler)
+    results = {}
+    for label, path in cases.items():
+        try:
+            bps.load_checkpoint(path, model, opt, sampler)
+            error = None
+        except Exception as exc:  # the test asserts it is a ConfigurationError
+            error = {"type": type(exc).__name__, "message": str(exc),
+                     "configuration_error": isinstance(exc, ConfigurationError)}
+        results[label] = {"path": str(path), "error": error, "unchanged": _snapshot(model, opt, sampler) == before}
+    bps.load_checkpoint(good, model, opt, sampler)
+    return {"cases": results, "good_restores": _snapshot(model, opt, sampler) == saved, "changed": before != saved}
+
+
+def legacy_format_1(directory: str) -> dict:
+    """A format-1 checkpoint (no digest, as older versions wrote) still loads; one flipped bit
+    in its tensor data is caught by the zip CRCs."""
+    directory = Path(directory)
+    model, opt, sampler = _job()
+    _train(model, opt, sampler, 2)
+    state = {"format": 1, "workers": 1, "extra": {"note": "old"}, "model": model.state_dict()}
+    legacy = directory / "legacy.pt"
+    torch.save(state, legacy)
+    start, length = next(v for k, v in _member_data_offsets(legacy).items() if "/data/" in k and v[1])
+    damaged = bytearray(legacy.read_bytes())
+    damaged[start + length // 2] ^= 0x01
+    (directory / "legacy_damaged.pt").write_bytes(bytes(damaged))
+    extra = bps.load_checkpoint(legacy, model)
+    try:
+        bps.load_checkpoint(directory / "legacy_damaged.pt", model)
+        error = None
+    except ConfigurationError as exc:
+        error = str(exc)
+    return {"extra": extra, "damaged_error": error}

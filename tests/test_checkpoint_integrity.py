@@ -1,0 +1,51 @@
+"""load_checkpoint refuses damaged, truncated, foreign, newer and mismatched files with a
+ConfigurationError that names the file, and changes nothing: the model, optimizer and sampler
+keep their state (compared as state_dicts before and after). One real worker."""
+
+import pytest
+from multiworker import run_workers
+
+
+def _ok(results):
+    (result,) = results
+    assert "ok" in result, f"raised {result.get('error')}: {result.get('traceback')}"
+    return result["ok"]
+
+
+@pytest.mark.timeout(120)
+def test_every_damaged_or_mismatched_checkpoint_is_refused_and_changes_nothing(tmp_path):
+    result = _ok(run_workers(1, "checkpoint_integrity_cases:refused_loads", str(tmp_path), timeout=110))
+    assert result["changed"], "the state must differ from the file's, or 'unchanged' proves nothing"
+    assert result["good_restores"], "the intact file must load and restore the saved state"
+    cases = result["cases"]
+    regions = {label.removeprefix("flip ").split(":")[0].split(" @")[0] for label in cases if label.startswith("flip")}
+    assert {"header", "tensor data", "sampler", "digest"} <= regions
+    assert sum(label.startswith("truncated") for label in cases) >= 6
+    problems = []
+    for label, case in cases.items():
+        error = case["error"]
+        if error is None:
+            problems.append(f"{label}: loaded without error")
+        elif not error["configuration_error"]:
+            problems.append(f"{label}: {error['type']}: {error['message']}")
+        elif case["path"] not in error["message"]:
+            problems.append(f"{label}: the message does not name the file: {error['message']}")
+        if not case["unchanged"]:
+            problems.append(f"{label}: model, optimizer or sampler changed")
+    assert not problems, "\n".join(problems)
+    assert "newer dynamix_byteps (format 99" in cases["newer format"]["error"]["message"]
+    assert "upgrade" in cases["newer format"]["error"]["message"]
+    assert "empty" in cases["truncated to 0 of " + label_length(cases)]["error"]["message"]
+    assert "corrupted" in next(c for k, c in cases.items() if k.startswith("flip tensor data"))["error"]["message"]
+
+
+def label_length(cases) -> str:
+    """The full length in the truncation labels ('truncated to N of LEN bytes')."""
+    return next(label for label in cases if label.startswith("truncated to 0 of ")).removeprefix("truncated to 0 of ")
+
+
+@pytest.mark.timeout(90)
+def test_a_format_1_checkpoint_loads_and_its_damage_is_caught_by_the_zip_crcs(tmp_path):
+    result = _ok(run_workers(1, "checkpoint_integrity_cases:legacy_format_1", str(tmp_path), timeout=80))
+    assert result["extra"] == {"note": "old"}
+    assert result["damaged_error"] and "does not match its CRC" in result["damaged_error"]
