@@ -184,3 +184,49 @@ def test_an_invalid_dynamix_batch_size_stops_a_worker_at_init_with_a_configurati
     proc = subprocess.run([sys.executable, "-c", script], env=clean_env(DYNAMIX_BATCH_SIZE="0"), capture_output=True,
                           text=True, timeout=100)
     assert "refused: environment variable DYNAMIX_BATCH_SIZE=0 must be >= 1" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- item 16: a dead peer's error names the user's operation ------------------------------------
+
+DEAD_PEER = """
+import os, time, torch
+import dynamix_byteps.torch as bps
+
+bps.init()
+if bps.rank() == 1:
+    os._exit(0)
+time.sleep(1)
+bps.push_pull(torch.ones(3), name="my_tensor")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_peer_error_does_not_name_an_internal_tensor(tmp_path):
+    proc = subprocess.run(LAUNCH + ["-n", "2", "--timeout", "30", "--", sys.executable, "-c", DEAD_PEER],
+                          env=clean_env(), capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 1, proc.stderr
+    error = next(line for line in proc.stderr.splitlines() if "CommunicationError:" in line)
+    assert "dynamix.exchange" not in error and "starts each push_pull" in error, error
+    assert "A peer worker probably exited" in error
+
+
+class _BrokenHandle:
+    def wait(self):
+        from dynamix_byteps.errors import CommunicationError
+
+        raise CommunicationError("the exchange between the workers failed: Connection closed by peer")
+
+
+def test_exchange_puts_the_callers_operation_first_in_its_error():
+    from dynamix_byteps.engine.base import Engine
+    from dynamix_byteps.env import WorkerEnv
+    from dynamix_byteps.errors import CommunicationError
+
+    class Broken(Engine):
+        name = "broken"
+        all_reduce_async = staticmethod(lambda tensor, name: _BrokenHandle())
+        broadcast = barrier = shutdown = staticmethod(lambda *args: None)
+
+    engine = Broken(WorkerEnv())
+    with pytest.raises(CommunicationError, match=r"^push_pull of gradients at step 7: the exchange .* closed by peer"):
+        engine.exchange([1, 2], what="push_pull of gradients at step 7")

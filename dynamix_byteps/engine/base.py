@@ -18,6 +18,19 @@ from typing import Sequence
 import numpy as np
 
 from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.errors import CommunicationError
+
+EXCHANGE_NAME = "dynamix.exchange"  # the all-reduce behind Engine.exchange
+
+
+def describe_collective(name: str) -> str:
+    """How an error message names the all-reduce ``name``: the user's tensor, or what an internal one does."""
+    if name == EXCHANGE_NAME:
+        return "the exchange between the workers that starts each push_pull, broadcast and optimizer step"
+    for prefix, operation in (("dynamix.broadcast.", "broadcast"), ("dynamix.barrier.", "barrier")):
+        if name.startswith(prefix):  # the BytePS engine's broadcast and barrier are all-reduces
+            return operation if operation == "barrier" else f"broadcast of {name[len(prefix):]!r}"
+    return f"push_pull of {name!r}"
 
 
 class Handle(abc.ABC):
@@ -95,18 +108,32 @@ class Engine(abc.ABC):
     def shutdown(self) -> None:
         """Release sockets and threads; the engine cannot be used afterwards."""
 
-    def exchange(self, values: Sequence[int]) -> np.ndarray:
+    def exchange(self, values: Sequence[int], what: str | None = None) -> np.ndarray:
         """Every worker contributes ``len(values)`` integers; all receive everyone's.
 
         Built on the sum all-reduce so that any engine supports it: each worker fills its
         own row of a zero matrix on :attr:`device`. ``values`` must have the same length on every worker.
 
+        Args:
+            values: this worker's integers.
+            what: the user's operation the exchange is part of, for error messages (e.g.
+                ``"push_pull of gradients at step 12"``); None names the exchange itself.
+
         Returns:
             ``np.ndarray`` of dtype int64 and shape ``(size, len(values))``; row r is rank r's.
+
+        Raises:
+            CommunicationError: a peer died, the connection broke, or the engine's timeout passed;
+                the message starts with ``what`` when given.
         """
         import torch
 
         table = torch.zeros((self.size, len(values)), dtype=torch.int64, device=self.device)
         table[self.rank] = torch.as_tensor(list(values), dtype=torch.int64)
-        self.all_reduce_async(table, "dynamix.exchange").wait()
+        try:
+            self.all_reduce_async(table, EXCHANGE_NAME).wait()
+        except CommunicationError as error:
+            if what is None:
+                raise
+            raise CommunicationError(f"{what}: {error}") from error
         return table.cpu().numpy()

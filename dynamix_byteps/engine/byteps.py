@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from dynamix_byteps import timing
-from dynamix_byteps.engine.base import Engine, Handle
+from dynamix_byteps.engine.base import Engine, Handle, describe_collective
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
 
@@ -56,7 +56,7 @@ class _BytePSHandle(Handle):
         try:
             self._bps.synchronize(self._handle)
         except RuntimeError as exc:
-            raise CommunicationError(f"BytePS push_pull of {self._name!r} failed: {exc}") from exc
+            raise CommunicationError(f"BytePS {describe_collective(self._name)} failed: {exc}") from exc
         self._finished = True
 
 

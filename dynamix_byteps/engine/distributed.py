@@ -22,7 +22,7 @@ import datetime
 import threading
 
 from dynamix_byteps import timing
-from dynamix_byteps.engine.base import Engine, Handle
+from dynamix_byteps.engine.base import Engine, Handle, describe_collective
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
 
@@ -180,14 +180,15 @@ class TorchDistributedEngine(Engine):
             self._timings.resolve()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+        what = describe_collective(name)
         try:
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
         except RuntimeError as exc:
-            raise _communication_error(exc, f"push_pull of {name!r}") from exc
+            raise _communication_error(exc, what) from exc
         if self._timings is not None:
-            return _DistributedHandle(work, f"push_pull of {name!r}", (self._timings, name, nbytes, start_ns, start))
+            return _DistributedHandle(work, what, (self._timings, name, nbytes, start_ns, start))
         work.get_future().add_done_callback(lambda _: timing.record(name, nbytes, start_ns, timing.now_ns()))
-        return _DistributedHandle(work, f"push_pull of {name!r}")
+        return _DistributedHandle(work, what)
 
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
         wire = tensor if tensor.device == self._device else tensor.to(self._device)
