@@ -87,7 +87,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
-    """At the end of every epoch, replace each metric in the logs by its mean over all workers.
+    """At the end of every epoch, replace each metric in the logs by its mean over all workers,
+    weighted by the samples each worker's value covers.
+
+    With per-worker batch sizes that differ, an unweighted mean of the workers' epoch values
+    is not the epoch's value: a worker that saw 4 samples would count as much as one that saw
+    48. Training metrics are weighted by the samples each worker trained on in the epoch,
+    ``val_`` metrics by those it validated on (both as counted by the model's loss tracker,
+    which Keras weights by batch size); when no worker's count is known (a ``train_step``
+    that does not update the loss tracker), every worker counts equally, as in BytePS.
 
     Put it before callbacks that read the logs (checkpointing, early stopping, TensorBoard).
 
@@ -98,15 +106,52 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def __init__(self, device: str = ""):
         super().__init__()
         del device
+        self._trained_samples: float | None = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._trained_samples = None
+
+    def on_test_begin(self, logs=None):
+        # fit's validation starts here, before evaluate resets the metrics: the tracker still
+        # counts this epoch's training samples.
+        if self._trained_samples is None:
+            self._trained_samples = _samples_counted(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
+        if self._trained_samples is None:
+            trained, validated = _samples_counted(self.model), 0.0
+        else:
+            trained, validated = self._trained_samples, _samples_counted(self.model)
         keys = sorted(logs)
-        values = tf.constant([float(logs[k]) for k in keys], dtype=tf.float64)
-        averaged = push_pull(values, average=True, name="MetricAverage." + ",".join(keys)).numpy()
-        for key, value in zip(keys, averaged):
-            logs[key] = float(value)
+        for key, value in zip(keys, _weighted_means(keys, [float(logs[k]) for k in keys], trained, validated)):
+            logs[key] = value
+
+
+def _samples_counted(model) -> float:
+    """Samples the model's loss tracker has counted since its last reset (0.0 when it has none)."""
+    count = getattr(getattr(model, "_loss_tracker", None), "count", None)
+    return 0.0 if count is None else float(keras.ops.convert_to_numpy(count))
+
+
+def _weighted_means(keys: list[str], values: list[float], trained: float, validated: float) -> list[float]:
+    """Each value's mean over the workers weighted by ``validated`` (``val_`` keys) or
+    ``trained`` (the others); the plain mean where the weights of every worker sum to 0.
+
+    A collective: every worker must pass the same ``keys``.
+    """
+    weights = [validated if key.startswith("val_") else trained for key in keys]
+    local = [w * v if w else 0.0 for w, v in zip(weights, values)] + values + [trained, validated]
+    summed = push_pull(tf.constant(local, dtype=tf.float64), average=False,
+                       name="MetricAverage." + ",".join(keys)).numpy().tolist()
+    count = len(keys)
+    weighted, plain, (trained_total, validated_total) = summed[:count], summed[count:2 * count], summed[2 * count:]
+    means = []
+    for key, weighted_sum, plain_sum in zip(keys, weighted, plain):
+        total = validated_total if key.startswith("val_") else trained_total
+        means.append(weighted_sum / total if total > 0 else plain_sum / _engine.current().size)
+    return means
 
 
 class BatchSizeCallback(keras.callbacks.Callback):
