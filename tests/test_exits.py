@@ -99,6 +99,25 @@ def test_the_launcher_removes_its_jobs_mailboxes_however_the_job_ends(tmp_path, 
             remove_job_mailboxes(job)
 
 
+@pytest.mark.timeout(120)
+def test_a_sigkilled_launchers_guardian_removes_the_jobs_mailboxes(tmp_path):
+    args = ["-n", "2", "--policy", "static", "--monitor", "proc", "--grace-period", "2", "--",
+            sys.executable, MAILBOX_WORKER, str(tmp_path), "sleep"]
+    job, proc = None, None
+    try:
+        proc = subprocess.Popen(LAUNCH + args, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert wait_for(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
+        job = (tmp_path / "0.job").read_text()
+        assert len(job_mailboxes(job)) == 2
+        proc.kill()
+        proc.wait(timeout=20)
+        assert wait_for(lambda: not job_mailboxes(job), 30), f"left in /dev/shm: {job_mailboxes(job)}"
+    finally:
+        kill_tree(proc)
+        if job is not None:
+            remove_job_mailboxes(job)
+
+
 SQUATTED_WORKER = """
 import torch
 import dynamix_byteps.torch as bps

@@ -6,11 +6,13 @@ stdlib-only script closes that gap. The launcher starts it in its own session wi
 on stdin and writes one line per event:
 
 * ``<pgid>``: a worker process group to guard;
+* ``mailboxes <job>``: the job's workers keep mailboxes ``/dev/shm/dynamix.<job>.<rank>``;
 * ``exit``: the launcher is finishing normally and has cleaned up; stop guarding.
 
 End of file without ``exit`` means the launcher died (it was SIGKILLed or crashed): the
 guardian sends SIGTERM to every recorded group, waits ``argv[1]`` seconds (default 5) for
-them to empty, sends SIGKILL to what is left, and exits. It is run by path, never imported,
+them to empty, sends SIGKILL to what is left, removes the recorded jobs' mailboxes that
+belong to its user (a killed worker cannot remove its own), and exits. It is run by path, never imported,
 so it starts without importing the package.
 """
 
@@ -54,23 +56,48 @@ def _signal_all(pgids, sig) -> None:
             pass
 
 
+def _valid_job(job: bytes) -> bool:
+    return bool(job) and all(chr(c).isalnum() or chr(c) in "_-" for c in job) and job.isascii()
+
+
+def _remove_mailboxes(jobs) -> None:
+    for job in jobs:
+        prefix = f"dynamix.{job}."
+        try:
+            names = [n for n in os.listdir("/dev/shm") if n.startswith(prefix) and n[len(prefix):].isdigit()]
+        except OSError:
+            return
+        for name in names:
+            try:
+                if os.lstat(f"/dev/shm/{name}").st_uid == os.geteuid():
+                    os.unlink(f"/dev/shm/{name}")
+            except OSError:
+                pass
+
+
 def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     grace_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
-    pgids = []
+    pgids, jobs = [], set()
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
             return 0
         if line.isdigit() and int(line) > 1:
             pgids.append(int(line))
+        elif line.startswith(b"mailboxes ") and _valid_job(line[len(b"mailboxes "):]):
+            jobs.add(line[len(b"mailboxes "):].decode())
     # The launcher is gone without saying goodbye: tear the job down.
     _signal_all(pgids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
         time.sleep(0.05)
     _signal_all(pgids, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
+        time.sleep(0.05)
+    _remove_mailboxes(jobs)
     return 0
 
 

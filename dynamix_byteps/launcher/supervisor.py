@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, ContextManager, Mapping, Sequence
 
+from dynamix_byteps.env import JOB_ID_ENV
 from dynamix_byteps.launcher._guardian import group_alive
 
 _PR_SET_PDEATHSIG = 1
@@ -283,6 +284,8 @@ class Supervisor:
             raise SpawnError(spec.argv[0], error) from error
         child = _Child(spec, proc, log)
         self._tell_guardian(str(child.pgid))
+        if spec.env.get(JOB_ID_ENV):
+            self._tell_guardian(f"mailboxes {spec.env[JOB_ID_ENV]}")
         return child
 
     # ---- the job ------------------------------------------------------------------------
