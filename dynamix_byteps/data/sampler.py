@@ -206,8 +206,8 @@ class DynamicBatchSampler:
         in_force = [a for a in saved if a.effective_step <= position.step]
         if not in_force or any(len(a.batch_sizes) != num_replicas or min(a.batch_sizes, default=0) < 1
                                for a in saved):
-            raise ConfigurationError(f"invalid sampler state: the assignments {[a.to_dict() for a in saved]} do not "
-                                     f"cover step {position.step} for {num_replicas} workers")
+            raise ConfigurationError(f"invalid sampler state: its {len(saved)} assignments are not all sizes >= 1 for "
+                                     f"{num_replicas!r} workers, or none is in force at step {position.step}")
         if num_replicas == self.num_replicas:
             return position, {"assignments": [a.to_dict() for a in saved]}
         current = in_force[-1]
