@@ -123,6 +123,18 @@ def test_one_registration_with_a_huge_step_does_not_stop_the_decisions():
     assert [s.step for s in policy.states] == [K, 2 * K]
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_rejoining_at_an_earlier_step_gets_a_decision_not_an_internal_error():
+    policy = ScriptedPolicy()
+    with running(policy) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        _complete_interval(stub, md, K)
+        stub.Register(info(2, step=0), metadata=md)  # restarted from step 0: the others already passed K
+        assert stub.ReportMetrics(report(2, K), metadata=md).batch_sizes  # was INTERNAL (KeyError)
+        _complete_interval(stub, md, 2 * K)
+    assert [s.step for s in policy.states] == [K, K, 2 * K]
+
+
 # ---- 8: no client can starve the others ------------------------------------------------------
 
 

@@ -298,6 +298,7 @@ class Cluster:
         self.world_size = self.num_workers
         self.workers: dict[int, WorkerRecord] = {}
         self.last_step: dict[int, int] = {}
+        self.last_report: dict[int, ReportRecord] = {}  # the report of last_step, to carry into an interval
         self.last_heard: dict[int, float] = {}  # rank -> clock() of its last registration or report
         self.intervals: dict[int, _Interval] = {}
         self.ready: set[int] = set()
@@ -372,6 +373,7 @@ class Cluster:
         self.workers[rank] = record
         self.last_heard[rank] = self.clock()
         self.last_step.pop(rank, None)  # a restarted worker may resume from an earlier step
+        self.last_report.pop(rank, None)
         self.intervals.pop(rank, None)
         self.ready.discard(rank)
         if self.initial_batch_sizes is None:
@@ -387,14 +389,30 @@ class Cluster:
                     policy=self.policy_name,
                     reason="initial allocation: the workers' own batch sizes",
                 )
-                self.ready = {r for r, s in self.last_step.items() if s >= self.next_step}
+                self._ready_from_last_reports()
             else:
                 self.current = self._partial_assignment()
         elif again:
             # Worker restarted (or the job rewound to a checkpoint): do not wait for steps it will not report.
             self.next_step = min(self.next_step, record.step + self.decision_interval)
-            self.ready = {r for r, s in self.last_step.items() if s >= self.next_step}
+            self._ready_from_last_reports()
         return self.current
+
+    def _ready_from_last_reports(self) -> None:
+        """Mark ready every rank whose last report already reaches ``next_step``, that report
+        opening its interval when it has none (a ready rank always has an interval to decide on)."""
+        self.ready = set()
+        for rank, last in self.last_report.items():
+            if last.step >= self.next_step:
+                self.ready.add(rank)
+                if rank not in self.intervals:
+                    self.intervals[rank] = _Interval()
+                    self.intervals[rank].add(last)
+
+    def _decision_due(self) -> tuple[AssignmentRecord, Snapshot | None]:
+        if self.world_size is None or self.next_step is None or len(self.ready) < self.world_size:
+            return self.current, None
+        return self.current, self._take_snapshot()
 
     def node_report_locked(self, report) -> None:
         """Store a node agent's metrics for registered ranks (all entries checked before any is kept)."""
@@ -424,13 +442,12 @@ class Cluster:
             self.intervals.pop(rank, None)
             self.ready.discard(rank)
         self.last_step[rank] = record.step
+        self.last_report[rank] = record
         self.intervals.setdefault(rank, _Interval()).add(record)
         if self.next_step is None or record.step < self.next_step:
             return self.current, None
         self.ready.add(rank)
-        if len(self.ready) < self.world_size:
-            return self.current, None
-        return self.current, self._take_snapshot()
+        return self._decision_due()
 
     def _take_snapshot(self) -> Snapshot:
         n = self.world_size
@@ -459,8 +476,8 @@ class Cluster:
             throughput=tuple(self.throughput.get(r, iv.samples_per_s / iv.count) for r, iv in enumerate(intervals)),
         )
         self.intervals = {}
-        self.ready = set()
         self.next_step = step + self.decision_interval
+        self._ready_from_last_reports()  # a rank already past the next boundary has reported for it
         return snap
 
     def publish_locked(self, snap: Snapshot, batch_sizes: tuple[int, ...], reason: str, lr_scale: float) -> AssignmentRecord:
