@@ -8,6 +8,7 @@ a rank taken over by another client, an unauthenticated ``/metrics``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import urllib.error
@@ -219,6 +220,30 @@ def test_metrics_need_the_schedulers_token():
         request = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert b"dynamix_assignment_version" in resp.read()
+
+
+class SlowPolicy(ScriptedPolicy):
+    def decide(self, state):
+        time.sleep(1.5)
+        return super().decide(state)
+
+
+@pytest.mark.timeout(60)
+def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="dynamix_byteps.scheduler"), \
+            running(SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        for r in (1, 2, 3):
+            stub.ReportMetrics(report(r, K), metadata=md)
+        deciding = stub.ReportMetrics.future(report(0, K), metadata=md, timeout=30)  # holds the only thread 1.5 s
+        time.sleep(0.2)
+        dropped = [stub.Register.future(info(1), metadata=md, timeout=0.3) for _ in range(5)]
+        codes = {f.exception().code() for f in dropped}
+        assert deciding.result().batch_sizes
+        _wait_for(lambda: server.queue_watch.slow_calls == 5)
+    assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    [said] = [r.getMessage() for r in caplog.records if "handler threads" in r.getMessage()]
+    assert said.startswith("1 call(s) waited up to 1.") and "overloaded" in said  # the next 4 within 10 s: counted only
 
 
 # ---- 16: the decision log says when the workers switch ------------------------------------------

@@ -80,6 +80,11 @@ MAX_REASON_LEN = 1000
 # same boundary arrive within milliseconds): the new sizes then apply one interval sooner.
 # Bounded well below the client's RPC timeout; the client thread waits, training does not.
 ANSWER_WAIT_S = 0.5
+# A call that waits longer than this for a handler thread is at risk: the workers' deadline is
+# 2 s, and gRPC drops a call whose deadline passed in the queue without running its handler and
+# without a trace on the server (the client sees DEADLINE_EXCEEDED).
+QUEUE_WARN_S = 0.5
+QUEUE_WARN_EVERY_S = 10.0  # at most one warning about slow queues per this many seconds
 
 
 class SchedulerStartError(DynamixError, OSError):
@@ -272,6 +277,51 @@ class SchedulerMetrics:
             self.http = None
 
 
+class _QueueWatch:
+    """Counts calls that waited more than :data:`QUEUE_WARN_S` for a handler thread and says so
+    in the log (at most every :data:`QUEUE_WARN_EVERY_S`): gRPC itself drops the ones whose
+    deadline passed in the queue without a trace on the server."""
+
+    def __init__(self, threads: int, clock=time.monotonic):
+        self.threads, self._clock = threads, clock
+        self._lock = threading.Lock()
+        self.slow_calls = 0  # since the scheduler started
+        self._unsaid, self._longest_s, self._said_at = 0, 0.0, -math.inf
+
+    def waited(self, seconds: float) -> None:
+        if seconds <= QUEUE_WARN_S:
+            return
+        with self._lock:
+            self.slow_calls += 1
+            self._unsaid += 1
+            self._longest_s = max(self._longest_s, seconds)
+            now = self._clock()
+            if now - self._said_at < QUEUE_WARN_EVERY_S:
+                return
+            count, longest, self._unsaid, self._longest_s, self._said_at = self._unsaid, self._longest_s, 0, 0.0, now
+        log.warning("%d call(s) waited up to %.2f s for one of the scheduler's %d handler threads; a client whose "
+                    "deadline passes in the queue gets DEADLINE_EXCEEDED and its call is dropped unanswered: "
+                    "the scheduler is overloaded (more handler threads: max_threads)",
+                    count, longest, self.threads)
+
+
+class _WatchedExecutor(futures.ThreadPoolExecutor):
+    """A thread pool that tells a :class:`_QueueWatch` how long each job waited for a thread."""
+
+    def __init__(self, watch: _QueueWatch):
+        super().__init__(max_workers=watch.threads, thread_name_prefix="dynamix-scheduler")
+        self._watch = watch
+
+    def submit(self, fn, /, *args, **kwargs):
+        queued = time.monotonic()
+
+        def timed():
+            self._watch.waited(time.monotonic() - queued)
+            return fn(*args, **kwargs)
+
+        return super().submit(timed)
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args):  # a scrape every few seconds would flood stderr
         pass
@@ -300,7 +350,8 @@ class SchedulerServer:
         run_dir: directory of ``decisions.jsonl`` and ``tensorboard/scheduler``; None = neither.
         metrics_port: Prometheus port, 0 = pick, None = off; with ``token``, a scrape must send
             ``Authorization: Bearer <token>``.
-        max_threads: handler threads; handlers never wait on clients, so a few suffice.
+        max_threads: handler threads; one may wait up to ``ANSWER_WAIT_S`` for a decision. Calls that
+            queue longer than ``QUEUE_WARN_S`` for a thread are counted and logged as a warning.
 
     Raises:
         ConfigurationError: bad arguments (non-loopback bind without a token, K < 1, one of
@@ -337,7 +388,7 @@ class SchedulerServer:
         self._turn = threading.Condition()  # decisions one at a time, in the order they became due
         self._tickets = self._serving = 0
         self._rank0_waiting = False  # a rank-0 report is held for the decision (one at a time)
-        self._max_threads = max_threads
+        self.queue_watch = _QueueWatch(max_threads)
         self._server: grpc.Server | None = None
         self._cached: tuple[AssignmentRecord | None, bytes] = (None, b"")
         self.port: int | None = None
@@ -347,7 +398,7 @@ class SchedulerServer:
 
     def start(self) -> int:
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=self._max_threads, thread_name_prefix="dynamix-scheduler"),
+            _WatchedExecutor(self.queue_watch),
             handlers=[self._generic_handler()],
             interceptors=self._interceptors,
             options=SERVER_OPTIONS,
