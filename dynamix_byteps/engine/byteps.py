@@ -1,7 +1,7 @@
 """Optional engine on real BytePS (``byteps.torch``), for GPU clusters.
 
 Selected only with ``bpslaunch --engine byteps`` or ``DYNAMIX_ENGINE=byteps``; imported lazily,
-so nothing else needs BytePS installed. Two workarounds from research/byteps.md are built in:
+so nothing else needs BytePS installed. Two workarounds for BytePS 0.2.5 defects are built in:
 
 * only **in-place** push_pull is used (out-of-place returns an uninitialised tensor on CPU);
 * completion is awaited by **polling** before ``synchronize`` (``synchronize`` alone can

@@ -3,7 +3,7 @@
 Imports torch and Ray RLlib (``pip install 'dynamix-byteps[rl]'``); it runs in its own process
 (``dynamix policy finetune``, or ``bpslaunch --policy ppo --fine-tune``), never in the scheduler.
 No Ray instance is started: RLlib's learner is built and updated in this process
-(research/rllib.md §3b, "Learner.update(episodes=...)").
+(RLlib's ``Learner.update(episodes=...)``).
 
 **Data.** Every ``ppo`` decision in ``<run_dir>/decisions.jsonl`` carries, in ``terms``
 (:meth:`~dynamix_byteps.policy.ppo.serve.PPOPolicy.decide`), the observation ``obs`` (N, F), the

@@ -7,14 +7,14 @@ Imports torch and Ray RLlib: training and export only, never the scheduler. Impo
 ``(B, N, F)`` to per-worker logits ``(B, N, A)``: each worker's row is embedded by the same MLP,
 the embeddings are pooled over workers (mean and max, so the context does not depend on N), and
 a head reads ``[own embedding, mean, max]``. No parameter depends on N, so a policy trained with
-4 workers runs unchanged with 32 (research/rllib.md §6, the DYNAMIX paper's parameter sharing).
+4 workers runs unchanged with 32 (the DYNAMIX paper's parameter sharing).
 
 :class:`PerWorkerPPOModule` wraps it for RLlib PPO: RLlib's flat observation ``(B, N·F)`` is
 reshaped to ``(B, N, F)``, the logits are flattened to ``(B, N·A)`` for a
 ``TorchMultiCategorical`` over N categoricals, and a separate value network (own embedding,
 pooled) gives the state value. ``set_state`` loads strictly: a checkpoint whose keys or shapes
 differ raises instead of silently keeping random weights (RLlib's own ``set_state`` uses
-``strict=False``; research/rllib.md §5).
+``strict=False``).
 """
 
 from __future__ import annotations
