@@ -144,3 +144,22 @@ def test_multi_host_policy_without_a_token_is_refused():
                            "--", "true"], capture_output=True, text=True,
                           env={k: v for k, v in os.environ.items() if k != "DYNAMIX_TOKEN"}, timeout=60)
     assert proc.returncode == 2 and "DYNAMIX_TOKEN" in proc.stderr
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, extra", [("sampler", ["--min-batch", 16]), ("declared", [])])
+def test_normal_training_never_gets_a_report_refused(tmp_path, mode, extra):
+    """Epochs ending in a partial step under --min-batch (the step's mean batch fell below the bound)
+    and the minimal port without a DynamicBatchSampler (it registered batch_size=0): every report
+    is accepted and every interval decided."""
+    job = bpslaunch("-n", 2, "--policy", "proportional", "--decision-interval", 4, *extra, "--log-dir", tmp_path,
+                    "--", sys.executable, REPO / "tests/scripts/partial_epoch_worker.py", mode)
+    try:
+        output, _ = job.communicate(timeout=180)
+    finally:
+        reap(job)
+    assert job.returncode == 0, output
+    assert "refused" not in output and "INVALID_ARGUMENT" not in output, output
+    decisions = (tmp_path / "decisions.jsonl").read_text().splitlines()
+    assert len(decisions) >= 20  # 3 epochs of 32 steps, one decision every 4
+    assert ("NOT applied" in output) == (mode == "declared")
