@@ -249,3 +249,45 @@ def test_exchange_puts_the_callers_operation_first_in_its_error():
     engine = Broken(WorkerEnv())
     with pytest.raises(CommunicationError, match=r"^push_pull of gradients at step 7: the exchange .* closed by peer"):
         engine.exchange([1, 2], what="push_pull of gradients at step 7")
+
+
+IN_FLIGHT_AT_EXIT = """
+import torch
+import dynamix_byteps as bps
+import dynamix_byteps.engine as engine
+
+bps.init()
+handles = [engine.current().all_reduce_async(torch.ones(1 << 20), f"left{i}") for i in range(16)]
+print("leaving with collectives in flight", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_leaving_with_collectives_in_flight_and_no_shutdown_exits_cleanly():
+    # Before the engine shut down at exit, a gloo thread finishing one of these needed the GIL of a
+    # finalising interpreter: "terminate called without an active exception", exit 134 (2 runs of 3).
+    proc = subprocess.run(LAUNCH + ["-n", "3", "--grace-period", "5", "--", sys.executable, "-X", "faulthandler", "-c",
+                                    IN_FLIGHT_AT_EXIT], env=clean_env(), capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("leaving with collectives in flight") == 3
+    assert "terminate called" not in proc.stdout + proc.stderr
+
+
+def test_a_gloo_collective_is_timed_when_the_worker_sees_it_complete():
+    import torch
+
+    from dynamix_byteps import timing
+    from dynamix_byteps.engine.distributed import TorchDistributedEngine
+    from dynamix_byteps.env import WorkerEnv
+
+    engine = TorchDistributedEngine(WorkerEnv(), "gloo")
+    try:
+        timing.ring().drain()
+        handle = engine.all_reduce_async(torch.ones(8), "timed.tensor")
+        handle.wait()
+        assert handle.done()
+        records = timing.ring().drain()  # one array per field
+        assert [timing.names()[int(i)] for i in records["name_id"]] == ["timed.tensor"]  # once, not per call
+        assert int(records["nbytes"][0]) == 32 and records["end_ns"][0] >= records["start_ns"][0]
+    finally:
+        engine.shutdown()

@@ -8,7 +8,10 @@ worker needs no network at all. Under torchrun the launcher's agent already serv
 then makes every rank, rank 0 included, a client of that store, so the same code serves both.
 
 Every collective's start, end and bytes go to the timing ring (``dynamix_byteps.timing``). With
-gloo the end is the host time of gloo's completion callback. With nccl the host returns long
+gloo the end is the host time at which this worker first saw the collective complete
+(:meth:`Handle.done` true or :meth:`Handle.wait` returned): no Python code runs on gloo's threads,
+because a gloo thread that needs the GIL while the interpreter exits aborts the process
+("terminate called without an active exception"). With nccl the host returns long
 before the GPU has reduced anything, so the duration comes from CUDA events: one recorded on the
 current stream before the collective is issued, one after :meth:`Handle.wait` has made that
 stream wait for it; the event is recorded in the ring, as ``start_ns + elapsed``, once the GPU has
@@ -69,19 +72,30 @@ class _CudaTimings:
 
 
 class _DistributedHandle(Handle):
-    def __init__(self, work, what: str, timed=None):
+    def __init__(self, work, what: str, timed=None, host_timed=None):
         self._work = work
         self._what = what
         self._timed = timed  # nccl: (timings, name, nbytes, start_ns, start event), completed by wait()
+        self._host_timed = host_timed  # gloo: (name, nbytes, start_ns), recorded once completion is seen
 
     def done(self) -> bool:
-        return self._work.is_completed()
+        finished = self._work.is_completed()
+        if finished:
+            self._record_host_time()
+        return finished
+
+    def _record_host_time(self) -> None:
+        if self._host_timed is not None:
+            name, nbytes, start_ns = self._host_timed
+            self._host_timed = None
+            timing.record(name, nbytes, start_ns, timing.now_ns())
 
     def wait(self) -> None:
         try:
             self._work.wait()
         except RuntimeError as exc:
             raise _communication_error(exc, self._what) from exc
+        self._record_host_time()
         if self._timed is not None:
             timings, name, nbytes, start_ns, start = self._timed
             self._timed = None
@@ -187,8 +201,7 @@ class TorchDistributedEngine(Engine):
             raise _communication_error(exc, what) from exc
         if self._timings is not None:
             return _DistributedHandle(work, what, (self._timings, name, nbytes, start_ns, start))
-        work.get_future().add_done_callback(lambda _: timing.record(name, nbytes, start_ns, timing.now_ns()))
-        return _DistributedHandle(work, what)
+        return _DistributedHandle(work, what, host_timed=(name, nbytes, start_ns))
 
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
         wire = tensor if tensor.device == self._device else tensor.to(self._device)
