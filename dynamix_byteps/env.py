@@ -36,7 +36,7 @@ from typing import Mapping
 
 from dynamix_byteps.errors import ConfigurationError
 
-ENGINES = ("gloo", "nccl", "byteps", "auto")
+ENGINES = ("gloo", "nccl", "byteps", "ps", "auto")
 DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0

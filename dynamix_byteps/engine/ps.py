@@ -1,0 +1,188 @@
+"""The ``ps`` engine: BytePS's parameter-server topology on ``torch.distributed.rpc`` (TensorPipe).
+
+A sum all-reduce cuts the tensor into partitions (:mod:`~dynamix_byteps.engine.ps_keys`); each
+partition is **pushed** to the summation server that owns its key as soon as the collective is
+issued, and **pulled** back once that server has the round's sum
+(:mod:`~dynamix_byteps.engine.ps_server`). Each worker moves only its own bytes over its own
+connections, so a worker behind a slow link delays the round's end by its own transfer, not every
+hop of a ring. Broadcast, exchange and barrier are sums too.
+
+Push and pull of every partition go to the timing ring separately, under the names
+``push:<tensor>:<partition>`` and ``pull:<tensor>:<partition>``: the push from its issue to the
+server's acknowledgement, the pull from then until the sum arrived (waiting for the other
+workers included). The ring has no field for the kind of a span, hence the names.
+
+The engine also creates torch.distributed's default gloo process group over the workers only (as
+the gloo engine does), so that code written for it (``DistributedSampler``, ``dist.get_world_size()``)
+keeps working; the servers live in a separate RPC group (:mod:`~dynamix_byteps.engine.ps_rendezvous`).
+A server that dies or an RPC that exceeds ``DYNAMIX_TIMEOUT`` makes :meth:`Handle.wait` raise
+:class:`~dynamix_byteps.errors.CommunicationError`.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch.distributed import rpc
+
+from dynamix_byteps import timing
+from dynamix_byteps.engine import ps_server
+from dynamix_byteps.engine.base import Engine, Handle, describe_collective
+from dynamix_byteps.engine.ps_keys import KeyPlan, Partition, partition_bytes_from_env
+from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, server_name, worker_name
+from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.errors import CommunicationError
+
+# The integer dtype of each element size: broadcast sums the bits, so that root + zeros is exact
+# for every dtype (a float sum would turn -0.0 into 0.0).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Transfer:
+    """The push and pull of one partition; records both spans once both have finished."""
+
+    __slots__ = ("part", "flat", "start_ns", "pushed_ns", "pulled_ns", "lock")
+
+    def __init__(self, part: Partition, flat: torch.Tensor, start_ns: int):
+        self.part, self.flat, self.start_ns = part, flat, start_ns
+        self.pushed_ns = self.pulled_ns = None
+        self.lock = threading.Lock()
+
+    def on_push(self, future) -> None:
+        future.value()  # raises the push's error into the chained future
+        self._finish(pushed_ns=timing.now_ns())
+
+    def on_pull(self, future) -> None:
+        self.flat[self.part.start:self.part.stop].copy_(future.value())
+        self._finish(pulled_ns=timing.now_ns())
+
+    def _finish(self, pushed_ns=None, pulled_ns=None) -> None:
+        with self.lock:
+            self.pushed_ns = pushed_ns or self.pushed_ns
+            self.pulled_ns = pulled_ns or self.pulled_ns
+            if self.pushed_ns is None or self.pulled_ns is None:
+                return
+        # The last pusher's sum can overtake its own acknowledgement: its push ended with the sum.
+        pushed = min(self.pushed_ns, self.pulled_ns)
+        timing.record(self.part.push_label, self.part.nbytes, self.start_ns, pushed)
+        timing.record(self.part.pull_label, self.part.nbytes, pushed, self.pulled_ns)
+
+
+class _PSHandle(Handle):
+    def __init__(self, futures: list, what: str, engine: "ParameterServerEngine"):
+        self._futures = futures  # chained push and pull futures; a pull's copies the sum into place
+        self._what = what
+        self._engine = engine
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        for future in self._futures:
+            try:
+                future.wait()
+            except Exception as exc:  # RPC errors arrive as RuntimeError or the server's exception type
+                self._engine.broken = True
+                raise CommunicationError(
+                    f"{self._what} failed: {exc}. A summation server or a peer worker probably exited or hung "
+                    "(or the round took longer than DYNAMIX_TIMEOUT); check the servers' and workers' output."
+                ) from exc
+
+
+class ParameterServerEngine(Engine):
+    """Workers of a ``ps`` job: sums through K summation servers over ``torch.distributed.rpc``.
+
+    Attributes:
+        name: ``ps``.
+        group: the RPC group (servers, workers, rendezvous, timeout).
+        plan: the partitions and key owners declared so far.
+        broken: a collective failed; :meth:`shutdown` then leaves without waiting for the others.
+    """
+
+    name = "ps"
+
+    def __init__(self, env: WorkerEnv, group: PSRendezvous | None = None, partition_bytes: int | None = None):
+        super().__init__(env)
+        from dynamix_byteps.engine.distributed import TorchDistributedEngine
+
+        self.group = group or PSRendezvous.from_environ(env.size, env.root_addr, env.root_port, env.timeout_s)
+        self.plan = KeyPlan(self.group.num_servers,
+                            partition_bytes if partition_bytes is not None else partition_bytes_from_env())
+        self.broken = False
+        self._rounds: list[int] = []  # pushes issued per key
+        self._default_group = TorchDistributedEngine(env, "gloo")
+        try:
+            with warnings.catch_warnings():  # TensorPipe's setup calls a deprecated c10d path internally
+                warnings.simplefilter("ignore", UserWarning)
+                rpc.init_rpc(worker_name(env.rank), rank=self.group.worker_rpc_rank(env.rank),
+                             world_size=self.group.world_size, rpc_backend_options=self.group.rpc_options())
+        except RuntimeError as exc:
+            self._default_group.shutdown()
+            raise CommunicationError(
+                f"ps rendezvous at {self.group.addr}:{self.group.port} as worker {env.rank} of {env.size} with "
+                f"{self.group.num_servers} servers failed: {exc}. Check that the servers were started "
+                "(bpslaunch --engine ps --num-servers K) with the same DMLC_PS_ROOT_URI/DYNAMIX_PS_PORT."
+            ) from exc
+
+    def all_reduce_async(self, tensor, name: str) -> Handle:
+        """Push every partition of ``tensor`` (contiguous, CPU) now; the handle's ``wait`` returns once
+        every partition's sum is in ``tensor``.
+
+        Raises:
+            ValueError: ``tensor`` is not a contiguous CPU tensor.
+            CommunicationError: an RPC could not be issued (the group is gone).
+        """
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"the ps engine sums contiguous CPU tensors; {name!r} is "
+                             f"{'non-contiguous' if tensor.device.type == 'cpu' else 'on ' + str(tensor.device)}")
+        what = describe_collective(name)
+        flat = tensor.view(-1)
+        parts = self.plan.partitions(name, flat.numel(), flat.element_size(), str(flat.dtype))
+        whole = len(parts) == 1 and flat.untyped_storage().nbytes() == parts[0].nbytes
+        futures = []
+        try:
+            for part in parts:
+                while len(self._rounds) <= part.key:
+                    self._rounds.append(0)
+                round_ = self._rounds[part.key]
+                self._rounds[part.key] += 1
+                # RPC would send a view's whole storage: send the partition's own copy.
+                payload = flat if whole else flat[part.start:part.stop].clone()
+                transfer = _Transfer(part, flat, timing.now_ns())
+                server = server_name(part.server)
+                timeout = self.group.timeout_s
+                pushed = rpc.rpc_async(server, ps_server.push, args=(part.key, round_, payload), timeout=timeout)
+                pulled = rpc.rpc_async(server, ps_server.pull, args=(part.key, round_), timeout=timeout)
+                futures.append(pushed.then(transfer.on_push))
+                futures.append(pulled.then(transfer.on_pull))
+        except RuntimeError as exc:
+            self.broken = True
+            raise CommunicationError(f"{what} failed: {exc}") from exc
+        return _PSHandle(futures, what, self)
+
+    def broadcast(self, tensor, root_rank: int, name: str) -> None:
+        wire = tensor.detach().to("cpu", copy=True).contiguous()
+        bits = wire.view(-1).view(_BITS[wire.element_size()]) if wire.numel() else wire.view(-1)
+        if self.rank != root_rank:
+            bits.zero_()
+        self.all_reduce_async(bits, f"dynamix.broadcast.{name}").wait()
+        with torch.no_grad():
+            tensor.copy_(wire)
+
+    def barrier(self) -> None:
+        self.all_reduce_async(torch.zeros(1, dtype=torch.int64), "dynamix.barrier.").wait()
+
+    def shutdown(self) -> None:
+        """Leave the RPC group (waiting up to the timeout for the others unless a collective failed)
+        and destroy the workers' process group."""
+        try:
+            rpc.shutdown(graceful=not self.broken, timeout=self.group.timeout_s)
+        except RuntimeError:
+            try:
+                rpc.shutdown(graceful=False)
+            except RuntimeError:
+                pass
+        finally:
+            self._default_group.shutdown()

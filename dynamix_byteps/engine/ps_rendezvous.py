@@ -1,0 +1,100 @@
+"""Where the ``ps`` engine's workers and servers meet: a ``torch.distributed.rpc`` (TensorPipe) group
+of its own, apart from torch.distributed's default process group (which stays the workers' only).
+
+The RPC group has ``num_servers + num_workers`` members: servers ``server0 .. server{K-1}`` are
+RPC ranks ``0 .. K-1``, worker rank ``r`` is ``worker{r}`` at RPC rank ``K + r``. Server 0 hosts
+the rendezvous store at ``DMLC_PS_ROOT_URI:DYNAMIX_PS_PORT`` (the PS host, beside the scheduler).
+
+Variables (BytePS's names where BytePS has one):
+
+* ``DMLC_NUM_SERVER``: number of summation servers K (required);
+* ``DYNAMIX_PS_PORT``: TCP port of the RPC rendezvous; default ``DMLC_PS_ROOT_PORT + 1``;
+* ``DMLC_PS_ROOT_URI``: its host (as for the workers' process group);
+* ``DYNAMIX_SERVER_ID``: a server's index 0..K-1 (servers only);
+* ``DYNAMIX_TIMEOUT``: seconds an RPC may take, as every collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from dynamix_byteps.env import DEFAULT_TIMEOUT_S
+from dynamix_byteps.errors import ConfigurationError
+
+MAX_SERVERS = 1024
+
+
+def server_name(index: int) -> str:
+    return f"server{index}"
+
+
+def worker_name(rank: int) -> str:
+    return f"worker{rank}"
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int | None:
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
+    if not minimum <= value <= maximum:
+        raise ConfigurationError(f"environment variable {name}={value} must be in {minimum}..{maximum}")
+    return value
+
+
+@dataclass(frozen=True)
+class PSRendezvous:
+    """The RPC group of one ``ps`` job.
+
+    Attributes:
+        num_servers: summation servers K.
+        num_workers: worker processes W.
+        addr, port: the rendezvous store (hosted by server 0).
+        timeout_s: seconds an RPC (a push, a pull, the rendezvous) may take.
+    """
+
+    num_servers: int
+    num_workers: int
+    addr: str
+    port: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def world_size(self) -> int:
+        return self.num_servers + self.num_workers
+
+    def worker_rpc_rank(self, rank: int) -> int:
+        return self.num_servers + rank
+
+    @classmethod
+    def from_environ(cls, num_workers: int, root_addr: str, root_port: int | None, timeout_s: float,
+                     env: Mapping[str, str] | None = None) -> "PSRendezvous":
+        """The group as ``DMLC_NUM_SERVER`` and ``DYNAMIX_PS_PORT`` give it, for a job of ``num_workers``.
+
+        Raises:
+            ConfigurationError: ``DMLC_NUM_SERVER`` unset or invalid, or no port for the rendezvous.
+        """
+        env = os.environ if env is None else env
+        servers = _int(env, "DMLC_NUM_SERVER", 1, MAX_SERVERS)
+        if servers is None:
+            raise ConfigurationError("the ps engine needs DMLC_NUM_SERVER (the number of summation servers); "
+                                     "start the job with bpslaunch --engine ps --num-servers K, or set it as BytePS does")
+        port = _int(env, "DYNAMIX_PS_PORT", 1, 65535)
+        if port is None and root_port is not None:
+            port = root_port + 1 if root_port < 65535 else None
+        if port is None:
+            raise ConfigurationError("the ps engine needs DYNAMIX_PS_PORT (or DMLC_PS_ROOT_PORT, to use the port "
+                                     "after it) for the rendezvous of its servers and workers")
+        return cls(servers, num_workers, root_addr, port, timeout_s)
+
+    def rpc_options(self):
+        """TensorPipe options: this group's store and the RPC timeout."""
+        from torch.distributed import rpc
+
+        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{self.addr}:{self.port}",
+                                               rpc_timeout=self.timeout_s)

@@ -1,0 +1,209 @@
+"""A summation server of the ``ps`` engine: sums each round's pushes per key and answers the pulls.
+
+Every worker pushes partition ``key`` once per round (``round`` counts that key's pushes on the
+worker, from 0) and pulls it once; the server adds the pushes of ``(key, round)`` in the payload's
+dtype and answers every pull of that round once the last of the ``num_workers`` pushes has been
+added. Rounds are told apart by their number, so back-to-back rounds of one key never mix (BytePS
+0.2.5's CPU server returned partial sums exactly there). A round is forgotten once every worker
+has pulled it.
+
+Run one per server (``bpslaunch --engine ps --num-servers K`` starts them)::
+
+    python -m dynamix_byteps.engine.ps_server --server-id 0 --num-servers 2 --num-workers 4 \\
+        --addr 127.0.0.1 --port 29501
+
+Each option defaults to its variable (``DYNAMIX_SERVER_ID``, ``DMLC_NUM_SERVER``, ``DYNAMIX_SIZE``
+or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``). The
+server returns once every worker has shut its engine down, and exits by itself when its parent
+process (the launcher) is gone, so it never outlives the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import torch
+from torch.distributed import rpc
+
+from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, server_name
+from dynamix_byteps.env import DEFAULT_TIMEOUT_S
+
+PARENT_POLL_S = 1.0
+
+
+class _Round:
+    """The pushes and pulls of one key in one round."""
+
+    __slots__ = ("lock", "total", "pushes", "pulls", "waiting", "complete", "error")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.total = None  # the running sum, the first push's tensor (received for us, so ours to add into)
+        self.pushes = 0
+        self.pulls = 0
+        self.waiting: list = []  # futures of pulls that came before the last push
+        self.complete = False
+        self.error: str | None = None
+
+
+class SummationServer:
+    """Per-key, per-round sums of ``num_workers`` pushes (thread-safe: RPC handlers run concurrently)."""
+
+    def __init__(self, num_workers: int):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        self._rounds: dict[tuple[int, int], _Round] = {}
+
+    @property
+    def open_rounds(self) -> int:
+        """Rounds not yet pulled by every worker."""
+        with self._lock:
+            return len(self._rounds)
+
+    def _round(self, key: int, round_: int) -> _Round:
+        with self._lock:
+            state = self._rounds.get((key, round_))
+            if state is None:
+                state = self._rounds[(key, round_)] = _Round()
+            return state
+
+    def _forget(self, key: int, round_: int) -> None:
+        with self._lock:
+            self._rounds.pop((key, round_), None)
+
+    def push(self, key: int, round_: int, tensor: torch.Tensor) -> None:
+        """Add ``tensor`` (1-D, any dtype) to round ``round_`` of ``key``.
+
+        Raises:
+            ValueError: its shape or dtype differs from the round's other pushes (every pull of the
+                round fails with the same message).
+        """
+        state = self._round(key, round_)
+        with state.lock:
+            if state.error is None and state.total is not None and (
+                    state.total.shape != tensor.shape or state.total.dtype != tensor.dtype):
+                state.error = (f"key {key} round {round_}: workers pushed different tensors "
+                               f"({tuple(state.total.shape)} {state.total.dtype} and {tuple(tensor.shape)} {tensor.dtype})")
+            if state.error is not None:
+                failed, state.waiting = state.waiting, []
+            else:
+                failed = None
+                if state.total is None:
+                    state.total = tensor
+                else:
+                    state.total += tensor
+                state.pushes += 1
+                if state.pushes < self.num_workers:
+                    return
+                ready, state.waiting = state.waiting, []
+                state.complete = True
+                finished = state.pulls == self.num_workers
+        if failed is not None:
+            for future in failed:
+                future.set_exception(ValueError(state.error))
+            raise ValueError(state.error)
+        if finished:
+            self._forget(key, round_)
+        for future in ready:
+            future.set_result(state.total)
+
+    def pull(self, key: int, round_: int) -> torch.futures.Future:
+        """A future of the sum of round ``round_`` of ``key``, set once every worker has pushed it."""
+        future = torch.futures.Future()
+        state = self._round(key, round_)
+        with state.lock:
+            state.pulls += 1
+            if state.error is not None:
+                future.set_exception(ValueError(state.error))
+                return future
+            if not state.complete:
+                state.waiting.append(future)
+                return future
+            finished = state.pulls == self.num_workers
+        if finished:
+            self._forget(key, round_)
+        future.set_result(state.total)
+        return future
+
+
+# RPC calls a function by its qualified name, so the process's server must be reachable from one:
+# this is it, set once by serve().
+_serving: SummationServer | None = None
+
+
+def push(key: int, round_: int, tensor: torch.Tensor) -> None:
+    """RPC entry: :meth:`SummationServer.push` on this process's server."""
+    _serving.push(key, round_, tensor)
+
+
+@rpc.functions.async_execution
+def pull(key: int, round_: int) -> torch.futures.Future:
+    """RPC entry: :meth:`SummationServer.pull` on this process's server."""
+    return _serving.pull(key, round_)
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def serve(server_id: int, group: PSRendezvous) -> None:
+    """Join ``group`` as server ``server_id`` and serve until every worker has shut down.
+
+    Raises:
+        RuntimeError: the rendezvous failed (from torch.distributed.rpc).
+    """
+    global _serving
+    if not 0 <= server_id < group.num_servers:
+        raise ValueError(f"server id {server_id} must be in 0..{group.num_servers - 1}")
+    _serving = SummationServer(group.num_workers)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="ps-parent-watch").start()
+    rpc.init_rpc(server_name(server_id), rank=server_id, world_size=group.world_size,
+                 rpc_backend_options=group.rpc_options())
+    rpc.shutdown(graceful=True, timeout=0)  # blocks, serving, until every member has called shutdown
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dynamix_byteps.engine.ps_server",
+                                     description="A summation server of the ps engine.")
+    parser.add_argument("--server-id", type=int, default=_env_int("DYNAMIX_SERVER_ID"))
+    parser.add_argument("--num-servers", type=int, default=_env_int("DMLC_NUM_SERVER"))
+    parser.add_argument("--num-workers", type=int, default=_env_int("DYNAMIX_SIZE", "DMLC_NUM_WORKER"))
+    parser.add_argument("--addr", default=os.environ.get("DMLC_PS_ROOT_URI") or "127.0.0.1")
+    parser.add_argument("--port", type=int, default=_env_int("DYNAMIX_PS_PORT"))
+    parser.add_argument("--timeout", type=float, default=float(os.environ.get("DYNAMIX_TIMEOUT") or DEFAULT_TIMEOUT_S),
+                        help="seconds an RPC may take (default: DYNAMIX_TIMEOUT or %(default)s)")
+    args = parser.parse_args(argv)
+    for option in ("server_id", "num_servers", "num_workers", "port"):
+        if getattr(args, option) is None:
+            parser.error(f"--{option.replace('_', '-')} is required (or its environment variable)")
+    torch.set_num_threads(1)
+    group = PSRendezvous(args.num_servers, args.num_workers, args.addr, args.port, args.timeout)
+    try:
+        serve(args.server_id, group)
+    except (RuntimeError, ValueError) as error:
+        print(f"ps server {args.server_id}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    # Workers call dynamix_byteps.engine.ps_server.push, not __main__.push: serve from that module.
+    from dynamix_byteps.engine import ps_server
+
+    sys.exit(ps_server.main())
