@@ -57,6 +57,11 @@ def test_proportional_shrinks_the_straggler_and_keeps_the_global_batch(tmp_path)
     assert final[3] < 0.5 * min(final[:3]), final
     decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions and any(d.get("action") for d in decisions)
+    applied = [d for d in decisions if d["action"] == "change" and d["effective_step"] < 150]
+    assert applied and all(d["effective_step"] == d["step"] + 5 for d in applied)
+    for d in applied:  # the logged effective_step is where the workers switched (the loader draws no step ahead)
+        step = d["effective_step"]
+        assert sizes_per_step[step - 1] == d["batch_sizes_before"] and sizes_per_step[step] == d["batch_sizes"], d
 
 
 @pytest.mark.timeout(300)

@@ -4,10 +4,13 @@ Every step it measures push_pull time (the seconds the worker waited for gradien
 communication that backward did not hide) and compute time (the rest of the step). Every
 ``decision_interval`` steps, on every worker at the same step, it
 
-1. sends this worker's averages to the scheduler without waiting (:class:`SchedulerClient`);
-2. lets rank 0 broadcast the newest assignment it got from the scheduler, and applies it on
-   all workers from the first step none of them has drawn yet (``set_batch_sizes``), so all
-   switch at the same step. A scheduler that is slow or gone changes nothing.
+1. lets rank 0 broadcast the newest assignment it got from the scheduler (the answer to an
+   earlier report), and applies it on all workers from the first step none of them has drawn
+   yet (``set_batch_sizes``), so all switch at the same step: a decision taken at boundary s
+   applies from s + K (its ``effective_step``) when loaders do not draw ahead;
+2. sends this worker's averages to the scheduler without waiting (:class:`SchedulerClient`).
+
+A scheduler that is slow or gone changes nothing.
 
 With ``DYNAMIX_JOB_ID`` set (``bpslaunch --monitor``), the worker also publishes each step's
 compute time, push_pull time and samples to a shared-memory mailbox, where the node agent of its
@@ -192,14 +195,16 @@ class StepMonitor:
             self._end_interval(noise, lr_scale)
 
     def _end_interval(self, noise, lr_scale: float) -> None:
-        """The report boundary: TensorBoard scalars, then the report and assignment round."""
+        """The report boundary: TensorBoard scalars, then the assignment round, then the report."""
         iv, self._interval = self._interval, StepStatistics()
         loss = _take_mean_loss()
         if (writer := summaries.worker_writer()) is not None:
             writer.add(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
         if self.env.scheduler is not None:
-            self._report(iv, loss, noise)
+            # The assignment first: an answer to this boundary's report then always applies at the
+            # next boundary, the decision's effective_step (a fast answer sometimes applied at once).
             self._apply_newest_assignment()
+            self._report(iv, loss, noise)
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
 
     def _reported_batch(self, iv: StepStatistics) -> int:
