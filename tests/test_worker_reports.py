@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from dynamix_byteps import batching
-from dynamix_byteps.assignment import AssignmentSchedule, BatchBounds
+from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBounds
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import validate_report, validate_worker_info
 from dynamix_byteps.control.worker import StepMonitor
@@ -68,6 +68,16 @@ def test_an_epochs_partial_last_step_still_gives_a_report_within_the_bounds(monk
     assert report.local_batch_size == 16
     assert validate_report(report, info).batch_size == 16  # accepted, not "outside the bounds"
     assert report.samples_per_s == pytest.approx((16 * (K - 1) + 3) / (report.compute_s * K))
+
+
+def test_an_assignment_taking_effect_inside_the_interval_shows_in_the_reported_batch(monkeypatch):
+    schedule = AssignmentSchedule([16], BatchBounds.build(1, min_batch=8, max_batch=64))
+    schedule.apply(Assignment((32,), 3, 1))  # steps 3 and 4 of the first interval run 32
+    monkeypatch.setattr(batching, "_schedule", schedule)
+    client = _RecordingClient()
+    _train(_monitor(client), [16, 16, 16, 32, 32])
+    [report] = client.reports
+    assert report.local_batch_size == round((3 * 16 + 2 * 32) / 5)  # the guardrails see it is not settled
 
 
 def test_without_a_sampler_the_declared_batch_is_registered_and_reported(monkeypatch, caplog):

@@ -208,13 +208,16 @@ class StepMonitor:
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
 
     def _reported_batch(self, iv: StepStatistics) -> int:
-        """The batch size this interval reports: the one the schedule assigned this rank for the
-        interval's last step, which lies within the registered bounds even when the epoch's last,
-        partial step drew fewer samples (the throughput still counts the samples really drawn).
+        """The batch size this interval reports: the mean over its steps of the batch the schedule
+        assigned this rank, which lies within the registered bounds even when the epoch's last,
+        partial step drew fewer samples (the throughput still counts the samples really drawn),
+        and shows the guardrails an assignment that took effect during the interval.
         Without a sampler: the mean declared by ``set_local_batch_size``; 0 when nothing was declared."""
         schedule = batching.schedule()
         if schedule is not None:
-            return schedule.at(max(self.global_step - 1, 0)).batch_sizes[self.engine.rank]
+            steps = range(max(self.global_step - iv.steps, 0), max(self.global_step, 1))
+            assigned = [schedule.at(step).batch_sizes[self.engine.rank] for step in steps]
+            return round(sum(assigned) / len(assigned))
         if iv.samples > 0:
             self._declared_batch = max(round(iv.samples / iv.steps), 1)
         return self._declared_batch
