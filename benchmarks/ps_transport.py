@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_report  # noqa: E402
 
 PARTITION_BYTES = 4096000
+TRANSPORTS, CHANNELS = ["uv"], ["basic"]  # as the ps engine: TensorPipe's shm transport busy-polls a core
 SIZES = {"1.7MB": 1_700_000, "36MB": 36_000_000}
 
 
@@ -93,7 +94,8 @@ class _RpcServer:
 def _rpc_role(role, index, workers, servers, port, sizes, repeats):
     from torch.distributed import rpc
 
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
+                                           _transports=TRANSPORTS, _channels=CHANNELS)
     rank = index if role == "server" else servers + index
     name = f"server{index}" if role == "server" else f"worker{index}"
     _RpcServer.workers = workers

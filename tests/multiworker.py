@@ -3,7 +3,9 @@
 ``run_workers(n, "module:function", *args)`` starts ``n`` interpreters, each with the
 ``DMLC_*``/``BYTEPS_*`` variables bpslaunch would set, calls ``bps.init()`` and then
 ``function(*args)``, and returns each rank's JSON result. A hard timeout kills every child;
-children are always reaped, also when the test fails.
+children are always reaped, also when the test fails. With ``servers=K`` the job runs the ``ps``
+engine: K summation servers (``python -m dynamix_byteps.engine.ps_server``) start first and are
+killed after the workers have exited.
 """
 
 from __future__ import annotations
@@ -54,23 +56,46 @@ def worker_env(rank: int, size: int, port: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_workers(n: int, target: str, *args, timeout: float = 120, env: dict | None = None) -> list[dict]:
+def worker_command(target: str, args: list, out: str) -> list[str]:
+    """The command of one worker that runs ``target(*args)`` and writes its JSON result to ``out``."""
+    return [sys.executable, "-c", _ENTRY, target, json.dumps(args), out]
+
+
+def ps_env(servers: int, ps_port: int) -> dict[str, str]:
+    """The variables that make a worker or server part of a ``ps`` job of ``servers`` servers."""
+    return {"DYNAMIX_ENGINE": "ps", "DMLC_NUM_SERVER": str(servers), "DYNAMIX_PS_PORT": str(ps_port)}
+
+
+def start_servers(servers: int, workers: int, env: dict[str, str]) -> list[subprocess.Popen]:
+    """Start ``servers`` summation servers for ``workers`` workers; ``env`` is a worker's environment."""
+    return [subprocess.Popen([sys.executable, "-m", "dynamix_byteps.engine.ps_server", "--server-id", str(i),
+                              "--num-workers", str(workers)], env={**env, "DMLC_ROLE": "server"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for i in range(servers)]
+
+
+def run_workers(n: int, target: str, *args, timeout: float = 120, env: dict | None = None,
+                servers: int = 0) -> list[dict]:
     """Results of ``target(*args)`` on ranks 0..n-1: ``{"ok": value}`` or ``{"error": ..., "message": ...}``."""
     port = free_port()
+    if servers:
+        env = {**ps_env(servers, free_port()), **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
+        procs, server_procs = [], []
         try:
+            if servers:
+                server_procs = start_servers(servers, n, worker_env(0, n, port, **env))
             for rank in range(n):
                 out = os.path.join(tmp, f"rank{rank}.json")
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-c", _ENTRY, target, json.dumps(args), out],
+                    worker_command(target, list(args), out),
                     env=worker_env(rank, n, port, **(env or {})),
                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 ))
             deadline = time.monotonic() + timeout
             outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for p in procs]
         finally:
-            for p in procs:
+            for p in procs + server_procs:
                 if p.poll() is None:
                     p.kill()
                 p.wait()

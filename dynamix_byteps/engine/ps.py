@@ -171,12 +171,28 @@ class ParameterServerEngine(Engine):
         with torch.no_grad():
             tensor.copy_(wire)
 
+    def _stop_servers(self) -> None:
+        reason = f"worker {self.rank} saw a collective fail"
+        futures = []
+        for index in range(self.group.num_servers):
+            try:
+                futures.append(rpc.rpc_async(server_name(index), ps_server.abort, args=(reason,), timeout=2))
+            except RuntimeError:
+                pass  # that server is gone already
+        for future in futures:
+            try:
+                future.wait()
+            except RuntimeError:
+                pass
+
     def barrier(self) -> None:
         self.all_reduce_async(torch.zeros(1, dtype=torch.int64), "dynamix.barrier.").wait()
 
     def shutdown(self) -> None:
-        """Leave the RPC group (waiting up to the timeout for the others unless a collective failed)
-        and destroy the workers' process group."""
+        """Leave the RPC group (waiting up to the timeout for the others unless a collective failed,
+        in which case the servers still reachable are told to stop) and destroy the workers' process group."""
+        if self.broken:
+            self._stop_servers()
         try:
             rpc.shutdown(graceful=not self.broken, timeout=self.group.timeout_s)
         except RuntimeError:

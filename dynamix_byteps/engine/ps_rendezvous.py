@@ -96,5 +96,8 @@ class PSRendezvous:
         """TensorPipe options: this group's store and the RPC timeout."""
         from torch.distributed import rpc
 
+        # TensorPipe's shm transport busy-polls a core in every process, which starves a host that
+        # runs several workers and servers; uv (TCP) with the basic channel does not, and is what
+        # crosses hosts anyway.
         return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{self.addr}:{self.port}",
-                                               rpc_timeout=self.timeout_s)
+                                               rpc_timeout=self.timeout_s, _transports=["uv"], _channels=["basic"])

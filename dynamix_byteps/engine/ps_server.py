@@ -14,8 +14,9 @@ Run one per server (``bpslaunch --engine ps --num-servers K`` starts them)::
 
 Each option defaults to its variable (``DYNAMIX_SERVER_ID``, ``DMLC_NUM_SERVER``, ``DYNAMIX_SIZE``
 or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``). The
-server returns once every worker has shut its engine down, and exits by itself when its parent
-process (the launcher) is gone, so it never outlives the job.
+server returns once every worker has shut its engine down, exits (status 1) when a worker reports
+that the job failed, and exits by itself when its parent process (the launcher) is gone, so it
+never outlives the job.
 """
 
 from __future__ import annotations
@@ -146,6 +147,13 @@ def push(key: int, round_: int, tensor: torch.Tensor) -> None:
 def pull(key: int, round_: int) -> torch.futures.Future:
     """RPC entry: :meth:`SummationServer.pull` on this process's server."""
     return _serving.pull(key, round_)
+
+
+def abort(reason: str) -> None:
+    """RPC entry: a worker saw the job fail; exit now (status 1) instead of waiting for a graceful
+    shutdown that can no longer come."""
+    print(f"ps server: stopping, a worker reported: {reason}", file=sys.stderr, flush=True)
+    threading.Timer(0.2, os._exit, args=(1,)).start()  # after this call's answer went out
 
 
 def _exit_with_parent(parent: int) -> None:

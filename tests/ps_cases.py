@@ -1,0 +1,122 @@
+"""Cases run in the workers of a ``ps`` job (tests/test_ps_engine.py, benchmarks/ps_engine.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps import engine as engines
+from dynamix_byteps import timing
+from dynamix_byteps.errors import CommunicationError
+
+# (name, dtype, elements); with BYTEPS_PARTITION_BYTES=4096 they are cut into 3, 1, 2, 2 and 1 partitions
+SPECS = (("f32", torch.float32, 3000), ("f64", torch.float64, 100), ("f16", torch.float16, 3000),
+         ("i64", torch.int64, 1000), ("one", torch.float32, 1))
+
+
+def _value(rank: int, round_: int, dtype, numel: int) -> torch.Tensor:
+    """Small integers, exact in every dtype and in their sum over a few workers."""
+    return (torch.arange(numel) % 13 + (rank + 1) * (1 + round_ % 7)).to(dtype)
+
+
+def _expected(size: int, round_: int, dtype, numel: int) -> torch.Tensor:
+    ranks = sum(rank + 1 for rank in range(size))
+    return (size * (torch.arange(numel) % 13) + ranks * (1 + round_ % 7)).to(dtype)
+
+
+def sums(rounds: int, in_flight: int) -> dict:
+    """``rounds`` rounds, back to back; each issues ``in_flight`` tensors of :data:`SPECS` (cycling)
+    before waiting for them. Returns the wrong results (at most 5 described), the rounds per second
+    and whether every push and pull was timed."""
+    engine, size, rank = engines.current(), bps.size(), bps.rank()
+    wrong, examples, issued = 0, [], 0
+    start = time.perf_counter()
+    for round_ in range(rounds):
+        pending = []
+        for _ in range(in_flight):
+            name, dtype, numel = SPECS[issued % len(SPECS)]
+            issued += 1
+            tensor = _value(rank, round_, dtype, numel)
+            pending.append((name, dtype, numel, tensor, engine.all_reduce_async(tensor, name)))
+        for name, dtype, numel, tensor, handle in pending:
+            handle.wait()
+            if not torch.equal(tensor, _expected(size, round_, dtype, numel)):
+                wrong += 1
+                if len(examples) < 5:
+                    examples.append(f"round {round_} {name}: {tensor.view(-1)[:4].tolist()}")
+    elapsed = time.perf_counter() - start
+    engine.flush_timings()
+    names = set(timing.names())
+    used = SPECS[:min(in_flight * rounds, len(SPECS))]
+    timed = all(f"{kind}:{name}:0" in names for kind in ("push", "pull") for name, _, _ in used)
+    return {"wrong": wrong, "examples": examples, "rounds_per_s": rounds / elapsed, "timed": timed}
+
+
+def averages(rounds: int) -> dict:
+    """``bps.push_pull(average=True)`` of random floats and of integers over ``rounds`` rounds: the
+    largest error against the exact mean, and a digest of every result (the same on every rank)."""
+    size, rank = bps.size(), bps.rank()
+    digest, worst = hashlib.sha256(), 0.0
+    for round_ in range(rounds):
+        for dtype in (torch.float32, torch.float64, torch.float16):
+            values = [torch.randn(700, generator=torch.Generator().manual_seed(1000 * round_ + r)).to(dtype)
+                      for r in range(size)]
+            mean = bps.push_pull(values[rank].clone(), average=True, name=f"avg.{dtype}")
+            exact = torch.stack([v.double() for v in values]).mean(0)
+            tolerance = {torch.float16: 1e-2, torch.float32: 1e-6, torch.float64: 1e-12}[dtype]
+            worst = max(worst, float((mean.double() - exact).abs().max()) / tolerance)
+            digest.update(mean.numpy().tobytes())
+        total = bps.push_pull(torch.tensor([rank + round_]), average=False, name="avg.int")
+        if int(total) != sum(r + round_ for r in range(size)):
+            worst = float("inf")
+    return {"worst_over_tolerance": worst, "digest": digest.hexdigest()}
+
+
+def all_checks(one_in_flight_rounds: int, five_in_flight_rounds: int, average_rounds: int) -> dict:
+    """:func:`sums` with one tensor in flight, then five, then :func:`averages`: one job, three checks."""
+    return {"one_in_flight": sums(one_in_flight_rounds, 1), "five_in_flight": sums(five_in_flight_rounds, 5),
+            "averages": averages(average_rounds)}
+
+
+def until_failure(ready_dir: str, limit_s: float) -> dict:
+    """Sum rounds until one fails; rank 0 leaves ``ready_dir/ready`` after 5 rounds. Returns the
+    error's type and message and the seconds from the last good round to the error."""
+    engine, rank = engines.current(), bps.rank()
+    last_good = time.monotonic()
+    deadline = last_good + limit_s
+    round_ = 0
+    while time.monotonic() < deadline:
+        tensor = torch.ones(5000)
+        try:
+            engine.all_reduce_async(tensor, "x").wait()
+        except CommunicationError as error:
+            return {"error": type(error).__name__, "message": str(error)[:300],
+                    "after_s": time.monotonic() - last_good, "rounds": round_}
+        last_good = time.monotonic()
+        round_ += 1
+        if round_ == 5 and rank == 0:
+            Path(ready_dir, "ready").touch()
+    return {"error": None, "rounds": round_}
+
+
+def round_trip(nbytes: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` in-place sums of ``nbytes`` of float32, after a barrier each."""
+    engine = engines.current()
+    tensor = torch.ones(nbytes // 4)
+    engine.all_reduce_async(tensor, "bench").wait()  # connections and keys are set up here
+    times = []
+    for _ in range(repeats):
+        engine.barrier()
+        start = time.perf_counter()
+        engine.all_reduce_async(tensor, "bench").wait()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def pid() -> int:
+    return os.getpid()

@@ -1,0 +1,109 @@
+"""The ps engine: partition plan, summation server, and real jobs of workers and servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+
+from dynamix_byteps.engine.ps_keys import KeyPlan
+from dynamix_byteps.engine.ps_server import SummationServer
+from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
+
+PS_TIMEOUT_S = 10
+
+
+def _ok(results):
+    for result in results:
+        assert "ok" in result, result.get("traceback", result)
+    return [result["ok"] for result in results]
+
+
+def test_partitions_cover_the_tensor_and_balance_bytes_over_servers():
+    plan = KeyPlan(num_servers=2, partition_bytes=4000)
+    big = plan.partitions("big", 2500, 4, "torch.float32")  # 10,000 bytes: 1000 + 1000 + 500 elements
+    assert [(p.start, p.stop) for p in big] == [(0, 1000), (1000, 2000), (2000, 2500)]
+    assert [p.key for p in big] == [0, 1, 2] and [p.server for p in big] == [0, 1, 0]
+    small = plan.partitions("small", 100, 8, "torch.float64")
+    assert small[0].server == 1 and plan.server_bytes == [6000, 4800]
+    assert plan.partitions("big", 2500, 4, "torch.float32") is big  # declared once
+    assert plan.partitions("big", 10, 4, "torch.float32")[0].key == 4  # a new size is a new tensor
+    assert plan.partitions("empty", 0, 4, "torch.float32") == ()
+    again = KeyPlan(num_servers=2, partition_bytes=4000)  # another worker, same order: the same plan
+    assert again.partitions("big", 2500, 4, "torch.float32") == big
+
+
+def test_server_keeps_rounds_apart_and_answers_pulls_once_the_last_push_arrived():
+    server = SummationServer(num_workers=2)
+    early = server.pull(7, 0)  # a pull before any push waits for the round
+    server.push(7, 0, torch.tensor([1.0, 2.0]))
+    server.push(7, 1, torch.tensor([10.0, 20.0]))  # the next round already starts
+    assert not early.done()
+    server.push(7, 0, torch.tensor([3.0, 4.0]))
+    assert early.wait().tolist() == [4.0, 6.0]
+    assert server.pull(7, 0).wait().tolist() == [4.0, 6.0]
+    server.push(7, 1, torch.tensor([30.0, 40.0]))
+    assert [server.pull(7, 1).wait().tolist() for _ in range(2)] == [[40.0, 60.0]] * 2
+    assert server.open_rounds == 0  # every round forgotten once both workers pulled it
+    server.push(8, 0, torch.tensor([1], dtype=torch.int64))
+    with pytest.raises(ValueError, match="different tensors"):
+        server.push(8, 0, torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="different tensors"):
+        server.pull(8, 0).wait()
+
+
+@pytest.mark.timeout(240)
+def test_back_to_back_rounds_give_exact_sums_and_averages():
+    """3 workers, 2 servers, float32/float64/float16/int64 tensors of 1-3 partitions, no gap between
+    rounds: one tensor per round, then five in flight per round, then averages through bps.push_pull."""
+    results = _ok(run_workers(3, "ps_cases:all_checks", 1500, 150, 20, servers=2, timeout=220,
+                              env={"BYTEPS_PARTITION_BYTES": "4096", "DYNAMIX_TIMEOUT": "60"}))
+    for result in results:
+        for check in ("one_in_flight", "five_in_flight"):
+            assert result[check]["wrong"] == 0, result[check]["examples"]
+            assert result[check]["timed"]
+        assert result["averages"]["worst_over_tolerance"] <= 1.0
+    assert len({r["averages"]["digest"] for r in results}) == 1  # every worker pulled the same sums
+
+
+@pytest.mark.timeout(180)
+def test_batch_weighted_gradients_equal_a_single_process_on_the_concatenated_batch():
+    results = _ok(run_workers(3, "dist_cases:weighted_training", [8, 24, 40], 4, 1, servers=2, timeout=160))
+    for result in results:
+        assert result["grad_error"] < 1e-6
+        assert result["param_error"] < 1e-6
+
+
+@pytest.mark.timeout(240)
+def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothing_running(tmp_path):
+    port = free_port()
+    # 20,000-byte pushes in two partitions: every round reaches both servers
+    extra = {**ps_env(2, free_port()), "DYNAMIX_TIMEOUT": str(PS_TIMEOUT_S), "BYTEPS_PARTITION_BYTES": "10000"}
+    servers = start_servers(2, 3, worker_env(0, 3, port, **extra))
+    workers = [subprocess.Popen(worker_command("ps_cases:until_failure", [str(tmp_path), 180], str(tmp_path / f"{r}.json")),
+                                env=worker_env(r, 3, port, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for r in range(3)]
+    try:
+        deadline = time.monotonic() + 150
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline, "the job never got through 5 rounds"
+            assert all(p.poll() is None for p in workers + servers), "a process exited before the kill"
+            time.sleep(0.1)
+        servers[1].kill()
+        for worker in workers:  # each leaves by itself: error, timing, engine shutdown
+            worker.wait(timeout=PS_TIMEOUT_S + 30)
+        servers[0].wait(timeout=15)  # the surviving server is told to stop
+    finally:
+        for p in workers + servers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = _ok([json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)])
+    for result in results:
+        assert result["error"] == "CommunicationError", result
+        assert result["after_s"] < PS_TIMEOUT_S + 2, result
+    assert servers[0].returncode == 1
