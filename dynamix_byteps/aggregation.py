@@ -16,10 +16,14 @@ starts as soon as the bucket is full (the PyTorch frontend does this from the ba
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
 norm |g_i|² and the digest of its bucket plan. When the round finishes every worker divides the
-sums by Σ b_i / R (when that is not 1) and so holds g exactly; the trailer's norms feed the
-gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) and its digests turn a
+sums by Σ b_i / R (when that is not 1) and so holds g exactly; the trailer's digests turn a
 mismatched plan into :class:`TensorMismatchError` on every worker. One collective per bucket
 and one trailer per step.
+
+The gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) needs |g_i|² and |g|², two
+extra passes over every gradient. They are measured on every ``noise_every``-th round only
+(default 4, ``DYNAMIX_NOISE_EVERY``): on a communication-heavy model with more workers than cores
+the two passes cost 4% of a step, while the noise scale feeds decisions made every ~20 steps.
 
 The names, shapes and dtypes behind a plan are negotiated once, when the plan is built
 (:meth:`GradientAggregator.agree_on_plan`), not on every step.
@@ -45,6 +49,7 @@ from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, roun
 
 DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
+DEFAULT_NOISE_EVERY = 4
 MAX_SAMPLES = 2**31
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
@@ -76,6 +81,27 @@ def _timed_wait(device: torch.device, wait) -> float:
     return begin.elapsed_time(end) / 1e3
 
 
+def _positive_int_env(name: str, default: int, unit: str) -> int:
+    raw = os.environ.get(name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name}={raw!r} is not an integer number of {unit}") from None
+    if value < 1:
+        raise ConfigurationError(f"{name}={value} must be >= 1")
+    return value
+
+
+def noise_every() -> int:
+    """Rounds per gradient-noise measurement, from ``DYNAMIX_NOISE_EVERY`` (default 4; 1 measures
+    every step).
+
+    Raises:
+        ConfigurationError: the variable is not an integer >= 1.
+    """
+    return _positive_int_env("DYNAMIX_NOISE_EVERY", DEFAULT_NOISE_EVERY, "rounds")
+
+
 def fusion_bytes() -> int:
     """Bytes per gradient bucket, from ``DYNAMIX_FUSION_BYTES`` (default 25 MiB, as DDP's
     ``bucket_cap_mb``; 4 and 8 MiB measured the same in ``benchmarks/ddp_comparison.py``).
@@ -83,14 +109,7 @@ def fusion_bytes() -> int:
     Raises:
         ConfigurationError: the variable is not an integer >= 1.
     """
-    raw = os.environ.get("DYNAMIX_FUSION_BYTES", str(DEFAULT_FUSION_BYTES))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"DYNAMIX_FUSION_BYTES={raw!r} is not an integer number of bytes") from None
-    if value < 1:
-        raise ConfigurationError(f"DYNAMIX_FUSION_BYTES={value} must be >= 1")
-    return value
+    return _positive_int_env("DYNAMIX_FUSION_BYTES", DEFAULT_FUSION_BYTES, "bytes")
 
 
 def global_batch(local_batch_sizes: np.ndarray) -> int | None:
@@ -158,11 +177,14 @@ class Round:
         scale: s_i = b_i / reference: the factor every gradient is multiplied by on its way into
             its bucket.
         reference: R, the same on every worker.
+        measure: whether this round measures the squared norms for the gradient noise scale
+            (decided by the round count, so the same on every worker).
     """
 
     samples: int
     scale: float
     reference: float
+    measure: bool = True
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
@@ -202,6 +224,8 @@ class GradientAggregator:
         self.base_batch_size = base_batch_size
         self.compression = compression
         self.fusion_bytes = fusion_bytes()
+        self.noise_every = noise_every()
+        self._rounds = 0
         self.gradient_noise = GradientNoiseScale()
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
@@ -241,34 +265,39 @@ class GradientAggregator:
     def open_round(self, samples: int) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared)."""
         effective = 1 if samples == UNSET else samples
-        return Round(samples, effective / self._reference, self._reference)
+        measure = self._rounds % self.noise_every == 0
+        self._rounds += 1
+        return Round(samples, effective / self._reference, self._reference, measure)
 
     def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
         """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
         1-D) holds this worker's gradients times ``step.scale``. Buckets must be launched in the
         same order on every worker."""
         self.monitor.stretch()
-        step.local_sq = step.local_sq + squared_norm(flat)
+        if step.measure:
+            step.local_sq = step.local_sq + squared_norm(flat)
         wire, ctx = self.compression.compress(flat)
         with round_lock:
             handle = self.engine.all_reduce_async(wire, f"Gradient.bucket.{bucket}")
         step.in_flight.append((flat, handle, wire, ctx))
 
-    def close(self, step: Round, description: str, counts: torch.Tensor | None = None) -> None:
+    def close(self, step: Round, description: str, counts: np.ndarray | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
         squared norm and plan digest (``description``'s), and ``counts`` (float64, one per
         tensor, e.g. 1 for a gradient this worker had), summed over the workers into ``step.counts``."""
         self.monitor.stretch()
         engine = self.engine
-        trailer = torch.zeros(engine.size * 3 + (0 if counts is None else counts.numel()), dtype=torch.float64,
+        trailer = torch.zeros(engine.size * 3 + (0 if counts is None else counts.size), dtype=torch.float64,
                               device=engine.device)
         rows = trailer[:engine.size * 3].view(engine.size, 3)
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = plan_digest(description)
-        if step.scale > 0:
+        if not step.measure:
+            rows[engine.rank, _SQ_NORM] = float("nan")
+        elif step.scale > 0:
             rows[engine.rank, _SQ_NORM] = step.local_sq / (step.scale * step.scale)
         if counts is not None:
-            trailer[engine.size * 3:] = counts
+            trailer[engine.size * 3:] = torch.from_numpy(counts)
         with round_lock:
             step.trailer = (trailer, engine.all_reduce_async(trailer, "Gradient.trailer"))
 
@@ -309,7 +338,8 @@ class GradientAggregator:
         global_sq = 0.0
         for flat, _, wire, ctx in step.in_flight:
             reduced = self.compression.decompress(wire, ctx)
-            global_sq = global_sq + squared_norm(reduced)
+            if step.measure:
+                global_sq = global_sq + squared_norm(reduced)
             if reduced is not flat:
                 torch.mul(reduced, 1.0 / divisor, out=flat)
             elif divisor != 1.0:
@@ -317,7 +347,7 @@ class GradientAggregator:
         global_sq = float(global_sq) / (divisor * divisor)
         self._reference = float(effective_total)
         self.global_batch_size = total
-        if total is not None and (sizes > 0).all():
+        if step.measure and total is not None and (sizes > 0).all():
             self.gradient_noise.update(table[:, _SQ_NORM], sizes, global_sq)
 
     def update_lr_scale(self) -> float:

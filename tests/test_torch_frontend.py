@@ -91,6 +91,13 @@ def test_every_worker_switches_batch_size_at_the_same_step():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("every", "measured"), [("1", 12), ("5", 3)])
+def test_the_gradient_noise_is_measured_every_noise_every_steps(every, measured):
+    results = _ok(run_workers(3, "dist_cases:switch_at_step", 7, 12, env={"DYNAMIX_NOISE_EVERY": every}))
+    assert all(r["stats"]["steps"] == measured and r["stats"]["skipped"] == 0 for r in results)
+
+
+@pytest.mark.timeout(120)
 def test_invalid_or_disputed_assignments_are_refused_everywhere():
     for result in _ok(run_workers(3, "dist_cases:rejected_assignment")):
         assert result == {"error": "InvalidAssignmentError", "mismatch": "TensorMismatchError", "kept": True}
