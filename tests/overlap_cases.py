@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.utils.checkpoint
 
 import dynamix_byteps.torch as bps
 from dynamix_byteps import timing
@@ -17,10 +18,12 @@ from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 
 class Branchy(torch.nn.Module):
     """Three layers used every pass, one never used (its bucket gets no gradient), one used
-    only when ``use_extra`` is true."""
+    only when ``use_extra`` is true. With ``reentrant`` the layers after ``first`` run under
+    reentrant activation checkpointing (their gradients come from a backward nested in another)."""
 
-    def __init__(self, width: int = 8):
+    def __init__(self, width: int = 8, reentrant: bool = False):
         super().__init__()
+        self.reentrant = reentrant
         torch.manual_seed(0)
         self.first = torch.nn.Linear(6, width)
         self.middle = torch.nn.Linear(width, width)
@@ -30,7 +33,13 @@ class Branchy(torch.nn.Module):
         self.double()
 
     def forward(self, x, use_extra: bool = False):
-        h = torch.tanh(self.middle(torch.tanh(self.first(x))))
+        h = torch.tanh(self.first(x))
+        if self.reentrant:
+            return torch.utils.checkpoint.checkpoint(self._tail, h, use_extra, use_reentrant=True)
+        return self._tail(h, use_extra)
+
+    def _tail(self, h, use_extra):
+        h = torch.tanh(self.middle(h))
         if use_extra:
             h = torch.tanh(self.extra(h))
         return self.last(h)
@@ -65,15 +74,17 @@ def exact_weighting(variant: str, sizes: list[int], steps: int) -> dict:
 
     ``optimizer`` (set_local_batch_size before backward), ``optimizer_accumulate`` (2 passes per
     step), ``optimizer_late`` (declared after backward), ``ddp``, ``ddp_no_sync`` (first of 2
-    passes inside no_sync). Buckets of one parameter each, so several leave during backward.
+    passes inside no_sync); a ``_reentrant`` suffix runs the model's tail under reentrant
+    activation checkpointing. Buckets of one parameter each, so several leave during backward.
     """
     os.environ["DYNAMIX_FUSION_BYTES"] = "64"
     rank = bps.rank()
+    variant, reentrant = variant.removesuffix("_reentrant"), variant.endswith("_reentrant")
     passes = 2 if variant in ("optimizer_accumulate", "ddp_no_sync") else 1
     data = _data(sum(sizes), steps, passes)
     reference, ref_grads = _reference(data)
     start, b = sum(sizes[:rank]), sizes[rank]
-    model = Branchy()
+    model = Branchy(reentrant=reentrant)
     plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if variant.startswith("ddp"):
         net, opt = bps.DistributedDataParallel(model), plain
@@ -155,6 +166,58 @@ def different_model(variant: str) -> str:
     except TensorMismatchError as exc:
         return str(exc)
     return "no error"
+
+
+def frozen_mid_training(variant: str, where: str) -> dict:
+    """Two steps, then ``middle`` is frozen on rank 1 only (``where="one"``: every rank must raise
+    TensorMismatchError, none abort or hang) or on every rank (``"all"``: the next steps match
+    one process that froze it at the same step)."""
+    os.environ["DYNAMIX_FUSION_BYTES"] = "64"
+    rank, sizes, steps = bps.rank(), [5, 7], 4
+    data = _data(sum(sizes), steps, 1)
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    reference = Branchy()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    model = Branchy()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
+    opt = plain if variant == "ddp" else bps.DistributedOptimizer(plain, model.named_parameters())
+    for step, ((x, y),) in enumerate(data):
+        if step == 2 and (where == "all" or rank == 1):
+            model.middle.weight.requires_grad_(False)
+        if step == 2:
+            reference.middle.weight.requires_grad_(False)
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        if variant != "ddp":
+            opt.set_local_batch_size(sizes[rank])
+        try:
+            torch.nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+            opt.step()
+        except TensorMismatchError as exc:
+            return {"step": step, "error": str(exc)}
+    return {"step": None, "param_error": max(_error(p, r) for p, r in zip(model.parameters(), reference.parameters()))}
+
+
+def both_wrappers(first: str) -> dict:
+    """``bps.DistributedDataParallel`` and ``bps.DistributedOptimizer`` over one model, ``first``
+    built first: the second must raise; a second optimizer of the same kind replaces the first."""
+    model = Branchy()
+
+    def optimizer():
+        return bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+
+    build = {"optimizer": optimizer, "ddp": lambda: bps.DistributedDataParallel(model)}
+    kept = build[first]()
+    try:
+        build["ddp" if first == "optimizer" else "optimizer"]()
+        mixed = "no error"
+    except ConfigurationError as exc:
+        mixed = str(exc)
+    again = build[first]()
+    return {"mixed": mixed, "same_kind_again": type(again).__name__, "first": type(kept).__name__}
 
 
 def declared_late_after_overlap() -> str:

@@ -15,7 +15,8 @@ def _ok(results):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["optimizer", "optimizer_accumulate", "ddp", "ddp_no_sync"])
+@pytest.mark.parametrize("variant", ["optimizer", "optimizer_accumulate", "ddp", "ddp_no_sync",
+                                     "optimizer_reentrant", "ddp_no_sync_reentrant"])
 def test_unequal_batches_reduced_during_backward_match_one_process(variant):
     for result in _ok(run_workers(3, "overlap_cases:exact_weighting", variant, SIZES, 3)):
         assert result["grad_error"] < 1e-12
@@ -46,6 +47,27 @@ def test_parameters_without_gradients_on_some_ranks_neither_hang_nor_get_lost(va
 def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
     for message in _ok(run_workers(2, "overlap_cases:different_model", variant)):
         assert "rank 0" in message and "rank 1" in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_freezing_a_parameter_on_one_rank_raises_on_every_rank(variant):
+    for result in _ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "one")):
+        assert result["step"] == 2 and "rank 0" in result["error"] and "rank 1" in result["error"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_freezing_a_parameter_on_every_rank_trains_on_exactly(variant):
+    for result in _ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "all")):
+        assert result["step"] is None and result["param_error"] < 1e-12
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["optimizer", "ddp"])
+def test_the_ddp_wrapper_and_the_distributed_optimizer_on_one_model_are_refused(first):
+    (result,) = _ok(run_workers(1, "overlap_cases:both_wrappers", first))
+    assert "already reduced by a live" in result["mixed"] and "not both" in result["mixed"]
 
 
 @pytest.mark.timeout(120)

@@ -11,14 +11,18 @@ contribute zeros) are launched; :meth:`finish` only waits.
 
 The plan is agreed with the other workers once, when it is built (the first step, and whenever
 the set of parameters requiring gradients changes, which must happen on every worker at the
-same step). Rounds where a hook cannot launch (no plan yet, a plan gone stale, or a job whose
-batch sizes become known only after backward) are reduced whole in :meth:`finish` instead:
-correct, without the overlap.
+same step: the round that notices the change still reduces the old plan's buckets and announces
+the new plan in its trailer, so a change on some workers only raises ``TensorMismatchError``
+everywhere, and a change on all is reduced again with the new plan). Rounds where a hook cannot
+launch (no plan yet, or a job whose batch sizes become known only after backward) are reduced
+whole in :meth:`finish` instead: correct, without the overlap. A backward nested in another's
+node (reentrant activation checkpointing) ends the round only when the outermost one ends.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,10 +30,12 @@ import numpy as np
 import torch
 
 from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, plan_buckets
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.negotiation import describe, fingerprint
 
-# Parameter attribute holding the reducer hook: a new reducer over the same model removes the old
-# one's, which would otherwise count (and refuse) the new passes.
+# Parameter attribute holding (hook handle, weak reference to its reducer): a new reducer of the
+# same kind over the same model removes the old one's, which would otherwise count (and refuse)
+# the new passes.
 _HOOK_ATTR = "_dynamix_reducer_hook"
 
 
@@ -102,6 +108,7 @@ class BucketReducer:
         self._on_backward_end = on_backward_end
         self.sync = True
         self._plan: _Plan | None = None
+        self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
         self._overlap = True  # False once some worker's batch size came after backward: reduce in finish()
         self._hooks: dict[torch.Tensor, object] = {}
         self._round: Round | None = None
@@ -110,7 +117,7 @@ class BucketReducer:
         self._next_bucket = 0
         self._passes = 0  # backward passes completed since the last reduction
         self._in_backward = False
-        self._had_gradient: torch.Tensor | None = None  # per plan parameter, this round: 1 if it had a gradient
+        self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
         self._register_hooks(parameters())
 
     def _register_hooks(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -118,9 +125,22 @@ class BucketReducer:
             if p not in self._hooks:
                 previous = getattr(p, _HOOK_ATTR, None)
                 if previous is not None:  # an earlier reducer over this model
-                    previous.remove()
+                    handle, reducer = previous
+                    self._refuse_a_second_kind(reducer())
+                    handle.remove()
                 self._hooks[p] = p.register_post_accumulate_grad_hook(self._on_gradient)
-                setattr(p, _HOOK_ATTR, self._hooks[p])
+                setattr(p, _HOOK_ATTR, (self._hooks[p], weakref.ref(self)))
+
+    @property
+    def kind(self) -> str:
+        return "DistributedOptimizer" if self._on_backward_end is None else "DistributedDataParallel"
+
+    def _refuse_a_second_kind(self, other: BucketReducer | None) -> None:
+        if other is not None and other is not self and other.kind != self.kind:
+            raise ConfigurationError(
+                f"this model's gradients are already reduced by a live {other.kind}; wrapping it in a "
+                f"{self.kind} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
+                "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _on_gradient(self, param: torch.Tensor) -> None:
         if not self._in_backward:
@@ -143,10 +163,11 @@ class BucketReducer:
         if not (self.sync and self._passes + 1 == self.passes_per_step):
             return
         self._samples = self._step_samples()
-        self._launching = self._overlap and self._plan is not None and self._plan.key == _key(self._parameters())
+        self._launching = self._overlap and self._plan is not None
         if self._launching:
+            self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples)
-            self._had_gradient = torch.zeros(len(self._plan.params), dtype=torch.float64)
+            self._had_gradient = np.zeros(len(self._plan.params))
             self._next_bucket = 0
             for bucket in self._plan.buckets:
                 bucket.pending = set(bucket.params)
@@ -158,6 +179,12 @@ class BucketReducer:
             self._next_bucket += 1
 
     def _end_backward(self) -> None:
+        outer_node = torch._C._current_autograd_node()
+        if outer_node is not None:
+            # This backward ran inside a node of another (reentrant activation checkpointing):
+            # the gradients after that node's are still to come.
+            _queue_after(outer_node, self._end_backward)
+            return
         self._in_backward = False
         if not self.sync:
             return
@@ -170,7 +197,7 @@ class BucketReducer:
                         param, self._plan.slot[param][1], self._round.scale)
                 bucket.pending.clear()
             self._launch_ready()
-            self.aggregator.close(self._round, self._plan.description, self._had_gradient)
+            self.aggregator.close(self._round, self._announced().description, self._had_gradient)
         if self._on_backward_end is not None and self._passes == self.passes_per_step:
             self._on_backward_end(self.finish())
 
@@ -199,11 +226,34 @@ class BucketReducer:
         """
         if self._round is None:
             self._reduce_whole_round(declared)
-        step, self._round, self._samples, self._passes = self._round, None, None, 0
-        self.aggregator.finish(step, self._plan.description)
+        step = self._round
+        try:
+            self.aggregator.finish(step, self._announced().description)
+            if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
+                self._adopt_plan(self._parameters(), step.samples, late=not self._overlap)
+                self._launch_whole_round(step.samples)
+                step = self._round
+                self.aggregator.finish(step, self._plan.description)
+        finally:
+            self._round, self._samples, self._passes = None, None, 0
         for i in np.flatnonzero(step.counts == 0):  # no worker had a gradient: None, as in one process
             self._plan.params[i].grad = None
         return step.samples
+
+    def _notice_new_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """When the parameters requiring gradients changed, this round still reduces the agreed
+        plan's buckets, so the collectives line up on every worker, but its trailer announces the
+        new plan: :meth:`finish` then raises ``TensorMismatchError`` unless every worker changed alike."""
+        if self._next_plan is None and self._plan.key != _key(named):
+            self._next_plan = _Plan(named, self.aggregator.fusion_bytes, self._settings)
+
+    def _announced(self) -> _Plan:
+        return self._next_plan or self._plan
+
+    def _adopt_plan(self, named: list[tuple[str, torch.Tensor]], samples: int, late: bool) -> None:
+        self._register_hooks(named)
+        self._plan, self._next_plan = _Plan(named, self.aggregator.fusion_bytes, self._settings), None
+        self._overlap = not self.aggregator.agree_on_plan(self._plan.description, samples, int(late)).any()
 
     def _reduce_whole_round(self, declared: int | None) -> None:
         named = self._parameters()
@@ -214,22 +264,25 @@ class BucketReducer:
         if self._samples is None:
             self._samples = self._step_samples()
         samples = self._samples if declared is None else declared
-        if self._plan is None or self._plan.key != _key(named):
-            self._register_hooks(named)
-            self._plan = _Plan(named, self.aggregator.fusion_bytes, self._settings)
+        if self._plan is None:
             late = declared is not None and declared != self._samples
-            self._overlap = not self.aggregator.agree_on_plan(self._plan.description, samples, int(late)).any()
+            self._adopt_plan(named, samples, late)
             if late:
                 warnings.warn("set_local_batch_size() was called after backward(): gradients are now reduced "
                               "in step(), after backward, instead of during it; call it before loss.backward()",
                               stacklevel=4)
+        else:
+            self._notice_new_parameters(named)
+        self._launch_whole_round(samples)
+
+    def _launch_whole_round(self, samples: int) -> None:
         self._round = self.aggregator.open_round(samples)
-        self._had_gradient = torch.zeros(len(self._plan.params), dtype=torch.float64)
+        self._had_gradient = np.zeros(len(self._plan.params))
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
                 self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
             self.aggregator.launch(self._round, number, bucket.buffer)
-        self.aggregator.close(self._round, self._plan.description, self._had_gradient)
+        self.aggregator.close(self._round, self._announced().description, self._had_gradient)
 
     def discard(self) -> None:
         """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
@@ -238,6 +291,17 @@ class BucketReducer:
             self.aggregator.drain(self._round)
         self._round, self._samples, self._passes = None, None, 0
         self._launching = self._in_backward = False
+
+
+def _queue_after(node, callback: Callable[[], None]) -> None:
+    """Queue ``callback`` at the end of the backward pass that runs ``node``, once ``node`` has run."""
+    handles = []
+
+    def after_node(grad_inputs, grad_outputs):
+        handles.pop().remove()
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    handles.append(node.register_hook(after_node))
 
 
 def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> bool:
