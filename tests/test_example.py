@@ -35,6 +35,7 @@ def test_example_trains_four_workers_to_80_percent(static_run):
     assert metrics["test_samples"] == 10_000
     assert metrics["test_accuracy"] >= 0.80, metrics
     assert "[0] test_accuracy=" in stdout
+    assert 0 < metrics["train_s"] < metrics["wall_s"], "the final evaluation is not training time"
 
 
 @pytest.mark.slow
