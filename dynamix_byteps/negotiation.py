@@ -61,7 +61,7 @@ def negotiate(engine: Engine, what: str, description: str, *payload: int) -> np.
     if len(payload) > PAYLOAD_WIDTH:
         raise ValueError(f"negotiate carries at most {PAYLOAD_WIDTH} payload values, got {len(payload)}")
     padded = list(payload) + [0] * (PAYLOAD_WIDTH - len(payload))
-    table = engine.exchange([fingerprint([description]), *padded])
+    table = engine.exchange([fingerprint([description]), *padded], what=what)
     if np.all(table[:, 0] == table[0, 0]):
         return table[:, 1:]
     descriptions = gather_text(engine, description)

@@ -27,6 +27,10 @@ def describe_collective(name: str) -> str:
     """How an error message names the all-reduce ``name``: the user's tensor, or what an internal one does."""
     if name == EXCHANGE_NAME:
         return "the exchange between the workers that starts each push_pull, broadcast and optimizer step"
+    if name.startswith("Gradient.bucket."):
+        return f"the gradient reduction of bucket {name.rsplit('.', 1)[1]}"
+    if name == "Gradient.trailer":
+        return "the gradient reduction's trailer (batch sizes, norms, plan digests)"
     for prefix, operation in (("dynamix.broadcast.", "broadcast"), ("dynamix.barrier.", "barrier")):
         if name.startswith(prefix):  # the BytePS engine's broadcast and barrier are all-reduces
             return operation if operation == "barrier" else f"broadcast of {name[len(prefix):]!r}"
