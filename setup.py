@@ -133,12 +133,7 @@ setup(
         "numpy",
         *grpc_runtime_requirements(),
         "psutil",
-        "nvidia-ml-py",
-        "prometheus-client",
         "tqdm",
-        # TensorBoard event files (written and read with tensorboard's record format) and `dynamix report`'s PNGs
-        "tensorboard",
-        "matplotlib",
     ],
     zip_safe=False,
 )

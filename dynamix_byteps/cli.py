@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.atomic import write_atomic
@@ -266,6 +267,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="dynamix_byteps: per-worker dynamic batch sizes for data-parallel training.")
+    parser.add_argument("--version", action="version", version=f"dynamix_byteps {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_scheduler(sub)
     _add_agent(sub)

@@ -33,6 +33,7 @@ import numpy as np
 
 from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.extras import import_extra
 from dynamix_byteps.summaries import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
 
 
@@ -68,7 +69,8 @@ def _event_accumulator():
     ``tensorboard.compat.tf``)."""
     if "tensorflow" not in sys.modules:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
-    from tensorboard.backend.event_processing import event_accumulator
+    event_accumulator = import_extra("tensorboard.backend.event_processing.event_accumulator", "plots",
+                                     "reading a run's TensorBoard scalars")
 
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # one INFO line per file read
 
@@ -201,8 +203,8 @@ def format_summary(rows: list[dict], job: dict) -> str:
 
 
 def _figure(ncols: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    FigureCanvasAgg = import_extra("matplotlib.backends.backend_agg", "plots", "drawing the report's plots").FigureCanvasAgg
+    Figure = import_extra("matplotlib.figure", "plots", "drawing the report's plots").Figure
 
     fig = Figure(figsize=(6.4 * ncols, 4.2), layout="constrained")
     FigureCanvasAgg(fig)

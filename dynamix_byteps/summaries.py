@@ -39,6 +39,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from dynamix_byteps.extras import import_extra
+
 LOG_DIR_ENV = "DYNAMIX_LOG_DIR"
 TENSORBOARD_DIR = "tensorboard"
 SCHEDULER_RUN = "scheduler"
@@ -68,6 +70,10 @@ def scheduler_logdir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / TENSORBOARD_DIR / SCHEDULER_RUN
 
 
+def _tensorboard(submodule: str):
+    return import_extra(f"tensorboard.{submodule}", "monitoring", "writing TensorBoard scalars (--log-dir)")
+
+
 class ScalarWriter:
     """Scalars into one TensorBoard run directory, in a new event file
     ``events.out.tfevents.<unix time>.<host>.<pid>.<n>`` created on :meth:`open` or the first
@@ -88,8 +94,8 @@ class ScalarWriter:
         """
         with self._lock:
             if self._records is None:
-                from tensorboard.compat.proto.event_pb2 import Event
-                from tensorboard.summary.writer.record_writer import RecordWriter
+                Event = _tensorboard("compat.proto.event_pb2").Event
+                RecordWriter = _tensorboard("summary.writer.record_writer").RecordWriter
 
                 self.logdir.mkdir(parents=True, exist_ok=True)
                 now = time.time()
@@ -102,8 +108,8 @@ class ScalarWriter:
         """One event holding every value of ``scalars`` (tag -> value) at global ``step`` and
         ``walltime`` (seconds since the Unix epoch, default now). None and non-finite values are
         left out: TensorBoard draws no point for them."""
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        Event = _tensorboard("compat.proto.event_pb2").Event
+        Summary = _tensorboard("compat.proto.summary_pb2").Summary
 
         values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()
                   if value is not None and math.isfinite(value)]
@@ -217,7 +223,8 @@ def _numbers(prefix: str, values, out: dict[str, float], depth: int = 0) -> None
 
 
 def decision_scalars(record: Mapping) -> dict[str, float]:
-    """Scalars of one decision-log record (:meth:`SchedulerServer._log_record`'s dict)."""
+    """Scalars of one decision-log record, as
+    :meth:`~dynamix_byteps.control.decision_record.DecisionRecord.to_dict` gives it."""
     out: dict[str, float] = {}
     sizes = record.get("batch_sizes") or []
     for rank, size in enumerate(sizes):

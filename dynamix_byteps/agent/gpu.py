@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from dynamix_byteps.extras import import_extra
+
 log = logging.getLogger(__name__)
 
 
@@ -64,9 +66,9 @@ class GpuMonitor:
         self._handles: list = []
         self._last_ts: dict[int, int] = {}  # device -> NVML timestamp (µs) of the last process sample
         try:
-            import pynvml
+            pynvml = import_extra("pynvml", "gpu", "reading GPUs through NVML")
         except ImportError as e:
-            self._unavailable(f"pynvml not installed ({e})")
+            self._unavailable(str(e))
             return
         try:
             pynvml.nvmlInit()

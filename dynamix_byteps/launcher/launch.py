@@ -73,6 +73,7 @@ from pathlib import Path
 
 import psutil
 
+from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"dynamix_byteps {__version__}")
     parser.add_argument(
         "-n", "--num-workers", type=_num_workers, metavar="N",
         help=f"run N (at most {MAX_WORKERS}) local worker processes on this machine (local mode); "
