@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control.decision_record import DecisionRecord
 from dynamix_byteps.control.scheduler import DECISION_LOG, SchedulerServer
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import Guarded
@@ -442,7 +443,8 @@ def test_lines_that_are_not_decision_records_are_skipped(tmp_path, caplog):
     log.write_text("\n".join([json.dumps(good[0]), "5", "[1, 2]", '{"decision": 9}', '{"step": "x"}',
                               "{not json", json.dumps(good[1]), '{"step": 3']))
     tail = DecisionTail(log)
-    assert tail.read() == good  # the partial last line waits; the others would crash the trainer's step
+    # the partial last line waits; the others would crash the trainer's step
+    assert tail.read() == [DecisionRecord.from_dict(g) for g in good]
     assert caplog.text.count("skipping a malformed line") == 5
 
 
@@ -451,8 +453,8 @@ def _decision(index, step, loss, sizes, *, settling=False):
         terms = {"guard": {"settling": [0]}}
     else:
         terms = {"obs": [[0.0] * 3] * 2, "logits": [0.0] * 10, "logp": -1.0, "actions": [2, 2], "generation": 0}
-    return {"decision": index, "step": step, "batch_sizes_before": sizes, "batch_sizes": sizes, "terms": terms,
-            "reward": {"loss": loss, "step_time_s": 0.1}}
+    return DecisionRecord(decision=index, step=step, batch_sizes_before=sizes, batch_sizes=sizes, terms=terms,
+                          reward={"loss": loss, "step_time_s": 0.1})
 
 
 def test_a_transition_spans_the_settling_waits_after_a_decision():

@@ -58,6 +58,7 @@ from dynamix_byteps.control.cluster import (
     Snapshot,
     cluster_state,
 )
+from dynamix_byteps.control.decision_record import DecisionRecord
 from dynamix_byteps.control.security import (
     MAX_CONCURRENT_RPCS,
     SERVER_OPTIONS,
@@ -68,6 +69,7 @@ from dynamix_byteps.control.security import (
     server_credentials,
 )
 from dynamix_byteps.errors import ConfigurationError, DynamixError
+from dynamix_byteps.extras import import_extra
 from dynamix_byteps.policy.base import Policy
 from dynamix_byteps.summaries import ScalarWriter, decision_scalars, scheduler_logdir
 
@@ -204,13 +206,17 @@ class DecisionLog:
         self._fd = -1
 
 
+def _prometheus_client():
+    return import_extra("prometheus_client", "monitoring", "serving the scheduler's metrics (--metrics-port)")
+
+
 class SchedulerMetrics:
     """Prometheus collectors of one scheduler, in their own registry (several schedulers per process are fine)."""
 
     def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        prometheus = _prometheus_client()
 
-        self.registry = CollectorRegistry()
+        self.registry = prometheus.CollectorRegistry()
         r = self.registry
         per_rank = {
             "batch_size": "local batch size in force at the rank's last report, samples",
@@ -220,13 +226,13 @@ class SchedulerMetrics:
             "push_pull_seconds": "mean push_pull time per step at the last report, seconds",
             "loss": "mean training loss over the rank's last interval",
         }
-        self._gauges = {k: Gauge(f"dynamix_worker_{k}", doc, ["rank"], registry=r) for k, doc in per_rank.items()}
+        self._gauges = {k: prometheus.Gauge(f"dynamix_worker_{k}", doc, ["rank"], registry=r) for k, doc in per_rank.items()}
         self._children: dict[int, dict] = {}
-        self.decisions = Counter("dynamix_decisions", "policy decisions, by action (change, keep, error)", ["action"], registry=r)
-        self.version = Gauge("dynamix_assignment_version", "version of the newest assignment", registry=r)
-        self.registered = Gauge("dynamix_registered_workers", "workers registered", registry=r)
-        self.rejected = Counter("dynamix_rejected_requests", "requests refused, by gRPC status code", ["code"], registry=r)
-        self.decision_seconds = Histogram(
+        self.decisions = prometheus.Counter("dynamix_decisions", "policy decisions, by action (change, keep, error)", ["action"], registry=r)
+        self.version = prometheus.Gauge("dynamix_assignment_version", "version of the newest assignment", registry=r)
+        self.registered = prometheus.Gauge("dynamix_registered_workers", "workers registered", registry=r)
+        self.rejected = prometheus.Counter("dynamix_rejected_requests", "requests refused, by gRPC status code", ["code"], registry=r)
+        self.decision_seconds = prometheus.Histogram(
             "dynamix_decision_seconds", "state snapshot + policy + log, seconds", registry=r,
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.25, 1.0),
         )
@@ -259,9 +265,7 @@ class SchedulerMetrics:
         Raises:
             SchedulerStartError: the port cannot be bound.
         """
-        from prometheus_client import make_wsgi_app
-
-        app = make_wsgi_app(self.registry)
+        app = _prometheus_client().make_wsgi_app(self.registry)
         if token:
             app = require_bearer_token(app, token)
         try:
@@ -582,7 +586,7 @@ class SchedulerServer:
         timing = {"policy_s": t2 - t1, "decision_s": time.perf_counter() - t0}
         if self.decision_log is not None:
             self.decision_log.submit(
-                lambda: self._log_record(index, snap, state, new, action, reason, gain, terms, clamped, error, timing))
+                lambda: self._log_record(index, snap, state, new, action, reason, gain, terms, clamped, error, timing).to_dict())
         if self.metrics is not None:
             self.metrics.decisions.labels(action=action).inc()
             self.metrics.assignment(new)
@@ -601,7 +605,7 @@ class SchedulerServer:
                     for w, b in zip(snap.workers, sizes))
         return out, [r for r, (a, b) in enumerate(zip(sizes, out)) if a != b]
 
-    def _log_record(self, index, snap, state, new, action, reason, gain, terms, clamped, error, timing) -> dict:
+    def _log_record(self, index, snap, state, new, action, reason, gain, terms, clamped, error, timing) -> DecisionRecord:
         """One decision-log line. ``state.workers`` is columnar: one list per field, index = rank."""
         ws = state.workers
         workers = {
@@ -621,24 +625,24 @@ class SchedulerServer:
         history = state.loss_history
         loss = history[-1] if history else None
         change = history[-1] - history[-2] if len(history) >= 2 else None
-        return {
-            "time": time.time(),
-            "decision": index,
-            "step": snap.step,
-            "policy": self.policy_name,
-            "action": action,
-            "version": new.version,
-            "previous_version": snap.current.version,
-            "effective_step": new.effective_step,
-            "batch_sizes_before": list(snap.current.batch_sizes),
-            "batch_sizes": list(new.batch_sizes),
-            "lr_scale": _num(new.lr_scale),
-            "reason": reason,
-            "predicted_gain": _num(gain),
-            "terms": _jsonable(terms),
-            "clamped_ranks": clamped,
-            "error": error,
-            "state": {
+        return DecisionRecord(
+            time=time.time(),
+            decision=index,
+            step=snap.step,
+            policy=self.policy_name,
+            action=action,
+            version=new.version,
+            previous_version=snap.current.version,
+            effective_step=new.effective_step,
+            batch_sizes_before=list(snap.current.batch_sizes),
+            batch_sizes=list(new.batch_sizes),
+            lr_scale=_num(new.lr_scale),
+            reason=reason,
+            predicted_gain=_num(gain),
+            terms=_jsonable(terms),
+            clamped_ranks=clamped,
+            error=error,
+            state={
                 "workers": workers,
                 "initial_batch_sizes": list(state.initial_batch_sizes),
                 "loss_history_tail": [_num(x) for x in history[-8:]],
@@ -647,14 +651,14 @@ class SchedulerServer:
                 "noise_scale": _num(state.noise_scale),
                 "dataset_size": state.dataset_size,
             },
-            "reward": {
+            reward={
                 "throughput_samples_per_s": state.global_batch / step_time if step_time > 0 else None,
                 "step_time_s": step_time,
                 "loss": _num(loss),
                 "loss_change": _num(change),
             },
-            "timing": timing,
-        }
+            timing=timing,
+        )
 
 
 def _to_proto(a: AssignmentRecord) -> dynamix_pb2.Assignment:

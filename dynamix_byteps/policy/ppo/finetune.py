@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from dynamix_byteps.control.cluster import DECISION_LOG
+from dynamix_byteps.control.decision_record import DecisionRecord, parse_decision_lenient
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.guardrails import SETTLING
 from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, reward
@@ -108,7 +109,7 @@ def _finite(x) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def transition_reward(record: dict, following: dict, weights: RewardWeights, first_loss: float,
+def transition_reward(record: DecisionRecord, following: DecisionRecord, weights: RewardWeights, first_loss: float,
                       ref_interval_s: float) -> tuple[float, dict]:
     """The reward of decision ``record``, measured over the interval up to ``following``.
 
@@ -125,38 +126,38 @@ def transition_reward(record: dict, following: dict, weights: RewardWeights, fir
     Returns:
         ``(r, terms)`` as :func:`~dynamix_byteps.policy.ppo.mdp.reward`.
     """
-    now, then = (_finite((r.get("reward") or {}).get("loss")) for r in (record, following))
+    now, then = (_finite((r.reward or {}).get("loss")) for r in (record, following))
     progress = (now - then) / first_loss if now is not None and then is not None and first_loss > 0 else 0.0
-    step_time = _finite((following.get("reward") or {}).get("step_time_s")) or 0.0
-    interval = max(0, int(following["step"]) - int(record["step"])) * step_time
+    step_time = _finite((following.reward or {}).get("step_time_s")) or 0.0
+    interval = max(0, following.step - record.step) * step_time
     return reward(weights, progress, interval, ref_interval_s,
-                  np.asarray(record["batch_sizes_before"], float), np.asarray(record["batch_sizes"], float))
+                  np.asarray(record.batch_sizes_before, float), np.asarray(record.batch_sizes, float))
 
 
-def _ppo_terms(record: dict) -> dict | None:
+def _ppo_terms(record: DecisionRecord) -> dict | None:
     """The PPO terms of a decision, None when it was not decided by the network."""
-    terms = record.get("terms")
+    terms = record.terms
     if not isinstance(terms, dict) or "obs" not in terms or "logits" not in terms or "generation" not in terms:
         return None
-    n = len(record.get("batch_sizes") or ())
+    n = len(record.batch_sizes or ())
     if n == 0 or len(terms["obs"]) != n or len(terms.get("actions") or ()) != n:
         return None
     return terms
 
 
-def _settling(record: dict) -> bool:
+def _settling(record: DecisionRecord) -> bool:
     """A decision the guardrails skipped while the last assignment took effect (rule 2)."""
-    terms = record.get("terms")
+    terms = record.terms
     guard = terms.get("guard") if isinstance(terms, dict) else None
     return isinstance(guard, dict) and SETTLING in guard
 
 
-def _without_settling(records: list[dict]) -> list[tuple[dict, bool]]:
+def _without_settling(records: list[DecisionRecord]) -> list[tuple[DecisionRecord, bool]]:
     """``(record, follows)`` for each record that is not a settling wait; ``follows``: the record
     kept before it has the previous decision index, settling waits in between allowed."""
     out, expected = [], None
     for record in records:
-        index = record.get("decision")
+        index = record.decision
         follows = expected is not None and index == expected
         expected = index + 1 if isinstance(index, int) else None
         if not (follows and _settling(record)):
@@ -164,7 +165,7 @@ def _without_settling(records: list[dict]) -> list[tuple[dict, bool]]:
     return out
 
 
-def transitions(records: list[dict], weights: RewardWeights, first_loss: float,
+def transitions(records: list[DecisionRecord], weights: RewardWeights, first_loss: float,
                 ref_interval_s: float) -> list[Transition]:
     """Transitions of consecutive ``ppo`` decisions in ``records`` (in log order, settling waits
     skipped); a decision not made by the network (fallback, error, another policy), a gap in the
@@ -176,7 +177,7 @@ def transitions(records: list[dict], weights: RewardWeights, first_loss: float,
             continue
         r, _ = transition_reward(record, following, weights, first_loss, ref_interval_s)
         out.append(Transition(
-            position=position, decision=int(record["decision"]), generation=int(a["generation"]),
+            position=position, decision=int(record.decision), generation=int(a["generation"]),
             obs=np.asarray(a["obs"], np.float32).reshape(-1), next_obs=np.asarray(b["obs"], np.float32).reshape(-1),
             actions=np.asarray(a["actions"], np.int64), logits=np.asarray(a["logits"], np.float32).reshape(-1),
             logp=float(a["logp"]), reward=float(r)))
@@ -189,31 +190,27 @@ class DecisionTail:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.offset = 0
-        self.records: list[dict] = []
+        self.records: list[DecisionRecord] = []
+        self.lines = 0  # complete lines read, for the line numbers of warnings
         self.resets = 0  # times the file was found replaced or truncated (read again from the start)
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[DecisionRecord]:
         """Parse what was appended since the last call; returns the new records."""
         try:
             with open(self.path, "rb") as f:
                 if f.seek(0, os.SEEK_END) < self.offset:  # replaced or truncated: start over
-                    self.offset, self.records, self.resets = 0, [], self.resets + 1
+                    self.offset, self.lines, self.records, self.resets = 0, 0, [], self.resets + 1
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        new = []
-        for line in data[:end].splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                new.append(record)
-            else:  # not a decision record (the scheduler writes none such): skipped, as a partial line is
-                log.warning("skipping a malformed line in %s", self.path)
+        lines = data[:end].split(b"\n")[:-1]
+        numbered = enumerate(lines, self.lines + 1)
+        self.lines += len(lines)
+        # Not a decision record (the scheduler writes none such): skipped, as a partial line is.
+        new = [r for n, line in numbered if line.strip() and (r := parse_decision_lenient(line, self.path, n)) is not None]
         self.records.extend(new)
         return new
 
@@ -349,12 +346,11 @@ class FineTuner:
     def _reference(self) -> tuple[float, float] | None:
         """``(first_loss, ref_interval_s)`` of the run (:func:`transition_reward`), None before known."""
         records = self.tail.records
-        losses = (_finite((r.get("reward") or {}).get("loss")) for r in records)
+        losses = (_finite((r.reward or {}).get("loss")) for r in records)
         first_loss = next((v for v in losses if v is not None and v > 0), 0.0)
-        first = next((r for r in records if _finite((r.get("reward") or {}).get("step_time_s"))), None)
-        steps = next((int(b["step"]) - int(a["step"]) for a, b in pairwise(records)
-                      if int(b["step"]) > int(a["step"])), 0)
-        ref = steps * float(first["reward"]["step_time_s"]) if first is not None else 0.0
+        first = next((r for r in records if _finite((r.reward or {}).get("step_time_s"))), None)
+        steps = next((b.step - a.step for a, b in pairwise(records) if b.step > a.step), 0)
+        ref = steps * float(first.reward["step_time_s"]) if first is not None else 0.0
         return (first_loss, ref) if ref > 0 else None
 
     def _transitions(self) -> list[Transition]:
@@ -374,8 +370,9 @@ class FineTuner:
             return []
         out = []
         for record, following in pairwise(records[start:]):
-            decided_by = (record.get("terms") or {}).get("generation")
-            if decided_by not in (None, generation) or following.get("decision") != record.get("decision", -2) + 1:
+            decided_by = (record.terms or {}).get("generation")
+            previous_index = -2 if record.decision is None else record.decision
+            if decided_by not in (None, generation) or following.decision != previous_index + 1:
                 continue
             out.append(transition_reward(record, following, self.weights, *reference)[0])
         return out

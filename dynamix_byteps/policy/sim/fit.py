@@ -1,7 +1,7 @@
 """Fit the training simulator to a real run: ``dynamix sim fit RUN_DIR``.
 
 Input: ``RUN_DIR/decisions.jsonl``, written by the scheduler of ``bpslaunch --policy ...
---log-dir RUN_DIR`` (one JSON line per decision, see ``SchedulerServer._log_record``). Each line
+--log-dir RUN_DIR`` (one :class:`~dynamix_byteps.control.decision_record.DecisionRecord` per line). Each line
 holds, per worker, the means over the decision interval just ended of ``compute_s`` and
 ``push_pull_s`` (seconds per step), and the scheduler's smoothed throughput ``samples_per_s``.
 
@@ -66,7 +66,6 @@ homogeneous --sim-params FILE`` (other scenarios add their slowdowns on top of t
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -75,6 +74,7 @@ from pathlib import Path
 import numpy as np
 
 from dynamix_byteps.control.cluster import DECISION_LOG, MAX_RATE, MAX_SECONDS, THROUGHPUT_SMOOTHING
+from dynamix_byteps.control.decision_record import read_decisions
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import (
@@ -153,30 +153,12 @@ class WorkerFit:
     method: str
 
 
+_NOT_A_DECISION_LOG_HINT = ("; the file is damaged or not a dynamix decision log: point `dynamix sim fit` at the "
+                            "--log-dir of a bpslaunch --policy run")
+
+
 def _corrupt(path: Path, line: int, why: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"{path} line {line} is not a decision record ({why}); the file is damaged or not a dynamix "
-        "decision log: point `dynamix sim fit` at the --log-dir of a bpslaunch --policy run")
-
-
-class _NonFinite(ValueError):
-    """A number JSON should not hold: NaN, Infinity, or one too large for a float (1e400)."""
-
-
-def _refuse_constant(name: str):
-    raise _NonFinite(f"non-finite number {name}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NonFinite(f"non-finite number {text}")
-    return value
-
-
-def _parse_record(line: str):
-    """One decision line; raises :class:`_NonFinite` for NaN, ±Infinity or an overflowing number."""
-    return json.loads(line, parse_constant=_refuse_constant, parse_float=_finite_float)
+    return ConfigurationError(f"{path} line {line} is not a decision record ({why}){_NOT_A_DECISION_LOG_HINT}")
 
 
 def _beyond_range(compute, push_pull, smoothed) -> str | None:
@@ -206,7 +188,7 @@ def load_log(run_dir) -> RunLog:
     try:
         if path.is_dir():  # raises PermissionError for a path in a folder without search permission
             path = path / DECISION_LOG
-        text = path.read_text()
+        numbered = list(read_decisions(path, hint=_NOT_A_DECISION_LOG_HINT))
     except FileNotFoundError:
         raise ConfigurationError(
             f"{path} does not exist: record a run with `bpslaunch --policy proportional --log-dir DIR ...` "
@@ -214,29 +196,17 @@ def load_log(run_dir) -> RunLog:
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigurationError(f"cannot read {path}: {error}") from None
     rows, previous, last_decision, untimed = [], None, None, set()
-    lines = text.splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, record in numbered:
         try:
-            record = _parse_record(line)
-            state, w = record["state"], record["state"]["workers"]
+            state, w = record.state, record.state["workers"]
             sizes = [int(b) for b in w["batch_size"]]
             compute = [_finite(x) for x in w["compute_s"]]
             push_pull = [_finite(x) for x in w["push_pull_s"]]
             smoothed = [_finite(x) for x in w["samples_per_s"]]
             reports = [int(x) for x in w.get("reports") or [1] * len(sizes)]
-            step, decision = int(record["step"]), record.get("decision")
+            step, decision = record.step, record.decision
             losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
             nodes = any(isinstance(node, dict) and ("cpu_util" in node or "rtt_s" in node) for node in w.get("node") or [])
-            if not 0 <= step < 2**62:
-                raise ValueError(f"step {step}")
-        except json.JSONDecodeError as error:
-            if number == len(lines) and not text.endswith("\n"):
-                break  # the last line of a run killed while writing it
-            raise _corrupt(path, number, f"invalid JSON: {error.msg}") from None
-        except _NonFinite as error:
-            raise _corrupt(path, number, str(error)) from None
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise _corrupt(path, number, f"missing or malformed field {error}") from None
         n = len(sizes)
@@ -266,15 +236,15 @@ def load_log(run_dir) -> RunLog:
             f"longer run (more than {MIN_INTERVALS} x --decision-interval steps) or a smaller --decision-interval"
             + (f"; decisions without a compute time > 0 of rank(s) {sorted(untimed)} were left out" if untimed else ""))
     first = rows[0]["record"]
-    w = first["state"]["workers"]
+    w = first.state["workers"]
     try:
         mins = [int(b) for b in w.get("min_batch") or [1]]
         maxes = [int(b) for b in w.get("max_batch") or [] if b]
-        initial = first["state"].get("initial_batch_sizes") or first.get("batch_sizes_before") or w["batch_size"]
+        initial = first.state.get("initial_batch_sizes") or first.batch_sizes_before or w["batch_size"]
         initial = tuple(int(b) for b in initial)
     except (TypeError, ValueError, OverflowError) as error:
         raise _corrupt(path, rows[0]["line"], f"malformed batch bounds or initial batch sizes ({error})") from None
-    datasets = [r["record"]["state"].get("dataset_size") for r in rows]
+    datasets = [r["record"].state.get("dataset_size") for r in rows]
     datasets = [int(d) for d in datasets if isinstance(d, int) and d > 0]
     return RunLog(
         path=path,
