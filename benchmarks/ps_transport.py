@@ -4,7 +4,7 @@ against the gloo ring all-reduce of the same bytes.
 Candidates, each with W worker processes and K summation-server processes on loopback, the
 tensor cut into 4,096,000-byte partitions spread round-robin over the servers:
 
-* ``rpc``: ``torch.distributed.rpc`` (TensorPipe); per partition one ``push`` RPC (the server
+* ``rpc``: ``torch.distributed.rpc`` (TensorPipe, uv transport as the ps engine); per partition one ``push`` RPC (the server
   adds the payload and acknowledges) and one ``pull`` RPC answered by the server once the
   round's last push arrived (``@rpc.functions.async_execution``);
 * ``gloo-p2p``: a second ``ProcessGroupGloo`` (own TCPStore) over workers and servers; per
@@ -12,8 +12,9 @@ tensor cut into 4,096,000-byte partitions spread round-robin over the servers:
   back to every worker on a tag per partition;
 * ``ring``: ``dist.all_reduce`` over the W workers' default gloo group (the current engine).
 
-A round trip is the time from the first push to the last sum received, on worker 0, after a
-barrier; the median over ``--repeats`` and the min-max spread are printed and written as JSON.
+A round trip is the time from the first push to the last sum received, on worker 0; rounds follow
+each other (the ring's after a barrier) and the first, which sets up connections, is not timed.
+The median over ``--repeats`` and the min-max spread are printed and written as JSON.
 
     python benchmarks/ps_transport.py --workers 4 --servers 2 --repeats 20
 """
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_report  # noqa: E402
 
 PARTITION_BYTES = 4096000
-TRANSPORTS, CHANNELS = ["uv"], ["basic"]  # as the ps engine: TensorPipe's shm transport busy-polls a core
+TRANSPORTS = ["uv"]  # as the ps engine: TensorPipe's shm transport busy-polls a core in every process
 SIZES = {"1.7MB": 1_700_000, "36MB": 36_000_000}
 
 
@@ -94,8 +95,10 @@ class _RpcServer:
 def _rpc_role(role, index, workers, servers, port, sizes, repeats):
     from torch.distributed import rpc
 
+    channels = os.environ.get("PS_PROBE_CHANNELS")  # None: every channel TensorPipe has (cma on one host)
+
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
-                                           _transports=TRANSPORTS, _channels=CHANNELS)
+                                           _transports=TRANSPORTS, _channels=channels.split(",") if channels else None)
     rank = index if role == "server" else servers + index
     name = f"server{index}" if role == "server" else f"worker{index}"
     _RpcServer.workers = workers
@@ -111,7 +114,7 @@ def _rpc_role(role, index, workers, servers, port, sizes, repeats):
                 for p, (a, b) in enumerate(_partitions(tensor.numel())):
                     server = f"server{p % servers}"
                     key = (label, r, p)
-                    futures.append(rpc.rpc_async(server, _RpcServer.push, args=(key, tensor[a:b].clone())))  # a view would send its whole storage
+                    futures.append(rpc.rpc_async(server, _RpcServer.push, args=(key, tensor[a:b].clone())))
                     futures.append(rpc.rpc_async(server, _RpcServer.pull, args=(key,)))
                 for f in futures:
                     f.wait()
@@ -260,14 +263,20 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--transports", default="ring,rpc,gloo-p2p")
+    parser.add_argument("--rpc-channels", default="all",
+                        help="TensorPipe channels of the rpc candidate, comma-separated, or 'all' (the default, "
+                             "as the ps engine): TensorPipe's choice")
     parser.add_argument("--out", type=Path, default=RESULTS / "ps_transport.json")
     args = parser.parse_args()
+    if args.rpc_channels != "all":
+        os.environ["PS_PROBE_CHANNELS"] = args.rpc_channels
     rows = []
     load_before = os.getloadavg()[0]
     for transport in args.transports.split(","):
         times = run(transport, args.workers, args.servers, args.repeats)
         for label, values in times.items():
-            row = {"transport": transport, "size": label, "median_ms": statistics.median(values) * 1e3,
+            row = {"transport": transport, "size": label,
+                   "rpc_channels": args.rpc_channels if transport == "rpc" else None, "median_ms": statistics.median(values) * 1e3,
                    "min_ms": min(values) * 1e3, "max_ms": max(values) * 1e3, "times_s": values}
             rows.append(row)
             print(f"{transport:<9} {label:>6}  median {row['median_ms']:8.2f} ms  "

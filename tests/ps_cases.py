@@ -79,8 +79,10 @@ def averages(rounds: int) -> dict:
 
 def all_checks(one_in_flight_rounds: int, five_in_flight_rounds: int, average_rounds: int) -> dict:
     """:func:`sums` with one tensor in flight, then five, then :func:`averages`: one job, three checks."""
+    import torch.distributed as dist
+
     return {"one_in_flight": sums(one_in_flight_rounds, 1), "five_in_flight": sums(five_in_flight_rounds, 5),
-            "averages": averages(average_rounds)}
+            "averages": averages(average_rounds), "default_group_size": dist.get_world_size()}
 
 
 def until_failure(ready_dir: str, limit_s: float) -> dict:

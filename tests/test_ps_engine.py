@@ -10,8 +10,10 @@ import time
 import pytest
 import torch
 
-from dynamix_byteps.engine.ps_keys import KeyPlan
+from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
+from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
 from dynamix_byteps.engine.ps_server import SummationServer
+from dynamix_byteps.errors import ConfigurationError
 from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
 
 PS_TIMEOUT_S = 10
@@ -35,6 +37,19 @@ def test_partitions_cover_the_tensor_and_balance_bytes_over_servers():
     assert plan.partitions("empty", 0, 4, "torch.float32") == ()
     again = KeyPlan(num_servers=2, partition_bytes=4000)  # another worker, same order: the same plan
     assert again.partitions("big", 2500, 4, "torch.float32") == big
+
+
+def test_rendezvous_and_partition_size_come_from_the_byteps_variables():
+    group = PSRendezvous.from_environ(4, "10.0.0.1", 1234, 30.0, {"DMLC_NUM_SERVER": "2"})
+    assert (group.num_servers, group.port, group.world_size, group.worker_rpc_rank(3)) == (2, 1235, 6, 5)
+    assert PSRendezvous.from_environ(4, "h", 1234, 30.0, {"DMLC_NUM_SERVER": "1", "DYNAMIX_PS_PORT": "99"}).port == 99
+    with pytest.raises(ConfigurationError, match="DMLC_NUM_SERVER"):
+        PSRendezvous.from_environ(4, "h", 1234, 30.0, {})
+    with pytest.raises(ConfigurationError, match="DYNAMIX_PS_PORT"):
+        PSRendezvous.from_environ(1, "h", None, 30.0, {"DMLC_NUM_SERVER": "1"})
+    assert partition_bytes_from_env({}) == 4096000
+    with pytest.raises(ConfigurationError, match="BYTEPS_PARTITION_BYTES"):
+        partition_bytes_from_env({"BYTEPS_PARTITION_BYTES": "0"})
 
 
 def test_server_keeps_rounds_apart_and_answers_pulls_once_the_last_push_arrived():
@@ -68,6 +83,7 @@ def test_back_to_back_rounds_give_exact_sums_and_averages():
             assert result[check]["timed"]
         assert result["averages"]["worst_over_tolerance"] <= 1.0
     assert len({r["averages"]["digest"] for r in results}) == 1  # every worker pulled the same sums
+    assert {r["default_group_size"] for r in results} == {3}  # the servers are not in the workers' group
 
 
 @pytest.mark.timeout(180)

@@ -140,7 +140,6 @@ class ParameterServerEngine(Engine):
         what = describe_collective(name)
         flat = tensor.view(-1)
         parts = self.plan.partitions(name, flat.numel(), flat.element_size(), str(flat.dtype))
-        whole = len(parts) == 1 and flat.untyped_storage().nbytes() == parts[0].nbytes
         futures = []
         try:
             for part in parts:
@@ -148,8 +147,7 @@ class ParameterServerEngine(Engine):
                     self._rounds.append(0)
                 round_ = self._rounds[part.key]
                 self._rounds[part.key] += 1
-                # RPC would send a view's whole storage: send the partition's own copy.
-                payload = flat if whole else flat[part.start:part.stop].clone()
+                payload = flat[part.start:part.stop]  # RPC sends a view's elements only, not its storage
                 transfer = _Transfer(part, flat, timing.now_ns())
                 server = server_name(part.server)
                 timeout = self.group.timeout_s
