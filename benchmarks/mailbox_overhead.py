@@ -4,8 +4,8 @@ Times each publish/read of ``dynamix_byteps.control.mailbox.Mailbox`` (and, for 
 calls, the native handle underneath) in one process, uncontended: a worker handle from
 ``Mailbox.create`` and an agent handle from ``Mailbox.open`` on the same segment. Each case is
 the median of --runs runs of --calls calls, next to an empty Python loop for reference.
-"poll" cases ask for a version newer than the newest one, which is what a worker does every
-step when nothing changed (no copy, returns None). Prints a table, writes JSON.
+"poll" cases ask for a version newer than the newest one, which is what the agent does every
+poll when nothing changed (no copy, returns None). Prints a table, writes JSON.
 
     python benchmarks/mailbox_overhead.py [--calls 100000] [--runs 5] [--out PATH]
 """
@@ -13,7 +13,6 @@ step when nothing changed (no copy, returns None). Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -50,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         metrics_array = np.linspace(0.0, 1.0, 32)
         metrics_list = metrics_array.tolist()
-        sizes = {n: np.full(n, 64, dtype=np.int64) for n in (8, 1024)}
-        versions = itertools.count(1)
 
         def loop(n):
             for _ in range(n):
@@ -83,39 +80,6 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(n):
                 read(newest)
 
-        def publish_assignment(k):
-            def run(n):
-                publish = agent.publish_assignment
-                s = sizes[k]
-                for _ in range(n):
-                    publish(next(versions), 10, s)
-
-            return run
-
-        def read_assignment_new(n):
-            read = worker.read_assignment
-            for _ in range(n):
-                read(0)
-
-        def read_assignment_poll(n):
-            read = worker.read_assignment
-            newest = read(0)[0]
-            for _ in range(n):
-                read(newest)
-
-        def native_read_assignment_poll(n):
-            read = worker._mb.read_assignment
-            newest = read(0)[0]
-            for _ in range(n):
-                read(newest)
-
-        def with_assignment(k, fn):
-            def run(n):
-                agent.publish_assignment(next(versions), 10, sizes[k])
-                fn(n)
-
-            return run
-
         worker.publish_metrics(0, metrics_array)
         cases = {
             "empty python loop (reference)": loop,
@@ -124,12 +88,6 @@ def main(argv: list[str] | None = None) -> int:
             "_core publish_metrics (ndarray)": native_publish_metrics,
             "read_metrics (new record, 32 values)": read_metrics_new,
             "read_metrics (poll, nothing newer)": read_metrics_poll,
-            "publish_assignment (8 sizes)": publish_assignment(8),
-            "publish_assignment (1024 sizes)": publish_assignment(1024),
-            "read_assignment (new record, 8 sizes)": with_assignment(8, read_assignment_new),
-            "read_assignment (new record, 1024 sizes)": with_assignment(1024, read_assignment_new),
-            "read_assignment (poll, nothing newer)": with_assignment(8, read_assignment_poll),
-            "_core read_assignment (poll)": with_assignment(8, native_read_assignment_poll),
         }
         results = []
         for case, fn in cases.items():

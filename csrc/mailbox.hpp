@@ -2,23 +2,21 @@
 //
 // Pure C++17 + POSIX, no Python or torch: the pybind11 bindings live in mailbox_bindings.cpp.
 //
-// One POSIX shared-memory segment (shm_open, /dev/shm/<name> on Linux) holds a header and two
-// one-record slots, each with a single writer:
+// One POSIX shared-memory segment (shm_open, /dev/shm/<name> on Linux) holds a header and one
+// one-record slot with a single writer:
 //   metrics    writer: worker (the creator), reader: agent  -- step + up to 32 float64 values
-//   assignment writer: agent (an opener),    reader: worker -- version, effective_step, up to
-//                                                              1024 uint32 batch sizes
-// A writer overwrites the slot's record; a reader gets the newest complete record (or nothing):
-// it is a "latest value" register, not a queue.
+// The writer overwrites the slot's record; a reader gets the newest complete record (or nothing):
+// it is a "latest value" register, not a queue. (Assignments reach the worker by gRPC and
+// broadcast, not through the mailbox: layout 1 had an agent -> worker slot that nothing used.)
 //
-// Layout (kLayoutVersion 1, little-endian, every field naturally aligned, see Segment below):
+// Layout (kLayoutVersion 2, little-endian, every field naturally aligned, see Segment below):
 //   offset    0  SegmentHeader   64 bytes. Its first 32 bytes (magic, layout_version,
 //                                 segment_bytes, owner_pid, owner_start_ticks) keep their
 //                                 offsets in every layout version, so any build can tell a
 //                                 mailbox of another version and find its owner.
 //   offset   64  MetricsSlot     seq, version, step, count, values[32]
-//   offset  384  AssignmentSlot  seq, version, effective_step, n, sizes[1024]
 //
-// Seqlock protocol and memory ordering (per slot; H. Boehm, "Can seqlocks get along with
+// Seqlock protocol and memory ordering (H. Boehm, "Can seqlocks get along with
 // programming language memory models?", MSPC 2012, the fence variant):
 //   writer:  s = seq (relaxed; the only writer reads its own last store)
 //            begin = (s + 1) | 1           odd: a write is in progress. If s is already odd a
@@ -53,9 +51,9 @@
 // processes replacing the same stale name at the same instant could race (a configuration
 // error: one name per worker). close() unlinks only if the name still refers to this inode.
 //
-// Exactly one writer per slot is the contract (the bindings enforce the roles: metrics only
-// through the creating handle, assignments only through opened handles, and the GIL serialises
-// calls on one handle); two concurrent writers on one slot could publish a mixed record.
+// Exactly one writer is the contract (the bindings enforce it: metrics only through the
+// creating handle, and the GIL serialises calls on one handle); two concurrent writers could
+// publish a mixed record.
 #pragma once
 
 #include <errno.h>
@@ -83,9 +81,8 @@ namespace dynamix {
 namespace mailbox {
 
 constexpr uint64_t kMagic = 0x584F424D584E5944ULL;  // the bytes "DYNXMBOX" in little-endian order
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr uint32_t kMetricsCapacity = 32;   // float64 values per metrics record
-constexpr uint32_t kMaxBatchSizes = 1024;   // uint32 batch sizes per assignment record
 constexpr int kMaxReadAttempts = 64;        // seqlock read attempts before reporting kBusy
 constexpr size_t kMaxNameLength = 255;      // NAME_MAX, leading '/' included
 
@@ -100,8 +97,7 @@ struct SegmentHeader {
   int64_t owner_pid;                // creating (worker) process
   uint64_t owner_start_ticks;       // its start time, /proc/<pid>/stat field 22; 0 = unknown
   uint32_t metrics_capacity;        // kMetricsCapacity
-  uint32_t max_batch_sizes;         // kMaxBatchSizes
-  uint8_t reserved[24];
+  uint8_t reserved[28];             // layout 1 kept the assignment slot's capacity in the first 4
 };
 
 struct alignas(64) MetricsSlot {
@@ -113,19 +109,9 @@ struct alignas(64) MetricsSlot {
   std::atomic<uint64_t> values[kMetricsCapacity];  // IEEE-754 float64 bit patterns
 };
 
-struct alignas(64) AssignmentSlot {
-  std::atomic<uint64_t> seq;             // seqlock counter: odd while a write is in progress
-  std::atomic<uint64_t> version;         // strictly increasing per publish; 0 = never published
-  std::atomic<uint64_t> effective_step;  // first global step the sizes apply to
-  std::atomic<uint32_t> n;               // batch sizes in use, 1..kMaxBatchSizes
-  uint32_t reserved;
-  std::atomic<uint32_t> sizes[kMaxBatchSizes];  // samples per step, index = rank
-};
-
 struct Segment {
   SegmentHeader header;
   MetricsSlot metrics;
-  AssignmentSlot assignment;
 };
 
 static_assert(std::is_standard_layout<Segment>::value, "Segment must be standard layout");
@@ -133,21 +119,13 @@ static_assert(sizeof(SegmentHeader) == 64, "header layout");
 static_assert(offsetof(SegmentHeader, owner_pid) == 16 && offsetof(SegmentHeader, owner_start_ticks) == 24,
               "the header's first 32 bytes are fixed across layout versions");
 static_assert(offsetof(Segment, metrics) == 64, "metrics slot offset");
-static_assert(offsetof(Segment, assignment) == 384, "assignment slot offset");
-static_assert(sizeof(Segment) == 4544, "segment size of layout 1");
+static_assert(sizeof(Segment) == 384, "segment size of layout 2");
 
 struct MetricsRecord {
   uint64_t version = 0;
   uint64_t step = 0;
   uint32_t count = 0;
   double values[kMetricsCapacity];
-};
-
-struct AssignmentRecord {
-  uint64_t version = 0;
-  uint64_t effective_step = 0;
-  uint32_t n = 0;
-  uint32_t sizes[kMaxBatchSizes];
 };
 
 enum class ReadStatus {
@@ -174,7 +152,7 @@ struct NotReadyError : LayoutError {
   using LayoutError::LayoutError;
 };
 
-// A write was attempted through the wrong end (see "one writer per slot" above).
+// A write was attempted through the wrong end (see "exactly one writer" above).
 struct RoleError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -256,28 +234,6 @@ inline ReadStatus read_metrics(const MetricsSlot& slot, uint64_t newer_than, Met
     if (n > kMetricsCapacity) n = kMetricsCapacity;  // torn or hostile: never index past the array
     out.count = n;
     for (uint32_t i = 0; i < n; ++i) out.values[i] = bits_double(slot.values[i].load(std::memory_order_relaxed));
-  }, attempts);
-}
-
-// Writes one assignment record. 1 <= n <= kMaxBatchSizes; the caller checks version ordering.
-inline void write_assignment(AssignmentSlot& slot, uint64_t version, uint64_t effective_step, const uint32_t* sizes,
-                             uint32_t n) noexcept {
-  seqlock_write(slot, [&] {
-    slot.version.store(version, std::memory_order_relaxed);
-    slot.effective_step.store(effective_step, std::memory_order_relaxed);
-    slot.n.store(n, std::memory_order_relaxed);
-    for (uint32_t i = 0; i < n; ++i) slot.sizes[i].store(sizes[i], std::memory_order_relaxed);
-  });
-}
-
-inline ReadStatus read_assignment(const AssignmentSlot& slot, uint64_t newer_than, AssignmentRecord& out,
-                                  int* attempts = nullptr) noexcept {
-  return seqlock_read(slot, newer_than, out.version, [&] {
-    out.effective_step = slot.effective_step.load(std::memory_order_relaxed);
-    uint32_t n = slot.n.load(std::memory_order_relaxed);
-    if (n > kMaxBatchSizes) n = kMaxBatchSizes;
-    out.n = n;
-    for (uint32_t i = 0; i < n; ++i) out.sizes[i] = slot.sizes[i].load(std::memory_order_relaxed);
   }, attempts);
 }
 
@@ -390,7 +346,7 @@ class Mailbox {
       throw os_error(err, "cannot size or map mailbox", name);
     }
     ::close(fd);
-    // ftruncate zero-filled the segment: seq = 0 (never written) in both slots. Construct the
+    // ftruncate zero-filled the segment: seq = 0 (never written) in the slot. Construct the
     // objects formally, fill the header, and publish it by storing the magic last.
     auto* seg = new (addr) Segment();
     seg->header.layout_version = kLayoutVersion;
@@ -398,7 +354,6 @@ class Mailbox {
     seg->header.owner_pid = static_cast<int64_t>(getpid());
     seg->header.owner_start_ticks = self_start_ticks();
     seg->header.metrics_capacity = kMetricsCapacity;
-    seg->header.max_batch_sizes = kMaxBatchSizes;
     seg->header.magic.store(kMagic, std::memory_order_release);
     std::unique_ptr<Mailbox> mb(new Mailbox(name, true, std::make_shared<Mapping>(seg, sizeof(Segment))));
     mb->dev_ = st.st_dev;
@@ -470,29 +425,8 @@ class Mailbox {
     return write_metrics(s.metrics, step, values, static_cast<uint32_t>(n));
   }
 
-  // Agent only. Throws std::invalid_argument unless 1 <= n <= 1024 and version is greater than
-  // the last published version.
-  void publish_assignment(uint64_t version, uint64_t effective_step, const uint32_t* sizes, size_t n) {
-    Segment& s = seg();
-    if (creator_) throw RoleError("publish_assignment: assignments are written by the agent, through Mailbox.open()");
-    if (n < 1 || n > kMaxBatchSizes) {
-      throw std::invalid_argument("publish_assignment: " + std::to_string(n) + " batch sizes, need 1 to " +
-                                  std::to_string(kMaxBatchSizes));
-    }
-    const uint64_t last = s.assignment.version.load(std::memory_order_relaxed);
-    if (version <= last) {
-      throw std::invalid_argument("publish_assignment: version " + std::to_string(version) +
-                                  " must be greater than the last published version " + std::to_string(last));
-    }
-    write_assignment(s.assignment, version, effective_step, sizes, static_cast<uint32_t>(n));
-  }
-
   ReadStatus read_metrics(uint64_t newer_than, MetricsRecord& out) {
     return count_busy(mailbox::read_metrics(seg().metrics, newer_than, out));
-  }
-
-  ReadStatus read_assignment(uint64_t newer_than, AssignmentRecord& out) {
-    return count_busy(mailbox::read_assignment(seg().assignment, newer_than, out));
   }
 
  private:
@@ -524,12 +458,11 @@ class Mailbox {
                         ", this build reads version " + std::to_string(kLayoutVersion) +
                         ": worker and agent run different dynamix_byteps versions");
     }
-    if (h.segment_bytes != sizeof(Segment) || size < sizeof(Segment) || h.metrics_capacity != kMetricsCapacity ||
-        h.max_batch_sizes != kMaxBatchSizes) {
+    if (h.segment_bytes != sizeof(Segment) || size < sizeof(Segment) || h.metrics_capacity != kMetricsCapacity) {
       throw LayoutError("mailbox " + name + " is " + std::to_string(size) + " bytes (header says " +
-                        std::to_string(h.segment_bytes) + ", " + std::to_string(h.metrics_capacity) + " metrics, " +
-                        std::to_string(h.max_batch_sizes) + " batch sizes); layout 1 needs " +
-                        std::to_string(sizeof(Segment)) + " bytes, 32 metrics, 1024 batch sizes");
+                        std::to_string(h.segment_bytes) + ", " + std::to_string(h.metrics_capacity) +
+                        " metrics); layout " + std::to_string(kLayoutVersion) + " needs " +
+                        std::to_string(sizeof(Segment)) + " bytes, " + std::to_string(kMetricsCapacity) + " metrics");
     }
   }
 

@@ -36,7 +36,6 @@ from dynamix_byteps.control.mailbox import (
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux POSIX shared memory in /dev/shm")
 
 METRICS_SEQ_OFFSET = 64  # MetricsSlot.seq
-ASSIGNMENT_SEQ_OFFSET = 384  # AssignmentSlot.seq
 
 
 def shm_file(name: str) -> str:
@@ -83,14 +82,14 @@ def poke_u64(name: str, offset: int, value: int) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_round_trip_both_directions_in_one_process(name):
+def test_round_trip_in_one_process(name):
     worker = agent = None
     try:
         worker = Mailbox.create(name)
         agent = Mailbox.open(name)
         assert worker.is_creator and not agent.is_creator
         assert worker.owner_pid == agent.owner_pid == os.getpid()
-        assert agent.read_metrics() is None and worker.read_assignment() is None
+        assert agent.read_metrics() is None
 
         values = [0.5, -1.25, 1e300, 5e-324, 0.0, -0.0, 3.0]
         assert worker.publish_metrics(7, values) == 1
@@ -105,14 +104,6 @@ def test_round_trip_both_directions_in_one_process(name):
         assert worker.publish_metrics(2**64 - 1, []) == 3  # step is a uint64; zero values allowed
         version, step, got = agent.read_metrics()
         assert (version, step, got.shape) == (3, 2**64 - 1, (0,))
-
-        agent.publish_assignment(5, 100, [32, 16, 8, 2**32 - 1, 0])
-        assert worker.read_assignment() == (5, 100, (32, 16, 8, 2**32 - 1, 0))
-        agent.publish_assignment(6, 2**64 - 1, np.full(1024, 3, dtype=np.int32))
-        version, step, sizes = worker.read_assignment()
-        assert (version, step, sizes) == (6, 2**64 - 1, (3,) * 1024)
-        agent.publish_assignment(7, 0, [9])  # a shorter record after a longer one
-        assert worker.read_assignment() == (7, 0, (9,))
         assert worker.busy_reads == agent.busy_reads == 0
     finally:
         for mb in (agent, worker):
@@ -139,7 +130,6 @@ with Mailbox.open(sys.argv[1], timeout=20) as agent:
             break
         import time; time.sleep(0.01)
     version, step, values = got
-    agent.publish_assignment(version, step + 1, [int(v) for v in values])
     print(json.dumps({"version": version, "step": step, "values": values.tolist()}))
 """
 
@@ -153,15 +143,9 @@ def test_round_trip_across_two_processes(name):
     try:
         worker = Mailbox.create(name)
         worker.publish_metrics(41, [3.0, 4.0, 5.0])
-        deadline = time.monotonic() + 40
-        got = None
-        while got is None and time.monotonic() < deadline:
-            got = worker.read_assignment()
-            time.sleep(0.005)
         out, err = agent.communicate(timeout=40)
         assert agent.returncode == 0, err
         assert json.loads(out) == {"version": 1, "step": 41, "values": [3.0, 4.0, 5.0]}
-        assert got == (1, 42, (3, 4, 5))
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -172,10 +156,9 @@ def test_round_trip_across_two_processes(name):
 
 # ---- never a torn value ---------------------------------------------------------------------
 
-# Both sides at once, from Python, for --seconds: the worker publishes metrics whose 31 first
-# values are c + i/2 and whose last is their sum (checksum), step = c; the agent publishes
-# assignments with version = effective_step = c and sizes (c + i) % 2**32 plus a checksum.
-# Each side reads the other's slot with newer_than = last version seen and checks every record.
+# Both processes at once, from Python, for --seconds: the worker publishes metrics whose 31 first
+# values are c + i/2 and whose last is their sum (checksum), step = c; the agent reads them with
+# newer_than = last version seen and checks every record.
 HAMMER = """
 import json, sys, time
 import numpy as np
@@ -195,24 +178,16 @@ while time.monotonic() < deadline:
     if role == "worker":
         vals = c + base
         mb.publish_metrics(c, np.append(vals, vals.sum()))
-        got = mb.read_assignment(last)
-    else:
-        n = 1 + c % 64
-        sizes = [(c + i) % 2**32 for i in range(n - 1)]
-        mb.publish_assignment(c, c, sizes + [sum(sizes) % 2**32])
-        got = mb.read_metrics(last)
-    stats["writes"] += 1
+        stats["writes"] += 1
+        continue
+    got = mb.read_metrics(last)
     if got is None:
         stats["empty_or_old"] += 1
         continue
     stats["reads"] += 1
     version, step, payload = got
-    if role == "worker":
-        ok = step == version and sum(payload[:-1]) % 2**32 == payload[-1] and all(
-            s == (version + i) % 2**32 for i, s in enumerate(payload[:-1]))
-    else:
-        ok = (len(payload) == 32 and step == version and payload[-1] == payload[:-1].sum()
-              and np.array_equal(payload[:-1], step + base))
+    ok = (len(payload) == 32 and step == version and payload[-1] == payload[:-1].sum()
+          and np.array_equal(payload[:-1], step + base))
     stats["torn"] += not ok
     stats["backwards"] += version <= last
     last = version
@@ -225,7 +200,7 @@ mb.close()
 
 
 @pytest.mark.timeout(60)
-def test_python_processes_hammering_both_directions_never_tear(name):
+def test_python_writer_and_reader_processes_never_tear(name):
     procs = []
     try:
         for role in ("worker", "agent"):
@@ -251,14 +226,11 @@ def test_python_processes_hammering_both_directions_never_tear(name):
             p.stdin.flush()
         for p in procs:
             assert p.wait(timeout=30) == 0, p.stderr.read()
-        for role, s in stats.items():
-            assert s["torn"] == 0, (role, s)
-            assert s["backwards"] == 0, (role, s)
-            assert s["writes"] > 1000, (role, s)
-            assert s["reads"] > 100, (role, s)
-        # The worker's last read version cannot exceed what the agent wrote, and vice versa.
-        assert stats["worker"]["last"] <= stats["agent"]["writes"]
-        assert stats["agent"]["last"] <= stats["worker"]["writes"]
+        worker, agent = stats["worker"], stats["agent"]
+        assert worker["writes"] > 1000, worker
+        assert agent["torn"] == 0 and agent["backwards"] == 0, agent
+        assert agent["reads"] > 100, agent
+        assert agent["last"] <= worker["writes"]  # the agent cannot read past what the worker wrote
     finally:
         for p in procs:
             if p.poll() is None:
@@ -267,20 +239,18 @@ def test_python_processes_hammering_both_directions_never_tear(name):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("slot", ["metrics", "assignment"])
-def test_native_threads_hammering_never_tear(name, slot):
-    """A native writer thread and a native reader thread (no GIL) race on one slot for 1.5 s."""
+def test_native_threads_hammering_never_tear(name):
+    """A native writer thread and a native reader thread (no GIL) race on the slot for 1.5 s."""
     with Mailbox.create(name) as worker, Mailbox.open(name) as agent:
-        writer, reader = (worker, agent) if slot == "metrics" else (agent, worker)
         results = {}
 
         def write():
-            results["writes"] = _core._mailbox_hammer_write(writer._mb, slot, 1.5)
+            results["writes"] = _core._mailbox_hammer_write(worker._mb, 1.5)
 
         t = threading.Thread(target=write)
         t.start()
         try:
-            stats = _core._mailbox_hammer_read(reader._mb, slot, 1.5)
+            stats = _core._mailbox_hammer_read(agent._mb, 1.5)
         finally:
             t.join()
         assert stats["torn"] == 0, stats
@@ -298,37 +268,41 @@ NATIVE_WRITER = """
 import sys
 from dynamix_byteps import _core
 from dynamix_byteps.control.mailbox import Mailbox
-slot, name = sys.argv[1], sys.argv[2]
-mb = Mailbox.open(name, timeout=20)
+name = sys.argv[1]
+mb = Mailbox.create(name)
 print("ready", flush=True)
 sys.stdin.readline()
-print(_core._mailbox_hammer_write(mb._mb, slot, float(sys.argv[3])), flush=True)
+print(_core._mailbox_hammer_write(mb._mb, float(sys.argv[2])), flush=True)
+sys.stdin.readline()  # keeps the segment until the reader is done
+mb.close()
 """
 
 
 @pytest.mark.timeout(60)
 def test_native_writer_process_and_reader_process_never_tear(name):
-    """Native-speed writer in another process (assignment slot, agent side) against a native reader here."""
+    """Native-speed writer in another process (the worker side) against a native reader here."""
     p = None
     try:
-        worker = Mailbox.create(name)
         p = subprocess.Popen(
-            [sys.executable, "-c", NATIVE_WRITER, "assignment", name, "2.0"],
+            [sys.executable, "-c", NATIVE_WRITER, name, "2.0"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        agent = Mailbox.open(name, timeout=20)
         p.stdin.write("\n")
         p.stdin.flush()
-        stats = _core._mailbox_hammer_read(worker._mb, "assignment", 2.0)
+        stats = _core._mailbox_hammer_read(agent._mb, 2.0)
         writes = int(p.stdout.readline())
+        agent.close()
+        p.stdin.write("\n")
+        p.stdin.flush()
         assert p.wait(timeout=30) == 0, p.stderr.read()
         assert stats["torn"] == 0 and stats["backwards"] == 0, stats
         assert stats["ok"] >= 20, stats
         assert stats["last_version"] <= writes
-        worker.close()
     finally:
         if p is not None and p.poll() is None:
             p.kill()
@@ -349,24 +323,6 @@ def test_newer_than_semantics(name):
         assert agent.read_metrics(2) is None
         assert agent.read_metrics(2**64 - 1) is None
         assert worker.read_metrics(1)[:2] == (2, 11)  # the creator may read its own slot too
-
-        assert worker.read_assignment(0) is None
-        agent.publish_assignment(10, 500, [4, 4])
-        assert worker.read_assignment() == (10, 500, (4, 4))
-        assert worker.read_assignment(9) == (10, 500, (4, 4))
-        assert worker.read_assignment(10) is None
-        agent.publish_assignment(12, 600, [5, 3])  # gaps are fine, going back is not
-        assert worker.read_assignment(10) == (12, 600, (5, 3))
-        for stale in (12, 11, 1):
-            with pytest.raises(ValueError, match="greater than the last published version 12"):
-                agent.publish_assignment(stale, 700, [1, 1])
-        assert worker.read_assignment() == (12, 600, (5, 3))
-        # A restarted agent continues from the version in the segment.
-        with Mailbox.open(name) as agent2:
-            with pytest.raises(ValueError):
-                agent2.publish_assignment(12, 0, [1])
-            agent2.publish_assignment(13, 0, [1])
-        assert worker.read_assignment(12) == (13, 0, (1,))
         assert worker.busy_reads == agent.busy_reads == 0
 
 
@@ -374,21 +330,15 @@ def test_newer_than_semantics(name):
 def test_read_gives_up_on_a_write_that_never_ends_and_the_next_writer_recovers(name):
     """A writer killed mid-write leaves seq odd: reads return None at once; the next write heals it."""
     with Mailbox.create(name) as worker, Mailbox.open(name) as agent:
-        agent.publish_assignment(1, 10, [8, 8])
         worker.publish_metrics(3, [1.0])
-        poke_u64(name, ASSIGNMENT_SEQ_OFFSET, 3)  # odd: "write in progress", forever
-        poke_u64(name, METRICS_SEQ_OFFSET, 5)
+        poke_u64(name, METRICS_SEQ_OFFSET, 5)  # odd: "write in progress", forever
         t0 = time.perf_counter()
         for _ in range(100):
-            assert worker.read_assignment() is None
+            assert agent.read_metrics() is None
         elapsed = time.perf_counter() - t0
-        assert worker.busy_reads == 100
+        assert agent.busy_reads == 100
         assert elapsed < 0.5, f"100 bounded reads took {elapsed:.3f} s"
-        assert agent.read_metrics() is None and agent.busy_reads == 1
 
-        with Mailbox.open(name) as restarted_agent:
-            restarted_agent.publish_assignment(2, 20, [6, 10])
-        assert worker.read_assignment(1) == (2, 20, (6, 10))
         assert worker.publish_metrics(4, [2.0]) == 2
         assert agent.read_metrics(1)[:2] == (2, 4)
 
@@ -401,13 +351,13 @@ def test_segment_layout_header_and_permissions(name):
     with Mailbox.create(name):
         st = os.stat(shm_file(name))
         assert stat.S_IMODE(st.st_mode) == 0o600
-        assert st.st_size == mbox.SEGMENT_BYTES == 4544
+        assert st.st_size == mbox.SEGMENT_BYTES == 384
         with open(shm_file(name), "rb") as f:
             head = f.read(32)
         magic, layout, seg_bytes, pid = struct.unpack_from("<8sIIq", head)
         assert magic == b"DYNXMBOX"
         assert struct.unpack_from("<Q", head)[0] == _core.MAILBOX_MAGIC
-        assert (layout, seg_bytes, pid) == (1, 4544, os.getpid())
+        assert (layout, seg_bytes, pid) == (2, 384, os.getpid())
 
 
 @pytest.mark.timeout(60)
@@ -426,7 +376,7 @@ def test_wrong_layout_version_or_size_raises_layout_error(name):
         with open(shm_file(name), "r+b") as f:
             f.seek(8)
             f.write(struct.pack("<I", 99))
-        with pytest.raises(MailboxLayoutError, match="layout version 99, this build reads version 1"):
+        with pytest.raises(MailboxLayoutError, match="layout version 99, this build reads version 2"):
             Mailbox.open(name)
     other = unique_name()
     try:
@@ -479,7 +429,7 @@ def test_segment_removed_on_close_context_exit_and_garbage_collection(name):
     assert not os.path.exists(shm_file(name))
     mb.close()  # idempotent
     assert mb.closed
-    for call in (lambda: mb.publish_metrics(1, [1.0]), lambda: mb.read_metrics(), lambda: mb.read_assignment()):
+    for call in (lambda: mb.publish_metrics(1, [1.0]), lambda: mb.read_metrics()):
         with pytest.raises(ValueError, match="closed"):
             call()
 
@@ -604,17 +554,7 @@ def test_bad_inputs_raise(name):
             lambda: worker.publish_metrics(-1, [1.0]),
             lambda: worker.publish_metrics(2**64, [1.0]),
             lambda: agent.read_metrics(-1),
-            lambda: worker.read_assignment(2**64),
-            lambda: agent.publish_assignment(1, 0, [1] * 1025),
-            lambda: agent.publish_assignment(1, 0, []),
-            lambda: agent.publish_assignment(1, 0, [1, -1]),
-            lambda: agent.publish_assignment(1, 0, [2**32]),
-            lambda: agent.publish_assignment(1, 0, [1.5]),
-            lambda: agent.publish_assignment(1, 0, [True]),
-            lambda: agent.publish_assignment(1, 0, [[1, 2]]),
-            lambda: agent.publish_assignment(0, 0, [1]),  # version 0 means "never published"
-            lambda: agent.publish_assignment(-1, 0, [1]),
-            lambda: agent.publish_assignment(1, -5, [1]),
+            lambda: agent.read_metrics(2**64),
         ]
         for i, call in enumerate(bad_value):
             with pytest.raises(ValueError):
@@ -624,14 +564,10 @@ def test_bad_inputs_raise(name):
             worker.publish_metrics(1.5, [1.0])
         with pytest.raises(TypeError):
             worker.publish_metrics(1, ["a"])
-        with pytest.raises(TypeError):
-            agent.publish_assignment("1", 0, [1])
         with pytest.raises(MailboxRoleError, match="metrics are written by the worker"):
             agent.publish_metrics(1, [1.0])
-        with pytest.raises(MailboxRoleError, match="assignments are written by the agent"):
-            worker.publish_assignment(1, 0, [1])
-        # nothing of the above reached the slots
-        assert agent.read_metrics() is None and worker.read_assignment() is None
+        # nothing of the above reached the slot
+        assert agent.read_metrics() is None
     for bad_name in ["/", "/a/b", "/with space", "/" + "x" * 255, "/.."]:
         with pytest.raises(ValueError, match="mailbox name"):
             Mailbox.create(bad_name)
@@ -658,7 +594,7 @@ def test_mailbox_name_and_leading_slash(name):
 
 # ---- truncation, squatting, cleanup (issue 18, item 13) -----------------------------------------
 
-# Opens the mailbox, polls both slots and owner_pid every 2 ms (the agent polls every second, a
+# Opens the mailbox, polls the slot and owner_pid every 2 ms (the agent polls every second, a
 # worker once a step) until told to stop on stdin; a truncation under it must not kill it (SIGBUS)
 # but detach the handle. The size check leaves a window of about a microsecond per poll between
 # check and access, which a poll loop without pause would hit.
@@ -675,7 +611,6 @@ reads = 0
 with warnings.catch_warnings(record=True) as caught:
     while not stop.is_set():
         mb.read_metrics()
-        mb.read_assignment()
         mb.owner_pid
         reads += 1
         time.sleep(0.002)
@@ -702,7 +637,7 @@ def test_a_reader_survives_its_segment_being_truncated_under_it(name, size):
         assert len(result["warnings"]) == 1 and "truncated" in result["warnings"][0], result
         with pytest.warns(mbox.MailboxDetachedWarning):
             assert worker.publish_metrics(2, [2.0]) == 0  # the creator survives it too
-        assert worker.read_assignment() is None
+        assert worker.read_metrics() is None
     finally:
         if reader.poll() is None:
             reader.kill()

@@ -1,19 +1,19 @@
 """Shared-memory mailbox between a worker process and its node agent.
 
 One POSIX shared-memory segment per worker (``/dev/shm/dynamix.<job>.<rank>`` on Linux), with
-two one-record "latest value" slots, each written by one side only:
+one "latest value" slot written by the worker only:
 
 * **metrics** (worker -> agent): a training ``step`` and up to :data:`METRICS_CAPACITY` (32)
   float64 values; the meaning of each index is agreed between the two sides, not stored.
   Every publish gets the next version (1, 2, 3, ...).
-* **assignment** (agent -> worker): ``version``, ``effective_step`` and 1 to
-  :data:`MAX_BATCH_SIZES` (1024) uint32 local batch sizes (samples per step, index = rank).
 
-Each slot is a seqlock (``csrc/mailbox.hpp`` has the protocol and its memory-ordering
+Assignments travel the other way by gRPC and broadcast, not through the mailbox.
+
+The slot is a seqlock (``csrc/mailbox.hpp`` has the protocol and its memory-ordering
 argument): a publish never waits, and a read either returns one complete record or ``None``,
 never a mix of two records. A read that keeps overlapping writes gives up after
 :data:`MAX_READ_ATTEMPTS` attempts (a few microseconds) and returns ``None`` as if nothing new
-had arrived, so the worker never waits on the agent. Records are overwritten, not queued: a
+had arrived, so the agent never waits on the worker. Records are overwritten, not queued: a
 reader that polls less often than the writer publishes sees only the newest one.
 
 Lifetime: the worker creates the segment (:meth:`Mailbox.create`) and removes it on
@@ -30,8 +30,7 @@ in the microseconds between that check and the access can still fault; the check
 window any real mistake (a cleanup script, a second job) leaves open.
 
 Calls on one :class:`Mailbox` are serialised by the GIL; share a handle between threads
-freely, but do not publish into one slot from two processes (one writer per slot; the roles
-above are enforced).
+freely, but publish from the creating process only (one writer; the role is enforced).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from dynamix_byteps import _core
 from dynamix_byteps.errors import DynamixError
 
 __all__ = [
-    "MAX_BATCH_SIZES",
     "MAX_READ_ATTEMPTS",
     "METRICS_CAPACITY",
     "Mailbox",
@@ -65,7 +63,6 @@ __all__ = [
 ]
 
 METRICS_CAPACITY: int = _core.MAILBOX_METRICS_CAPACITY  # float64 values per metrics record
-MAX_BATCH_SIZES: int = _core.MAILBOX_MAX_BATCH_SIZES  # batch sizes per assignment record
 MAX_READ_ATTEMPTS: int = _core.MAILBOX_MAX_READ_ATTEMPTS  # seqlock attempts before a read gives up
 SEGMENT_BYTES: int = _core.MAILBOX_SEGMENT_BYTES  # size of the shared-memory segment, bytes
 LAYOUT_VERSION: int = _core.MAILBOX_LAYOUT_VERSION
@@ -81,7 +78,7 @@ class MailboxLayoutError(DynamixError, ValueError):
 
 
 class MailboxRoleError(DynamixError, RuntimeError):
-    """A slot was written from the wrong side: metrics only by the creator, assignments only by openers."""
+    """The slot was written from the wrong side: metrics only by the creator."""
 
 
 class StaleMailboxWarning(RuntimeWarning):
@@ -306,47 +303,6 @@ class Mailbox:
         if not self._attached():
             return None
         return self._mb.read_metrics(newer_than)
-
-    # -- agent -> worker -------------------------------------------------------------------
-
-    def publish_assignment(self, version: int, effective_step: int, batch_sizes: Sequence[int]) -> None:
-        """Publish a batch-size assignment, replacing the previous one. Never blocks.
-
-        Args:
-            version: greater than every version published before in this mailbox (>= 1).
-            effective_step: first global step the sizes apply to, in [0, 2**64).
-            batch_sizes: 1 to 1024 local batch sizes (samples per step, index = rank), each an
-                integer (Python or numpy; not bool or float) in [0, 2**32), as a list, tuple or
-                1-D integer array. The mailbox only transports them; the worker checks bounds.
-
-        Raises:
-            ValueError: version not greater than the last one, a number out of range, too few or
-                too many batch sizes, batch sizes not 1-D or not integers, handle closed.
-            TypeError: version or effective_step not an int.
-            MailboxRoleError: this handle came from :meth:`create` (assignments are the agent's).
-        """
-        if not self._attached():
-            return
-        try:
-            self._mb.publish_assignment(version, effective_step, batch_sizes)
-        except _core.MailboxRoleError as e:
-            raise MailboxRoleError(str(e)) from None
-
-    def read_assignment(self, newer_than: int = 0) -> tuple[int, int, tuple[int, ...]] | None:
-        """The newest assignment if its version is greater than ``newer_than``.
-
-        Returns:
-            ``(version, effective_step, batch_sizes)`` or ``None`` when nothing was published
-            yet, nothing newer than ``newer_than`` was, every attempt overlapped a write
-            (counted in :attr:`busy_reads`; ask again later), or the segment was truncated
-            (:attr:`detached`). Never blocks.
-
-        Raises:
-            ValueError: ``newer_than`` outside [0, 2**64), handle closed.
-        """
-        if not self._attached():
-            return None
-        return self._mb.read_assignment(newer_than)
 
     # -- lifetime and introspection --------------------------------------------------------
 
