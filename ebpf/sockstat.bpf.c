@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /* Per-socket TCP statistics for the dynamix node agent (CO-RE, BTF-typed tracepoints only).
  *
- * No kprobes/fentry: only tp_btf and raw_tp, which need neither tracefs nor kernel headers.
+ * No kprobes/fentry: only tp_btf, which needs neither tracefs nor kernel headers.
  * Build (setup.py does this at install time):
  *   bpftool btf dump file /sys/kernel/btf/vmlinux format c > vmlinux.h
  *   clang -g -O2 -target bpf -D__TARGET_ARCH_x86 -I<dir of vmlinux.h> -c sockstat.bpf.c -o sockstat.bpf.o
@@ -49,7 +49,6 @@ struct closed_stat {
 
 struct sockstat_cfg {
     __u32 target_tgid;    /* 0 = every process; else only this tgid is recorded */
-    __u32 count_syscalls; /* 1 = on_sys_enter counts syscalls per tgid (costs ~100 ns per syscall, host-wide) */
 };
 
 /* The only .rodata variable: the loader writes it before load (offset 0). */
@@ -68,13 +67,6 @@ struct {
     __type(key, __u32);
     __type(value, struct closed_stat);
 } closed SEC(".maps");
-
-struct {
-    __uint(type, BPF_MAP_TYPE_HASH);
-    __uint(max_entries, 16384);
-    __type(key, __u32);
-    __type(value, __u64);
-} syscalls SEC(".maps");
 
 static __always_inline void refresh(struct sock_stat *st, struct tcp_sock *tp)
 {
@@ -209,22 +201,5 @@ int BPF_PROG(on_state, const struct sock *sk, const int oldstate, const int news
         __sync_fetch_and_add(&c->sockets, 1);
     }
     bpf_map_delete_elem(&socks, &key);
-    return 0;
-}
-
-/* Optional (off by default; the loader does not even load it unless asked). */
-SEC("raw_tp/sys_enter")
-int on_sys_enter(void *ctx)
-{
-    if (!cfg.count_syscalls)
-        return 0;
-    __u32 tgid = bpf_get_current_pid_tgid() >> 32;
-    if (cfg.target_tgid && tgid != cfg.target_tgid)
-        return 0;
-    __u64 one = 1, *v = bpf_map_lookup_elem(&syscalls, &tgid);
-    if (v)
-        __sync_fetch_and_add(v, 1);
-    else
-        bpf_map_update_elem(&syscalls, &tgid, &one, BPF_NOEXIST);
     return 0;
 }

@@ -2,7 +2,7 @@
 
 The programs (``ebpf/sockstat.bpf.c``, compiled at install time into ``sockstat.bpf.o`` next to
 this file) hook BTF-typed tracepoints only (``tp_btf``: ``sock_send_length``, ``sock_recv_length``,
-``tcp_retransmit_skb``, ``tcp_probe``, ``inet_sock_set_state``; optional ``raw_tp/sys_enter``), so
+``tcp_retransmit_skb``, ``tcp_probe``, ``inet_sock_set_state``), so
 they need neither kprobes, tracefs, kernel headers nor a compiler at run time. The object is
 loaded through the system's ``libbpf.so.1`` (Debian ``libbpf1``) with ctypes: no PyPI dependency.
 
@@ -14,8 +14,6 @@ What the kernel keeps:
   segments and send-queue bytes. The entry is deleted when the socket reaches TCP_CLOSE.
 * ``closed``: per tgid, the final counters of its sockets that closed, so cumulative totals
   (``closed`` + open sockets) never lose a closed connection's bytes.
-* ``syscalls``: per tgid syscall count, only when ``count_syscalls=True`` (it adds ~100 ns to
-  every syscall on the host, so it is off by default and its program is not even loaded).
 
 Bytes moved by ``sendfile``/``splice`` bypass ``sock_sendmsg`` and are not counted.
 Loading needs root or CAP_BPF+CAP_PERFMON, a kernel with BTF (``/sys/kernel/btf/vmlinux``) and
@@ -41,7 +39,6 @@ VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
 # Tracepoint -> program; the first three are required, the others only add detail.
 _REQUIRED_TP = {"sock_send_length": "on_send", "sock_recv_length": "on_recv", "inet_sock_set_state": "on_state"}
 _OPTIONAL_TP = {"tcp_retransmit_skb": "on_retrans", "tcp_probe": "on_probe"}
-_SYSCALL_PROG = "on_sys_enter"
 
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
 _BTF_KIND_TYPEDEF = 8
@@ -78,7 +75,7 @@ class ClosedStat(C.Structure):
 class SockstatCfg(C.Structure):
     """Mirror of ``struct sockstat_cfg``, the object's only .rodata variable."""
 
-    _fields_ = [("target_tgid", C.c_uint32), ("count_syscalls", C.c_uint32)]
+    _fields_ = [("target_tgid", C.c_uint32)]
 
 
 @dataclass(frozen=True)
@@ -236,13 +233,12 @@ class EbpfCollector(NetworkCollector):
 
     Args:
         target_tgid: record only this process's sockets (0: all processes; ``sample`` filters).
-        count_syscalls: also count syscalls per process (host-wide ~100 ns per syscall).
         object_path: the compiled ``sockstat.bpf.o``.
     """
 
     name = "ebpf"
 
-    def __init__(self, target_tgid: int = 0, count_syscalls: bool = False, object_path: Path = OBJECT_PATH):
+    def __init__(self, target_tgid: int = 0, object_path: Path = OBJECT_PATH):
         self._obj = None
         self._links: list[int] = []
         self._last: dict[int, tuple[int, int, int]] = {}  # pid -> last reported (sent, recv, retrans)
@@ -255,7 +251,7 @@ class EbpfCollector(NetworkCollector):
             raise CollectorUnavailable(f"cannot open {object_path}: {os.strerror(err)} {_last_libbpf_error()}".strip())
         self._obj = obj
         try:
-            self._configure(target_tgid, count_syscalls, absent_optional)
+            self._configure(target_tgid, absent_optional)
             err = lib.bpf_object__load(obj)
             if err:
                 err = -err
@@ -278,7 +274,6 @@ class EbpfCollector(NetworkCollector):
                 self._links.append(link)
             self._socks_fd = self._map_fd("socks", C.sizeof(SockStat))
             self._closed_fd = self._map_fd("closed", C.sizeof(ClosedStat))
-            self._syscalls_fd = self._map_fd("syscalls", C.sizeof(C.c_uint64))
         except BaseException:
             self.close()
             raise
@@ -292,10 +287,10 @@ class EbpfCollector(NetworkCollector):
             if enabled is None or lib.bpf_program__name(prog).decode() in enabled:
                 yield prog
 
-    def _configure(self, target_tgid: int, count_syscalls: bool, absent_optional: set[str]) -> None:
-        """Write .rodata (target tgid, syscall flag) and switch off programs not wanted here."""
+    def _configure(self, target_tgid: int, absent_optional: set[str]) -> None:
+        """Write .rodata (target tgid) and switch off the programs of tracepoints this kernel lacks."""
         lib = self._lib
-        skip = {_OPTIONAL_TP[tp] for tp in absent_optional} | (set() if count_syscalls else {_SYSCALL_PROG})
+        skip = {_OPTIONAL_TP[tp] for tp in absent_optional}
         self._enabled = set()
         for prog in self._programs():
             name = lib.bpf_program__name(prog).decode()
@@ -303,7 +298,7 @@ class EbpfCollector(NetworkCollector):
                 lib.bpf_program__set_autoload(prog, False)
             else:
                 self._enabled.add(name)
-        cfg = SockstatCfg(target_tgid=target_tgid, count_syscalls=int(count_syscalls))
+        cfg = SockstatCfg(target_tgid=target_tgid)
         m = None
         while m := lib.bpf_object__next_map(self._obj, m):
             if lib.bpf_map__name(m).decode().endswith(".rodata"):
@@ -312,7 +307,7 @@ class EbpfCollector(NetworkCollector):
                         f"{OBJECT_PATH.name} does not match this loader (.rodata layout); reinstall the package"
                     )
                 return
-        if target_tgid or count_syscalls:
+        if target_tgid:
             raise CollectorUnavailable(f"{OBJECT_PATH.name} has no .rodata config; reinstall the package")
 
     def _map_fd(self, name: str, value_size: int) -> int:
@@ -388,11 +383,6 @@ class EbpfCollector(NetworkCollector):
             if not os.path.exists(f"/proc/{pid}"):
                 self._lib.bpf_map_delete_elem(self._closed_fd, C.byref(C.c_uint32(pid)))
                 self._last.pop(pid, None)
-
-    def syscall_counts(self, pids: set[int]) -> dict[int, int]:
-        """Syscalls entered per pid (count), cumulative; empty unless built with ``count_syscalls``."""
-        counts = self._dump(self._syscalls_fd, C.c_uint32, C.c_uint64)
-        return {pid: counts[pid].value for pid in pids if pid in counts}
 
     def close(self) -> None:
         """Detach the programs and free the object and its maps (idempotent)."""
