@@ -31,8 +31,6 @@ from dynamix_byteps.agent.procfs import (
     TCP_ESTABLISHED,
     HostMonitor,
     ProcCollector,
-    process_cpu_seconds,
-    read_proc_io,
 )
 
 
@@ -280,7 +278,7 @@ def test_gpu_monitor_fake_device_per_process():
     assert c.device_index == 0 and c.process_mem_used_bytes is None and c.available
 
 
-# --------------------------------------------------------------------------------- /proc and host
+# --------------------------------------------------------------------------------- host
 
 
 @pytest.mark.timeout(60)
@@ -289,18 +287,11 @@ def test_host_metrics_in_range():
     burn = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<0.6: pass"])
     try:
         time.sleep(0.3)
-        first = process_cpu_seconds(burn.pid)
         for _ in range(3):
             time.sleep(0.1)
             h = mon.sample()
             assert 0.0 <= h.cpu_util <= 1.0
             assert 0 < h.mem_used_bytes <= h.mem_total_bytes
             assert h.cpus >= 1
-        second = process_cpu_seconds(burn.pid)
-        assert first is not None and second is not None and second > first >= 0
     finally:
         burn.wait(timeout=10)
-    assert process_cpu_seconds(burn.pid) is None  # reaped
-    io = read_proc_io(os.getpid())
-    assert io is not None and io["syscr"] > 0 and io["rchar"] > 0
-    assert read_proc_io(burn.pid) is None

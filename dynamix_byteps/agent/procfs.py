@@ -1,4 +1,4 @@
-"""No-eBPF collector: per-socket ``tcp_info`` through ``pidfd_getfd``, plus /proc and psutil readers.
+"""No-eBPF collector: per-socket ``tcp_info`` through ``pidfd_getfd``, plus host CPU and memory from psutil.
 
 How a sample works, for each watched pid:
 
@@ -24,6 +24,11 @@ collector, which sees only events after it is loaded.
 
 Needs Linux >= 5.6 and root, ``CAP_SYS_PTRACE``, or ptrace rights over the targets
 (``PTRACE_MODE_ATTACH_REALCREDS``); otherwise :class:`CollectorUnavailable` says why.
+
+Process and host figures psutil gives come from psutil. What is read from /proc directly is what
+psutil does not give: a process's socket inodes without walking the TCP tables (psutil's
+``net_connections`` walks ``/proc/net/tcp*``), this process's effective capabilities
+(``CapEff`` in ``/proc/self/status``) and ``kernel.yama.ptrace_scope``.
 """
 
 from __future__ import annotations
@@ -483,38 +488,7 @@ class ProcCollector(NetworkCollector):
 
 
 # ---------------------------------------------------------------------------------------------
-# /proc/<pid>/io, /proc/<pid>/stat and host metrics
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def read_proc_io(pid: int) -> dict[str, int] | None:
-    """``/proc/<pid>/io`` as a dict (rchar, wchar, syscr, syscw, read_bytes, write_bytes,
-    cancelled_write_bytes; bytes or syscall counts); None if the process is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/io") as f:
-            text = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if value:
-            out[key.strip()] = int(value)
-    return out
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of the process (all its threads), seconds; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
-    utime, stime = int(fields[11]), int(fields[12])  # stat fields 14 and 15
-    return (utime + stime) / _CLK_TCK
+# Host metrics
 
 
 @dataclass(frozen=True)
