@@ -85,6 +85,15 @@ def all_checks(one_in_flight_rounds: int, five_in_flight_rounds: int, average_ro
             "averages": averages(average_rounds), "default_group_size": dist.get_world_size()}
 
 
+def frontend(batch_sizes: list[int], steps: int) -> dict:
+    """The torch frontend's cases of tests/dist_cases.py in one job: batch-weighted training,
+    broadcasts from rank 1, and mismatches that must raise everywhere and leave the job usable."""
+    import dist_cases
+
+    return {"training": dist_cases.weighted_training(batch_sizes, steps, 1),
+            "broadcasts": dist_cases.broadcasts(), "mismatches": dist_cases.mismatches()}
+
+
 def until_failure(ready_dir: str, limit_s: float) -> dict:
     """Sum rounds until one fails; rank 0 leaves ``ready_dir/ready`` after 5 rounds. Returns the
     error's type and message and the seconds from the last good round to the error."""

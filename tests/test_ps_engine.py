@@ -87,11 +87,19 @@ def test_back_to_back_rounds_give_exact_sums_and_averages():
 
 
 @pytest.mark.timeout(180)
-def test_batch_weighted_gradients_equal_a_single_process_on_the_concatenated_batch():
-    results = _ok(run_workers(3, "dist_cases:weighted_training", [8, 24, 40], 4, 1, servers=2, timeout=160))
-    for result in results:
-        assert result["grad_error"] < 1e-6
-        assert result["param_error"] < 1e-6
+def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatches():
+    """DistributedOptimizer steps equal a single process on the concatenated batch (float64);
+    broadcasts make every rank equal to the root; mismatches raise on every rank."""
+    results = _ok(run_workers(3, "ps_cases:frontend", [8, 24, 40], 4, servers=2, timeout=160))
+    root = results[1]["broadcasts"]
+    for rank, result in enumerate(results):
+        assert result["training"]["grad_error"] < 1e-6
+        assert result["training"]["param_error"] < 1e-6
+        assert result["broadcasts"]["params"] == root["before"] and result["broadcasts"]["opt"] == root["opt"]
+        assert result["broadcasts"]["obj"] == root["obj"] == [1, [0, 1, 2], "é"]
+        for case in ("name", "shape", "dtype", "root"):
+            assert result["mismatches"][case] is not None, f"rank {rank}: {case} mismatch was not detected"
+        assert result["mismatches"]["after"] == [3.0, 3.0]
 
 
 @pytest.mark.timeout(240)
