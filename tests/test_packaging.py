@@ -56,6 +56,17 @@ def test_torch_frontend_imports_without_the_optional_libraries():
     assert done.stdout.strip() == "[]"
 
 
+def test_torch_frontend_leaves_the_installed_optional_libraries_unimported():
+    # pynvml is left out here: torch.cuda imports it itself when it is installed.
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import dynamix_byteps.torch
+        print(sorted(m for m in sys.modules if m.partition(".")[0] in ("tensorboard", "matplotlib", "prometheus_client")))
+    """)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_missing_extra_names_the_install_command(tmp_path):
     done = _run_blocked(f"""
         from dynamix_byteps.extras import MissingExtraError
