@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -100,6 +101,18 @@ def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatc
         for case in ("name", "shape", "dtype", "root"):
             assert result["mismatches"][case] is not None, f"rank {rank}: {case} mismatch was not detected"
         assert result["mismatches"]["after"] == [3.0, 3.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_without_servers_fails_within_the_timeout():
+    env = worker_env(0, 1, free_port(), **ps_env(1, free_port()), DYNAMIX_TIMEOUT="5")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", "import dynamix_byteps.torch as bps; bps.init()"], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode != 0
+    assert "CommunicationError: ps rendezvous at 127.0.0.1" in done.stderr
+    assert "Check that the servers were started" in done.stderr
+    assert time.monotonic() - start < 60  # 5 s of waiting, the rest is starting the interpreter
 
 
 @pytest.mark.timeout(240)

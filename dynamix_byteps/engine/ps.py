@@ -114,6 +114,7 @@ class ParameterServerEngine(Engine):
         self._rounds: list[int] = []  # pushes issued per key
         self._default_group = TorchDistributedEngine(env, "gloo")
         try:
+            self.group.wait_for_store()
             with warnings.catch_warnings():  # TensorPipe's setup calls a deprecated c10d path internally
                 warnings.simplefilter("ignore", UserWarning)
                 rpc.init_rpc(worker_name(env.rank), rank=self.group.worker_rpc_rank(env.rank),
@@ -122,7 +123,7 @@ class ParameterServerEngine(Engine):
             self._default_group.shutdown()
             raise CommunicationError(
                 f"ps rendezvous at {self.group.addr}:{self.group.port} as worker {env.rank} of {env.size} with "
-                f"{self.group.num_servers} servers failed: {exc}. Check that the servers were started "
+                f"{self.group.num_servers} servers failed: {str(exc).splitlines()[0]} Check that the servers were started "
                 "(bpslaunch --engine ps --num-servers K) with the same DMLC_PS_ROOT_URI/DYNAMIX_PS_PORT."
             ) from exc
 

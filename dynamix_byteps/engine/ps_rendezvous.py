@@ -92,6 +92,20 @@ class PSRendezvous:
                                      "after it) for the rendezvous of its servers and workers")
         return cls(servers, num_workers, root_addr, port, timeout_s)
 
+    def wait_for_store(self) -> None:
+        """Return once the rendezvous store (server 0) accepts connections; ``torch.distributed.rpc``
+        itself would wait for it for 30 minutes whatever its timeout.
+
+        Raises:
+            RuntimeError: nothing listens there within ``timeout_s`` (torch's DistNetworkError or
+                DistStoreError).
+        """
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.TCPStore(self.addr, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
+
     def rpc_options(self):
         """TensorPipe options: this group's store and the RPC timeout."""
         from torch.distributed import rpc
