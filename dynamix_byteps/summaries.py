@@ -36,10 +36,11 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from dynamix_byteps.extras import import_extra
+from dynamix_byteps.extras import MissingExtraError, import_extra
 
 LOG_DIR_ENV = "DYNAMIX_LOG_DIR"
 TENSORBOARD_DIR = "tensorboard"
@@ -137,6 +138,23 @@ class ScalarWriter:
 # ---- the worker process's writer ----------------------------------------------------------------
 
 _lock = threading.Lock()
+def open_writer(logdir: str | os.PathLike) -> ScalarWriter | None:
+    """A :class:`ScalarWriter` into ``logdir``, opened; None, with a warning naming the extra to
+    install, when tensorboard is missing (the scalars are monitoring: training and the decision
+    log go on without them).
+
+    Raises:
+        OSError: the directory or file cannot be created.
+    """
+    writer = ScalarWriter(logdir)
+    try:
+        writer.open()
+    except MissingExtraError as missing:
+        warnings.warn(f"{missing}; going on without TensorBoard scalars in {logdir}", stacklevel=2)
+        return None
+    return writer
+
+
 _writer: ScalarWriter | None = None
 _resolved = False  # DYNAMIX_LOG_DIR was looked at (None writer: no run directory)
 
@@ -157,8 +175,7 @@ def worker_writer() -> ScalarWriter | None:
             if not _resolved:
                 run_dir = os.environ.get(LOG_DIR_ENV)
                 if run_dir:
-                    _writer = ScalarWriter(worker_logdir(run_dir, _rank()))
-                    _writer.open()
+                    _writer = open_writer(worker_logdir(run_dir, _rank()))
                 _resolved = True
     return _writer
 

@@ -79,3 +79,17 @@ def test_missing_extra_names_the_install_command(tmp_path):
     """)
     assert done.returncode == 0, done.stderr
     assert "pip install 'dynamix-byteps[monitoring]'" in done.stdout
+
+
+def test_without_tensorboard_a_log_dir_warns_and_trains_on(tmp_path):
+    done = _run_blocked(f"""
+        import warnings
+        from dynamix_byteps import summaries
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            writer = summaries.open_writer(summaries.worker_logdir({str(tmp_path)!r}, 0))
+        print(writer, [str(w.message) for w in caught])
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("None [")
+    assert "pip install 'dynamix-byteps[monitoring]'" in done.stdout and "going on without" in done.stdout

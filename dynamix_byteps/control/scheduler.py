@@ -71,7 +71,7 @@ from dynamix_byteps.control.security import (
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.policy.base import Policy
-from dynamix_byteps.summaries import ScalarWriter, decision_scalars, scheduler_logdir
+from dynamix_byteps.summaries import decision_scalars, open_writer, scheduler_logdir
 
 log = logging.getLogger("dynamix_byteps.scheduler")
 
@@ -391,8 +391,9 @@ class SchedulerServer:
         self._credentials = server_credentials(tls_cert, tls_key)
         self.tls = self._credentials is not None
         self.decision_interval = decision_interval
-        self.summaries = ScalarWriter(scheduler_logdir(run_dir)) if run_dir is not None else None
-        self.decision_log = DecisionLog(Path(run_dir) / DECISION_LOG, self._record_scalars) if run_dir is not None else None
+        self.summaries = open_writer(scheduler_logdir(run_dir)) if run_dir is not None else None
+        self.decision_log = (DecisionLog(Path(run_dir) / DECISION_LOG, self._record_scalars if self.summaries else None)
+                             if run_dir is not None else None)
         base = self.decision_log.last_version if self.decision_log else 0
         self.cluster = Cluster(num_workers, decision_interval, self.policy_name, base_version=base)
         self.metrics = SchedulerMetrics() if metrics_port is not None else None
