@@ -213,8 +213,10 @@ def test_bad_arguments_are_refused_before_anything_runs():
             netns.run_job(bed, [1, 1], ["true"], ["--node-rank", "0"])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(330)
 def test_signal_to_the_owner_removes_the_bed():
+    # The deadline is generous: right after other test beds, the kernel may still be destroying
+    # their namespaces under the routing lock, and `ip link delete` waits for it (CI once took >60 s).
     owner = subprocess.Popen([sys.executable, "-c", (
         "import time; from dynamix_byteps.testing import netns\n"
         "with netns.Testbed(2, rates_mbit={1: 5}) as bed:\n"
@@ -223,7 +225,7 @@ def test_signal_to_the_owner_removes_the_bed():
         tag = owner.stdout.readline().strip()
         assert tag
         owner.send_signal(signal.SIGTERM)
-        assert owner.wait(timeout=60) == 128 + signal.SIGTERM
+        assert owner.wait(timeout=300) == 128 + signal.SIGTERM
     finally:
         if owner.poll() is None:
             owner.kill()
