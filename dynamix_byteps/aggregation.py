@@ -44,6 +44,7 @@ from dynamix_byteps import engine as _engine
 from dynamix_byteps.control.worker import StepMonitor
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.data.lr_scaling import get_rule
+from dynamix_byteps.env import optional_int
 from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
 
@@ -81,17 +82,6 @@ def _timed_wait(device: torch.device, wait) -> float:
     return begin.elapsed_time(end) / 1e3
 
 
-def _positive_int_env(name: str, default: int, unit: str) -> int:
-    raw = os.environ.get(name, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name}={raw!r} is not an integer number of {unit}") from None
-    if value < 1:
-        raise ConfigurationError(f"{name}={value} must be >= 1")
-    return value
-
-
 def noise_every() -> int:
     """Rounds per gradient-noise measurement, from ``DYNAMIX_NOISE_EVERY`` (default 4; 1 measures
     every step).
@@ -99,7 +89,7 @@ def noise_every() -> int:
     Raises:
         ConfigurationError: the variable is not an integer >= 1.
     """
-    return _positive_int_env("DYNAMIX_NOISE_EVERY", DEFAULT_NOISE_EVERY, "rounds")
+    return optional_int(os.environ, "DYNAMIX_NOISE_EVERY", 1) or DEFAULT_NOISE_EVERY
 
 
 def fusion_bytes() -> int:
@@ -109,7 +99,7 @@ def fusion_bytes() -> int:
     Raises:
         ConfigurationError: the variable is not an integer >= 1.
     """
-    return _positive_int_env("DYNAMIX_FUSION_BYTES", DEFAULT_FUSION_BYTES, "bytes")
+    return optional_int(os.environ, "DYNAMIX_FUSION_BYTES", 1) or DEFAULT_FUSION_BYTES
 
 
 def global_batch(local_batch_sizes: np.ndarray) -> int | None:

@@ -70,8 +70,12 @@ def _is_set(env: Mapping[str, str], name: str) -> bool:
     return bool(env.get(name))
 
 
-def _optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int | None = None) -> int | None:
-    """``name``'s value, None when unset; raises ConfigurationError when it is not an integer in range."""
+def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int | None = None) -> int | None:
+    """The integer value of environment variable ``name`` in ``env`` (e.g. ``os.environ``), None when unset.
+
+    Raises:
+        ConfigurationError: naming the variable, when it is not an integer in [minimum, maximum].
+    """
     if not _is_set(env, name):
         return None
     raw = env[name]
@@ -193,7 +197,7 @@ class WorkerEnv:
         scheduler = env.get("DYNAMIX_SCHEDULER") or None
         if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
             raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")
-        _optional_int(env, "DYNAMIX_BATCH_SIZE", 1)  # read by scripts; 0 would fail far from its cause
+        optional_int(env, "DYNAMIX_BATCH_SIZE", 1)  # read by scripts; 0 would fail far from its cause
         try:
             slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
         except ValueError as error:
@@ -205,7 +209,7 @@ class WorkerEnv:
             scheduler=scheduler,
             token=env.get("DYNAMIX_TOKEN") or None,
             tls_ca=env.get("DYNAMIX_TLS_CA") or None,
-            decision_interval=_optional_int(env, "DYNAMIX_DECISION_INTERVAL", 1) or DEFAULT_DECISION_INTERVAL,
+            decision_interval=optional_int(env, "DYNAMIX_DECISION_INTERVAL", 1) or DEFAULT_DECISION_INTERVAL,
             slowdown=slowdown,
             slowdown_window=slowdown_window,
         )
@@ -216,13 +220,13 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     None when none of their rank variables is set."""
     if not any(_is_set(env, name) for name in BYTEPS_RANK_VARIABLES):
         return None
-    num_nodes = _optional_int(env, "DMLC_NUM_WORKER", 1)
-    node_rank = _optional_int(env, "DMLC_WORKER_ID", 0)
-    local_size = _optional_int(env, "BYTEPS_LOCAL_SIZE", 1)
-    local_rank = _optional_int(env, "BYTEPS_LOCAL_RANK", 0)
-    rank_offset = _optional_int(env, "DYNAMIX_RANK_OFFSET", 0)
-    world_size = _optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
-    root_port = _optional_int(env, "DMLC_PS_ROOT_PORT", 1, 65535)
+    num_nodes = optional_int(env, "DMLC_NUM_WORKER", 1)
+    node_rank = optional_int(env, "DMLC_WORKER_ID", 0)
+    local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1)
+    local_rank = optional_int(env, "BYTEPS_LOCAL_RANK", 0)
+    rank_offset = optional_int(env, "DYNAMIX_RANK_OFFSET", 0)
+    world_size = optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
+    root_port = optional_int(env, "DMLC_PS_ROOT_PORT", 1, 65535)
     if world_size is not None:
         size = world_size
     else:
@@ -255,11 +259,11 @@ def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     None when none of its rank variables is set."""
     if not any(_is_set(env, name) for name in TORCHRUN_RANK_VARIABLES):
         return None
-    world_size = _optional_int(env, "WORLD_SIZE", 1, MAX_WORKERS)
-    rank = _optional_int(env, "RANK", 0)
-    local_size = _optional_int(env, "LOCAL_WORLD_SIZE", 1)
-    local_rank = _optional_int(env, "LOCAL_RANK", 0)
-    root_port = _optional_int(env, "MASTER_PORT", 1, 65535)
+    world_size = optional_int(env, "WORLD_SIZE", 1, MAX_WORKERS)
+    rank = optional_int(env, "RANK", 0)
+    local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1)
+    local_rank = optional_int(env, "LOCAL_RANK", 0)
+    root_port = optional_int(env, "MASTER_PORT", 1, 65535)
     _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, [
         ("WORLD_SIZE", True),
         ("RANK", world_size != 1),

@@ -11,7 +11,7 @@ import os
 import threading
 
 from dynamix_byteps._core import TimingRing, now_ns
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.env import optional_int
 
 __all__ = ["TimingRing", "name_id", "names", "now_ns", "record", "ring"]
 
@@ -24,16 +24,7 @@ _names: list[str] = []
 
 
 def _capacity_from_env() -> int:
-    raw = os.environ.get("DYNAMIX_TIMING_CAPACITY", "")
-    if raw == "":
-        return DEFAULT_CAPACITY
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"DYNAMIX_TIMING_CAPACITY={raw!r} is not an integer number of events") from None
-    if not 1 <= value <= 2**30:
-        raise ConfigurationError(f"DYNAMIX_TIMING_CAPACITY={value} must be between 1 and 2**30 events")
-    return value
+    return optional_int(os.environ, "DYNAMIX_TIMING_CAPACITY", 1, 2**30) or DEFAULT_CAPACITY
 
 
 def ring() -> TimingRing:
