@@ -10,28 +10,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.env import optional_int
 
 DEFAULT_PARTITION_BYTES = 4096000
 
 
-def partition_bytes_from_env(env=None) -> int:
+def partition_bytes_from_env(env: Mapping[str, str] | None = None) -> int:
     """``BYTEPS_PARTITION_BYTES`` (bytes per partition, default 4,096,000).
 
     Raises:
         ConfigurationError: not a positive integer.
     """
-    raw = (os.environ if env is None else env).get("BYTEPS_PARTITION_BYTES", "")
-    if raw == "":
-        return DEFAULT_PARTITION_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"BYTEPS_PARTITION_BYTES={raw!r} is not an integer number of bytes") from None
-    if value < 1:
-        raise ConfigurationError(f"BYTEPS_PARTITION_BYTES={value} must be >= 1 byte")
-    return value
+    return optional_int(os.environ if env is None else env, "BYTEPS_PARTITION_BYTES", 1) or DEFAULT_PARTITION_BYTES
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from dynamix_byteps.env import DEFAULT_TIMEOUT_S
+from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 MAX_SERVERS = 1024
@@ -32,19 +32,6 @@ def server_name(index: int) -> str:
 
 def worker_name(rank: int) -> str:
     return f"worker{rank}"
-
-
-def _int(env: Mapping[str, str], name: str, minimum: int, maximum: int) -> int | None:
-    raw = env.get(name, "")
-    if raw == "":
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
-    if not minimum <= value <= maximum:
-        raise ConfigurationError(f"environment variable {name}={value} must be in {minimum}..{maximum}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -80,11 +67,11 @@ class PSRendezvous:
             ConfigurationError: ``DMLC_NUM_SERVER`` unset or invalid, or no port for the rendezvous.
         """
         env = os.environ if env is None else env
-        servers = _int(env, "DMLC_NUM_SERVER", 1, MAX_SERVERS)
+        servers = optional_int(env, "DMLC_NUM_SERVER", 1, MAX_SERVERS)
         if servers is None:
             raise ConfigurationError("the ps engine needs DMLC_NUM_SERVER (the number of summation servers); "
                                      "start the job with bpslaunch --engine ps --num-servers K, or set it as BytePS does")
-        port = _int(env, "DYNAMIX_PS_PORT", 1, 65535)
+        port = optional_int(env, "DYNAMIX_PS_PORT", 1, 65535)
         if port is None and root_port is not None:
             port = root_port + 1 if root_port < 65535 else None
         if port is None:
