@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -15,6 +16,8 @@ from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
 from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
 from dynamix_byteps.engine.ps_server import SummationServer
 from dynamix_byteps.errors import ConfigurationError
+
+from conftest import REPO, run_bpslaunch
 from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
 
 PS_TIMEOUT_S = 10
@@ -144,3 +147,24 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
         assert result["error"] == "CommunicationError", result
         assert result["after_s"] < PS_TIMEOUT_S + 2, result
     assert servers[0].returncode == 1
+
+
+def _environ(process) -> dict:
+    try:
+        return process.environ()
+    except (psutil.Error, OSError):
+        return {}
+
+
+@pytest.mark.timeout(240)
+def test_bpslaunch_engine_ps_starts_the_servers_and_leaves_nothing_running():
+    marker = f"ps-launch-{os.getpid()}-{time.time_ns()}"
+    code, output = run_bpslaunch(
+        ["--num-workers", 3, "--engine", "ps", "--num-servers", 2, "--timeout", 60, "--",
+         sys.executable, REPO / "tests" / "scripts" / "ps_worker.py"],
+        timeout=200, env={**os.environ, "DYNAMIX_TEST_MARKER": marker, "OMP_NUM_THREADS": "1"})
+    assert code == 0, output
+    lines = sorted(line for line in output.splitlines() if "engine=" in line)
+    assert lines == [f"[{rank}] engine=ps servers=2 workers=3 wrong=0" for rank in range(3)], output
+    leftovers = [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker]
+    assert leftovers == []

@@ -34,7 +34,8 @@ _current: Engine | None = None
 
 def create(env: WorkerEnv, framework: str = "torch") -> Engine:
     """Construct the engine ``env.engine``: ``gloo`` or ``nccl`` (``torch.distributed`` with that
-    backend, :class:`~dynamix_byteps.engine.distributed.TorchDistributedEngine`), ``byteps``, or
+    backend, :class:`~dynamix_byteps.engine.distributed.TorchDistributedEngine`), ``byteps``, ``ps``
+    (summation servers, :class:`~dynamix_byteps.engine.ps.ParameterServerEngine`), or
     ``auto`` (resolved by :func:`~dynamix_byteps.env.resolve_engine`).
 
     ``framework`` (``torch`` or ``tensorflow``) picks BytePS's plugin for the ``byteps`` engine;
@@ -54,6 +55,10 @@ def create(env: WorkerEnv, framework: str = "torch") -> Engine:
         from dynamix_byteps.engine.byteps import BytePSEngine
 
         return BytePSEngine(env)
+    if env.engine == "ps":
+        from dynamix_byteps.engine.ps import ParameterServerEngine
+
+        return ParameterServerEngine(env)
     from dynamix_byteps.engine.distributed import TorchDistributedEngine
 
     return TorchDistributedEngine(env, env.engine)

@@ -168,7 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine", choices=ENGINES, default=None,
         help="communication engine (default: $DYNAMIX_ENGINE, else gloo): gloo (CPU tensors), nccl (CUDA "
-        "tensors, a GPU per worker), auto (nccl when every worker on this host gets a GPU, else gloo), byteps",
+        "tensors, a GPU per worker), auto (nccl when every worker on this host gets a GPU, else gloo), byteps, "
+        "ps (parameter servers: see --num-servers)",
+    )
+    parser.add_argument(
+        "--num-servers", type=_positive_int, metavar="K",
+        help="with --engine ps: K summation servers on node 0 beside the scheduler, each owning a share of "
+        "the gradient partitions (default 1; BytePS's DMLC_NUM_SERVER)",
     )
     parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
@@ -454,6 +460,14 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
             raise UsageError(f"argument --slowdown: rank {rank} is given twice; one slowdown (and window) per rank")
         seen.add(rank)
     services, scheduler = _scheduler_specs(args, env, hosts, node_rank, total)
+    if engine == "ps":
+        # Every host must name the same rendezvous port for the servers: --port's next one across hosts.
+        ps_port = _free_port() if len(hosts) == 1 else port + 1
+        env = dict(env, DMLC_NUM_SERVER=str(args.num_servers or 1), DYNAMIX_PS_PORT=str(ps_port))
+        if node_rank == 0:
+            services += _ps_server_specs(args, env, total, hosts[0] if len(hosts) > 1 else LOCAL_HOST, ps_port)
+    elif args.num_servers is not None:
+        raise UsageError("--num-servers is for --engine ps")
     if scheduler is not None and args.monitor != "off":
         services.append(_agent_spec(args, env, scheduler, port, _run_dir(args)))
     return services + worker_specs(
@@ -461,6 +475,23 @@ def local_mode(args: argparse.Namespace, env: Mapping[str, str], notes: list[str
         root_addr=hosts[0] if len(hosts) > 1 else LOCAL_HOST, root_port=port, notes=notes, scheduler=scheduler,
         rank_offset=topology.rank_offset, world_size=total,
     )
+
+
+def _ps_server_specs(args: argparse.Namespace, env: Mapping[str, str], workers: int, addr: str,
+                     port: int) -> list[ChildSpec]:
+    """The summation servers of ``--engine ps`` (``python -m dynamix_byteps.engine.ps_server``, node 0):
+    services, started before the workers and stopped once every worker has exited."""
+    servers = args.num_servers or 1
+    specs = []
+    for index in range(servers):
+        argv = [sys.executable, "-m", "dynamix_byteps.engine.ps_server", "--server-id", str(index),
+                "--num-servers", str(servers), "--num-workers", str(workers), "--addr", addr, "--port", str(port)]
+        if args.timeout is not None:
+            argv += ["--timeout", repr(args.timeout)]
+        log_path = None if args.log_dir is None else args.log_dir / f"server-{index}.log"
+        specs.append(ChildSpec(label=f"server{index}", argv=argv, env=dict(env, DMLC_ROLE="server", PYTHONUNBUFFERED="1"),
+                               log_path=log_path, service=True))
+    return specs
 
 
 def _check_bounds(args: argparse.Namespace, total: int) -> None:
