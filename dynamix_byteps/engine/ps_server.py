@@ -26,6 +26,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 import torch
 from torch.distributed import rpc
@@ -174,8 +175,10 @@ def serve(server_id: int, group: PSRendezvous) -> None:
         raise ValueError(f"server id {server_id} must be in 0..{group.num_servers - 1}")
     _serving = SummationServer(group.num_workers)
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="ps-parent-watch").start()
-    rpc.init_rpc(server_name(server_id), rank=server_id, world_size=group.world_size,
-                 rpc_backend_options=group.rpc_options())
+    with warnings.catch_warnings():  # TensorPipe's setup calls a deprecated c10d path internally
+        warnings.simplefilter("ignore", UserWarning)
+        rpc.init_rpc(server_name(server_id), rank=server_id, world_size=group.world_size,
+                     rpc_backend_options=group.rpc_options())
     rpc.shutdown(graceful=True, timeout=0)  # blocks, serving, until every member has called shutdown
 
 
