@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -168,3 +170,40 @@ def test_bpslaunch_engine_ps_starts_the_servers_and_leaves_nothing_running():
     assert lines == [f"[{rank}] engine=ps servers=2 workers=3 wrong=0" for rank in range(3)], output
     leftovers = [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker]
     assert leftovers == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_server_exits_by_itself_when_its_launcher_is_killed():
+    ps_port = free_port()
+    env = worker_env(0, 1, free_port(), **ps_env(1, ps_port))
+    launcher = subprocess.Popen(["bash", "-c", f"{sys.executable} -m dynamix_byteps.engine.ps_server --server-id 0 "
+                                 "--num-workers 1 & echo $!; wait"], env=env, stdout=subprocess.PIPE, text=True)
+    server = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # serving: its rendezvous store listens, and it watches its parent
+            try:
+                socket.create_connection(("127.0.0.1", ps_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server never listened"
+                time.sleep(0.2)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server)
+    finally:
+        if _alive(server):
+            os.kill(server, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
