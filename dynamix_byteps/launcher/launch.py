@@ -490,7 +490,7 @@ def _ps_server_specs(args: argparse.Namespace, env: Mapping[str, str], workers: 
             argv += ["--timeout", repr(args.timeout)]
         log_path = None if args.log_dir is None else args.log_dir / f"server-{index}.log"
         specs.append(ChildSpec(label=f"server{index}", argv=argv, env=dict(env, DMLC_ROLE="server", PYTHONUNBUFFERED="1"),
-                               log_path=log_path, service=True))
+                               log_path=log_path, service=True, ends_with_workers=True))
     return specs
 
 

@@ -60,6 +60,8 @@ class ChildSpec:
         ready_file: the next child starts only once this file exists (the service writes it
             when it is ready), within ``READY_TIMEOUT_S``.
         append_log: append to ``log_path`` instead of truncating it (a restarted job).
+        ends_with_workers: a service that exits by itself, with code 0, once the workers have
+            shut down (a ps summation server): that exit is not reported.
     """
 
     label: str
@@ -69,6 +71,7 @@ class ChildSpec:
     service: bool = False
     ready_file: Path | None = None
     append_log: bool = False
+    ends_with_workers: bool = False
 
 
 class SpawnError(Exception):
@@ -357,7 +360,8 @@ class Supervisor:
                     continue
                 child.returncode = rc
                 if child.spec.service:
-                    if not services_stopping and exit_code is None:  # not while the launcher stops the job
+                    expected = rc == 0 and child.spec.ends_with_workers
+                    if not (services_stopping or expected) and exit_code is None:  # not while the launcher stops the job
                         self.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
                     continue
                 if rc > 0 and not child.signalled:
