@@ -23,9 +23,11 @@ Prints a table and writes JSON (``--out``) with every repeat's seconds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -68,6 +70,19 @@ def back_to_back(rounds: int) -> dict:
             "rounds_per_s": min(r["rounds_per_s"] for r in results), "job_s": time.perf_counter() - start}
 
 
+def markdown(report: dict) -> str:
+    """The README table of a written report: ps against the ring per worker count and size."""
+    by_key = {(r["engine"], r["workers"], r["size"]): r for r in report["round_trip"]}
+    lines = ["| workers | size | ps median ms [p10, p90] | ring median ms [p10, p90] |", "|---|---|---|---|"]
+    for (engine, workers, size), row in by_key.items():
+        ring = by_key.get(("ring", workers, size))
+        if engine != "ps" or ring is None:
+            continue
+        cells = [f"{r['median_ms']:.1f} [{r['p10_ms']:.1f}, {r['p90_ms']:.1f}]" for r in (row, ring)]
+        lines.append(f"| {workers} | {size} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="2,4", type=lambda text: worker_counts(parser, text))
@@ -77,7 +92,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=10000, help="back-to-back rounds to check; 0 skips")
     parser.add_argument("--out", default=RESULTS / "ps_engine.json")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: print --out's table as markdown")
     args = parser.parse_args()
+    if args.table_only:
+        print(markdown(json.loads(Path(args.out).read_text())))
+        return
     sizes = args.sizes.split(",")
     if any(size not in SIZES for size in sizes):
         parser.error(f"--sizes must be of {', '.join(SIZES)}")
