@@ -27,15 +27,11 @@ from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, MAX_WORKERS
-from dynamix_byteps.errors import ConfigurationError, DynamixError
+from dynamix_byteps.errors import ConfigurationError, DynamixError, UsageError
 from dynamix_byteps.policy.ppo.commands import add_policy_parser
 from dynamix_byteps.policy.sim.commands import add_sim_parser
 
 PROG = "dynamix"
-
-
-class UsageError(ConfigurationError):
-    """Bad flags; ``main`` prints the usage and exits 2."""
 
 
 def _option(text: str) -> tuple[str, object]:

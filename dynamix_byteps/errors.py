@@ -19,6 +19,11 @@ class ConfigurationError(DynamixError, ValueError):
     """A flag or environment variable is missing or invalid; the message names it and the fix."""
 
 
+class UsageError(ConfigurationError):
+    """Bad command-line flags (or the launcher's environment variables); the command prints it
+    argparse-style and exits 2."""
+
+
 class InvalidAssignmentError(ConfigurationError):
     """A batch-size assignment broke a rule (sizes, bounds, step, version); the message names the
     rule, and the previous assignment stays in force."""

@@ -90,7 +90,7 @@ from dynamix_byteps.env import (
     parse_slowdown,
     resolve_engine,
 )
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.restart import (
     REPORT_TIMEOUT_S,
     Coordinator,
@@ -112,10 +112,6 @@ _ENV_MODE_HINT = (
     "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
     "DMLC_NUM_WORKER, DMLC_WORKER_ID, DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT"
 )
-
-
-class UsageError(ConfigurationError):
-    """Bad flags or environment; ``main`` prints it argparse-style and exits 2."""
 
 
 # ---- argument parsing -----------------------------------------------------------------------
