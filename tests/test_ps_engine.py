@@ -208,3 +208,9 @@ def test_a_server_exits_by_itself_when_its_launcher_is_killed():
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_a_server_with_a_bad_variable_exits_2_naming_it():
+    done = subprocess.run([sys.executable, "-m", "dynamix_byteps.engine.ps_server"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "DYNAMIX_SERVER_ID": "x"})
+    assert done.returncode == 2 and "DYNAMIX_SERVER_ID='x' is not an integer" in done.stderr

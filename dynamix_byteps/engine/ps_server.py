@@ -32,7 +32,8 @@ import torch
 from torch.distributed import rpc
 
 from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, server_name
-from dynamix_byteps.env import DEFAULT_TIMEOUT_S
+from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
+from dynamix_byteps.errors import ConfigurationError
 
 PARENT_POLL_S = 1.0
 
@@ -183,13 +184,23 @@ def serve(server_id: int, group: PSRendezvous) -> None:
 
 
 def _env_int(*names: str) -> int | None:
+    """The first of ``names`` that is set, as an integer >= 0 (ConfigurationError naming it otherwise)."""
     for name in names:
-        if os.environ.get(name):
-            return int(os.environ[name])
+        value = optional_int(os.environ, name, 0)
+        if value is not None:
+            return value
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ConfigurationError as error:
+        print(f"python -m dynamix_byteps.engine.ps_server: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dynamix_byteps.engine.ps_server",
                                      description="A summation server of the ps engine.")
     parser.add_argument("--server-id", type=int, default=_env_int("DYNAMIX_SERVER_ID"))
