@@ -31,6 +31,7 @@ class _Pending:
     output: torch.Tensor  # where the result must end up
     divide_after: bool  # an integer average: truncate the sum, as C does
     size: int
+    prescale: int | None = None  # a floating-point average: each worker's value was divided by this power of two
 
 
 _handles: dict[int, _Pending] = {}
@@ -78,15 +79,17 @@ def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
         negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
         with torch.no_grad():
             divide_first = average and _divides_exactly(output)
+            prescale = _power_of_two_at_least(engine.size) if divide_first else None
             if divide_first:
                 # Scaled before the sum: n values near a narrow wire type's maximum (fp16: 65504)
-                # would overflow when summed, their mean does not.
-                output.div_(engine.size)
+                # would overflow when summed, their mean does not. A power of two scales exactly,
+                # so the mean stays as exact as the sum divided by n.
+                output.div_(prescale)
             wire, ctx = compression.compress(output)
             if not wire.is_contiguous():
                 wire = wire.contiguous()
             work = engine.all_reduce_async(wire, name)
-    pending = _Pending(work, wire, ctx, compression, output, average and not divide_first, engine.size)
+    pending = _Pending(work, wire, ctx, compression, output, average and not divide_first, engine.size, prescale)
     handle = next(_next_handle)
     with _handles_lock:
         _handles[handle] = pending
@@ -102,9 +105,10 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
         tensor: dense tensor on the engine's device (CPU with gloo, this worker's GPU with nccl),
             of any shape and a dtype in :data:`SUPPORTED_DTYPES`.
         average: return the mean over the workers: floating-point and complex tensors are divided
-            by ``size()`` before the sum (so a compressed wire type such as float16 holds the mean
-            without overflowing when the sum would not fit), integers are summed and then divided
-            with truncation.
+            by the power of two p >= ``size()`` before the sum (exact in binary floating point, so a
+            compressed wire type such as float16 holds the sum without overflowing when the plain
+            sum would not fit) and multiplied by p / ``size()`` after it, in float64; integers are
+            summed and then divided with truncation.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
         version, priority: accepted for BytePS compatibility; the engines run rounds in issue order.
         compression: ``Compression.none`` or ``Compression.fp16``.
@@ -157,7 +161,14 @@ def synchronize(handle: int) -> torch.Tensor:
             pending.output.copy_(result)
         if pending.divide_after:
             pending.output.copy_(torch.div(pending.output, pending.size, rounding_mode="trunc"))
+        elif pending.prescale not in (None, pending.size):
+            wide = torch.complex128 if pending.output.is_complex() else torch.float64
+            pending.output.copy_(pending.output.to(wide) * pending.prescale / pending.size)
     return pending.output
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _divides_exactly(tensor: torch.Tensor) -> bool:
