@@ -118,10 +118,10 @@ class BucketReducer:
         self._passes = 0  # backward passes completed since the last reduction
         self._in_backward = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
-        self._register_hooks(parameters())
+        self._register_hooks(p for _, p in parameters())
 
-    def _register_hooks(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        for _, p in named:
+    def _register_hooks(self, params) -> None:
+        for p in params:
             if p not in self._hooks:
                 previous = getattr(p, _HOOK_ATTR, None)
                 if previous is not None:  # an earlier reducer over this model
@@ -230,7 +230,7 @@ class BucketReducer:
         try:
             self.aggregator.finish(step, self._announced().description)
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
-                self._adopt_plan(self._parameters(), step.samples, late=not self._overlap)
+                self._adopt_plan(self._next_plan, step.samples, late=not self._overlap)
                 self._launch_whole_round(step.samples)
                 step = self._round
                 self.aggregator.finish(step, self._plan.description)
@@ -250,9 +250,9 @@ class BucketReducer:
     def _announced(self) -> _Plan:
         return self._next_plan or self._plan
 
-    def _adopt_plan(self, named: list[tuple[str, torch.Tensor]], samples: int, late: bool) -> None:
-        self._register_hooks(named)
-        self._plan, self._next_plan = _Plan(named, self.aggregator.fusion_bytes, self._settings), None
+    def _adopt_plan(self, plan: _Plan, samples: int, late: bool) -> None:
+        self._register_hooks(plan.params)
+        self._plan, self._next_plan = plan, None
         self._overlap = not self.aggregator.agree_on_plan(self._plan.description, samples, int(late)).any()
 
     def _reduce_whole_round(self, declared: int | None) -> None:
@@ -266,7 +266,7 @@ class BucketReducer:
         samples = self._samples if declared is None else declared
         if self._plan is None:
             late = declared is not None and declared != self._samples
-            self._adopt_plan(named, samples, late)
+            self._adopt_plan(_Plan(named, self.aggregator.fusion_bytes, self._settings), samples, late)
             if late:
                 warnings.warn("set_local_batch_size() was called after backward(): gradients are now reduced "
                               "in step(), after backward, instead of during it; call it before loss.backward()",
