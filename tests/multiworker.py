@@ -107,3 +107,10 @@ def run_workers(n: int, target: str, *args, timeout: float = 120, env: dict | No
             with open(path) as f:
                 results.append(json.load(f))
         return results
+
+
+def ok(results: list[dict]) -> list:
+    """Every rank's value from :func:`run_workers`' results; fails the test naming the first rank that raised."""
+    for rank, result in enumerate(results):
+        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
+    return [result["ok"] for result in results]

@@ -3,21 +3,15 @@ per-worker batches 4/8/48 the unweighted mean of the workers' losses is not the 
 Real TensorFlow workers over loopback."""
 
 import pytest
-from multiworker import run_workers
+from multiworker import ok, run_workers
 
 pytest.importorskip("tensorflow")
-
-
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
 
 
 @pytest.mark.timeout(300)
 def test_epoch_metrics_are_sample_weighted_means_over_the_workers():
     epochs = 2
-    results = _ok(run_workers(3, "tf_metric_cases:fit_with_metric_average", 120, [4, 8, 48], epochs,
+    results = ok(run_workers(3, "tf_metric_cases:fit_with_metric_average", 120, [4, 8, 48], epochs,
                               timeout=280))
     for result in results:
         assert len(result["logs"]) == epochs

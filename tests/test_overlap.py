@@ -3,22 +3,16 @@ worker processes over loopback: exact batch weighting, unused parameters, mismat
 
 import pytest
 
-from multiworker import run_workers
+from multiworker import ok, run_workers
 
 SIZES = [13, 29, 50]
-
-
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("variant", ["optimizer", "optimizer_accumulate", "ddp", "ddp_no_sync",
                                      "optimizer_reentrant", "ddp_no_sync_reentrant"])
 def test_unequal_batches_reduced_during_backward_match_one_process(variant):
-    for result in _ok(run_workers(3, "overlap_cases:exact_weighting", variant, SIZES, 3)):
+    for result in ok(run_workers(3, "overlap_cases:exact_weighting", variant, SIZES, 3)):
         assert result["grad_error"] < 1e-12
         assert result["param_error"] < 1e-12
         assert result["overlapped"] >= 2, "no bucket left before backward returned"
@@ -27,7 +21,7 @@ def test_unequal_batches_reduced_during_backward_match_one_process(variant):
 
 @pytest.mark.timeout(120)
 def test_a_batch_size_declared_after_backward_is_still_exact_without_overlap():
-    for result in _ok(run_workers(3, "overlap_cases:exact_weighting", "optimizer_late", SIZES, 3)):
+    for result in ok(run_workers(3, "overlap_cases:exact_weighting", "optimizer_late", SIZES, 3)):
         assert result["grad_error"] < 1e-12
         assert result["param_error"] < 1e-12
         assert result["overlapped"] == 0
@@ -36,7 +30,7 @@ def test_a_batch_size_declared_after_backward_is_still_exact_without_overlap():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_parameters_without_gradients_on_some_ranks_neither_hang_nor_get_lost(variant):
-    for result in _ok(run_workers(2, "overlap_cases:unused_on_some_ranks", variant)):
+    for result in ok(run_workers(2, "overlap_cases:unused_on_some_ranks", variant)):
         assert result["same_on_every_rank"]
         assert result["extra_error"] < 1e-12
         assert result["unused_none"]
@@ -45,34 +39,34 @@ def test_parameters_without_gradients_on_some_ranks_neither_hang_nor_get_lost(va
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
-    for message in _ok(run_workers(2, "overlap_cases:different_model", variant)):
+    for message in ok(run_workers(2, "overlap_cases:different_model", variant)):
         assert "rank 0" in message and "rank 1" in message
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_freezing_a_parameter_on_one_rank_raises_on_every_rank(variant):
-    for result in _ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "one")):
+    for result in ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "one")):
         assert result["step"] == 2 and "rank 0" in result["error"] and "rank 1" in result["error"]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_freezing_a_parameter_on_every_rank_trains_on_exactly(variant):
-    for result in _ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "all")):
+    for result in ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "all")):
         assert result["step"] is None and result["param_error"] < 1e-12
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("first", ["optimizer", "ddp"])
 def test_the_ddp_wrapper_and_the_distributed_optimizer_on_one_model_are_refused(first):
-    (result,) = _ok(run_workers(1, "overlap_cases:both_wrappers", first))
+    (result,) = ok(run_workers(1, "overlap_cases:both_wrappers", first))
     assert "already reduced by a live" in result["mixed"] and "not both" in result["mixed"]
 
 
 @pytest.mark.timeout(120)
 def test_a_size_declared_late_once_reduction_overlaps_raises_everywhere():
-    on_time, late = _ok(run_workers(2, "overlap_cases:declared_late_after_overlap"))
+    on_time, late = ok(run_workers(2, "overlap_cases:declared_late_after_overlap"))
     assert late.startswith("step 1:") and "before loss.backward()" in late
     assert on_time.startswith("step 1:") and "declare it on every worker or on none" in on_time
 
@@ -93,7 +87,7 @@ def test_buckets_close_at_the_limit_and_the_first_is_small():
 
 @pytest.mark.timeout(120)
 def test_rank0_evaluation_an_empty_batch_and_fp16_with_a_large_batch():
-    for result in _ok(run_workers(2, "overlap_cases:found_by_a_tester")):
+    for result in ok(run_workers(2, "overlap_cases:found_by_a_tester")):
         assert result["evaluated"]
         assert result["empty_batch_error"] < 1e-12
         assert result["fp16_finite"]
@@ -101,7 +95,7 @@ def test_rank0_evaluation_an_empty_batch_and_fp16_with_a_large_batch():
 
 @pytest.mark.timeout(60)
 def test_an_lr_scheduler_built_before_wrapping_survives_load_state_dict():
-    assert _ok(run_workers(1, "overlap_cases:scheduler_after_load")) == [[0.5, 0.25, 0.125, 0.0625]]
+    assert ok(run_workers(1, "overlap_cases:scheduler_after_load")) == [[0.5, 0.25, 0.125, 0.0625]]
 
 
 def test_a_failed_reduction_is_named_for_the_user_not_by_its_internal_tensor():

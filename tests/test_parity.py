@@ -24,7 +24,7 @@ import inspect
 
 import pytest
 
-from multiworker import run_workers
+from multiworker import ok, run_workers
 
 P = inspect.Parameter
 
@@ -244,12 +244,6 @@ def entry_problems(module, name: str, spec: tuple, defaults_from) -> list[str]:
     return problems
 
 
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
-
-
 @pytest.mark.parametrize("byteps_module,name", CASES, ids=[f"{m}.{n}" for m, n in CASES])
 def test_byteps_name_exists_with_compatible_arguments(byteps_module, name):
     ours, defaults_module, names = BYTEPS[byteps_module]
@@ -306,7 +300,7 @@ def test_invalid_assignment_error_is_exported_by_every_frontend():
 
 @pytest.mark.timeout(120)
 def test_torch_broadcast_forms_and_optimizer_methods():
-    results = _ok(run_workers(2, "parity_cases:torch_checks", timeout=100))
+    results = ok(run_workers(2, "parity_cases:torch_checks", timeout=100))
     assert [r["optimizer_methods"] for r in results] == [[], []]
     root = results[1]
     for form, digests in root["forms"].items():
@@ -327,7 +321,7 @@ def test_torch_broadcast_forms_and_optimizer_methods():
 @pytest.mark.timeout(300)
 def test_tensorflow_and_keras_additions(tmp_path):
     pytest.importorskip("tensorflow")
-    results = _ok(run_workers(2, "tf_parity_cases:all_checks", str(tmp_path), timeout=280))
+    results = ok(run_workers(2, "tf_parity_cases:all_checks", str(tmp_path), timeout=280))
     for rank, result in enumerate(results):
         functions = result["keras_functions"]
         assert functions["push_pull_sum"] == [2.0, 2.0]

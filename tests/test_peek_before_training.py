@@ -3,16 +3,10 @@ the first optimizer step are drawn again by the next iterator, as with torch's
 DistributedSampler, whose every ``__iter__`` starts the epoch over. Real workers, gloo."""
 
 import pytest
-from multiworker import run_workers
+from multiworker import ok, run_workers
 
 DATASET_SIZE = 103
 SIZES = [4, 8, 8]  # a global batch of 20: one lost peek used to leave 83 of 103 samples trained
-
-
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
 
 
 @pytest.mark.timeout(150)
@@ -23,7 +17,7 @@ def _ok(results):
 ])
 def test_every_sample_is_trained_once_per_epoch_after_a_peek(peeking_ranks, loader_workers):
     epochs = 2
-    results = _ok(run_workers(len(SIZES), "peek_cases:train_after_peeking", DATASET_SIZE, SIZES, peeking_ranks,
+    results = ok(run_workers(len(SIZES), "peek_cases:train_after_peeking", DATASET_SIZE, SIZES, peeking_ranks,
                               loader_workers, epochs, timeout=140))
     for epoch in range(epochs):
         trained = sorted(i for by_epoch in results for i in by_epoch[epoch])

@@ -8,27 +8,21 @@ import subprocess
 import sys
 
 import pytest
-from multiworker import run_workers
+from multiworker import ok, run_workers
 
 pytest.importorskip("tensorflow")
-
-
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_push_pull_broadcast_and_gradients_match_reference(workers):
-    for failures in _ok(run_workers(workers, "tf_dist_cases:collectives", timeout=400)):
+    for failures in ok(run_workers(workers, "tf_dist_cases:collectives", timeout=400)):
         assert failures == []
 
 
 @pytest.mark.timeout(300)
 def test_non_uniform_batches_match_single_process_training():
-    results = _ok(run_workers(3, "tf_dist_cases:weighted_training", [8, 24, 40], 5, timeout=280))
+    results = ok(run_workers(3, "tf_dist_cases:weighted_training", [8, 24, 40], 5, timeout=280))
     for result in results:
         assert result["tape"]["grad_error"] < 1e-5
         assert result["tape"]["param_error"] < 1e-5
@@ -39,7 +33,7 @@ def test_non_uniform_batches_match_single_process_training():
 @pytest.mark.timeout(300)
 def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
     epochs, size = 2, 300
-    results = _ok(run_workers(3, "tf_dist_cases:fit_with_batch_change", size, [4, 6, 10], "7:12,8,4", epochs,
+    results = ok(run_workers(3, "tf_dist_cases:fit_with_batch_change", size, [4, 6, 10], "7:12,8,4", epochs,
                               timeout=280))
     for rank, result in enumerate(results):
         steps = result["steps"]

@@ -2,32 +2,26 @@
 
 import pytest
 
-from multiworker import run_workers
-
-
-def _ok(results):
-    for rank, result in enumerate(results):
-        assert "ok" in result, f"rank {rank} raised {result.get('error')}: {result.get('traceback')}"
-    return [result["ok"] for result in results]
+from multiworker import ok, run_workers
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_push_pull_sum_and_average_match_reference(workers):
-    for failures in _ok(run_workers(workers, "dist_cases:push_pull_matrix")):
+    for failures in ok(run_workers(workers, "dist_cases:push_pull_matrix")):
         assert failures == []
 
 
 @pytest.mark.timeout(120)
 def test_back_to_back_rounds_on_one_name_stay_exact():
-    for failures in _ok(run_workers(3, "dist_cases:back_to_back", 50)):
+    for failures in ok(run_workers(3, "dist_cases:back_to_back", 50)):
         assert failures == []
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("passes", [1, 2])
 def test_non_uniform_batches_match_single_process_training(passes):
-    results = _ok(run_workers(3, "dist_cases:weighted_training", [8, 24, 40], 5, passes))
+    results = ok(run_workers(3, "dist_cases:weighted_training", [8, 24, 40], 5, passes))
     for result in results:
         assert result["grad_error"] < 1e-6
         assert result["param_error"] < 1e-6
@@ -35,13 +29,13 @@ def test_non_uniform_batches_match_single_process_training(passes):
 
 @pytest.mark.timeout(120)
 def test_equal_batches_without_sizes_give_the_plain_average():
-    for result in _ok(run_workers(2, "dist_cases:weighted_training", [16, 16], 3, 1)):
+    for result in ok(run_workers(2, "dist_cases:weighted_training", [16, 16], 3, 1)):
         assert result["grad_error"] < 1e-6
 
 
 @pytest.mark.timeout(60)
 def test_more_backward_passes_than_declared_raise():
-    (message,) = _ok(run_workers(1, "dist_cases:too_many_passes"))
+    (message,) = ok(run_workers(1, "dist_cases:too_many_passes"))
     assert "backward_passes_per_step=1" in message
 
 
@@ -54,7 +48,7 @@ def test_batch_size_declared_on_some_ranks_raises_everywhere():
 
 @pytest.mark.timeout(120)
 def test_broadcasts_make_all_ranks_equal_to_the_root():
-    results = _ok(run_workers(3, "dist_cases:broadcasts"))
+    results = ok(run_workers(3, "dist_cases:broadcasts"))
     root = results[1]
     assert results[0]["before"] != root["before"]
     for result in results:
@@ -66,7 +60,7 @@ def test_broadcasts_make_all_ranks_equal_to_the_root():
 
 @pytest.mark.timeout(120)
 def test_mismatched_names_shapes_dtypes_raise_on_every_worker():
-    for rank, errors in enumerate(_ok(run_workers(3, "dist_cases:mismatches"))):
+    for rank, errors in enumerate(ok(run_workers(3, "dist_cases:mismatches"))):
         for case in ("name", "shape", "dtype", "root"):
             assert errors[case] is not None, f"rank {rank}: {case} mismatch was not detected"
             assert "rank 2:" in errors[case]
@@ -75,13 +69,13 @@ def test_mismatched_names_shapes_dtypes_raise_on_every_worker():
 
 @pytest.mark.timeout(60)
 def test_fp16_compression_averages():
-    for values in _ok(run_workers(2, "dist_cases:fp16_compression")):
+    for values in ok(run_workers(2, "dist_cases:fp16_compression")):
         assert values == [0.75] * 8
 
 
 @pytest.mark.timeout(120)
 def test_every_worker_switches_batch_size_at_the_same_step():
-    results = _ok(run_workers(3, "dist_cases:switch_at_step", 7, 12))
+    results = ok(run_workers(3, "dist_cases:switch_at_step", 7, 12))
     for rank, result in enumerate(results):
         assert result["local"] == [[4, 6, 8][rank]] * 7 + [8] * 5
         assert result["global"] == [18] * 7 + [24] * 5
@@ -93,21 +87,21 @@ def test_every_worker_switches_batch_size_at_the_same_step():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("every", "measured"), [("1", 12), ("5", 3)])
 def test_the_gradient_noise_is_measured_every_noise_every_steps(every, measured):
-    results = _ok(run_workers(3, "dist_cases:switch_at_step", 7, 12, env={"DYNAMIX_NOISE_EVERY": every}))
+    results = ok(run_workers(3, "dist_cases:switch_at_step", 7, 12, env={"DYNAMIX_NOISE_EVERY": every}))
     assert all(r["stats"]["steps"] == measured and r["stats"]["skipped"] == 0 for r in results)
 
 
 @pytest.mark.timeout(120)
 def test_invalid_or_disputed_assignments_are_refused_everywhere():
-    for result in _ok(run_workers(3, "dist_cases:rejected_assignment")):
+    for result in ok(run_workers(3, "dist_cases:rejected_assignment")):
         assert result == {"error": "InvalidAssignmentError", "mismatch": "TensorMismatchError", "kept": True}
 
 
 @pytest.mark.timeout(240)
 def test_resume_mid_epoch_from_4_to_2_workers_loses_and_repeats_nothing(tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    before = _ok(run_workers(4, "dist_cases:train_then_checkpoint", path, 5))
-    after = _ok(run_workers(2, "dist_cases:resume_and_finish_epoch", path))
+    before = ok(run_workers(4, "dist_cases:train_then_checkpoint", path, 5))
+    after = ok(run_workers(2, "dist_cases:resume_and_finish_epoch", path))
     assert after[0]["extra"] == {"note": "mid-epoch"}
     assert after[0]["sizes"] == [13, 13]  # the global batch 26 kept, split over 2 workers
     seen = sorted(i for r in before for i in r) + sorted(i for r in after for i in r["trained"])
@@ -118,7 +112,7 @@ def test_resume_mid_epoch_from_4_to_2_workers_loses_and_repeats_nothing(tmp_path
 
 @pytest.mark.timeout(120)
 def test_unfrozen_parameters_closures_and_gan_loops_stay_in_sync():
-    results = _ok(run_workers(2, "dist_cases:optimizer_patterns"))
+    results = ok(run_workers(2, "dist_cases:optimizer_patterns"))
     for key in ("unfrozen", "after_closure", "gan_loop"):
         assert results[0][key] == results[1][key], key
     assert results[0]["closure_loss"] != results[1]["closure_loss"]  # each rank's own loss, as in torch
@@ -126,7 +120,7 @@ def test_unfrozen_parameters_closures_and_gan_loops_stay_in_sync():
 
 @pytest.mark.timeout(120)
 def test_push_pull_from_two_threads_never_aborts_and_bad_types_are_refused():
-    results = _ok(run_workers(2, "dist_cases:thread_safety_and_types"))
+    results = ok(run_workers(2, "dist_cases:thread_safety_and_types"))
     for result in results:
         assert result["all_correct"] and result["done"] == 30
         assert all(message and "push_pull" in message for message in result["types"].values())
@@ -141,7 +135,7 @@ def test_different_fusion_sizes_raise_instead_of_aborting():
 
 @pytest.mark.timeout(120)
 def test_scheduler_before_wrapping_new_optimizers_and_early_epoch_exit():
-    results = _ok(run_workers(2, "dist_cases:second_break_test"))
+    results = ok(run_workers(2, "dist_cases:second_break_test"))
     for key in ("scheduler_first", "second_optimizer"):
         assert results[0][key] == results[1][key], key
     assert results[0]["lr_after_scheduler"] == pytest.approx(0.05)
