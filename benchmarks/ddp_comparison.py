@@ -49,7 +49,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
 from common import RESULTS, cnn_worker, timed_steps, worker_counts, write_report
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
