@@ -19,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from common import report_ns_per_call
-
 import numpy as np
+from common import report_ns_per_call
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "mailbox_overhead.json"
 
