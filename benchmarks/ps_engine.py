@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import REPO, RESULTS, worker_counts, write_report
 
 sys.path.insert(0, str(REPO / "tests"))
