@@ -131,9 +131,8 @@ def main() -> int:
     args = p.parse_args()
     workers = [4, 8] if args.quick else worker_counts(p, args.workers)
     episodes = 1 if args.quick else args.episodes
-    from dynamix_byteps.policy.ppo.serve import PPOPolicy
-
     from dynamix_byteps.policy.ppo.library import policy_dir
+    from dynamix_byteps.policy.ppo.serve import PPOPolicy
 
     ppo = PPOPolicy(path=args.policy_path) if args.policy_path else PPOPolicy(name=args.policy)
     own = (args.policy_path or policy_dir(args.policy)) / "sim_params.json"
