@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from common import write_report
 
 REPO = Path(__file__).resolve().parents[1]
