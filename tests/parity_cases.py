@@ -7,9 +7,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from test_parity import TORCH_OPTIMIZER_METHODS, methods_problems
 
 import dynamix_byteps.torch as bps
-from test_parity import TORCH_OPTIMIZER_METHODS, methods_problems
 
 
 def _digest(tensors) -> str:
