@@ -16,12 +16,12 @@ import urllib.request
 
 import grpc
 import pytest
+from test_scheduler import TOKEN, K, ScriptedPolicy, code_of, decisions, info, register_all, report, running, stub_for
 
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.client import SchedulerClient
 from dynamix_byteps.control.cluster import LIVE_RANK_S, MAX_STEP
 from dynamix_byteps.control.scheduler import DECISION_LOG, _encode_line
-from test_scheduler import K, TOKEN, ScriptedPolicy, code_of, decisions, info, register_all, report, running, stub_for
 
 HUGE = 1e308  # finite, but two of them overflow a sum
 
