@@ -26,12 +26,12 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_control_hardening import FakeClock
+from test_scheduler import K, ScriptedPolicy, info, report, running
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.cluster import LOSS_HISTORY_LEN
 from dynamix_byteps.control.scheduler import DECISION_LOG
-from test_control_hardening import FakeClock
-from test_scheduler import K, ScriptedPolicy, info, report, running
 
 WORLD = 4
 CLIENTS = 3
