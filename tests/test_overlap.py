@@ -2,7 +2,6 @@
 worker processes over loopback: exact batch weighting, unused parameters, mismatches."""
 
 import pytest
-
 from multiworker import ok, run_workers
 
 SIZES = [13, 29, 50]
