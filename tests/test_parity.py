@@ -23,7 +23,6 @@ import importlib.util
 import inspect
 
 import pytest
-
 from multiworker import ok, run_workers
 
 P = inspect.Parameter
