@@ -13,14 +13,13 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import REPO, run_bpslaunch
+from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
 
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
 from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
 from dynamix_byteps.engine.ps_server import SummationServer
 from dynamix_byteps.errors import ConfigurationError
-
-from conftest import REPO, run_bpslaunch
-from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
 
 PS_TIMEOUT_S = 10
 
