@@ -1,7 +1,6 @@
 """The byteps.torch API on real worker processes over loopback (gloo engine)."""
 
 import pytest
-
 from multiworker import ok, run_workers
 
 
