@@ -194,7 +194,7 @@ def test_a_policy_that_raises_keeps_the_current_sizes():
 def test_guarded_answers_are_always_valid(data):
     n = data.draw(st.integers(1, 6))
     lo = [data.draw(st.integers(1, 32)) for _ in range(n)]
-    hi = [data.draw(st.one_of(st.none(), st.integers(l, l + 200))) for l in lo]
+    hi = [data.draw(st.one_of(st.none(), st.integers(low, low + 200))) for low in lo]
     now = [data.draw(st.integers(1, 400)) for _ in range(n)]
     proposal = [data.draw(st.one_of(st.integers(-10, 5000), st.floats(allow_nan=True))) for _ in range(n)]
     max_change = data.draw(st.sampled_from([1.0, 1.5, 2.0, 4.0]))
@@ -202,11 +202,11 @@ def test_guarded_answers_are_always_valid(data):
     d = Guarded(Fixed(proposal, gain=data.draw(st.floats(-1, 1))), max_change=max_change,
                 preserve_global_batch=data.draw(st.booleans())).decide(s)
     assert len(d.batch_sizes) == n
-    for b, l, h, c in zip(d.batch_sizes, lo, hi, now):
-        assert type(b) is int and b >= max(1, l)
+    for b, low, h, c in zip(d.batch_sizes, lo, hi, now):
+        assert type(b) is int and b >= max(1, low)
         assert h is None or b <= h
         c_lo, c_hi = math.ceil(c / max_change - 1e-9), math.floor(c * max_change + 1e-9)
-        if max(l, c_lo) <= min(h if h is not None else math.inf, c_hi):   # window meets the bounds
+        if max(low, c_lo) <= min(h if h is not None else math.inf, c_hi):   # window meets the bounds
             assert c_lo <= b <= c_hi
 
 

@@ -120,14 +120,14 @@ def test_proportional_comm_estimate_is_the_stragglers_push_pull():
 def _continuous_split(total, w, lo, hi):
     """Independent reference: bisection on λ in Σ clamp(λ·w_i, lo_i, hi_i) = total."""
     def f(lam):
-        return sum(min(max(lam * a, l), h) for a, l, h in zip(w, lo, hi))
+        return sum(min(max(lam * a, low), h) for a, low, h in zip(w, lo, hi))
     a, b = 0.0, 1.0
     while f(b) < total:
         b *= 2
     for _ in range(200):
         m = (a + b) / 2
         a, b = (m, b) if f(m) < total else (a, m)
-    return [min(max(b * x, l), h) for x, l, h in zip(w, lo, hi)]
+    return [min(max(b * x, low), h) for x, low, h in zip(w, lo, hi)]
 
 
 @st.composite
@@ -135,7 +135,7 @@ def split_cases(draw):
     n = draw(st.integers(1, 8))
     w = [draw(st.floats(0.1, 1e4)) for _ in range(n)]
     lo = [draw(st.integers(1, 50)) for _ in range(n)]
-    hi = [l + draw(st.integers(0, 300)) if draw(st.booleans()) else math.inf for l in lo]
+    hi = [low + draw(st.integers(0, 300)) if draw(st.booleans()) else math.inf for low in lo]
     total = draw(st.integers(0, 3000))
     return total, w, lo, hi
 
@@ -146,7 +146,7 @@ def test_bounded_split_matches_the_continuous_water_filling(case):
     total, w, lo, hi = case
     b = bounded_split(total, w, lo, hi)
     assert all(isinstance(x, int) for x in b)
-    assert all(l <= x <= h for x, l, h in zip(b, lo, hi))
+    assert all(low <= x <= h for x, low, h in zip(b, lo, hi))
     if sum(lo) <= total <= sum(hi):
         assert sum(b) == total
         for x, ref in zip(b, _continuous_split(total, w, lo, hi)):
@@ -163,11 +163,11 @@ def cluster_states(draw):
     thetas, sizes, lo, hi = [], [], [], []
     for _ in range(n):
         thetas.append(draw(st.one_of(st.floats(0.5, 5000), st.sampled_from([0.0, float("nan"), float("inf")]))))
-        l = draw(st.integers(1, 64))
-        h = draw(st.one_of(st.none(), st.integers(l, l + 512)))
-        lo.append(l)
+        low = draw(st.integers(1, 64))
+        h = draw(st.one_of(st.none(), st.integers(low, low + 512)))
+        lo.append(low)
         hi.append(h)
-        sizes.append(draw(st.integers(l, h if h is not None else l + 512)))
+        sizes.append(draw(st.integers(low, h if h is not None else low + 512)))
     return make_state(thetas, sizes, min_batch=lo, max_batch=hi,
                       push_pull=draw(st.floats(0.0, 1.0)))
 
