@@ -429,9 +429,9 @@ def test_segment_removed_on_close_context_exit_and_garbage_collection(name):
     assert not os.path.exists(shm_file(name))
     mb.close()  # idempotent
     assert mb.closed
-    for call in (lambda: mb.publish_metrics(1, [1.0]), lambda: mb.read_metrics()):
+    for method, args in ((mb.publish_metrics, (1, [1.0])), (mb.read_metrics, ())):
         with pytest.raises(ValueError, match="closed"):
-            call()
+            method(*args)
 
     with Mailbox.create(name):
         assert os.path.exists(shm_file(name))
