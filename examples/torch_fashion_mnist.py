@@ -30,6 +30,7 @@ from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
+TEST_IMAGES = 10_000  # Fashion-MNIST's test set
 
 
 class Net(nn.Module):
@@ -95,6 +96,9 @@ def parse_args():
                    help="stop after this many seconds of training (evaluation not counted)")
     p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
                    help="also evaluate on the test set every this many seconds of training")
+    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+                   help="evaluate on a fixed subset of N test images, the same for every seed and run "
+                        "(default: all 10,000)")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")
@@ -113,7 +117,10 @@ def parse_args():
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
     p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.eval_subset is not None and not 1 <= args.eval_subset <= TEST_IMAGES:
+        p.error(f"--eval-subset {args.eval_subset}: choose 1..{TEST_IMAGES}, the test set's size")
+    return args
 
 
 def evaluate(model, test_x, test_y, rank, size):
@@ -132,6 +139,13 @@ def evaluate(model, test_x, test_y, rank, size):
         bps.log_scalar("test/accuracy", accuracy)
         bps.log_scalar("test/loss", test_loss)
     return test_loss, accuracy
+
+
+def eval_subset(test_x, test_y, n):
+    """``n`` (1..len(test_y)) test images drawn by a permutation seeded with 0, independent of
+    ``--seed``, so that every run and configuration scores the same images."""
+    chosen = torch.randperm(len(test_y), generator=torch.Generator().manual_seed(0))[:n]
+    return test_x[chosen], test_y[chosen]
 
 
 def training_clock(rank, seconds):
@@ -162,6 +176,8 @@ def main():
 
     train_x, train_y = to_tensors(*load_fashion_mnist("train", root=args.data_dir))
     test_x, test_y = to_tensors(*load_fashion_mnist("test", root=args.data_dir))
+    if args.eval_subset is not None:
+        test_x, test_y = eval_subset(test_x, test_y, args.eval_subset)
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
     train_set = TensorDataset(train_x, train_y)
