@@ -77,8 +77,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     Args:
         optimizer: a Keras 3 optimizer not yet used (its config is copied, not its state).
         name: a new name for the optimizer (default: the wrapped one's).
-        device_dense, device_sparse, sparse_as_dense: accepted for BytePS compatibility
-            (sparse gradients are always densified).
+        device_dense: accepted for BytePS compatibility.
+        device_sparse: accepted for BytePS compatibility.
+        sparse_as_dense: accepted for BytePS compatibility (sparse gradients are always densified).
         compression: ``Compression.none`` or ``Compression.fp16``.
         lr_scaling: ``none``, ``linear`` (B/B0), ``sqrt`` or ``adascale`` (AdamScale for
             Adam/AdamW); default ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
