@@ -313,7 +313,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     Args:
         warmup_epochs: length of the warm-up, in epochs.
-        momentum_correction, steps_per_epoch, initial_lr: as for :class:`LearningRateScheduleCallback`.
+        momentum_correction: as for :class:`LearningRateScheduleCallback`.
+        steps_per_epoch: as for :class:`LearningRateScheduleCallback`.
+        initial_lr: as for :class:`LearningRateScheduleCallback`.
         verbose: 1 prints a line when the warm-up is done.
 
     Raises (at the start of training): as :class:`LearningRateScheduleCallback`.
