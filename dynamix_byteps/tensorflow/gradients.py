@@ -193,7 +193,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
 
     Args:
         gradtape: the step's ``tf.GradientTape`` (eager or inside ``tf.function``).
-        device_dense, device_sparse: accepted for BytePS compatibility.
+        device_dense: accepted for BytePS compatibility.
+        device_sparse: accepted for BytePS compatibility.
         compression: ``Compression.none`` or ``Compression.fp16``.
         sparse_as_dense: accepted for BytePS compatibility; sparse gradients are always densified.
         op: must be ``Average`` (BytePS's tape averaged whatever ``op`` said).
