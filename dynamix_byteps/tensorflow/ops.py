@@ -100,7 +100,8 @@ def push_pull(tensor, scope: str = "", average: bool | None = None, device_dense
         scope: prefix of ``name``.
         average: True (the default) divides by ``size()``, False sums; integers divide with
             truncation. Or give ``op=Average``/``op=Sum`` (not both).
-        device_dense, device_sparse: accepted for BytePS compatibility; tensors stay where they are.
+        device_dense: accepted for BytePS compatibility; tensors stay where they are.
+        device_sparse: accepted for BytePS compatibility.
         compression: ``Compression.none`` or ``Compression.fp16`` (what crosses the wire).
         enable_async: BytePS's asynchronous mode, which this library does not offer: must be False.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
