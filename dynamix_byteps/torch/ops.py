@@ -110,7 +110,8 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
             sum would not fit) and multiplied by p / ``size()`` after it, in float64; integers are
             summed and then divided with truncation.
         name: identical on every worker for the same logical tensor; auto-named by call order if None.
-        version, priority: accepted for BytePS compatibility; the engines run rounds in issue order.
+        version: accepted for BytePS compatibility.
+        priority: accepted for BytePS compatibility; the engines run rounds in issue order.
         compression: ``Compression.none`` or ``Compression.fp16``.
 
     Returns:
