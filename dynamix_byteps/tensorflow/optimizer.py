@@ -20,8 +20,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     :func:`dynamix_byteps.tensorflow.keras.DistributedOptimizer`, which this calls.
 
     Args:
-        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, lr_scaling,
-            base_batch_size: as for the Keras ``DistributedOptimizer``.
+        optimizer: as for the Keras ``DistributedOptimizer``.
+        name: as for the Keras ``DistributedOptimizer``.
+        device_dense: as for the Keras ``DistributedOptimizer``.
+        device_sparse: as for the Keras ``DistributedOptimizer``.
+        compression: as for the Keras ``DistributedOptimizer``.
+        sparse_as_dense: as for the Keras ``DistributedOptimizer``.
+        lr_scaling: as for the Keras ``DistributedOptimizer``.
+        base_batch_size: as for the Keras ``DistributedOptimizer``.
         use_locking: accepted for BytePS compatibility (it applies to TensorFlow 1 optimizers).
         backward_passes_per_step: must be 1, as in BytePS with a Keras optimizer.
         op: must be ``Average`` (gradients are always averaged; BytePS refused ``Adasum`` too).
