@@ -1,12 +1,18 @@
-"""What every benchmark script shares: the machine it ran on, the ns/call table, the JSON file."""
+"""What every benchmark script shares: the machine it ran on and its load, the ns/call table, the
+JSON file, and the statistics of repeated runs (bootstrap intervals, ahead/tie/behind verdicts)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
+import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 from dynamix_byteps.atomic import write_atomic
 
@@ -69,6 +75,18 @@ def report_ns_per_call(out: Path, benchmark: str, calls: int, runs: int, results
     write_report(out, {"benchmark": benchmark, "calls_per_run": calls, "runs": runs, "results": results})
 
 
+def text_table(header: list[str], lines: list[list[str]]) -> str:
+    """``header`` and ``lines`` (rows of cell strings) as left-aligned columns two spaces apart."""
+    lines = [header, *lines]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+
+
+def markdown_table(header: list[str], lines: list[list[str]]) -> str:
+    """``header`` and ``lines`` (rows of cell strings) as a GitHub markdown table."""
+    return "\n".join("| " + " | ".join(line) + " |" for line in [header, ["---"] * len(header), *lines])
+
+
 def write_report(out: Path, report: dict) -> None:
     """Write ``report`` plus :func:`machine` as indented JSON to ``out`` (atomically)."""
     write_atomic(out, json.dumps({**report, "machine": machine()}, indent=2) + "\n")
@@ -84,3 +102,90 @@ def worker_counts(parser, text: str) -> list[int]:
     if not counts or any(not 1 <= c <= 4096 for c in counts):
         parser.error(f"--workers {text!r}: worker counts must be 1..4096")
     return counts
+
+
+def interval90(samples, method: str = "linear") -> list[float]:
+    """The 5th and 95th percentiles of ``samples`` (bootstrap replicates, 1-D): a 90% interval.
+
+    ``method`` is :func:`numpy.quantile`'s; ``"inverted_cdf"`` returns sample values without
+    interpolating, which keeps infinite samples (a target never reached) meaningful.
+    """
+    return [float(q) for q in np.quantile(np.asarray(samples, dtype=float), [0.05, 0.95], method=method)]
+
+
+def verdict(interval: list[float], lower_is_better: bool = True) -> str:
+    """``ahead``, ``behind`` or ``tie`` from the 90% interval ``[low, high]`` of a ratio
+    (configuration / reference): ahead when the whole interval is on the better side of 1,
+    behind when it is wholly on the worse side, else tie."""
+    low, high = interval
+    better, worse = (high < 1, low > 1) if lower_is_better else (low > 1, high < 1)
+    return "ahead" if better else "behind" if worse else "tie"
+
+
+def bootstrap_medians(values, rounds: int = 2000, seed: int = 0) -> np.ndarray:
+    """Medians of ``rounds`` resamples (with replacement, numpy's PCG64 seeded with ``seed``) of
+    ``values`` (1-D, float; ``inf`` allowed): shape (rounds,)."""
+    values = np.asarray(values, dtype=float)
+    draws = np.random.default_rng(seed).integers(len(values), size=(rounds, len(values)))
+    return np.median(values[draws], axis=1)
+
+
+def paired_ratio_interval(values, reference, rounds: int = 2000, seed: int = 0) -> list[float]:
+    """90% bootstrap interval of median(``values``) / median(``reference``), resampling the pairs
+    (``values[i]``, ``reference[i]``: the same seed or repeat) together.
+
+    Both 1-D of equal length >= 1; ``inf`` allowed (a target never reached): a ratio inf/inf
+    counts as 1, finite/inf as 0 and inf/finite as inf. Percentiles by ``inverted_cdf`` (see
+    :func:`interval90`). Raises ValueError on empty or unequal inputs.
+    """
+    values, reference = np.asarray(values, dtype=float), np.asarray(reference, dtype=float)
+    if len(values) == 0 or values.shape != reference.shape:
+        raise ValueError(f"paired samples must be non-empty and of equal length, got {len(values)} and {len(reference)}")
+    draws = np.random.default_rng(seed).integers(len(values), size=(rounds, len(values)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.median(values[draws], axis=1) / np.median(reference[draws], axis=1)
+    return interval90(np.where(np.isnan(ratios), 1.0, ratios), method="inverted_cdf")
+
+
+class LoadSampler:
+    """Samples :func:`os.getloadavg`'s 1-minute load every ``every_s`` seconds in a thread while
+    in its ``with`` block; ``samples`` holds ``(seconds since entry, load)`` pairs.
+
+    :meth:`other_load` estimates the load of other work: each sample less this run's own
+    expected share, where the share is ``share`` runnable processes since entry, seen through
+    the kernel's 1-minute exponential filter (time constant 60 s), on top of ``tail`` (this
+    benchmark's load still in the average at entry, from a previous run).
+    """
+
+    TIME_CONSTANT_S = 60.0  # the kernel's 1-minute load average: exp(-5 s / 60 s) per 5-s tick
+
+    def __init__(self, share: float, tail: float = 0.0, every_s: float = 2.0):
+        self.share, self.tail, self.every_s = share, tail, every_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> "LoadSampler":
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append((time.monotonic() - self._start, os.getloadavg()[0]))
+            if self._stop.wait(self.every_s):
+                return
+
+    def expected(self, t: float) -> float:
+        """This run's own share of the 1-minute load ``t`` seconds after entry."""
+        decay = math.exp(-t / self.TIME_CONSTANT_S)
+        return self.share * (1 - decay) + self.tail * decay
+
+    def other_load(self) -> float:
+        """Mean over the samples of (load - :meth:`expected`), at least 0; 0 without samples."""
+        excess = [load - self.expected(t) for t, load in self.samples]
+        return max(0.0, sum(excess) / len(excess)) if excess else 0.0

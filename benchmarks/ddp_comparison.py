@@ -49,7 +49,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, cnn_worker, timed_steps, worker_counts, write_report
+from common import (RESULTS, cnn_worker, interval90, markdown_table, text_table, timed_steps, verdict, worker_counts,
+                    write_report)
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
 BASELINE = "torch DDP"
@@ -175,10 +176,6 @@ def _resampled_medians(step_ms: np.ndarray, repeats: np.ndarray, rng: np.random.
     return np.median(step_ms[repeats[:, :, None], steps].reshape(len(repeats), -1), axis=1)
 
 
-def _interval(samples: np.ndarray) -> list[float]:
-    return [float(q) for q in np.quantile(samples, [0.05, 0.95])]
-
-
 def summarise(run: dict) -> list[dict]:
     """The rows of one job's result (``step_s``: variant -> repeats -> seconds per step)."""
     rng = np.random.default_rng(0)
@@ -195,12 +192,12 @@ def summarise(run: dict) -> list[dict]:
         medians = base_medians if name == BASELINE else _resampled_medians(ms, repeats, rng)
         per_repeat = np.median(ms, axis=1)
         row = {"model": run["model"], "workers": run["workers"], "variant": name,
-               "median_ms": float(np.median(ms)), "median_ci90_ms": _interval(medians),
+               "median_ms": float(np.median(ms)), "median_ci90_ms": interval90(medians),
                "repeat_medians_ms": [float(per_repeat.min()), float(per_repeat.max())], "steps": int(ms.size)}
         if name != BASELINE:
-            low, high = _interval(medians / base_medians)
+            low, high = interval90(medians / base_medians)
             row.update(ratio=row["median_ms"] / float(np.median(base)), ratio_ci90=[low, high],
-                       verdict="ahead" if high < 1 else "behind" if low > 1 else "tie", target=target,
+                       verdict=verdict([low, high]), target=target,
                        target_met="met" if high <= target else "missed" if low > target else "unresolved")
         rows.append(row)
     return rows
@@ -235,14 +232,11 @@ HEADER = ["model", "workers", "variant", "median step ms [90%]", "repeat medians
 
 
 def table(rows: list[dict]) -> str:
-    lines = [HEADER] + [_cells(row) for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    return text_table(HEADER, [_cells(row) for row in rows])
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = [HEADER, ["---"] * len(HEADER)] + [_cells(row) for row in rows]
-    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+    return markdown_table(HEADER, [_cells(row) for row in rows])
 
 
 def main(argv=None) -> int:
