@@ -1,7 +1,8 @@
-"""Cost of recording one push_pull timing event from Python, in ns per call.
+"""Cost of recording one timing event from Python, in ns per call.
 
-Measures ``TimingRing.record`` called directly and ``dynamix_byteps.timing.record`` (name
-interning + process ring), each as the median of --runs runs of --calls calls, next to an
+Measures ``TimingRing.record`` called directly (with the default kind, push_pull, and with an
+explicit kind, as the ps engine's pushes and pulls are recorded) and ``dynamix_byteps.timing.record``
+(name interning + process ring), each as the median of --runs runs of --calls calls, next to an
 empty Python loop of the same length for reference. The ring is sized to hold every call
 and drained between runs, so only the success path is timed. Prints a table, writes JSON.
 
@@ -40,6 +41,17 @@ def _raw_record(ring, n: int) -> int:
     return elapsed
 
 
+def _raw_record_kind(ring, n: int) -> int:
+    record = ring.record
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        record(7, 4096, 1_000, 2_000, 1)
+    elapsed = time.perf_counter_ns() - t0
+    if ring.dropped:
+        raise RuntimeError("ring overflowed during the benchmark; the drop path was timed")
+    return elapsed
+
+
 def _timing_record(timing, n: int) -> int:
     record = timing.record
     t0 = time.perf_counter_ns()
@@ -68,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = {
         "empty python loop (reference)": lambda: _loop_baseline(args.calls),
         "TimingRing.record (raw)": lambda: _raw_record(raw_ring, args.calls),
+        "TimingRing.record (raw, kind=push)": lambda: _raw_record_kind(raw_ring, args.calls),
         "timing.record (name + process ring)": lambda: _timing_record(timing, args.calls),
     }
-    drains = {"TimingRing.record (raw)": raw_ring.drain, "timing.record (name + process ring)": timing.ring().drain}
+    drains = {"TimingRing.record (raw)": raw_ring.drain, "TimingRing.record (raw, kind=push)": raw_ring.drain,
+              "timing.record (name + process ring)": timing.ring().drain}
 
     results = []
     for name, run in cases.items():

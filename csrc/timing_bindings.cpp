@@ -35,22 +35,26 @@ py::dict drain(TimingRing& ring, std::optional<int64_t> max_events) {
   }
   const auto n = static_cast<py::ssize_t>(events.size());
   py::array_t<uint32_t> name_id(n);
+  py::array_t<uint8_t> kind(n);
   py::array_t<uint64_t> nbytes(n);
   py::array_t<int64_t> start_ns(n);
   py::array_t<int64_t> end_ns(n);
   uint32_t* p_name = name_id.mutable_data();
+  uint8_t* p_kind = kind.mutable_data();
   uint64_t* p_bytes = nbytes.mutable_data();
   int64_t* p_start = start_ns.mutable_data();
   int64_t* p_end = end_ns.mutable_data();
   for (py::ssize_t i = 0; i < n; ++i) {
     const TimingEvent& ev = events[static_cast<size_t>(i)];
     p_name[i] = ev.name_id;
+    p_kind[i] = static_cast<uint8_t>(ev.kind);
     p_bytes[i] = ev.nbytes;
     p_start[i] = ev.start_ns;
     p_end[i] = ev.end_ns;
   }
   py::dict out;
   out["name_id"] = name_id;
+  out["kind"] = kind;
   out["nbytes"] = nbytes;
   out["start_ns"] = start_ns;
   out["end_ns"] = end_ns;
@@ -58,8 +62,8 @@ py::dict drain(TimingRing& ring, std::optional<int64_t> max_events) {
 }
 
 // Test hook: `threads` native threads (no GIL) each record `per_thread` events, retrying while
-// the ring is full. Thread t records name_id=t, nbytes=i, start_ns=i, end_ns=i+t+1 for
-// i = 0..per_thread-1, in that order. Returns the number of failed (full) attempts.
+// the ring is full. Thread t records name_id=t, kind=t % kNumKinds, nbytes=i, start_ns=i,
+// end_ns=i+t+1 for i = 0..per_thread-1, in that order. Returns the number of failed (full) attempts.
 uint64_t record_concurrently(TimingRing& ring, int threads, int64_t per_thread) {
   if (threads < 1 || threads > 256) throw py::value_error("threads must be in [1, 256]");
   if (per_thread < 0) throw py::value_error("per_thread must be >= 0");
@@ -71,7 +75,8 @@ uint64_t record_concurrently(TimingRing& ring, int threads, int64_t per_thread) 
       pool.emplace_back([&ring, &failures, t, per_thread] {
         uint64_t fails = 0;
         for (int64_t i = 0; i < per_thread; ++i) {
-          const TimingEvent ev{static_cast<uint32_t>(t), static_cast<uint64_t>(i), i, i + t + 1};
+          const TimingEvent ev{static_cast<uint32_t>(t), static_cast<uint32_t>(t) % kNumKinds,
+                               static_cast<uint64_t>(i), i, i + t + 1};
           while (!ring.record(ev)) {
             ++fails;
             std::this_thread::yield();
@@ -90,13 +95,15 @@ uint64_t record_concurrently(TimingRing& ring, int threads, int64_t per_thread) 
 // TimingRing.record as a METH_FASTCALL method: the hot path, called once per push_pull.
 // pybind11's generic dispatcher costs ~300 ns for four int arguments on a slow core; parsing
 // the vector of arguments directly costs a fraction of that. Same signature and errors as a
-// pybind11 binding would have: record(name_id, nbytes, start_ns, end_ns), keywords allowed.
-constexpr const char* kRecordArgs[4] = {"name_id", "nbytes", "start_ns", "end_ns"};
+// pybind11 binding would have: record(name_id, nbytes, start_ns, end_ns, kind=0), keywords allowed.
+constexpr int kRecordArgCount = 5;
+constexpr int kRequiredArgs = 4;
+constexpr const char* kRecordArgs[kRecordArgCount] = {"name_id", "nbytes", "start_ns", "end_ns", "kind"};
 
 PyObject* record_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  PyObject* vals[4] = {nullptr, nullptr, nullptr, nullptr};
-  if (nargs > 4) {
-    PyErr_Format(PyExc_TypeError, "record() takes 4 arguments (%zd given)", nargs);
+  PyObject* vals[kRecordArgCount] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (nargs > kRecordArgCount) {
+    PyErr_Format(PyExc_TypeError, "record() takes 4 or 5 arguments (%zd given)", nargs);
     return nullptr;
   }
   for (Py_ssize_t i = 0; i < nargs; ++i) vals[i] = args[i];
@@ -105,7 +112,7 @@ PyObject* record_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t narg
     for (Py_ssize_t j = 0; j < nkw; ++j) {
       PyObject* key = PyTuple_GET_ITEM(kwnames, j);
       int idx = -1;
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < kRecordArgCount; ++k) {
         if (PyUnicode_CompareWithASCIIString(key, kRecordArgs[k]) == 0) idx = k;
       }
       if (idx < 0) {
@@ -119,9 +126,10 @@ PyObject* record_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t narg
       vals[idx] = args[nargs + j];
     }
   }
-  long long v[4];
-  for (int k = 0; k < 4; ++k) {
+  long long v[kRecordArgCount] = {0, 0, 0, 0, kPushPull};
+  for (int k = 0; k < kRecordArgCount; ++k) {
     if (vals[k] == nullptr) {
+      if (k >= kRequiredArgs) continue;  // kind defaults to push_pull
       PyErr_Format(PyExc_TypeError, "record() missing required argument '%s'", kRecordArgs[k]);
       return nullptr;
     }
@@ -140,6 +148,10 @@ PyObject* record_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t narg
     PyErr_SetString(PyExc_ValueError, "record(): nbytes must be >= 0");
     return nullptr;
   }
+  if (v[4] < 0 || v[4] >= static_cast<long long>(kNumKinds)) {
+    PyErr_Format(PyExc_ValueError, "record(): kind must be 0 (push_pull), 1 (push) or 2 (pull), got %lld", v[4]);
+    return nullptr;
+  }
   py::detail::make_caster<TimingRing> caster;
   if (!caster.load(self, false)) {
     PyErr_SetString(PyExc_TypeError, "record() needs a TimingRing");
@@ -150,7 +162,8 @@ PyObject* record_fastcall(PyObject* self, PyObject* const* args, Py_ssize_t narg
     PyErr_SetString(PyExc_TypeError, "record() called on a TimingRing whose __init__ did not run");
     return nullptr;
   }
-  const bool ok = ring->record(TimingEvent{static_cast<uint32_t>(v[0]), static_cast<uint64_t>(v[1]), v[2], v[3]});
+  const bool ok = ring->record(TimingEvent{static_cast<uint32_t>(v[0]), static_cast<uint32_t>(v[4]),
+                                           static_cast<uint64_t>(v[1]), v[2], v[3]});
   return PyBool_FromLong(ok);
 }
 
@@ -158,22 +171,38 @@ PyMethodDef record_method_def = {
     "record",
     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(record_fastcall)),
     METH_FASTCALL | METH_KEYWORDS,
-    "record($self, name_id, nbytes, start_ns, end_ns)\n--\n\n"
-    "Record one event (times in ns, nbytes in bytes) and add it to the current step's aggregates.\n\n"
+    "record($self, name_id, nbytes, start_ns, end_ns, kind=0)\n--\n\n"
+    "Record one event (times in ns, nbytes in bytes) of `kind` (0 push_pull, 1 push, 2 pull; the\n"
+    "index into TIMING_KINDS) and add it to the current step's aggregates of that kind.\n\n"
     "Returns False, and increments `dropped`, when the ring is full; the event still counts in\n"
-    "end_step(). Raises ValueError if end_ns < start_ns, nbytes < 0 or name_id is not a uint32.",
+    "end_step(). Raises ValueError if end_ns < start_ns, nbytes < 0, name_id is not a uint32 or\n"
+    "kind is not 0, 1 or 2.",
 };
+
+py::dict kind_stats(const KindStats& k) {
+  py::dict out;
+  out["count"] = k.count;
+  out["bytes"] = k.bytes;
+  out["busy_ns"] = k.busy_ns;
+  out["span_ns"] = k.span_ns;
+  return out;
+}
 
 }  // namespace
 
 void register_timing(py::module_& m) {
+  py::tuple kinds(kNumKinds);
+  for (uint32_t k = 0; k < kNumKinds; ++k) kinds[k] = py::str(kKindNames[k]);
+  m.attr("TIMING_KINDS") = kinds;
+
   m.def("now_ns", &monotonic_ns,
         "now_ns() -> int\n\nCLOCK_MONOTONIC in nanoseconds; the same clock as time.monotonic_ns().");
 
   py::class_<TimingRing> cls(m, "TimingRing", R"doc(
-Bounded lock-free multi-producer ring of push_pull timing events.
+Bounded lock-free multi-producer ring of timing events (push_pull, push, pull).
 
-Each event is (name_id: uint32, nbytes: uint64 bytes, start_ns: int64, end_ns: int64), times in
+Each event is (name_id: uint32, kind: uint8 index into TIMING_KINDS, nbytes: uint64 bytes,
+start_ns: int64, end_ns: int64), times in
 CLOCK_MONOTONIC nanoseconds (see now_ns()). record() is safe from any number of threads and never
 blocks; drain() and end_step() are meant for one consumer thread.
 
@@ -194,25 +223,26 @@ Raises:
       .def("drain", &drain, py::arg("max_events") = py::none(),
            R"doc(Remove up to max_events waiting events (all waiting ones when None).
 
-Returns a dict of equal-length numpy arrays: name_id (uint32), nbytes (uint64, bytes),
+Returns a dict of equal-length numpy arrays: name_id (uint32), kind (uint8, index into
+TIMING_KINDS), nbytes (uint64, bytes),
 start_ns (int64), end_ns (int64), oldest first (record order per producer). Releases the GIL
 while copying out. Raises ValueError if max_events < 0.)doc")
       .def(
           "end_step",
           [](TimingRing& ring) {
             const StepStats s = ring.end_step();
-            py::dict out;
-            out["count"] = s.count;
-            out["bytes"] = s.bytes;
-            out["busy_ns"] = s.busy_ns;
-            out["span_ns"] = s.span_ns;
+            py::dict out = kind_stats(s.total);
+            py::dict kinds;
+            for (uint32_t k = 0; k < kNumKinds; ++k) kinds[kKindNames[k]] = kind_stats(s.by_kind[k]);
+            out["kinds"] = kinds;
             return out;
           },
           R"doc(Aggregates of the events recorded since the previous end_step(), then reset.
 
 Returns {"count": events, "bytes": sum of nbytes, "busy_ns": sum of durations in ns,
-"span_ns": last end_ns - first start_ns in ns, 0 when empty}. Dropped events are included;
-drain() does not affect these.)doc")
+"span_ns": last end_ns - first start_ns in ns (0 when empty), "kinds": {kind name: the same
+four aggregates over that kind's events only}} with one entry per name of TIMING_KINDS. Dropped
+events are included; drain() does not affect these.)doc")
       .def_property_readonly("capacity", &TimingRing::capacity, "Slots in the ring (a power of two).")
       .def_property_readonly("size", &TimingRing::size, "Events waiting to be drained.")
       .def_property_readonly("dropped", &TimingRing::dropped, "Events rejected because the ring was full.")

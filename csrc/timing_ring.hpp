@@ -1,4 +1,4 @@
-// Lock-free bounded multi-producer ring of push_pull timing events, plus per-step aggregates.
+// Lock-free bounded multi-producer ring of timing events, plus per-step aggregates per kind.
 //
 // Pure C++17, no Python or torch: the pybind11 bindings live in timing_bindings.cpp, and an
 // engine written in C++ can include this header and record into the same ring.
@@ -17,6 +17,10 @@
 // data hand-over goes through the per-slot seq. record() never blocks or waits for another
 // thread; a thread stalled between claim and publish only delays consumers at that slot.
 //
+// Kinds: every event says what it timed (a push_pull of a collective engine, or the push or the
+// pull of a parameter-server engine), and the step aggregates are kept per kind, so a consumer
+// reads a worker's push time and pull time apart without parsing names.
+//
 // Step aggregates: two banks of atomic accumulators and an epoch counter. record() adds to
 // bank[epoch & 1] while holding that bank's `writers` count; end_step() bumps the epoch, waits
 // until the old bank's writers drain to zero, then reads and resets it. The writer's
@@ -28,6 +32,7 @@
 
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -46,18 +51,34 @@ inline int64_t monotonic_ns() noexcept {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
 }
 
+// What an event timed. Values are stable: they are what drain() returns in its "kind" column.
+enum TimingKind : uint32_t {
+  kPushPull = 0,  // a whole collective (all-reduce, broadcast, ...) of a collective engine
+  kPush = 1,      // a parameter-server push: issue until the server acknowledged it
+  kPull = 2,      // a parameter-server pull: the sum's transfer, the server's wait for others excluded
+};
+constexpr uint32_t kNumKinds = 3;
+constexpr const char* kKindNames[kNumKinds] = {"push_pull", "push", "pull"};
+
 struct TimingEvent {
   uint32_t name_id;  // interned tensor/operation name
+  uint32_t kind;     // TimingKind, < kNumKinds; occupies what was padding, the event stays 32 bytes
   uint64_t nbytes;   // payload size, bytes
   int64_t start_ns;  // CLOCK_MONOTONIC, ns
   int64_t end_ns;    // CLOCK_MONOTONIC, ns, >= start_ns
 };
+static_assert(sizeof(TimingEvent) == 32, "a timing event is 32 bytes");
 
-struct StepStats {
+struct KindStats {
   uint64_t count = 0;   // events recorded in the step (dropped ones included)
   uint64_t bytes = 0;   // sum of nbytes
   int64_t busy_ns = 0;  // sum of (end_ns - start_ns)
   int64_t span_ns = 0;  // max end_ns - min start_ns, 0 when count == 0
+};
+
+struct StepStats {
+  KindStats total;                // every kind together (span over all of them)
+  KindStats by_kind[kNumKinds];   // index = TimingKind
 };
 
 class TimingRing {
@@ -84,7 +105,8 @@ class TimingRing {
   size_t capacity() const noexcept { return mask_ + 1; }
 
   // Adds the event to the current step's aggregates and appends it to the ring. Returns false
-  // (and counts it in dropped()) when the ring is full. Precondition: end_ns >= start_ns.
+  // (and counts it in dropped()) when the ring is full. Preconditions: end_ns >= start_ns,
+  // kind < kNumKinds.
   bool record(const TimingEvent& ev) noexcept {
     accumulate(ev);
     uint64_t pos = enqueue_pos_.load(std::memory_order_relaxed);
@@ -151,12 +173,25 @@ class TimingRing {
       if (spins > 64) std::this_thread::yield();
     }
     StepStats s;
-    s.count = b.count.load(std::memory_order_relaxed);
-    s.bytes = b.bytes.load(std::memory_order_relaxed);
-    s.busy_ns = b.busy_ns.load(std::memory_order_relaxed);
-    if (s.count > 0) {
-      s.span_ns = b.last_end.load(std::memory_order_relaxed) - b.first_start.load(std::memory_order_relaxed);
+    int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
+    for (uint32_t k = 0; k < kNumKinds; ++k) {
+      const Acc& a = b.kinds[k];
+      KindStats& out = s.by_kind[k];
+      out.count = a.count.load(std::memory_order_relaxed);
+      out.bytes = a.bytes.load(std::memory_order_relaxed);
+      out.busy_ns = a.busy_ns.load(std::memory_order_relaxed);
+      if (out.count > 0) {
+        const int64_t f = a.first_start.load(std::memory_order_relaxed);
+        const int64_t l = a.last_end.load(std::memory_order_relaxed);
+        out.span_ns = l - f;
+        first = std::min(first, f);
+        last = std::max(last, l);
+      }
+      s.total.count += out.count;
+      s.total.bytes += out.bytes;
+      s.total.busy_ns += out.busy_ns;
     }
+    if (s.total.count > 0) s.total.span_ns = last - first;
     reset_bank(b);  // published to the next writers of this bank by the next epoch store
     return s;
   }
@@ -167,8 +202,7 @@ class TimingRing {
     TimingEvent ev;
   };
 
-  struct alignas(64) Bank {
-    std::atomic<uint64_t> writers{0};
+  struct Acc {  // one kind's accumulators in one bank
     std::atomic<uint64_t> count{0};
     std::atomic<uint64_t> bytes{0};
     std::atomic<int64_t> busy_ns{0};
@@ -176,12 +210,19 @@ class TimingRing {
     std::atomic<int64_t> last_end{0};
   };
 
+  struct alignas(64) Bank {
+    std::atomic<uint64_t> writers{0};
+    Acc kinds[kNumKinds];
+  };
+
   static void reset_bank(Bank& b) noexcept {
-    b.count.store(0, std::memory_order_relaxed);
-    b.bytes.store(0, std::memory_order_relaxed);
-    b.busy_ns.store(0, std::memory_order_relaxed);
-    b.first_start.store(std::numeric_limits<int64_t>::max(), std::memory_order_relaxed);
-    b.last_end.store(std::numeric_limits<int64_t>::min(), std::memory_order_relaxed);
+    for (Acc& a : b.kinds) {
+      a.count.store(0, std::memory_order_relaxed);
+      a.bytes.store(0, std::memory_order_relaxed);
+      a.busy_ns.store(0, std::memory_order_relaxed);
+      a.first_start.store(std::numeric_limits<int64_t>::max(), std::memory_order_relaxed);
+      a.last_end.store(std::numeric_limits<int64_t>::min(), std::memory_order_relaxed);
+    }
   }
 
   void accumulate(const TimingEvent& ev) noexcept {
@@ -193,15 +234,16 @@ class TimingRing {
         b.writers.fetch_sub(1, std::memory_order_release);
         continue;
       }
-      b.count.fetch_add(1, std::memory_order_relaxed);
-      b.bytes.fetch_add(ev.nbytes, std::memory_order_relaxed);
-      b.busy_ns.fetch_add(ev.end_ns - ev.start_ns, std::memory_order_relaxed);
-      int64_t cur = b.first_start.load(std::memory_order_relaxed);
+      Acc& a = b.kinds[ev.kind];
+      a.count.fetch_add(1, std::memory_order_relaxed);
+      a.bytes.fetch_add(ev.nbytes, std::memory_order_relaxed);
+      a.busy_ns.fetch_add(ev.end_ns - ev.start_ns, std::memory_order_relaxed);
+      int64_t cur = a.first_start.load(std::memory_order_relaxed);
       while (ev.start_ns < cur &&
-             !b.first_start.compare_exchange_weak(cur, ev.start_ns, std::memory_order_relaxed)) {
+             !a.first_start.compare_exchange_weak(cur, ev.start_ns, std::memory_order_relaxed)) {
       }
-      cur = b.last_end.load(std::memory_order_relaxed);
-      while (ev.end_ns > cur && !b.last_end.compare_exchange_weak(cur, ev.end_ns, std::memory_order_relaxed)) {
+      cur = a.last_end.load(std::memory_order_relaxed);
+      while (ev.end_ns > cur && !a.last_end.compare_exchange_weak(cur, ev.end_ns, std::memory_order_relaxed)) {
       }
       // release: end_step's seq_cst load that sees writers == 0 sees the updates above.
       b.writers.fetch_sub(1, std::memory_order_release);

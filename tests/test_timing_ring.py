@@ -20,6 +20,14 @@ def as_tuples(d: dict) -> list[tuple[int, int, int, int]]:
     return list(zip(*(d[k].tolist() for k in KEYS)))
 
 
+def totals(step: dict) -> dict:
+    """end_step()'s aggregates over every kind, without the per-kind breakdown."""
+    return {k: v for k, v in step.items() if k != "kinds"}
+
+
+EMPTY = {"count": 0, "bytes": 0, "busy_ns": 0, "span_ns": 0}
+
+
 @pytest.mark.timeout(60)
 def test_round_trip_preserves_values_dtypes_and_order():
     ring = _core.TimingRing(16)
@@ -29,7 +37,8 @@ def test_round_trip_preserves_values_dtypes_and_order():
         assert ring.record(*e) is True
     assert ring.size == len(events)
     out = ring.drain()
-    assert set(out) == set(KEYS)
+    assert set(out) == set(KEYS) | {"kind"}
+    assert out["kind"].dtype == np.uint8 and out["kind"].tolist() == [timing.PUSH_PULL] * len(events)
     for key, dtype in KEYS.items():
         assert out[key].dtype == dtype
         assert out[key].shape == (len(events),)
@@ -101,18 +110,21 @@ def test_wrap_around_over_many_cycles():
 @pytest.mark.timeout(60)
 def test_end_step_aggregates_are_exact_and_reset():
     ring = _core.TimingRing(64)
-    assert ring.end_step() == {"count": 0, "bytes": 0, "busy_ns": 0, "span_ns": 0}
+    assert ring.end_step() == {**EMPTY, "kinds": {k: EMPTY for k in timing.KINDS}}
     ring.record(0, 100, 1_000, 1_500)
     ring.record(1, 200, 1_200, 1_300)
     ring.record(2, 300, 900, 2_000)  # earliest start and latest end, out of order
-    assert ring.end_step() == {"count": 3, "bytes": 600, "busy_ns": 500 + 100 + 1_100, "span_ns": 2_000 - 900}
-    assert ring.end_step() == {"count": 0, "bytes": 0, "busy_ns": 0, "span_ns": 0}
+    step = ring.end_step()
+    assert totals(step) == {"count": 3, "bytes": 600, "busy_ns": 500 + 100 + 1_100, "span_ns": 2_000 - 900}
+    assert step["kinds"]["push_pull"] == totals(step)  # the default kind
+    assert step["kinds"]["push"] == step["kinds"]["pull"] == EMPTY
+    assert totals(ring.end_step()) == EMPTY
     ring.record(0, 7, -10, -4)
     # draining does not touch the aggregates, and end_step does not touch the events
     assert len(ring.drain()["name_id"]) == 4
-    assert ring.end_step() == {"count": 1, "bytes": 7, "busy_ns": 6, "span_ns": 6}
+    assert totals(ring.end_step()) == {"count": 1, "bytes": 7, "busy_ns": 6, "span_ns": 6}
     ring.record(0, 7, 5, 5)
-    assert ring.end_step() == {"count": 1, "bytes": 7, "busy_ns": 0, "span_ns": 0}
+    assert totals(ring.end_step()) == {"count": 1, "bytes": 7, "busy_ns": 0, "span_ns": 0}
     assert ring.size == 1
 
 
@@ -243,6 +255,47 @@ def test_native_threads_record_concurrently_without_gil(capacity):
         assert step["bytes"] == producers * (per * (per - 1) // 2)
         assert step["busy_ns"] == per * sum(t + 1 for t in range(producers))
         assert step["span_ns"] == (per - 1) + producers
+        # thread t records kind t % 3: with 4 producers, push_pull gets threads 0 and 3
+        by_kind = step["kinds"]
+        assert [by_kind[k]["count"] for k in timing.KINDS] == [2 * per, per, per]
+        assert [by_kind[k]["busy_ns"] for k in timing.KINDS] == [per * (1 + 4), per * 2, per * 3]
+        assert [by_kind[k]["span_ns"] for k in timing.KINDS] == [per - 1 + 4, per - 1 + 2, per - 1 + 3]
+
+
+@pytest.mark.timeout(60)
+def test_kinds_are_kept_apart_in_events_and_step_aggregates():
+    ring = _core.TimingRing(16)
+    ring.record(0, 10, 0, 40, timing.PUSH)
+    ring.record(1, 10, 20, 60, timing.PUSH)  # overlaps the first: the span counts the overlap once
+    ring.record(0, 30, 100, 130, kind=timing.PULL)
+    ring.record(2, 5, 200, 210)
+    out = ring.drain()
+    assert out["kind"].tolist() == [timing.PUSH, timing.PUSH, timing.PULL, timing.PUSH_PULL]
+    step = ring.end_step()
+    assert step["kinds"]["push"] == {"count": 2, "bytes": 20, "busy_ns": 80, "span_ns": 60}
+    assert step["kinds"]["pull"] == {"count": 1, "bytes": 30, "busy_ns": 30, "span_ns": 30}
+    assert step["kinds"]["push_pull"] == {"count": 1, "bytes": 5, "busy_ns": 10, "span_ns": 10}
+    assert totals(step) == {"count": 4, "bytes": 55, "busy_ns": 120, "span_ns": 210}
+    for bad in (-1, 3, 2**40):
+        with pytest.raises(ValueError, match="kind must be 0"):
+            ring.record(0, 1, 1, 2, bad)
+    with pytest.raises(TypeError, match="kind"):
+        ring.record(0, 1, 1, 2, 1, kind=2)  # kind given twice
+    with pytest.raises(TypeError):
+        ring.record(0, 1, 1, 2, 1, 0)
+    assert ring.size == 0 and totals(ring.end_step()) == EMPTY  # refused calls record nothing
+
+
+@pytest.mark.timeout(60)
+def test_step_comm_gives_each_kinds_wall_clock_span_in_seconds():
+    timing.ring().end_step()
+    t0 = timing.now_ns()
+    timing.record("test_timing.p0", 100, t0, t0 + 3_000_000, timing.PUSH)
+    timing.record("test_timing.p1", 100, t0 + 1_000_000, t0 + 5_000_000, timing.PUSH)
+    timing.record("test_timing.p0", 100, t0 + 5_000_000, t0 + 7_000_000, timing.PULL)
+    comm = timing.step_comm()
+    assert comm == timing.StepComm(push_pull_s=0.0, push_s=pytest.approx(5e-3), pull_s=pytest.approx(2e-3))
+    assert timing.step_comm() == timing.StepComm(0.0, 0.0, 0.0)  # the step was closed
 
 
 @pytest.mark.timeout(60)
@@ -290,7 +343,7 @@ def test_timing_module_interns_names_and_records_into_process_ring():
     c = timing.name_id("test_timing.layer2.weight")
     out = ring.drain()
     assert as_tuples(out) == [(c, 4096, start, start + 250)]
-    assert ring.end_step() == {"count": 1, "bytes": 4096, "busy_ns": 250, "span_ns": 250}
+    assert totals(ring.end_step()) == {"count": 1, "bytes": 4096, "busy_ns": 250, "span_ns": 250}
     with pytest.raises(ValueError):
         timing.record("test_timing.layer2.weight", 1, 10, 9)
 
