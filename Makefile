@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install demo test benchmark clean
+.PHONY: install demo test benchmark docs clean
 
 install: $(INSTALLED)
 
@@ -25,6 +25,10 @@ test: install
 
 benchmark: install
 	$(PY) benchmarks/ddp_comparison.py
+
+# the documentation site (docs/, mkdocs.yml) into build/site; warnings, broken links and references fail
+docs: install
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info dynamix_byteps/*.so dynamix_byteps/control/dynamix_pb2*.py*
