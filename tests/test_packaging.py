@@ -3,9 +3,13 @@ without the optional extras."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ import dynamix_byteps
 from dynamix_byteps.cli import main as dynamix_main
 from dynamix_byteps.launcher.launch import main as bpslaunch_main
 
+REPO = Path(__file__).resolve().parent.parent
 OPTIONAL_MODULES = ("tensorboard", "matplotlib", "prometheus_client", "pynvml")
 
 # Makes the optional libraries look uninstalled in a child interpreter.
@@ -93,3 +98,49 @@ def test_without_tensorboard_a_log_dir_warns_and_trains_on(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("None [")
     assert "pip install 'dynamix-byteps[monitoring]'" in done.stdout and "going on without" in done.stdout
+
+
+# ---- extras ---------------------------------------------------------------------------------
+
+def _extras() -> dict[str, list[str]]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]
+
+
+def _resolve(extras: dict[str, list[str]], name: str) -> set[str]:
+    """The distributions extra ``name`` installs, its ``dynamix-byteps[...]`` references followed."""
+    out = set()
+    for requirement in extras[name]:
+        own = re.fullmatch(r"dynamix-byteps\[([\w,-]+)\]", requirement)
+        if own:
+            out |= {d for part in own.group(1).split(",") for d in _resolve(extras, part)}
+        else:
+            out.add(re.split(r"[\[=<>~! ;]", requirement, maxsplit=1)[0].lower())
+    return out
+
+
+def _base_requirements() -> list[str]:
+    """The string requirements of setup.py's ``install_requires`` (what a plain install pulls)."""
+    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup")
+    listed = next(k.value for k in call.keywords if k.arg == "install_requires")
+    return [re.split(r"[\[=<>~! ;]", e.value, maxsplit=1)[0].lower() for e in listed.elts if isinstance(e, ast.Constant)]
+
+
+def test_a_plain_install_pulls_none_of_the_extras_libraries():
+    extras = _extras()
+    optional = set().union(*(_resolve(extras, name) for name in ("scheduler", "agent", "report", "tensorflow", "rl")))
+    assert {"tensorboard", "matplotlib", "prometheus-client", "nvidia-ml-py", "ray", "onnxruntime"} <= optional
+    assert "torch" in _base_requirements()
+    assert optional.isdisjoint(_base_requirements())
+
+
+def test_every_extra_the_code_names_exists_and_all_installs_every_part():
+    extras = _extras()
+    named = {m.group(1) for p in (REPO / "dynamix_byteps").rglob("*.py")
+             for m in re.finditer(r"import_extra\([^,]+,\s*\"(\w+)\"", p.read_text())}
+    assert named and named <= set(extras)
+    assert {"scheduler", "agent", "report", "tensorflow", "rl", "all"} <= set(extras)
+    parts = set().union(*(_resolve(extras, name) for name in extras if name not in ("all", "dev", "docs", "lint")))
+    assert _resolve(extras, "all") == parts
+    assert {"mkdocs", "ruff", "pytest"} <= _resolve(extras, "dev")
