@@ -28,7 +28,7 @@ benchmark: install
 
 # the documentation site (docs/, mkdocs.yml) into build/site; warnings, broken links and references fail
 docs: install
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info dynamix_byteps/*.so dynamix_byteps/control/dynamix_pb2*.py*
