@@ -4,7 +4,11 @@ Reads ``RUN_DIR/tensorboard/worker-<rank>/`` and ``RUN_DIR/tensorboard/scheduler
 by :mod:`dynamix_byteps.summaries` when the job ran with ``bpslaunch --log-dir RUN_DIR``) with
 tensorboard's ``EventAccumulator`` and writes, with matplotlib's Agg canvas:
 
-- ``batch_size.png``: each worker's local batch size against wall time;
+- ``batch_size.png``: each worker's local batch size against wall time, and the global batch
+  (the sum over workers of their reported means, and the one each decision assigned); each
+  decision of the scheduler's log (``RUN_DIR/decisions.jsonl``, when the run had a ``--policy``)
+  is a tick at the top of both panels, and one that changed the assignment also a dotted
+  vertical line;
 - ``loss_accuracy.png``: training loss per worker, and the ``*loss`` / ``*accuracy`` tags the
   script logged with ``bps.log_scalar`` (e.g. ``test/accuracy``), against wall time;
 - ``step_time.png``: each worker's step time (solid) and push_pull time (dashed).
@@ -12,7 +16,10 @@ tensorboard's ``EventAccumulator`` and writes, with matplotlib's Agg canvas:
 Wall time is seconds since the earliest event of the run (a worker's event file is created
 when its ``DistributedOptimizer`` is). The table gives per worker the means over report
 intervals of the local batch, the compute-only throughput θ_i, the step time and the push_pull
-time, and for the job its wall time, steps, and the final logged accuracy and losses.
+time, and for the job its wall time, steps, and the final logged accuracy and losses; with a
+decision log, the number of decisions and changes and the mean global batch assigned over the
+first and the last third of the decisions (did the policy go large early and small late, or the
+reverse?).
 
 A worker's first interval is warm-up: its first step's compute time also holds what ran between
 creating the optimizer and that step (the parameter broadcast, the loader's start), so the step
@@ -32,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from dynamix_byteps.atomic import atomic_write
+from dynamix_byteps.control.cluster import DECISION_LOG
+from dynamix_byteps.control.decision_record import read_decisions_lenient
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.summaries import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
@@ -51,15 +60,34 @@ class Series:
     value: np.ndarray
 
 
+@dataclass(frozen=True)
+class Decisions:
+    """The scheduler's decisions, in log order: ``wall`` float64 (seconds since the run's start),
+    ``step`` int64 (the step decided at), ``batch`` int64 (T, N) local batches assigned, ``changed``
+    bool (the assignment differs from the one before)."""
+
+    wall: np.ndarray
+    step: np.ndarray
+    batch: np.ndarray
+    changed: np.ndarray
+
+    @property
+    def global_batch(self) -> np.ndarray:
+        """(T,) global batch each decision assigned (samples)."""
+        return self.batch.sum(axis=1)
+
+
 @dataclass
 class RunData:
     """A run's scalars: ``workers[rank][tag]``, ``scheduler[tag]``; ``start``: wall time (seconds
-    since the Unix epoch) of its earliest event; ``end``: seconds from ``start`` to its last event."""
+    since the Unix epoch) of its earliest event; ``end``: seconds from ``start`` to its last event;
+    ``decisions``: the scheduler's decision log, None without one."""
 
     workers: dict[int, dict[str, Series]] = field(default_factory=dict)
     scheduler: dict[str, Series] = field(default_factory=dict)
     start: float = 0.0
     end: float = 0.0
+    decisions: Decisions | None = None
 
 
 def _event_accumulator():
@@ -93,7 +121,7 @@ def _no_events(run_dir: Path, why: str) -> RunDirError:
 
 
 def load_run(run_dir: str | os.PathLike) -> RunData:
-    """Read every scalar of the run.
+    """Read every scalar of the run, and its decision log (:func:`load_decisions`).
 
     Raises:
         RunDirError: ``run_dir`` is not a directory or has no per-worker scalars.
@@ -132,7 +160,27 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         else:
             data.workers[int(name[len(WORKER_RUN_PREFIX):])] = series
     data.workers = dict(sorted(data.workers.items()))
+    data.decisions = load_decisions(run_dir, start)
     return data
+
+
+def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None:
+    """``RUN_DIR/decisions.jsonl`` relative to ``start`` (seconds since the Unix epoch, see
+    :class:`RunData`); None when the run has no decision log (no ``--policy``) or no decision
+    with a time and batch sizes. Damaged lines are skipped with a warning (a run still going
+    may end with half a line); lines whose worker count differs from the first's are left out."""
+    path = Path(run_dir) / DECISION_LOG
+    if not path.is_file():
+        return None
+    records = [r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes]
+    records = [r for r in records if records and len(r.batch_sizes) == len(records[0].batch_sizes)]
+    if not records:
+        return None
+    batch = np.array([r.batch_sizes for r in records], dtype=np.int64)
+    before = [r.batch_sizes_before or r.batch_sizes for r in records]
+    changed = np.array([list(b) != list(r.batch_sizes) for b, r in zip(before, records)], dtype=bool)
+    return Decisions(np.array([r.time - start for r in records], dtype=np.float64),
+                     np.array([r.step for r in records], dtype=np.int64), batch, changed)
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -161,7 +209,7 @@ def summary(data: RunData) -> tuple[list[dict], dict]:
     """Per-worker rows (``rank, batch_size, samples_per_s, step_s, push_pull_s, intervals``: means over
     report intervals after the first, in samples, samples/s and seconds) and the job's figures (``wall_s``,
     ``steps``, ``final_train_loss``: the mean of the workers' last ``loss``, and the newest
-    logged accuracy and test loss when any)."""
+    logged accuracy and test loss when any; ``rhythm``: :func:`rhythm` of the decisions, or None)."""
     rows = []
     for rank, series in data.workers.items():
         rows.append({"rank": rank, "batch_size": _mean(series, "batch_size"),
@@ -172,8 +220,19 @@ def summary(data: RunData) -> tuple[list[dict], dict]:
     last_losses = [float(s["loss"].value[-1]) for s in data.workers.values() if "loss" in s]
     job = {"wall_s": data.end, "steps": steps,
            "final_train_loss": float(np.mean(last_losses)) if last_losses else None,
-           "accuracy": _last_logged(data, "accuracy"), "test_loss": _last_logged(data, "loss", exclude="loss")}
+           "accuracy": _last_logged(data, "accuracy"), "test_loss": _last_logged(data, "loss", exclude="loss"),
+           "rhythm": rhythm(data.decisions) if data.decisions is not None else None}
     return rows, job
+
+
+def rhythm(decisions: Decisions) -> dict:
+    """``decisions``, ``changes``, and the mean global batch assigned over the first and the last
+    third of the decisions (``early_global_batch``, ``late_global_batch``, samples; a third holds at
+    least one decision)."""
+    g = decisions.global_batch.astype(np.float64)
+    third = max(1, len(g) // 3)
+    return {"decisions": len(g), "changes": int(decisions.changed.sum()),
+            "early_global_batch": float(g[:third].mean()), "late_global_batch": float(g[-third:].mean())}
 
 
 def format_summary(rows: list[dict], job: dict) -> str:
@@ -196,6 +255,12 @@ def format_summary(rows: list[dict], job: dict) -> str:
             lines.append(f"{what}: {value:.4f} ({tag})")
         elif key == "accuracy":
             lines.append("final accuracy: not logged (call bps.log_scalar('test/accuracy', value) in the script)")
+    r = job.get("rhythm")
+    if r is not None:
+        early, late = r["early_global_batch"], r["late_global_batch"]
+        trend = "larger late" if late > 1.05 * early else "smaller late" if late < early / 1.05 else "about the same"
+        lines.append(f"decisions: {r['decisions']} ({r['changes']} changed the batch sizes); global batch assigned: "
+                     f"{early:.0f} over the first third, {late:.0f} over the last ({trend})")
     return "\n".join(lines)
 
 
@@ -234,11 +299,59 @@ def _finish(ax, title: str, ylabel: str) -> None:
         ax.legend(fontsize="small")
 
 
+#: ``gid`` of the artists marking decisions: every decision, and those that changed the assignment.
+DECISION_TICKS, DECISION_CHANGES = "decision-ticks", "decision-changes"
+
+
+def _mark_decisions(ax, decisions: Decisions | None) -> None:
+    """A tick at the top of ``ax`` per decision; a dotted vertical line per change."""
+    if decisions is None:
+        return
+    ax.plot(decisions.wall, np.ones(len(decisions.wall)), linestyle="none", marker="|", markersize=9, color="0.3",
+            transform=ax.get_xaxis_transform(), clip_on=False, gid=DECISION_TICKS, label="decision")
+    changes = decisions.wall[decisions.changed]
+    if len(changes):
+        ax.vlines(changes, 0, 1, transform=ax.get_xaxis_transform(), colors="0.5", linestyles=":", linewidth=0.8,
+                  gid=DECISION_CHANGES)
+
+
+def global_batch_reported(data: RunData) -> Series | None:
+    """Sum over workers of the reported mean local batch at the report steps every worker has
+    (``wall``: the latest worker's time of that step); None without any ``batch_size`` scalar."""
+    series = [s["batch_size"] for s in data.workers.values() if "batch_size" in s]
+    if not series:
+        return None
+    steps = series[0].step
+    for s in series[1:]:
+        steps = np.intersect1d(steps, s.step)
+    picks = [np.searchsorted(s.step, steps) for s in series]  # steps are increasing within a series
+    value = np.sum([s.value[i] for s, i in zip(series, picks)], axis=0)
+    wall = np.max([s.wall[i] for s, i in zip(series, picks)], axis=0)
+    return Series(steps, wall, value)
+
+
+def batch_figure(data: RunData):
+    """The figure of ``batch_size.png`` (module docstring): axes 0 local batches, 1 global batch."""
+    decisions = data.decisions
+    fig, (local, total) = _figure(2)
+    _per_worker(local, data, "batch_size", drawstyle="steps-pre", marker=".")
+    reported = global_batch_reported(data)
+    if reported is not None:
+        total.plot(reported.wall, reported.value, drawstyle="steps-pre", marker=".", color="black",
+                   label="reported (sum of the workers' means)")
+    if decisions is not None:
+        total.plot(decisions.wall, decisions.global_batch, drawstyle="steps-post", color="C3", alpha=0.8,
+                   label="assigned by the decisions")
+    for ax in (local, total):
+        _mark_decisions(ax, decisions)
+        ax.set_ylim(bottom=0)
+    _finish(local, "Local batch size per worker (mean per report interval)", "samples")
+    _finish(total, "Global batch over time (ticks: decisions; dotted: changes)", "samples")
+    return fig
+
+
 def plot_batch_sizes(data: RunData, path: Path) -> Path:
-    fig, (ax,) = _figure()
-    _per_worker(ax, data, "batch_size", drawstyle="steps-pre", marker=".")
-    _finish(ax, "Local batch size per worker (mean per report interval)", "samples")
-    return _save(fig, path)
+    return _save(batch_figure(data), path)
 
 
 def plot_loss_accuracy(data: RunData, path: Path) -> Path:

@@ -9,7 +9,19 @@ import numpy as np
 import pytest
 from conftest import RECORDED_INTERVAL
 
-from dynamix_byteps.report import PLOTS
+from dynamix_byteps.control.decision_record import DecisionRecord
+from dynamix_byteps.report import (
+    DECISION_CHANGES,
+    DECISION_TICKS,
+    PLOTS,
+    RunData,
+    Series,
+    batch_figure,
+    format_summary,
+    load_decisions,
+    load_run,
+    summary,
+)
 
 
 def dynamix_report(*args, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -39,6 +51,44 @@ def test_report_writes_decodable_pngs_and_the_summary_table(recorded_run, tmp_pa
         assert theta > 0 and step_ms > push_pull_ms >= 0
     assert re.search(r"job: [\d.]+ s wall time, 96 steps, last training loss \(mean of the workers. last logged steps\) [\d.]+", result.stdout), result.stdout
     assert re.search(r"final accuracy: 0\.\d{4} \(test/accuracy \(worker 0\)\)", result.stdout), result.stdout
+    lines = (recorded_run.dir / "decisions.jsonl").read_text().splitlines()
+    assert re.search(rf"decisions: {len(lines)} \(\d+ changed the batch sizes\)", result.stdout), result.stdout
+    ticks = [a for ax in batch_figure(load_run(recorded_run.dir)).axes for a in ax.lines if a.get_gid() == DECISION_TICKS]
+    assert len(ticks) == 2 and all(len(t.get_xdata()) == len(lines) for t in ticks)
+
+
+def _artists(ax, gid):
+    return [a for a in [*ax.lines, *ax.collections] if a.get_gid() == gid]
+
+
+def test_the_batch_plot_marks_each_decision_and_shows_the_global_batch(tmp_path):
+    """Decisions at 10/20/30/40 s (at 20 s and 40 s the sizes change; the run starts at epoch 1000 s):
+    a tick per decision, a line per change, and the global batch the decisions assigned and the workers ran."""
+    sizes = [[64, 64], [64, 64], [128, 96], [128, 96], [32, 32]]
+    log = tmp_path / "decisions.jsonl"
+    log.write_text("".join(DecisionRecord(time=1000.0 + 10 * i, decision=i, step=20 * i, batch_sizes_before=sizes[i - 1],
+                                          batch_sizes=sizes[i]).to_json() + "\n" for i in range(1, 5)) + "{half a li")
+    decisions = load_decisions(tmp_path, start=1000.0)
+    assert decisions.wall.tolist() == [10, 20, 30, 40] and decisions.changed.tolist() == [False, True, False, True]
+    steps = np.array([20, 40, 60, 80])
+    walls = steps / 2.0
+    data = RunData(workers={r: {"batch_size": Series(steps, walls, np.array([64.0, 64, b, b]))} for r, b in ((0, 128), (1, 96))},
+                   start=1000.0, end=40.0, decisions=decisions)
+    local, total = batch_figure(data).axes
+    for ax in (local, total):
+        (ticks,) = _artists(ax, DECISION_TICKS)
+        assert ticks.get_xdata().tolist() == [10, 20, 30, 40]
+        (changes,) = _artists(ax, DECISION_CHANGES)
+        assert [seg[0][0] for seg in changes.get_segments()] == [20, 40]
+    lines = {line.get_label(): line for line in total.lines}
+    assert lines["assigned by the decisions"].get_ydata().tolist() == [128, 224, 224, 64]
+    assert lines["reported (sum of the workers' means)"].get_ydata().tolist() == [128, 128, 224, 224]
+    assert "global batch" in total.get_title().lower()
+    rows, job = summary(data)
+    assert job["rhythm"] == {"decisions": 4, "changes": 2, "early_global_batch": 128.0, "late_global_batch": 64.0}
+    assert "global batch assigned: 128 over the first third, 64 over the last (smaller late)" in format_summary(rows, job)
+    (tmp_path / "decisions.jsonl").unlink()
+    assert load_decisions(tmp_path, start=1000.0) is None
 
 
 def test_an_empty_directory_is_a_usage_error_that_says_how_to_record_a_run(tmp_path):
