@@ -44,6 +44,8 @@ MAX_WORKERS = 4096  # worker processes in one job (launcher, scheduler and proto
 DEFAULT_DECISION_INTERVAL = 20
 JOB_ID_ENV = "DYNAMIX_JOB_ID"  # names the workers' monitoring mailboxes on this host (bpslaunch --policy)
 STARTED_DIR_ENV = "DYNAMIX_STARTED_DIR"  # each worker leaves a file named by its rank there once it joined
+CHECKPOINT_ENV = "DYNAMIX_CHECKPOINT"  # bpslaunch --checkpoint: the file a job saves to and resumes from
+RESTART_ENV = "DYNAMIX_RESTART"  # bpslaunch --restart-on-failure: 0 on the first run, then 1, 2, ...
 
 BYTEPS_RANK_VARIABLES = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "BYTEPS_LOCAL_SIZE", "BYTEPS_LOCAL_RANK",
                          "DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
-from dynamix_byteps.launcher.restart import (
+from dynamix_byteps.launcher.elastic import (
     Coordinator,
     RunReport,
     decide,

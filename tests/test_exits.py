@@ -6,7 +6,7 @@ left of them and removes every /dev/shm segment of its job.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name, remove_job_mailboxes
-from dynamix_byteps.launcher.launch import _job_id
+from dynamix_byteps.launcher.config import LaunchConfig
 
 REPO = Path(__file__).resolve().parents[1]
 MAILBOX_WORKER = str(REPO / "tests" / "scripts" / "mailbox_worker.py")
@@ -68,10 +68,10 @@ def wait_for(predicate, timeout: float) -> bool:
 
 
 def test_two_launchers_on_the_same_port_name_their_mailboxes_differently():
-    first, second = argparse.Namespace(), argparse.Namespace()
-    assert _job_id(first, 29500) != _job_id(second, 29500)
-    assert _job_id(first, 29501) == _job_id(first, 29500)  # one name for the launcher's whole life
-    mailbox_name(_job_id(first, 29500), 0)  # a valid mailbox name
+    first, second = LaunchConfig(port=29500), LaunchConfig(port=29500)
+    assert first.job_id != second.job_id
+    assert dataclasses.replace(first, port=29501).job_id == first.job_id  # one name for the launcher's whole life
+    mailbox_name(first.job_id, 0)  # a valid mailbox name
 
 
 @pytest.mark.timeout(120)

@@ -15,7 +15,8 @@ from multiworker import free_port
 
 from dynamix_byteps.env import MAX_WORKERS, WorkerEnv
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.launcher import launch
+from dynamix_byteps.launcher.cli import parse_args, parse_hosts
+from dynamix_byteps.launcher.specs import env_mode, local_mode
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_WORKER = str(REPO / "tests" / "scripts" / "rank_worker.py")
@@ -23,9 +24,9 @@ RANK_WORKER = str(REPO / "tests" / "scripts" / "rank_worker.py")
 
 def specs_for(argv: list[str], env: dict[str, str] | None = None) -> tuple[list, list[str]]:
     """The ChildSpecs bpslaunch would start for ``argv`` (nothing is started), and its notes."""
-    args = launch.parse_args(argv)
+    args = parse_args(argv)
     notes: list[str] = []
-    return launch.local_mode(args, dict(env or {}), notes), notes
+    return local_mode(args, dict(env or {}), notes), notes
 
 
 def worker_envs(specs) -> dict[int, WorkerEnv]:
@@ -39,7 +40,7 @@ def worker_envs(specs) -> dict[int, WorkerEnv]:
     ("fe80::1,fe80::2", [("fe80::1", None), ("fe80::2", None)]),
 ])
 def test_hosts_parse(text, hosts):
-    assert launch._hosts(text) == hosts
+    assert parse_hosts(text) == hosts
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -52,7 +53,7 @@ def test_hosts_parse(text, hosts):
 ])
 def test_bad_hosts_are_refused(text, needle):
     with pytest.raises(Exception, match=needle):
-        launch._hosts(text)
+        parse_hosts(text)
 
 
 @pytest.mark.parametrize("slots, node_rank, ranks", [
@@ -143,10 +144,10 @@ def test_rank_offset_overrides_the_byteps_formula():
 
 def test_env_mode_drops_a_stale_rank_offset():
     """BytePS's environment mode keeps BytePS's formula even if the caller's environment has our variables."""
-    args = launch.parse_args(["--", "true"])
+    args = parse_args(["--", "true"])
     env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
            "DMLC_PS_ROOT_PORT": "1234", "BYTEPS_LOCAL_SIZE": "2", "DYNAMIX_RANK_OFFSET": "0", "DYNAMIX_SIZE": "9"}
-    envs = worker_envs(launch.env_mode(args, env, []))
+    envs = worker_envs(env_mode(args, env, []))
     assert {r: (e.rank, e.size) for r, e in envs.items()} == {2: (2, 4), 3: (3, 4)}
 
 

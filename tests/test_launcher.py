@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from multiworker import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "scripts" / "launcher_worker.py")
 LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
@@ -225,7 +227,7 @@ def test_three_workers_get_the_contract_and_prefixed_lines():
 
 @pytest.mark.timeout(60)
 def test_user_omp_num_threads_and_port_are_kept(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = clean_env(OMP_NUM_THREADS="2")
     result = run_launcher(["--num-workers", "2", "--port", str(port), "--", sys.executable, WORKER, "env"], env=env)
     assert result.returncode == 0, result.stderr
@@ -410,30 +412,24 @@ def test_engine_auto_is_resolved_once_and_passed_on(monkeypatch, gpus, expected)
     import torch
     import torch.distributed as dist
 
-    from dynamix_byteps.launcher import launch
+    from dynamix_byteps.launcher.cli import parse_args
+    from dynamix_byteps.launcher.specs import env_mode, local_mode
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    local = launch.local_mode(launch.parse_args(["-n", "3", "--engine", "auto", "--", "true"]), {}, [])
-    environment = launch.env_mode(launch.parse_args(["--", "true"]),
-                                  dict(ENV_WORKER, BYTEPS_LOCAL_SIZE="3", DYNAMIX_ENGINE="auto"), [])
+    local = local_mode(parse_args(["-n", "3", "--engine", "auto", "--", "true"]), {}, [])
+    environment = env_mode(parse_args(["--", "true"]),
+                           dict(ENV_WORKER, BYTEPS_LOCAL_SIZE="3", DYNAMIX_ENGINE="auto"), [])
     for specs in (local, environment):
         assert [s.env["DYNAMIX_ENGINE"] for s in specs] == [expected] * 3
 
 
 @pytest.mark.parametrize("engine", ["nccl", "auto"])
 def test_env_mode_server_roles_need_no_process_with_nccl(engine):
-    from dynamix_byteps.launcher import launch
+    from dynamix_byteps.launcher.cli import parse_args
+    from dynamix_byteps.launcher.specs import env_mode
 
     notes: list[str] = []
-    assert launch.env_mode(launch.parse_args(["--engine", engine]), {"DMLC_ROLE": "server"}, notes) == []
+    assert env_mode(parse_args(["--engine", engine]), {"DMLC_ROLE": "server"}, notes) == []
     assert "needs no server process; nothing to start" in notes[0]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

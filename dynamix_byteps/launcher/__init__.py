@@ -5,8 +5,11 @@ to start N local workers; without ``--num-workers`` the BytePS ``DMLC_*`` enviro
 decides the role and the cluster. See :mod:`dynamix_byteps.launcher.launch` for the flags,
 the environment contract and the exit codes, and ``bpslaunch --help``.
 
-Modules: ``launch`` (flags, environment mode, entry point), ``supervisor`` (spawn, output
-prefixing, failure propagation, teardown), ``_guardian`` (kills the job if the launcher dies).
+Modules: ``launch`` (entry point), ``cli`` (flags into a frozen ``LaunchConfig``, from
+``config``), ``topology`` (hosts, interfaces, ports), ``specs`` and ``services`` (the processes
+of a run and their environment; BytePS environment mode), ``elastic`` (the restart loop and the
+agreement of several hosts' launchers), ``supervisor`` (spawn, output prefixing, failure
+propagation, teardown), ``_guardian`` (kills the job if the launcher dies).
 """
 
 from dynamix_byteps.launcher.launch import main

@@ -1,0 +1,375 @@
+"""Elastic restart: ``bpslaunch --restart-on-failure N --checkpoint PATH`` runs the job again, with
+the workers that are left, when one is lost (:func:`run`).
+
+On one host, a failed worker's run is followed by one with a worker fewer (ranks 0..size-2, a
+fresh scheduler for the new size, logs appended to), up to N times; every child sees
+``DYNAMIX_RESTART`` (0, 1, 2, ...) and ``DYNAMIX_CHECKPOINT``. A run that failed before any worker
+got through ``bps.init``, or in which every worker exited with a code > 0 by itself, is an error
+in the command, not a lost worker: it is not restarted.
+
+Across hosts, the ``bpslaunch`` of every host agrees on the next run.
+With ``--hosts ... --restart-on-failure N``, node 0's launcher listens on ``--restart-port``
+(on the first of ``--hosts``) for the whole job. After each run, every other launcher sends it
+one JSON line, its :class:`RunReport`, and waits for one line back; node 0 adds its own report,
+calls :func:`decide`, and answers every host with the same decision:
+
+* ``{"exit": code, "reason": ...}``: the job ends; every launcher exits with ``code``;
+* ``{"slots": [S0, S1, ...], "port": P, "scheduler_port": Q, "lost": [ranks]}``: the next run
+  has ``Si`` workers on host ``i`` (ranks in host order, as always), rendezvous on the fresh
+  ``port`` and a scheduler for the new size on ``scheduler_port``; a host given 0 slots leaves
+  the job (its launcher exits 0).
+
+Which workers are lost: those killed by a signal their launcher did not send (SIGKILL, the OOM
+killer); when none was, the worker of the earliest failure (the others are the collectives it
+broke; wall-clock times, so the hosts' clocks should agree to well under a second). Each lost
+worker takes one slot from its host. The job ends instead when every report is 0 (done), when no
+restart is left, when no worker got through ``bps.init`` or every worker failed on its own (an
+error in the command, not a lost worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
+a launcher was stopped by a signal: a stopped host only :func:`tell`-s node 0 and exits; a
+stopped node 0 answers no one, and the others give up after ``REFUSED_S`` of refused connections.
+
+Every message carries ``DYNAMIX_TOKEN`` (required, as for a multi-host scheduler); a connection
+with another token is answered ``{"error": ...}`` and ignored. Node 0 waits ``REPORT_TIMEOUT_S``
+for the other hosts' reports: a host that is gone by then ends the job (``exit`` with the first
+failure's code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dynamix_byteps.control.mailbox import remove_job_mailboxes
+from dynamix_byteps.env import STARTED_DIR_ENV
+from dynamix_byteps.launcher.config import PROG, LaunchConfig
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+from dynamix_byteps.launcher.topology import LOCAL_HOST, Topology, free_port
+from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
+
+__all__ = ["REPORT_TIMEOUT_S", "Coordinator", "RunReport", "decide", "report_and_wait", "run", "tell"]
+
+REPORT_TIMEOUT_S = 120.0  # node 0 waits this long for the other hosts' reports of a run
+REFUSED_S = 10.0  # node 0 listens from its start: refused this long, it is gone
+_MAX_LINE = 1 << 20
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """How one run ended on one host.
+
+    Attributes:
+        node: the host's index in this run's ``--hosts``.
+        run: the run (0, then 1 after the first restart, ...).
+        code: the launcher's exit code for the run (0 when every worker succeeded).
+        failed: the global rank of the worker whose failure ended the run on this host, or None
+            (success, or the launcher itself was signalled).
+        killed: global ranks of the workers that died of a signal the launcher did not send.
+        failed_at: wall-clock time (s since the epoch) the launcher saw that failure.
+        self_failed: global ranks of the workers that exited with a code > 0 on their own.
+        workers: global ranks of this host's workers in the run.
+        token: the shared secret (``DYNAMIX_TOKEN``).
+        started: whether a worker of this host got through ``bps.init`` (the rendezvous completes for
+            all workers or none, so a run no host started failed at start-up).
+    """
+
+    node: int
+    run: int
+    code: int
+    failed: int | None
+    failed_at: float | None
+    killed: list[int] = field(default_factory=list)
+    self_failed: list[int] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)
+    token: str = ""
+    started: bool = True
+
+
+def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> dict:
+    """The next step of the job from every host's report (``reports[i]`` is host ``i``'s).
+
+    Returns ``{"exit": code, "reason": text}`` or ``{"slots": new_slots, "lost": ranks}`` (see the
+    module docstring; the caller adds the ports).
+    """
+    failures = sorted((r for r in reports if r.code != 0), key=lambda r: (r.failed_at or float("inf"), r.node))
+    if not failures:
+        return {"exit": 0, "reason": "every worker succeeded"}
+    first = failures[0].code
+    if any(r.failed is None for r in failures):
+        return {"exit": first, "reason": "a launcher was stopped; not restarting"}
+    if restarts_left <= 0:
+        return {"exit": first, "reason": "no restart left"}
+    if not any(r.started for r in reports):
+        return {"exit": first, "reason": "the job failed before it started (no worker got through bps.init): an "
+                "error in the command or its environment, not a lost worker; not restarting"}
+    workers = {w for r in reports for w in r.workers}
+    if {w for r in reports for w in r.self_failed} == workers:
+        return {"exit": first, "reason": "every worker failed on its own: an error in the command, not a lost worker; "
+                "not restarting"}
+    lost = [(r.node, rank) for r in reports for rank in r.killed] or [(failures[0].node, failures[0].failed)]
+    new = list(slots)
+    for node, _ in lost:
+        new[node] -= 1
+    if new[0] <= 0:
+        return {"exit": first, "reason": "host 0 (the rendezvous and scheduler) lost its last worker; not restarting"}
+    return {"slots": new, "lost": sorted(rank for _, rank in lost)}
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _receive(conn: socket.socket, deadline: float) -> dict:
+    """One JSON line from ``conn`` before ``deadline`` (monotonic); raises OSError or ValueError."""
+    data = b""
+    while not data.endswith(b"\n"):
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise ConnectionError("the peer closed the connection")
+        data += chunk
+        if len(data) > _MAX_LINE:
+            raise ValueError("message too long")
+    return json.loads(data)
+
+
+class Coordinator:
+    """Node 0's side: listens on ``(host, port)`` from construction to :meth:`close`.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, token: str):
+        self._token = token
+        self._server = socket.create_server((host, port))  # SO_REUSEADDR: a restarted job can reuse the port
+
+    def collect(self, run: int, peers: int, timeout_s: float = REPORT_TIMEOUT_S) -> dict[int, tuple[RunReport, socket.socket]]:
+        """Accept reports of ``run`` until ``peers`` hosts have sent one or ``timeout_s`` passes;
+        returns ``{node: (report, connection)}`` (answer them with :meth:`answer`)."""
+        got: dict[int, tuple[RunReport, socket.socket]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < peers and time.monotonic() < deadline:
+            self._server.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                break
+            try:
+                report = RunReport(**_receive(conn, deadline))
+            except (OSError, ValueError, TypeError):
+                conn.close()
+                continue
+            if not hmac.compare_digest(report.token, self._token):
+                _send(conn, {"error": "wrong DYNAMIX_TOKEN: every host needs the same one"})
+                conn.close()
+            elif report.run != run or not 1 <= report.node <= peers:
+                _send(conn, {"error": f"report of run {report.run} node {report.node}; expected run {run}, nodes 1..{peers}"})
+                conn.close()
+            else:
+                if report.node in got:
+                    got[report.node][1].close()
+                got[report.node] = (report, conn)
+        return got
+
+    @staticmethod
+    def answer(connections, decision: dict) -> None:
+        """Send ``decision`` to every connection of :meth:`collect` and close them."""
+        for conn in connections:
+            try:
+                _send(conn, decision)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def report_and_wait(address: tuple[str, int], report: RunReport, timeout_s: float = REPORT_TIMEOUT_S) -> dict:
+    """A non-zero host's side: send ``report`` to node 0 (retrying while it is not listening yet)
+    and return its decision; ``{"exit": report.code, "reason": why}`` when none comes in time."""
+    deadline = time.monotonic() + timeout_s + 30.0  # node 0 may wait timeout_s for the slowest host
+    refused_until = time.monotonic() + REFUSED_S
+    error: Exception | None = None
+    while time.monotonic() < min(deadline, refused_until if isinstance(error, ConnectionRefusedError) else deadline):
+        try:
+            with socket.create_connection(address, timeout=5.0) as conn:
+                _send(conn, asdict(report))
+                answer = _receive(conn, deadline)
+        except (OSError, ValueError) as why:
+            error = why
+            time.sleep(0.5)
+            continue
+        if "error" in answer:
+            return {"exit": report.code, "reason": f"node 0 refused the report: {answer['error']}"}
+        return answer
+    return {"exit": report.code, "reason": f"no answer from node 0 at {address[0]}:{address[1]} ({error})"}
+
+
+def tell(address: tuple[str, int], report: RunReport) -> None:
+    """Send ``report`` to node 0 without waiting for an answer (a stopped launcher); errors are ignored."""
+    try:
+        with socket.create_connection(address, timeout=2.0) as conn:
+            _send(conn, asdict(report))
+    except OSError:
+        pass
+
+
+# ---- the restart loop -----------------------------------------------------------------------------
+
+Build = Callable[[LaunchConfig], "list[ChildSpec] | int"]
+
+
+def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[ChildSpec],
+        coordinator: Coordinator | None) -> int:
+    """Run the job of ``specs``, restarting it as ``config.restart_on_failure`` allows; returns the exit code.
+
+    ``build`` makes the next run's specs from its config (or returns the exit code after printing
+    why it cannot); ``coordinator`` is node 0's in a multi-host elastic job, else None.
+    """
+    while True:
+        started = time.monotonic()
+        code, supervisor, started_workers = _supervise(config, specs)
+        restarts = config.run + 1
+        if config.multi_host_elastic:
+            decision = _coordinate(config, env, supervisor, code, coordinator, started_workers)
+            if "exit" in decision:
+                if decision["exit"] != 0:
+                    print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
+                return decision["exit"]
+            config = _apply_decision(config, decision, started, code)
+            if config is None:
+                return 0
+        else:
+            failed, self_failed = supervisor.failed_worker, supervisor.self_failed
+            if code == 0 or failed is None or config.run >= config.restart_on_failure:
+                return code
+            workers = [s.label for s in specs if not s.service]
+            if not started_workers:
+                print(f"{PROG}: the job failed before it started (no worker got through bps.init; exit codes "
+                      f"{_exit_codes(self_failed, workers)}): an error in the command or its environment, not a lost "
+                      "worker; not restarting", file=sys.stderr, flush=True)
+                return code
+            if set(self_failed) == set(workers):
+                print(f"{PROG}: every worker failed on its own at once (exit codes "
+                      f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
+                      "worker; not restarting", file=sys.stderr, flush=True)
+                return code
+            if config.num_workers <= 1:
+                print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
+                return code
+            left = config.num_workers - 1
+            config = dataclasses.replace(config, run=restarts, num_workers=left,
+                                         slowdown=tuple((r, s) for r, s in config.slowdown if r < left))
+            print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
+                  f"{restarts} of {config.restart_on_failure} with {left} workers from {config.checkpoint}",
+                  file=sys.stderr, flush=True)
+        specs = build(config)
+        if isinstance(specs, int):
+            return code
+        specs = [dataclasses.replace(s, append_log=True) for s in specs]
+
+
+def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
+    """``[0] 3, [1] 3, [2] signalled`` for a message: each worker's own exit code, when it had one."""
+    return ", ".join(f"[{w}] {self_failed[w]}" if w in self_failed else f"[{w}] stopped" for w in workers)
+
+
+def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Supervisor, code: int,
+                coordinator: Coordinator | None, started_workers: bool) -> dict:
+    """Report how run ``config.run`` ended on this host and get the job's next step (see the module
+    docstring): node 0 collects every host's report, decides and answers; the others ask node 0."""
+    topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
+    report = RunReport(node=topology.node_rank, run=config.run, code=code,
+                       failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
+                       failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
+                       self_failed=[int(label) for label in supervisor.self_failed],
+                       workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"],
+                       started=started_workers)
+    stopped = code != 0 and report.failed is None  # the launcher was signalled (or could not start the job)
+    node0 = (topology.hosts[0], config.restart_port)
+    if coordinator is None:
+        if stopped:
+            tell(node0, report)
+            return {"exit": code, "reason": "stopped; not restarting"}
+        return report_and_wait(node0, report)
+    if stopped:
+        return {"exit": code, "reason": "stopped; not restarting"}
+    peers = coordinator.collect(config.run, len(topology.hosts) - 1)
+    missing = [i for i in range(1, len(topology.hosts)) if i not in peers]
+    reports = [report] + [peers[i][0] for i in sorted(peers)]
+    if missing:
+        first = next((r.code for r in reports if r.code != 0), 1)
+        decision = {"exit": first, "reason": f"host(s) {', '.join(map(str, missing))} sent no report of run "
+                    f"{config.run} within {REPORT_TIMEOUT_S:g} s; not restarting"}
+    else:
+        decision = decide(topology.slots, reports, config.restart_on_failure - config.run)
+    if "slots" in decision:
+        address = topology.hosts[0] if sum(1 for n in decision["slots"] if n) > 1 else LOCAL_HOST
+        decision["port"] = free_port(address)
+        if config.policy is not None:
+            decision["scheduler_port"] = free_port(address)
+    Coordinator.answer([conn for _, conn in peers.values()], decision)
+    return decision
+
+
+def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: int) -> LaunchConfig | None:
+    """The config of the next run of ``decision``; None when this host has no worker left in it."""
+    topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
+    slots, mine = decision["slots"], decision["slots"][topology.node_rank]
+    total, restarts = sum(slots), config.run + 1
+    print(f"{PROG}: worker(s) {', '.join(map(str, decision['lost']))} lost (code {code} here) after "
+          f"{time.monotonic() - started:.1f} s; restart {restarts} of {config.restart_on_failure} with {total} workers "
+          f"({', '.join(f'{h}:{n}' for h, n in zip(topology.hosts, slots))}) from {config.checkpoint}",
+          file=sys.stderr, flush=True)
+    if mine == 0:
+        print(f"{PROG}: no worker of this host is left in the job; leaving it", file=sys.stderr, flush=True)
+        return None
+    kept = tuple((host, n) for host, n in zip(topology.hosts, slots) if n)
+    if len(kept) == 1:  # the job shrank onto this host: a local job from now on
+        hosts, node_rank, num_workers = None, None, mine
+    else:
+        hosts, node_rank, num_workers = kept, sum(1 for n in slots[: topology.node_rank] if n), None
+    return dataclasses.replace(
+        config, run=restarts, hosts=hosts, node_rank=node_rank, num_workers=num_workers, port=decision["port"],
+        scheduler_port=decision.get("scheduler_port", config.scheduler_port),
+        slowdown=tuple((rank, spec) for rank, spec in config.slowdown if rank < total))
+
+
+def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool]:
+    """Run the job once; returns its exit code, the Supervisor (which worker's failure ended it,
+    when, and which failed on their own) and whether any worker got through ``bps.init``.
+
+    Whatever ends the run (success, a worker's death, SIGTERM/SIGINT/SIGHUP to the launcher), the
+    job's mailboxes left in /dev/shm are removed afterwards: a worker killed by a signal cannot."""
+    started = Path(tempfile.mkdtemp(prefix="dynamix-started-"))
+    specs = [spec if spec.service else dataclasses.replace(spec, env={**spec.env, STARTED_DIR_ENV: str(started)})
+             for spec in specs]
+    try:
+        code, supervisor = _supervise_once(config, specs)
+        return code, supervisor, any(started.iterdir())
+    finally:
+        shutil.rmtree(started, ignore_errors=True)
+        remove_job_mailboxes(config.job_id)
+
+
+def _supervise_once(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor]:
+    if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
+        supervisor = Supervisor(specs, grace_s=config.grace_period)
+        return supervisor.run(), supervisor
+    # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
+    with ConsoleProgress(config.run_dir / PROGRESS_FILE) as bar:
+        specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
+                 for s in specs]
+        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard)
+        return supervisor.run(), supervisor
