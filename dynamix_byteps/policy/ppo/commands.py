@@ -59,11 +59,15 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     t = cmds.add_parser(
         "train", help="train a policy in the simulator (RLlib PPO)",
         description="Train with RLlib PPO (new API stack, sampling in this process, one torch thread) in the\n"
-                    "simulator of the given scenarios; write DIR/checkpoint (RLlib format), DIR/policy.onnx,\n"
-                    "DIR/features.json and DIR/training.json. Needs pip install 'dynamix-byteps[rl]'.",
+                    "simulator of the given scenarios (or of the fitted profiles of --profiles); write\n"
+                    "DIR/checkpoint (RLlib format), DIR/policy.onnx, DIR/features.json and DIR/training.json.\n"
+                    "Needs pip install 'dynamix-byteps[rl]'.",
         epilog="exit status: 0 on success, 1 on failure, 2 on bad usage.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    t.add_argument("--scenario", type=_names, required=True, metavar="NAME[,NAME...]", help=scenario_help)
+    t.add_argument("--scenario", type=_names, metavar="NAME[,NAME...]", help=scenario_help)
+    t.add_argument("--profiles", type=Path, metavar="JSON",
+                   help="instead of --scenario and --sim-params: a profiles file (fitted jobs, scenarios held out; "
+                        "scripts/build_policy_library.py fit); one profile per episode, perturbed unless --no-randomise")
     t.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     t.add_argument("--iterations", type=int_in(1, what="--iterations"), default=150, metavar="N",
                    help="PPO iterations of 2000 simulated decisions each (default 150, ~5-15 min on 2 cores)")
@@ -131,12 +135,23 @@ def _base_params(path: Path | None) -> dict | None:
     return SimParams.from_json(path).to_dict()
 
 
+def _profiles(path: Path | None) -> tuple[list, list[str]]:
+    if path is None:
+        return [], []
+    from dynamix_byteps.policy.ppo.mixture import load_profiles
+
+    return load_profiles(path)
+
+
 def _train(args, usage_error) -> int:
     from dynamix_byteps.policy.ppo.mdp import RewardWeights
 
+    if (args.scenario is None) == (args.profiles is None) or (args.profiles and args.sim_params):
+        raise usage_error("give either --scenario (with --sim-params, optionally) or --profiles FILE")
     try:
         weights = RewardWeights.from_dict(dict(args.reward))
         params = _base_params(args.sim_params)
+        profiles, held_out = _profiles(args.profiles)
     except ConfigurationError as error:
         raise usage_error(str(error)) from None
     try:
@@ -144,9 +159,10 @@ def _train(args, usage_error) -> int:
     except ImportError as error:
         raise ConfigurationError(f"training needs Ray RLlib and torch ({error}): pip install 'dynamix-byteps[rl]'") from None
     try:
-        summary = train(args.out, args.scenario, iterations=args.iterations, seed=args.seed, workers=args.workers,
+        summary = train(args.out, args.scenario or [], iterations=args.iterations, seed=args.seed, workers=args.workers,
                         reward=weights, scenario_file=args.scenario_file, params=params,
-                        randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder)
+                        randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder,
+                        profiles=profiles, held_out=held_out)
     except ConfigurationError as error:
         raise usage_error(str(error)) from None
     final = summary["final_return"]

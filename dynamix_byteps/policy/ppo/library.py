@@ -6,8 +6,13 @@ Each entry is a directory ``dynamix_byteps/policy/library/<name>/`` (package dat
 
 * ``policy.json`` (:data:`INFO_FILE`): ``model`` (family, e.g. ``small-cnn``), ``optimizer``,
   ``description``, ``scenarios`` and ``workers`` trained on, ``feature_version``, ``profile``
-  (how the simulator parameters were obtained) and ``training`` (iterations, seconds, seed);
-* ``sim_params.json``: the :class:`~dynamix_byteps.policy.sim.params.SimParams` it was trained on.
+  (how the simulator parameters were obtained) and ``training`` (iterations, seconds, seed,
+  ``profiles`` and ``held_out``);
+* ``sim_params.json``: the :class:`~dynamix_byteps.policy.sim.params.SimParams` it was trained on,
+  or, for a policy trained on several fitted profiles, the homogeneous one (the job the
+  scenarios of the benchmarks shape);
+* ``profiles.json`` (optional): the profiles it was trained on and the scenarios held aside for
+  evaluation (:mod:`.mixture`; ``policy.json``'s ``training`` names both).
 
 Entries differ by the simulator parameters, i.e. the model's compute/communication profile and
 the optimiser's statistical behaviour; pick the one closest to your job, or train your own

@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from dynamix_byteps.atomic import write_atomic
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
@@ -58,9 +59,10 @@ ENVS_PER_RUNNER = 16
 
 
 def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, padded: bool = False,
-               **overrides):
+               env=None, **overrides):
     """The ``PPOConfig`` used for training (module docstring); ``overrides`` replace :data:`PPO_SETTINGS`;
-    ``padded``: the environment has several worker counts (``PerWorkerPPOModule``'s ``padded``)."""
+    ``padded``: the environment has several worker counts (``PerWorkerPPOModule``'s ``padded``);
+    ``env``: the environment class (default :class:`~dynamix_byteps.policy.sim.env.DynamixSimEnv`)."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
@@ -69,7 +71,7 @@ def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict 
     settings = {**PPO_SETTINGS, **overrides}
     return (
         PPOConfig()
-        .environment(DynamixSimEnv, env_config=env_config)
+        .environment(env or DynamixSimEnv, env_config=env_config)
         .env_runners(num_env_runners=0, num_envs_per_env_runner=ENVS_PER_RUNNER)
         .learners(num_learners=0)
         .training(**settings)
@@ -98,12 +100,12 @@ def ray_session():
 def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int | list[int] = 4,
           reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
           randomise: bool = True, hidden: int = 64, progress: bool = True, init=None, ladder: str = "coarse",
-          **ppo_overrides) -> dict:
+          profiles=None, held_out=(), **ppo_overrides) -> dict:
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
 
     Args:
         out_dir: output directory (created; an existing ``checkpoint/`` inside is replaced).
-        scenarios: scenario names for the simulator (one is drawn per episode).
+        scenarios: scenario names for the simulator (one is drawn per episode); ignored with ``profiles``.
         iterations: PPO iterations of ``train_batch_size_per_learner`` environment steps.
         seed: seeds RLlib, numpy, torch and the environments.
         workers: simulated workers N, or a list of counts drawn per episode (one shared network
@@ -117,13 +119,21 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
             parameters. Optimiser state and the entropy schedule start afresh.
         ladder: the action ladder, a name of :data:`~dynamix_byteps.policy.ppo.mdp.LADDERS`; the
             exported ``features.json`` records its factors and the scheduler applies them.
+        profiles: :class:`~dynamix_byteps.policy.ppo.mixture.Profile`\ s to train on instead of
+            ``scenarios`` + ``params``: one drawn per episode, perturbed unless ``randomise`` is
+            False (:class:`~dynamix_byteps.policy.ppo.mixture.MixtureSimEnv`). The training record
+            (``features.json``'s ``training``) names them (``profiles``: name, scenario, source)
+            and ``held_out``, the scenarios kept aside for evaluation.
+        held_out: scenario names declared for evaluation only (recorded; with ``profiles``, a
+            profile fitted to one of them is refused).
         ppo_overrides: replace entries of :data:`PPO_SETTINGS`.
 
     Returns:
         ``{"iterations", "seconds", "returns": [...], "final_return", "checkpoint", "policy"}``.
 
     Raises:
-        ConfigurationError: a bad scenario, worker count, reward weight or ladder name (before Ray starts).
+        ConfigurationError: a bad scenario, worker count, reward weight or ladder name, or a profile
+            fitted to a held-out scenario (before Ray starts).
     """
     import torch
     from tqdm import tqdm
@@ -140,24 +150,38 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     reward = reward or RewardWeights()
     scenarios = [scenarios] if isinstance(scenarios, str) else list(scenarios)
     counts = sorted({int(n) for n in workers}) if isinstance(workers, (list, tuple)) else [int(workers)]
-    env_config = {"scenarios": scenarios, "workers": counts if len(counts) > 1 else counts[0],
-                  "randomise": bool(randomise),
-                  "reward": reward.to_dict(), "scenario_file": str(scenario_file) if scenario_file else None,
-                  "params": params, "ladder": list(ladder_factors(ladder))}
-    padded = DynamixSimEnv(env_config).padded  # also validates the configuration before Ray starts
+    common = {"workers": counts if len(counts) > 1 else counts[0], "reward": reward.to_dict(),
+              "ladder": list(ladder_factors(ladder))}
+    held_out = list(held_out)
+    if profiles:
+        from dynamix_byteps.policy.ppo.mixture import MixtureSimEnv
+
+        leaked = [p.name for p in profiles if p.scenario in held_out]
+        if leaked:
+            raise ConfigurationError(f"profile(s) {leaked} were fitted to a scenario held out for evaluation "
+                                     f"({', '.join(held_out)}); train without them")
+        env_class, scenarios = MixtureSimEnv, sorted({p.scenario for p in profiles})
+        env_config = {**common, "profiles": [p.params.to_dict() for p in profiles], "perturb": bool(randomise)}
+    else:
+        env_class = DynamixSimEnv
+        env_config = {**common, "scenarios": scenarios, "randomise": bool(randomise), "params": params,
+                      "scenario_file": str(scenario_file) if scenario_file else None}
+    padded = env_class(env_config).padded  # also validates the configuration before Ray starts
     init_dir = module_dir(init).resolve() if init is not None else None
     steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
     ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
     metadata = {"scenarios": scenarios, "workers": counts, "seed": int(seed), "iterations": int(iterations),
                 "randomise": bool(randomise), "reward": reward.to_dict(), "ppo": {**PPO_SETTINGS, **ppo_overrides},
-                "init": str(init_dir) if init_dir else None, "ladder": env_config["ladder"]}
+                "init": str(init_dir) if init_dir else None, "ladder": env_config["ladder"], "held_out": held_out,
+                "profiles": [{"name": p.name, "scenario": p.scenario, "source": p.source} for p in profiles or ()]}
     torch.set_num_threads(1)
     out.mkdir(parents=True, exist_ok=True)
     history = []
     started = time.monotonic()
     with ray_session(), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, padded=padded, **ppo_overrides).build_algo()
+        algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, padded=padded, env=env_class,
+                          **ppo_overrides).build_algo()
         try:
             if init_dir is not None:  # strict: PerWorkerPPOModule.set_state raises on any mismatch
                 algo.restore_from_path(str(init_dir), component=MODULE_SUBDIR.as_posix())
