@@ -44,7 +44,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Self
 
 from dynamix_byteps.errors import DynamixError
+from dynamix_byteps.launcher.topology import free_port as _free_port
 
 __all__ = ["PREFIX", "Host", "JobResult", "Testbed", "TestbedError", "available", "cleanup_stale", "nft",
            "owned_objects", "run_job", "stop"]
@@ -461,12 +461,6 @@ def _flag_value(args: Sequence[str], flag: str) -> str | None:
         if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
 
 
 def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher_args: Sequence[str] = (), *,
