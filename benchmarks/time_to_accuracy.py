@@ -1,39 +1,62 @@
 """Time to accuracy on real Fashion-MNIST: static batches against the batch-size policies.
 
 For one scenario of ``dynamix_byteps/scenarios.toml`` (who is slow, when, behind which link), every
-configuration trains the example's model (``examples/torch_fashion_mnist.py``, 4 workers through
-``bpslaunch``) for the same budget of training seconds, evaluating on the 10,000 test images every
-``--eval-every`` seconds. Configurations: static uniform batches (32, 64, 128, 256 per worker),
-``proportional`` (LB-BSP), ``goodput`` (Pollux) and, when a trained policy is given, ``ppo``.
+configuration trains the example's model (``examples/torch_fashion_mnist.py`` through ``bpslaunch``,
+``--engine gloo`` or ``ps``) for the same budget of training seconds. Configurations: static
+uniform batches (32, 64, 128, 256 per worker), ``proportional`` (LB-BSP), ``goodput`` (Pollux) and,
+with ``--ppo-policy``, ``ppo``. Every ``--eval-every`` seconds of training (default 4) the job
+scores a fixed subset of the test set (``--eval-subset`` images, default 2000, the same images for
+every run; the pause is not training time), so a target crossing is placed within a few seconds.
 
-Columns of the table:
+Repeats: ``--repeats N`` runs every configuration N times round-robin (A seed S, B seed S, ...,
+A seed S+1, ...; a drift in the machine's load hits every configuration alike); run r uses the
+example's ``--seed S + r`` (model initialisation and data order).
 
-* ``time to X%``: training seconds until test accuracy first reaches the target, interpolated
-  linearly between evaluations (``-`` if never within the budget).
-* ``acc@budget``: test accuracy at the end of the budget.
-* ``samples/s``: global training samples per second of training time.
-* ``straggler eff.``: achieved global samples/s ÷ Σ θ_i, where θ_i is worker i's compute-only
-  throughput (its samples per second of its own compute time, from the timing ring, same run).
-  1.0 is the physical limit; a uniform batch with 1 of 4 workers 3x slower sits near 0.4
-  (4 / (3 + 1/3) ÷ 3 = 0.4 without communication).
-* ``mean batch``: mean global batch per step.
+Per run, from its accuracy curve (linear between evaluations, from 10% at 0 s):
 
-    python benchmarks/time_to_accuracy.py --scenario straggler            # full: ~12 min here
-    python benchmarks/time_to_accuracy.py --scenario straggler --quick    # CI: ~3 min
-    python benchmarks/time_to_accuracy.py --scenario homogeneous --configs static64,proportional
+* ``time to X%``: training seconds until accuracy first reaches each target (``--targets``);
+* ``acc@budget``: accuracy at the end of the budget;
+* ``AUC``: area under the accuracy-time curve over the budget ÷ the budget (the last
+  evaluation's accuracy held to the end), in [0, 1];
+* ``samples/s``, ``mean batch`` (global samples per step) and ``straggler eff.``: achieved global
+  samples/s ÷ Σ θ_i, θ_i being worker i's compute-only samples/s in the same run (1.0 is the
+  physical limit; a uniform batch with 1 of 4 workers 3x slower sits near 0.4).
 
-With ``--repeats N`` every configuration runs N times, round-robin over the configurations (a
-drift in the machine's load hits them alike), run r with the example's ``--seed`` at ``--seed + r``
-(model initialisation and data order). Each column is the median over the runs (a time to target
-never reached counts as longer than any other); the JSON keeps every run and its seed. Runs of one
-configuration on this shared 2-core machine differ by up to ~50% in time to target, so one run
-each cannot settle a comparison within a few percent; and with one seed for every repeat, two
-policies that choose nearly the same batches still differed by ~20% (one data order plateaued
-just under the target), which only other seeds average out.
+Per configuration: the median over its runs and a 90% bootstrap interval of the median (2000
+resamples of the runs, numpy PCG64 seeded with 0, 5th-95th percentile by inverted CDF). A run
+that never reaches a target counts as slower than every run that does (time ``inf``); a median
+that is ``inf`` prints as ``-``.
 
-Writes ``benchmarks/results/time_to_accuracy_<scenario>[_quick].json`` and ``.png`` (accuracy
-against training time), and keeps each run's log directory (TensorBoard files, decisions.jsonl)
-under ``--runs-dir`` for ``dynamix report``.
+Verdicts, per configuration against two references: the best static batch and the best
+heuristic (``proportional``/``goodput``), "best" meaning the lowest median time to the verdict
+target. The verdict target is the highest target that every configuration's median run reaches;
+when there is none, the verdict compares AUC instead (higher is better). The rule: over the seeds
+both configurations ran, resample the seeds (pairs kept together) 2000 times and take the ratio
+median(configuration) ÷ median(reference); its 90% interval (5th-95th percentile) decides:
+``ahead`` when the whole interval is on the better side of 1 (below 1 for a time, above 1 for
+AUC), ``behind`` when it is wholly on the worse side, ``tie`` otherwise; ``ref`` marks the
+reference itself and ``n/a`` a pair with fewer than 2 common seeds. With 3 seeds the bootstrap
+puts over 5% on resamples made of one or two seeds, so ``ahead`` nearly needs every seed ahead.
+
+Load: during each run, ``os.getloadavg()`` is sampled every 2 s. The run's own expected share is
+its worker count (plus the summation servers with ``--engine ps``) seen through the kernel's
+1-minute filter, on top of what the previous run still holds in the average; a run whose mean
+excess over that share is above ``--load-margin`` (default 0.5 runnable processes) was loaded by
+other work. Without ``--allow-load`` a run starts only when the excess is within the margin
+(waiting up to ``--load-wait`` s), and a run that turns out loaded is set aside (kept in the
+JSON under ``refused_runs``) and made again, twice at most, before the benchmark stops with exit
+status 1. With ``--allow-load`` loaded runs are kept and flagged in the table.
+
+    python benchmarks/time_to_accuracy.py --scenario straggler --ppo-policy small-cnn-sgd
+    python benchmarks/time_to_accuracy.py --scenario straggler --quick --allow-load     # CI
+    python benchmarks/time_to_accuracy.py --scenario network --engine ps --num-servers 2
+    python benchmarks/time_to_accuracy.py --scenario straggler --table-only --targets 0.85,0.87 --markdown
+
+Writes ``benchmarks/results/time_to_accuracy_<scenario>[_quick].json`` (schema 2: every run with
+its curve, seed, times to each target and load; rewritten after every run) and ``.png`` (accuracy
+against training time, median and min-max of the runs; time to each target per run), and keeps
+each run's log directory (TensorBoard files, decisions.jsonl) under ``--runs-dir`` for
+``dynamix report``.
 """
 
 from __future__ import annotations
@@ -43,29 +66,55 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
-from common import REPO, RESULTS, machine, write_report
+import numpy as np
+from common import (
+    REPO,
+    RESULTS,
+    LoadSampler,
+    bootstrap_medians,
+    interval90,
+    machine,
+    markdown_table,
+    paired_ratio_interval,
+    text_table,
+    verdict,
+    write_report,
+)
 
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.policy.ppo import library
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
+SCHEMA = 2
 EXAMPLE = REPO / "examples" / "torch_fashion_mnist.py"
 STATIC_SIZES = (32, 64, 128, 256)
+HEURISTICS = ("proportional", "goodput")
 POLICY_START = 64  # every dynamic policy starts from the example's default local batch
 BOUNDS = ["--min-batch", "16", "--max-batch", "512"]
+TARGETS = {"cnn": (0.86, 0.88, 0.89, 0.90), "resnet8": (0.86, 0.88, 0.89, 0.90)}
+QUICK_TARGETS = (0.5, 0.6, 0.7)
+QUICK_CONFIGS = ("static32", "static64", "proportional", "goodput")
+ROUNDS = 2000  # bootstrap resamples
+MIN_PAIRS = 2  # common seeds a verdict needs
+LOAD_RETRIES = 2  # remakes of a loaded run without --allow-load
+CHANCE = 0.1  # accuracy at 0 s: 10 classes
+#: One colour and marker per configuration, for every figure of every scenario (Okabe-Ito colours).
+STYLES = {"static32": ("#56b4e9", "v"), "static64": ("#0072b2", "<"), "static128": ("#6a3d9a", ">"),
+          "static256": ("#7f7f7f", "^"), "proportional": ("#009e73", "s"), "goodput": ("#e69f00", "D"),
+          "ppo": ("#d55e00", "o")}
 
 
 def configurations(ppo_policy: str | None, decision_interval: int) -> dict[str, dict]:
     """Every configuration by name: its local batch and its extra bpslaunch flags."""
     configs = {f"static{b}": {"batch": b, "launch": []} for b in STATIC_SIZES}
     policy_flags = ["--decision-interval", str(decision_interval), *BOUNDS]
-    for policy in ("proportional", "goodput"):
+    for policy in HEURISTICS:
         configs[policy] = {"batch": POLICY_START, "launch": ["--policy", policy, *policy_flags]}
     if ppo_policy:
         chosen = ["--policy", "ppo", "--policy-path", str(ppo_policy)] if Path(ppo_policy).is_dir() \
@@ -80,7 +129,7 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
     ``curve``: points with ``train_s`` and ``test_accuracy``, in time order; the run starts at
     (0 s, 0.1), the accuracy of chance on 10 classes. None if the target is never reached.
     """
-    previous = (0.0, 0.1)
+    previous = (0.0, CHANCE)
     for point in curve:
         t, acc = point["train_s"], point["test_accuracy"]
         if acc >= target:  # and the previous point was below it
@@ -90,39 +139,76 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
     return None
 
 
+def accuracy_area(curve: list[dict], budget_s: float) -> float:
+    """∫ accuracy dt over [0, ``budget_s``] ÷ ``budget_s``, in [0, 1]: trapezoids from (0 s, 0.1)
+    through the curve's points, the last accuracy held to the budget, points past it cut off."""
+    t = np.array([0.0, *(p["train_s"] for p in curve)])
+    grid = np.append(t[t < budget_s], budget_s)
+    accuracy = np.interp(grid, t, [CHANCE, *(p["test_accuracy"] for p in curve)])  # holds the last value
+    return float(np.trapezoid(accuracy, grid) / budget_s)
+
+
 def straggler_efficiency(result: dict) -> float:
     """Achieved global samples/s ÷ Σ θ_i (θ_i: each worker's compute-only samples/s)."""
     total = sum(w["samples_per_s"] for w in result["worker_statistics"])
     return result["samples_per_s"] / total if total > 0 else math.nan
 
 
-def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Namespace, repeat: int = 0) -> dict:
-    """Train one configuration through bpslaunch; the example's metrics plus run facts."""
-    run_dir = args.runs_dir / scenario.name / name / (f"run{repeat + 1}" if args.repeats > 1 else "")
+def target_key(target: float) -> str:
+    """A target as a JSON key and a column title: 0.885 -> "0.885"."""
+    return f"{target:g}"
+
+
+def run_metrics(run: dict, targets: list[float], budget_s: float) -> dict:
+    """One run's figures: time to each target (``inf``: never), accuracy at the budget, AUC, speed."""
+    times = [time_to_target(run["curve"], t) for t in targets]
+    return {"times": [math.inf if t is None else t for t in times],
+            "accuracy_at_budget": run["test_accuracy"], "auc": accuracy_area(run["curve"], budget_s),
+            "samples_per_s": run["samples_per_s"], "straggler_efficiency": straggler_efficiency(run),
+            "mean_global_batch": run["samples"] / max(run["steps"], 1)}
+
+
+def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Namespace, repeat: int, tail: float) -> dict:
+    """Train one configuration through bpslaunch, sampling the machine's load meanwhile.
+
+    ``tail``: this benchmark's load still in the 1-minute average from the previous run.
+    Returns the example's metrics plus the run's facts (seed, load, wall time, times to targets).
+    """
+    seed = args.seed + repeat
+    run_dir = args.runs_dir / args.scenario.name / name / f"seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     output = run_dir / "result.json"
-    launch = [*config["launch"], "--log-dir", str(run_dir)]
+    launch = [*config["launch"], "--log-dir", str(run_dir), "--engine", args.engine]
+    launch += ["--num-servers", str(args.num_servers)] if args.engine == "ps" else []
     launch += [flag for s in scenario.slowdowns for flag in ("--slowdown", s.launch_flag(args.budget))]
-    seed = args.seed + repeat
     command = [sys.executable, str(EXAMPLE), "--batch-size", str(config["batch"]), "--epochs", "1000", "--seed", str(seed),
                "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
-               "--model", args.model, "--output", str(output)]
-    started = time.perf_counter()
+               "--eval-subset", str(args.eval_subset), "--model", args.model, "--output", str(output)]
     timeout = args.budget * 4 + 300
-    with open(run_dir / "launcher.log", "wb") as log:
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = time.perf_counter()
+    with open(run_dir / "launcher.log", "wb") as log, LoadSampler(share=own_share(args), tail=tail) as load:
         if scenario.links:
             returncode = run_behind_links(scenario, launch, command, timeout, log)
         else:
             argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
             returncode = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
     if returncode != 0 or not output.exists():
-        raise RuntimeError(f"{name} on {scenario.name} failed with exit code {returncode}; see {run_dir}")
+        raise RuntimeError(f"{name} on {scenario.name} failed with exit code {returncode}; see {run_dir}/launcher.log")
     result = json.loads(output.read_text())
-    result["run_wall_s"] = time.perf_counter() - started
-    result["seed"] = seed
-    result["run_dir"] = str(run_dir)
-    return result
+    other = load.other_load()
+    times = run_metrics(result, args.targets, args.budget)["times"]
+    return {"config": name, "seed": seed, "started_at": started_at, **result,
+            "run_wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
+            "times_to_target_s": {target_key(t): None if s == math.inf else s for t, s in zip(args.targets, times)},
+            "load": {"share": load.share, "tail": tail, "samples": load.samples, "other_load": other,
+                     "loaded": other > args.load_margin}}
+
+
+def own_share(args: argparse.Namespace) -> float:
+    """A run's expected share of the load: one busy process per worker, and per ps server."""
+    return args.scenario.workers + (args.num_servers if args.engine == "ps" else 0)
 
 
 def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], timeout: float, log) -> int:
@@ -140,103 +226,264 @@ def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], 
     return 0 if job.ok else max(job.returncodes, key=abs) or 1
 
 
-def summarise(name: str, result: dict, target: float) -> dict:
-    """One table row; with ``result["runs"]`` (``--repeats``), the median of each column over the runs."""
-    if "runs" in result:
-        rows = [summarise(name, run, target) for run in result["runs"]]
-        median = {key: statistics.median(row[key] for row in rows) for key in rows[0] if key not in ("config", "time_to_target_s")}
-        times = [row["time_to_target_s"] for row in rows]
-        ttt = statistics.median(map(_never_last, times))
-        return {"config": name, "time_to_target_s": None if ttt == math.inf else ttt, **median, "runs": len(rows),
-                "time_to_target_runs_s": times}
-    steps = max(result["steps"], 1)
-    return {
-        "config": name,
-        "time_to_target_s": time_to_target(result["curve"], target),
-        "accuracy_at_budget": result["test_accuracy"],
-        "samples_per_s": result["samples_per_s"],
-        "straggler_efficiency": straggler_efficiency(result),
-        "mean_global_batch": result["samples"] / steps,
-        "train_s": result["train_s"],
-        "run_wall_s": result["run_wall_s"],
-    }
+def _median_interval(values) -> dict:
+    """Median of ``values`` and its 90% bootstrap interval; ``inf`` stays ``inf``."""
+    return {"median": float(np.median(values)),
+            "ci90": interval90(bootstrap_medians(values, ROUNDS), method="inverted_cdf")}
 
 
-def print_table(rows: list[dict], target: float) -> None:
-    head = f"{'config':<13} {f'time to {target:.0%}':>12} {'acc@budget':>10} {'samples/s':>10} {'straggler eff.':>14} {'mean batch':>10}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
-        print(f"{r['config']:<13} {ttt:>12} {r['accuracy_at_budget']:>10.4f} {r['samples_per_s']:>10.0f} "
-              f"{r['straggler_efficiency']:>14.2f} {r['mean_global_batch']:>10.0f}")
-    for r in (r for r in rows if "runs" in r):
-        times = ", ".join("-" if t is None else f"{t:.1f}" for t in r["time_to_target_runs_s"])
-        print(f"{r['config']}: median of {r['runs']} runs; time to {target:.0%} per run: {times} s")
+def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
+    """Rows of the table from every kept run, and the verdict's target and references.
+
+    Returns ``{"rows": [...], "verdict": {"target", "metric", "best_static", "best_heuristic"}}``;
+    each row holds medians with 90% intervals (``inf`` as None in JSON, see :func:`finite`) and
+    ``vs_best_static`` / ``vs_best_heuristic``: ``{"reference", "ratio", "ci90", "verdict"}``.
+    """
+    by_config: dict[str, list[dict]] = {}
+    for run in runs:
+        by_config.setdefault(run["config"], []).append(run)
+    metrics = {name: [run_metrics(r, targets, budget_s) for r in done] for name, done in by_config.items()}
+    rows = {}
+    for name, done in by_config.items():
+        m = metrics[name]
+        rows[name] = {"config": name, "runs": len(done), "seeds": [r["seed"] for r in done],
+                      "loaded_runs": sum(r["load"]["loaded"] for r in done),
+                      "time_to_target_s": {target_key(t): {**_median_interval([x["times"][i] for x in m]),
+                                                          "runs": [x["times"][i] for x in m]}
+                                           for i, t in enumerate(targets)},
+                      **{key: _median_interval([x[key] for x in m]) for key in ("accuracy_at_budget", "auc")},
+                      **{key: float(np.median([x[key] for x in m]))
+                         for key in ("samples_per_s", "straggler_efficiency", "mean_global_batch")}}
+    common = [i for i, t in enumerate(targets)
+              if all(row["time_to_target_s"][target_key(t)]["median"] < math.inf for row in rows.values())]
+
+    def score(run_metric: dict) -> float:  # lower is better
+        return run_metric["times"][common[-1]] if common else -run_metric["auc"]
+
+    def median_score(name: str) -> tuple[float, int]:
+        return float(np.median([score(x) for x in metrics[name]])), list(rows).index(name)
+
+    statics = [n for n in rows if n.startswith("static")]
+    heuristics = [n for n in rows if n in HEURISTICS]
+    references = {"best_static": min(statics, key=median_score, default=None),
+                  "best_heuristic": min(heuristics, key=median_score, default=None)}
+    for name, row in rows.items():
+        for kind, reference in references.items():
+            if reference is None:
+                continue
+            mine = {r["seed"]: score(x) for r, x in zip(by_config[name], metrics[name])}
+            theirs = {r["seed"]: score(x) for r, x in zip(by_config[reference], metrics[reference])}
+            seeds = sorted(set(mine) & set(theirs))
+            # scores are times (lower better) or -AUC: the ratio of the AUCs themselves is (-a)/(-b)
+            x, ref = np.array([mine[s] for s in seeds]), np.array([theirs[s] for s in seeds])
+            comparison = {"reference": reference, "seeds": seeds}
+            if name == reference:
+                comparison.update(ratio=1.0, ci90=[1.0, 1.0], verdict="ref")
+            elif len(seeds) < MIN_PAIRS:
+                comparison.update(ratio=None, ci90=None, verdict="n/a")
+            else:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratio = float(np.median(x) / np.median(ref))
+                ci = paired_ratio_interval(x, ref, ROUNDS)
+                comparison.update(ratio=1.0 if math.isnan(ratio) else ratio, ci90=ci,
+                                  verdict=verdict(ci, lower_is_better=bool(common)))
+            row[f"vs_{kind}"] = comparison
+    return {"rows": list(rows.values()),
+            "verdict": {"target": targets[common[-1]] if common else None,
+                        "metric": f"time to {100 * targets[common[-1]]:g}%" if common else "AUC", **references}}
 
 
-def plot(results: dict[str, dict], scenario: str, target: float, out: Path) -> None:
+def finite(value):
+    """``value`` with every infinite float replaced by None (JSON has no infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None or value == math.inf else f"{value:.1f}"
+
+
+def _with_interval(cell: dict, fmt) -> str:
+    low, high = cell["ci90"]
+    return f"{fmt(cell['median'])} [{fmt(low)}, {fmt(high)}]"
+
+
+def _comparison(row: dict, kind: str) -> str:
+    c = row.get(f"vs_{kind}")
+    if c is None:
+        return ""
+    if c["ci90"] is None or c["verdict"] == "ref":
+        return c["verdict"]
+    ratio = lambda v: "inf" if v is None or v == math.inf else f"{v:.2f}"  # noqa: E731
+    return f"{ratio(c['ratio'])}x [{ratio(c['ci90'][0])}, {ratio(c['ci90'][1])}] {c['verdict']}"
+
+
+def tables(summary: dict, targets: list[float]) -> tuple[list[str], list[list[str]]]:
+    """The header and cells of the table (one row per configuration)."""
+    decided = summary["verdict"]
+    against = f"on {decided['metric']}"
+    header = ["config", "runs", *(f"time to {100 * t:g}% s [90%]" for t in targets), "acc@budget [90%]", "AUC [90%]",
+              "samples/s", "straggler eff.", "mean batch"]
+    kinds = [k for k in ("best_static", "best_heuristic") if decided[k] is not None]
+    header += [f"vs {k.replace('_', ' ')} ({decided[k]}) {against}" for k in kinds] + ["loaded runs"]
+    lines = []
+    for row in summary["rows"]:
+        three = lambda v: f"{v:.3f}"  # noqa: E731
+        lines.append([row["config"], str(row["runs"]),
+                      *(_with_interval(row["time_to_target_s"][target_key(t)], _seconds) for t in targets),
+                      _with_interval(row["accuracy_at_budget"], three), _with_interval(row["auc"], three),
+                      f"{row['samples_per_s']:.0f}", f"{row['straggler_efficiency']:.2f}", f"{row['mean_global_batch']:.0f}",
+                      *(_comparison(row, k) for k in kinds),
+                      f"{row['loaded_runs']}/{row['runs']}" + (" LOADED" if row["loaded_runs"] else "")])
+    return header, lines
+
+
+def print_report(summary: dict, runs: list[dict], targets: list[float], markdown: bool) -> None:
+    """The table, then one line per run (seed, times to each target, load)."""
+    header, lines = tables(summary, targets)
+    print(text_table(header, lines))
+    for run in runs:
+        times = ", ".join(_seconds(time_to_target(run["curve"], t)) for t in targets)
+        load = run["load"]
+        flag = " LOADED" if load["loaded"] else ""
+        print(f"  {run['config']} seed {run['seed']}: times to {', '.join(f'{100 * t:g}%' for t in targets)}: {times} s; "
+              f"load beyond its own share {load['other_load']:.2f}{flag}")
+    if markdown:
+        print()
+        print(markdown_table(header, lines))
+
+
+def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
+    """Accuracy against training time (median and min-max per configuration, target lines) and
+    time to each target (every run, median marked), one colour and marker per configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, result in results.items():
-        points = [(0.0, 0.1)] + [(p["train_s"], p["test_accuracy"]) for p in result["curve"]]
-        style = "-" if name.startswith("static") else "-o"
-        ax.plot(*zip(*points), style, label=name, linewidth=2 if not name.startswith("static") else 1, markersize=3)
-    ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-    ax.set(xlabel="training time (s)", ylabel="test accuracy", title=f"Fashion-MNIST, 4 workers, scenario {scenario}",
-           ylim=(max(0.0, target - 0.25), min(1.0, target + 0.07)))
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    targets, budget = report["targets"], report["budget_s"]
+    fig, (curves, crossings) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    grid = np.linspace(0.0, budget, 301)
+    names = [row["config"] for row in summary["rows"]]
+    for k, name in enumerate(names):
+        colour, marker = STYLES[name]
+        mine = [r for r in runs if r["config"] == name]
+        accuracy = np.array([np.interp(grid, [0.0, *(p["train_s"] for p in r["curve"])],
+                                       [CHANCE, *(p["test_accuracy"] for p in r["curve"])]) for r in mine])
+        curves.fill_between(grid, accuracy.min(0), accuracy.max(0), color=colour, alpha=0.15, linewidth=0)
+        curves.plot(grid, np.median(accuracy, 0), color=colour, marker=marker, markevery=30, markersize=5,
+                    linewidth=1.6, label=f"{name} ({len(mine)})")
+        for i, t in enumerate(targets):
+            y = i + (k - (len(names) - 1) / 2) * 0.8 / max(len(names), 1)
+            times = [x for x in (time_to_target(r["curve"], t) for r in mine) if x is not None]
+            crossings.scatter(times, [y] * len(times), color=colour, marker=marker, s=14, alpha=0.5)
+            cell = summary["rows"][k]["time_to_target_s"][target_key(t)]
+            if cell["median"] < math.inf:
+                crossings.scatter([cell["median"]], [y], color=colour, marker=marker, s=60, edgecolors="black",
+                                  linewidths=0.6)
+    for t in targets:
+        curves.axhline(t, color="grey", linestyle=":", linewidth=1)
+        curves.annotate(f"{100 * t:g}%", (budget, t), xytext=(3, 0), textcoords="offset points", va="center",
+                        fontsize=8, color="grey", annotation_clip=False)
+    highest = max([*targets, *(p["test_accuracy"] for r in runs for p in r["curve"])])
+    curves.set(xlabel="training time (s)", ylabel=f"accuracy on {report['eval_subset']} test images",
+               ylim=(max(0.0, min(targets) - 0.2), min(1.0, highest + 0.02)), xlim=(0, budget))
+    curves.grid(alpha=0.3)
+    curves.legend(loc="lower right", fontsize=8, title="median, min-max (runs)", title_fontsize=8)
+    crossings.set(xlabel="training seconds to the target (small: runs, large: median)",
+                  yticks=range(len(targets)), yticklabels=[f"{100 * t:g}%" for t in targets], xlim=(0, budget))
+    crossings.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"Fashion-MNIST {report['model']}, {report['workers']} workers, {report['engine']}: scenario "
+                 f"{report['scenario']} ({report['description']}), {report['measured_at'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     print(f"wrote {out}")
 
 
-def parse_args() -> argparse.Namespace:
+def _floats(text: str) -> list[float]:
+    values = sorted({float(x) for x in text.split(",") if x.strip()})
+    if not values or any(not 0.1 < v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated accuracies in (0.1, 1]")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     scenarios = load_scenarios()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", choices=sorted(scenarios), default="straggler")
-    p.add_argument("--quick", action="store_true", help="short budget and four configurations, for CI")
+    p.add_argument("--quick", action="store_true", help="short budget, four configurations, two repeats: for CI")
     p.add_argument("--configs", default=None, help="comma-separated subset of the configurations (default: all; "
-                   "--quick: static32,static64,proportional,goodput)")
-    p.add_argument("--budget", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="training seconds per configuration (default 150; --quick 30)")
-    p.add_argument("--eval-every", type=float_in(0, 86400, low_open=True, unit="s"), default=None, help="seconds of training between evaluations (default 10)")
-    p.add_argument("--target", type=float_in(0.1, 1.0, low_open=True), default=None, help="target test accuracy (default 0.88; --quick 0.6)")
-    p.add_argument("--model", choices=("cnn", "resnet8"), default="cnn")
+                   f"--quick: {','.join(QUICK_CONFIGS)})")
+    p.add_argument("--budget", type=float_in(0, 86400, low_open=True, unit="s"), default=None,
+                   help="training seconds per run (default 150; --quick 30)")
+    p.add_argument("--eval-every", type=float_in(0, 86400, low_open=True, unit="s"), default=None,
+                   help="seconds of training between evaluations (default 4; --quick 3)")
+    p.add_argument("--eval-subset", type=int_in(1, 10000), default=None, metavar="N",
+                   help="test images scored at each evaluation, a fixed subset (default 2000; --quick 500)")
+    p.add_argument("--targets", type=_floats, default=None, help="comma-separated target accuracies (default "
+                   f"{','.join(map(str, TARGETS['cnn']))}; --quick {','.join(map(str, QUICK_TARGETS))})")
+    p.add_argument("--model", choices=sorted(TARGETS), default="cnn")
+    p.add_argument("--engine", choices=("gloo", "ps"), default="gloo", help="bpslaunch --engine (default gloo)")
+    p.add_argument("--num-servers", type=int_in(1, 64), default=1, help="bpslaunch --num-servers with --engine ps")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
-    p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained policy: a directory or a library name (`dynamix policy list`)")
-    p.add_argument("--repeats", type=int_in(1, 20), default=1, metavar="N",
-                   help="run every configuration N times and report the median of each column (default 1)")
-    p.add_argument("--seed", type=int, default=42, help="the example's --seed for the first run; run r of --repeats "
-                   "uses SEED + r (default 42)")
+    p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
+                   "policy: a directory or a library name (`dynamix policy list`)")
+    p.add_argument("--repeats", type=int_in(1, 20), default=None, metavar="N",
+                   help="runs per configuration, round-robin, seeds SEED..SEED+N-1 (default 3; --quick 2)")
+    p.add_argument("--seed", type=int, default=42, help="the example's --seed of the first round (default 42)")
+    p.add_argument("--allow-load", action="store_true", help="keep runs made while other work loaded the machine "
+                   "(flagged LOADED) instead of waiting for quiet and remaking them")
+    p.add_argument("--load-margin", type=float_in(0, 1000), default=0.5,
+                   help="load beyond a run's own share that counts as other work (default 0.5)")
+    p.add_argument("--load-wait", type=float_in(0, 86400, unit="s"), default=600.0,
+                   help="without --allow-load: seconds to wait for a quiet machine before a run (default 600)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
                    help="where each run's log directory is kept (default: runs/time_to_accuracy)")
-    p.add_argument("--table-only", action="store_true", help="run nothing: redo the table, plot and rows of --out "
-                   "(e.g. for another --target)")
-    p.add_argument("--append", action="store_true", help="keep the other configurations already in --out "
-                   "(same scenario, budget and model), replacing those run now; the table is recomputed for --target")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
-    args = p.parse_args()
+    p.add_argument("--table-only", action="store_true", help="run nothing: redo the table and plot of --out "
+                   "(e.g. for other --targets)")
+    p.add_argument("--append", action="store_true", help="keep the runs of the other configurations already in "
+                   "--out (same experiment), replacing those of the configurations run now")
+    p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default: benchmarks/results/time_to_accuracy_<scenario>[_quick].json)")
+    args = p.parse_args(argv)
     args.scenario = scenarios[args.scenario]
+    if args.engine != "ps" and args.num_servers != 1:
+        p.error("--num-servers needs --engine ps")
     if args.ppo_policy and args.ppo_policy.startswith("ppo:"):
         args.ppo_policy = args.ppo_policy[len("ppo:"):]  # bpslaunch's spelling of a library policy
     if args.ppo_policy and not Path(args.ppo_policy).is_dir() and args.ppo_policy not in library.entries():
         p.error(f"--ppo-policy {args.ppo_policy}: neither a policy directory (dynamix policy train --out DIR writes "
                 f"one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
-    args.budget = args.budget or (30.0 if args.quick else 150.0)
-    args.eval_every = args.eval_every or 10.0
-    args.target = args.target or (0.6 if args.quick else 0.88)
-    args.decision_interval = args.decision_interval or (5 if args.quick else 10)
+    args.out = args.out or RESULTS / f"time_to_accuracy_{args.scenario.name}{'_quick' if args.quick else ''}.json"
+    args.earlier = None
+    if args.table_only and not args.out.exists():
+        p.error(f"--table-only: no earlier report {args.out}")
+    if (args.table_only or args.append) and args.out.exists():
+        try:
+            args.earlier = read_report(args.out)
+        except ValueError as error:
+            p.error(f"{'--table-only' if args.table_only else '--append'}: {error}")
+    if args.table_only:  # the file's experiment, perhaps other targets
+        args.budget, args.targets = args.earlier["budget_s"], args.targets or args.earlier["targets"]
+    quick = args.quick
+    args.budget = args.budget or (30.0 if quick else 150.0)
+    args.eval_every = args.eval_every or (3.0 if quick else 4.0)
+    args.eval_subset = args.eval_subset or (500 if quick else 2000)
+    args.targets = args.targets or list(QUICK_TARGETS if quick else TARGETS[args.model])
+    args.repeats = args.repeats or (2 if quick else 3)
+    args.decision_interval = args.decision_interval or (5 if quick else 10)
     known = configurations(args.ppo_policy, args.decision_interval)
-    quick = ["static32", "static64", "proportional", "goodput"] + (["ppo"] if args.ppo_policy else [])
-    wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else (quick if args.quick else list(known))
+    default = [*QUICK_CONFIGS, *(["ppo"] if args.ppo_policy else [])] if args.quick else list(known)
+    wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else default
     if args.table_only:
-        wanted, args.append = [], True
+        wanted = []
     elif not wanted:
         p.error("--configs is empty; name at least one configuration")
     unknown = [c for c in wanted if c not in known]
@@ -244,73 +491,115 @@ def parse_args() -> argparse.Namespace:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}"
                 + ("" if args.ppo_policy else " (ppo needs --ppo-policy)"))
     args.configs = {c: known[c] for c in wanted}
-    suffix = "_quick" if args.quick else ""
-    args.out = args.out or RESULTS / f"time_to_accuracy_{args.scenario.name}{suffix}.json"
-    if args.table_only and not args.out.exists():
-        p.error(f"--table-only: no earlier report {args.out}")
-    if args.append and args.out.exists():
-        try:
-            args.earlier = earlier_results(args)
-            args.measured_on = json.loads(args.out.read_text()).get("measured_on")
-        except ValueError as error:  # json.JSONDecodeError is one too
-            p.error(f"--append: {args.out}: {error}")
-        except (KeyError, AttributeError):
-            p.error(f"--append: {args.out} is not a time_to_accuracy report")
+    if args.append and args.earlier:
+        mismatch = {k: (args.earlier.get(k), v) for k, v in experiment(args).items() if args.earlier.get(k) != v}
+        if mismatch:
+            p.error(f"--append: {args.out} holds another experiment ("
+                    + ", ".join(f"{k} {old!r} there, {new!r} now" for k, (old, new) in mismatch.items())
+                    + "); use another --out")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def experiment(args: argparse.Namespace) -> dict:
+    """What makes runs comparable: runs with other values cannot share one table."""
+    return {"scenario": args.scenario.name, "quick": args.quick, "model": args.model, "budget_s": args.budget,
+            "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
+            "num_servers": args.num_servers if args.engine == "ps" else None,
+            "decision_interval": args.decision_interval}
+
+
+def read_report(path: Path) -> dict:
+    """An earlier report of this benchmark; ValueError naming what is wrong with it (an old schema too)."""
+    try:
+        report = json.loads(path.read_text())
+    except ValueError as error:  # json.JSONDecodeError is one
+        raise ValueError(f"{path} is not JSON: {error}") from None
+    if not isinstance(report, dict) or report.get("benchmark") != "time_to_accuracy":
+        raise ValueError(f"{path} is not a time_to_accuracy report")
+    if report.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is in the old schema ({report.get('schema', 1)}, one target, full test set every "
+                         f"10 s, no load record); this version reads schema {SCHEMA} only: its table is in the file's "
+                         "'rows'; rerun the benchmark to measure the configurations anew")
+    return report
+
+
+def wait_for_quiet(args: argparse.Namespace, tail_now) -> None:
+    """Without --allow-load, wait until the 1-minute load less ``tail_now()`` (this benchmark's
+    own decaying share) is within --load-margin; SystemExit(1) naming the load after --load-wait."""
+    deadline = time.monotonic() + args.load_wait
+    while True:
+        excess = os.getloadavg()[0] - tail_now()
+        if excess <= args.load_margin:
+            return
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"the machine is loaded by other work: 1-minute load {os.getloadavg()[0]:.2f} on "
+                             f"{os.cpu_count()} CPUs, {excess:.2f} beyond this benchmark's own, for "
+                             f"{args.load_wait:g} s; run when it is quiet, or pass --allow-load (runs flagged LOADED)")
+        time.sleep(5)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"scenario {args.scenario.name}: {args.scenario.description}; budget {args.budget:g} s of training, "
-          f"evaluation every {args.eval_every:g} s, target {args.target:.0%}, model {args.model}", flush=True)
-    runs: dict[str, list[dict]] = {name: [] for name in args.configs}
-    for repeat in range(args.repeats):  # round-robin, so a drift in the machine's load hits every configuration
-        for name, config in args.configs.items():
-            runs[name].append(run_config(name, config, args.scenario, args, repeat))
-            r = summarise(name, runs[name][-1], args.target)
-            print(f"  {name} (seed {runs[name][-1]['seed']}): accuracy {r['accuracy_at_budget']:.4f}, "
-                  f"{r['samples_per_s']:.0f} samples/s, efficiency {r['straggler_efficiency']:.2f} "
-                  f"({runs[name][-1]['run_wall_s']:.0f} s)", flush=True)
-    results = {name: done[0] if args.repeats == 1 else {**median_run(done, args.target), "runs": done}
-               for name, done in runs.items()}
-    if args.append and args.out.exists():
-        results = {**args.earlier, **results}
-        order = list(configurations("any", args.decision_interval))
-        results = dict(sorted(results.items(), key=lambda item: order.index(item[0])))
-    rows = [summarise(name, result, args.target) for name, result in results.items()]
+    earlier = args.earlier or {}
+    kept = [r for r in earlier.get("runs", []) if r["config"] not in args.configs]
+    refused = [r for r in earlier.get("refused_runs", []) if r["config"] not in args.configs]
+    header = ("benchmark", "schema", *experiment(args), "description", "workers", "seed", "load_margin", "measured_at",
+              "measured_on")
+    report = {key: earlier[key] for key in header} if earlier else {
+        "benchmark": "time_to_accuracy", "schema": SCHEMA, **experiment(args), "description": args.scenario.description,
+        "workers": args.scenario.workers, "seed": args.seed, "load_margin": args.load_margin,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "measured_on": machine()}
+    runs = list(kept)
+    if args.configs:
+        print(f"scenario {args.scenario.name}: {args.scenario.description}; {args.repeats} round(s) of "
+              f"{', '.join(args.configs)}; {args.budget:g} s of training each, evaluation on {args.eval_subset} test "
+              f"images every {args.eval_every:g} s, targets {', '.join(f'{100 * t:g}%' for t in args.targets)}, "
+              f"model {args.model}, engine {args.engine}", flush=True)
+        previous = {"share": 0.0, "end": time.monotonic()}
+
+        def tail_now() -> float:
+            return previous["share"] * math.exp(-(time.monotonic() - previous["end"]) / LoadSampler.TIME_CONSTANT_S)
+
+        for repeat in range(args.repeats):  # round-robin: a drift in the machine's load hits every configuration
+            for name, config in args.configs.items():
+                for attempt in range(LOAD_RETRIES + 1):
+                    if not args.allow_load:
+                        wait_for_quiet(args, tail_now)
+                    run = run_config(name, config, args.scenario, args, repeat, tail_now())
+                    previous.update(share=run["load"]["share"], end=time.monotonic())
+                    times = ", ".join(_seconds(t) for t in run["times_to_target_s"].values())
+                    print(f"  {name} seed {run['seed']}: to targets {times} s, accuracy {run['test_accuracy']:.4f}, "
+                          f"{run['samples_per_s']:.0f} samples/s, load beyond own {run['load']['other_load']:.2f}"
+                          f"{' LOADED' if run['load']['loaded'] else ''} ({run['run_wall_s']:.0f} s)", flush=True)
+                    if args.allow_load or not run["load"]["loaded"]:
+                        runs.append(run)
+                        break
+                    refused.append(run)
+                    print(f"  set aside: loaded by other work (attempt {attempt + 1} of {LOAD_RETRIES + 1})", flush=True)
+                else:
+                    save(args, report, runs, refused, complete=False)
+                    print(f"{name} seed {args.seed + repeat}: every attempt was loaded by other work; stopping "
+                          "(--allow-load keeps loaded runs, flagged)", file=sys.stderr)
+                    return 1
+                save(args, report, runs, refused, complete=False)
+    summary = save(args, report, runs, refused, complete=True)
     print()
-    print_table(rows, args.target)
+    print_report(summary, runs, args.targets, args.markdown)
+    plot(runs, summary, {**report, "targets": args.targets}, args.out.with_suffix(".png"))
+    return 0
+
+
+def save(args: argparse.Namespace, report: dict, runs: list[dict], refused: list[dict], complete: bool) -> dict:
+    """Write the report with every run (also partway, ``complete`` False); the summary of ``runs``."""
+    summary = summarise(runs, args.targets, args.budget)
     png = args.out.with_suffix(".png")
-    plot(results, args.scenario.name, args.target, png)
-    write_report(args.out, {
-        "benchmark": "time_to_accuracy", "scenario": args.scenario.name, "description": args.scenario.description,
-        "quick": args.quick, "budget_s": args.budget, "eval_every_s": args.eval_every, "target_accuracy": args.target,
-        "model": args.model, "workers": args.scenario.workers, "repeats": args.repeats, "rows": rows, "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
-        "results": results,
-        "measured_on": args.measured_on if args.table_only else machine(),
-    })
-
-
-def _never_last(seconds: float | None) -> float:
-    """A time to target for ordering: never reaching it counts as slower than any time."""
-    return math.inf if seconds is None else seconds
-
-
-def median_run(runs: list[dict], target: float) -> dict:
-    """The run whose time to target is the median (its curve is the one plotted)."""
-    return sorted(runs, key=lambda run: _never_last(time_to_target(run["curve"], target)))[(len(runs) - 1) // 2]
-
-
-def earlier_results(args: argparse.Namespace) -> dict[str, dict]:
-    """The per-configuration results of an earlier run in ``--out``, if it is the same experiment."""
-    earlier = json.loads(args.out.read_text())
-    same = tuple(earlier.get(key) for key in ("scenario", "budget_s", "eval_every_s", "model", "quick"))
-    if same != (args.scenario.name, args.budget, args.eval_every, args.model, args.quick):
-        raise ValueError(f"it holds another experiment (scenario, budget, eval-every, model, quick) = {same}; "
-                         "use another --out")
-    return {name: r for name, r in earlier["results"].items() if name not in args.configs}
+    write_report(args.out, finite({**report, "targets": args.targets, "complete": complete, "rows": summary["rows"],
+                                   "verdict": summary["verdict"],
+                                   "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
+                                   "runs": runs, "refused_runs": refused}))
+    return summary
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

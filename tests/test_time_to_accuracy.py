@@ -1,4 +1,5 @@
-"""benchmarks/time_to_accuracy.py: its pure parts, and a --quick run end to end (slow, in CI)."""
+"""benchmarks/time_to_accuracy.py: its statistics and verdict rule on synthetic runs, and a --quick
+run end to end (slow, in CI)."""
 
 import json
 import math
@@ -9,9 +10,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "time_to_accuracy.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from time_to_accuracy import median_run, straggler_efficiency, summarise, time_to_target
+from common import LoadSampler, paired_ratio_interval
+from time_to_accuracy import STYLES, accuracy_area, configurations, read_report, straggler_efficiency, summarise, time_to_target
 
 
 def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
@@ -23,6 +26,13 @@ def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
     assert time_to_target([], 0.5) is None
 
 
+def test_accuracy_area_is_normalised_by_the_budget_holds_the_last_value_and_cuts_at_the_budget():
+    curve = [{"train_s": 10.0, "test_accuracy": 0.5}, {"train_s": 20.0, "test_accuracy": 0.7}]
+    assert accuracy_area(curve, 30.0) == pytest.approx((3.0 + 6.0 + 7.0) / 30)  # (0.1+0.5)/2*10, ..., 0.7*10
+    assert accuracy_area(curve, 15.0) == pytest.approx((3.0 + 2.75) / 15)  # 0.6 at 15 s
+    assert accuracy_area([], 10.0) == pytest.approx(0.1)
+
+
 def test_straggler_efficiency_is_achieved_over_summed_compute_throughput():
     # 1 of 4 workers 3x slower, uniform batch, no communication: 4/(3 + 1/3) / 3... = 0.4
     result = {"samples_per_s": 4 * 100 / 3,
@@ -31,45 +41,140 @@ def test_straggler_efficiency_is_achieved_over_summed_compute_throughput():
     assert math.isnan(straggler_efficiency({"samples_per_s": 1.0, "worker_statistics": []}))
 
 
-def _run(accuracies, samples_per_s):
-    return {"curve": [{"train_s": 10.0 * (i + 1), "test_accuracy": a} for i, a in enumerate(accuracies)],
-            "steps": 10, "samples": 640, "test_accuracy": accuracies[-1], "samples_per_s": samples_per_s,
-            "train_s": 20.0, "run_wall_s": 30.0, "worker_statistics": [{"samples_per_s": 100.0}]}
+def _run(config, seed, to_90, final=None, loaded=False):
+    """A run whose accuracy reaches 0.5 at to_90/2 s and 0.9 at to_90 s, then ``final`` (0.92) at
+    100 s; with to_90 None, 0.5 at 20 s and ``final`` (0.85) at 100 s."""
+    if to_90 is None:
+        final = final or 0.85
+        curve = [{"train_s": 20.0, "test_accuracy": 0.5}, {"train_s": 100.0, "test_accuracy": final}]
+    else:
+        final = final or 0.92
+        curve = [{"train_s": to_90 / 2, "test_accuracy": 0.5}, {"train_s": to_90, "test_accuracy": 0.9},
+                 {"train_s": 100.0, "test_accuracy": final}]
+    return {"config": config, "seed": seed, "curve": curve, "test_accuracy": final, "samples_per_s": 1000.0,
+            "samples": 64000, "steps": 250, "worker_statistics": [{"samples_per_s": 400.0}] * 4,
+            "load": {"loaded": loaded}}
 
 
-def test_repeated_runs_report_the_median_of_each_column_and_plot_the_median_run():
-    runs = [_run([0.5, 0.9], 60.0), _run([0.5, 0.6], 70.0), _run([0.95, 0.96], 90.0)]  # 19.5 s, never, 9.2 s
-    result = {**median_run(runs, 0.88), "runs": runs}
-    assert result["curve"] == runs[0]["curve"]  # the median time to target
-    row = summarise("goodput", result, 0.88)
-    assert row["time_to_target_s"] == pytest.approx(19.5)
-    assert row["accuracy_at_budget"] == 0.9 and row["samples_per_s"] == 70.0 and row["runs"] == 3
-    assert row["time_to_target_runs_s"][1] is None
-    # a target most runs never reach has no median time
-    assert summarise("goodput", {**result, "runs": runs[:2] + [_run([0.5, 0.6], 1.0)]}, 0.88)["time_to_target_s"] is None
+def _runs(times: dict[str, list]) -> list[dict]:
+    return [_run(config, 42 + i, t) for config, ts in times.items() for i, t in enumerate(ts)]
+
+
+def test_verdict_rule_ahead_tie_behind_against_the_best_static_and_the_best_heuristic():
+    runs = _runs({"static64": [60, 62, 64, 61, 63], "static128": [70, 72, 74, 71, 73],
+                  "proportional": [30, 32, 34, 31, 33],  # median 32: the best heuristic
+                  "goodput": [29, 35, 33, 30, 36],  # faster at two seeds, slower at three: tie
+                  "ppo": [20, 21, 22, 23, 24]})  # faster at every seed: ahead
+    summary = summarise(runs, [0.5, 0.9], 100.0)
+    assert summary["verdict"] == {"target": 0.9, "metric": "time to 90%", "best_static": "static64",
+                                  "best_heuristic": "proportional"}
+    rows = {row["config"]: row for row in summary["rows"]}
+    heuristic = {name: row["vs_best_heuristic"]["verdict"] for name, row in rows.items()}
+    assert heuristic == {"static64": "behind", "static128": "behind", "proportional": "ref", "goodput": "tie",
+                         "ppo": "ahead"}
+    static = {name: row["vs_best_static"]["verdict"] for name, row in rows.items()}
+    assert static == {"static64": "ref", "static128": "behind", "proportional": "ahead", "goodput": "ahead",
+                      "ppo": "ahead"}
+    ppo = rows["ppo"]["vs_best_heuristic"]
+    assert ppo["ratio"] == pytest.approx(22 / 32) and ppo["ci90"][1] < 1 and ppo["seeds"] == [42, 43, 44, 45, 46]
+    cell = rows["ppo"]["time_to_target_s"]["0.9"]
+    assert cell["median"] == pytest.approx(22) and cell["ci90"][0] <= 22 <= cell["ci90"][1]
+    assert cell["runs"] == pytest.approx([20, 21, 22, 23, 24])
+    assert rows["ppo"]["accuracy_at_budget"]["median"] == pytest.approx(0.92)
+
+
+def test_verdict_needs_two_common_seeds_and_moves_to_the_highest_target_every_configuration_reaches():
+    runs = _runs({"static64": [60, None, None], "proportional": [30, 32, 34]})
+    summary = summarise(runs, [0.5, 0.9], 100.0)
+    assert summary["verdict"]["target"] == 0.5  # static64's median run never reaches 0.9
+    one_seed = _runs({"static64": [60], "proportional": [30, 32]})
+    row = summarise(one_seed, [0.5, 0.9], 100.0)["rows"][1]
+    assert row["vs_best_static"]["verdict"] == "n/a" and row["vs_best_static"]["ratio"] is None
+
+
+def test_without_a_common_target_the_verdict_compares_the_area_under_the_curve():
+    runs = [_run("static64", 42 + i, None, final=0.80) for i in range(3)] + \
+           [_run("goodput", 42 + i, None, final=0.85 + 0.01 * i) for i in range(3)]
+    summary = summarise(runs, [0.9], 100.0)
+    assert summary["verdict"]["metric"] == "AUC" and summary["verdict"]["target"] is None
+    goodput = summary["rows"][1]["vs_best_static"]
+    assert goodput["ratio"] > 1 and goodput["verdict"] == "ahead"  # higher AUC is better
+
+
+def test_a_target_never_reached_counts_as_slower_than_any_time():
+    inf = math.inf
+    assert paired_ratio_interval([inf, inf, inf], [10.0, 11.0, 12.0])[0] == inf  # behind
+    assert paired_ratio_interval([10.0, 11.0, 12.0], [inf, inf, inf])[1] == 0.0  # ahead
+    assert paired_ratio_interval([inf, inf], [inf, inf]) == [1.0, 1.0]  # neither reaches it: a tie
+    with pytest.raises(ValueError, match="equal length"):
+        paired_ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_load_beyond_the_runs_own_share_is_other_work():
+    sampler = LoadSampler(share=4.0, tail=4.0)  # the previous run's share still in the average
+    sampler.samples = [(t, 4.0 + 1.5) for t in range(0, 60, 2)]
+    assert sampler.other_load() == pytest.approx(1.5)
+    quiet = LoadSampler(share=4.0)  # after an idle machine the 1-minute average climbs towards 4
+    quiet.samples = [(t, quiet.expected(t)) for t in range(0, 60, 2)]
+    assert quiet.other_load() == pytest.approx(0.0, abs=1e-9) and quiet.expected(60.0) == pytest.approx(4 * (1 - math.exp(-1)))
+    with LoadSampler(share=1.0, every_s=0.01) as live:
+        pass
+    assert live.samples and live.samples[0][0] >= 0.0
+
+
+def test_every_configuration_has_one_fixed_style():
+    names = configurations("any", 10)
+    assert set(names) <= set(STYLES)
+    assert len({style for style in STYLES.values()}) == len(STYLES)
+
+
+def test_an_old_schema_report_is_named_as_such(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"benchmark": "time_to_accuracy", "scenario": "straggler", "rows": []}))
+    with pytest.raises(ValueError, match="old schema"):
+        read_report(old)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--table-only", "--out", str(old)], capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert proc.returncode == 2 and "old schema" in proc.stderr and "rerun" in proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_benchmark_writes_every_column(tmp_path):
+def test_quick_benchmark_fills_every_column_and_the_table_comes_back_from_the_json(tmp_path):
     """A --quick run trimmed to its CI core: one static batch and one policy (the scheduler's
-    decision path), 15 s of training each (4 workers start up in ~30 s more), evaluated every 5 s.
-    The target is lowered with the budget (--quick: 60% in 30 s) so that a loaded machine still
-    reaches it: time to target is a column, and it must be filled."""
+    decision path), two seeds each, round-robin, 10 s of training (4 workers start up in ~30 s more),
+    evaluated every 2 s on 500 test images; targets low enough that a loaded machine reaches them."""
     out = tmp_path / "tta.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/time_to_accuracy.py"), "--quick", "--scenario", "straggler",
-         "--configs", "static32,proportional", "--budget", "15", "--eval-every", "5", "--target", "0.5",
-         "--runs-dir", str(tmp_path / "runs"), "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--scenario", "straggler", "--configs", "static32,proportional",
+         "--budget", "10", "--eval-every", "2", "--targets", "0.2,0.3", "--allow-load", "--runs-dir", str(tmp_path / "runs"),
+         "--out", str(out)],
         check=False, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["schema"] == 2 and report["complete"] and report["quick"] and report["budget_s"] == 10.0
+    assert [(r["config"], r["seed"]) for r in report["runs"]] == [
+        ("static32", 42), ("proportional", 42), ("static32", 43), ("proportional", 43)]  # round-robin
+    for run in report["runs"]:
+        assert set(run["times_to_target_s"]) == {"0.2", "0.3"} and run["curve"]
+        assert run["load"]["samples"] and run["load"]["share"] == 4
     assert [r["config"] for r in report["rows"]] == ["static32", "proportional"]
-    assert [report["results"][c]["seed"] for c in ("static32", "proportional")] == [42, 42]
-    assert report["quick"] and report["budget_s"] == 15.0
     for row in report["rows"]:
-        for column, value in row.items():
-            assert value is not None and not (isinstance(value, float) and math.isnan(value)), (row["config"], column)
+        for target in ("0.2", "0.3"):
+            cell = row["time_to_target_s"][target]
+            assert cell["median"] is not None and None not in cell["ci90"], (row["config"], target)
+        assert None not in row["accuracy_at_budget"]["ci90"] and 0 < row["auc"]["median"] < 1
+        assert row["vs_best_static"]["verdict"] in ("ahead", "tie", "behind", "ref")
+        assert row["vs_best_heuristic"]["verdict"] in ("ahead", "tie", "behind", "ref")
         assert 0.0 < row["straggler_efficiency"] <= 1.05
+    assert report["rows"][1]["vs_best_static"]["ci90"] is not None  # proportional against static32
     assert out.with_suffix(".png").stat().st_size > 0
-    assert "straggler eff." in proc.stdout
+    assert "vs best static (static32)" in proc.stdout and "loaded runs" in proc.stdout
+    again = subprocess.run([sys.executable, str(SCRIPT), "--table-only", "--out", str(out), "--targets", "0.25"],
+                           check=False, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "time to 25% s [90%]" in again.stdout and json.loads(out.read_text())["targets"] == [0.25]
+    other = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--append", "--budget", "20", "--eval-every", "2",
+                            "--configs",
+                            "goodput", "--out", str(out)], check=False, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "budget_s 10.0 there, 20.0 now" in other.stderr
