@@ -6,10 +6,8 @@ is SIGKILLed). A small guardian process (:mod:`._guardian`) watches the launcher
 the children's groups, grandchildren included, if the launcher dies without cleaning up.
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
-with a ``[label] `` prefix, one whole line at a time, and raw to the child's log file when
-one is given. A line ends at ``\\n`` or at ``\\r`` (kept, so progress bars update in
-place); a line longer than 64 KiB is forwarded in 64 KiB pieces, each prefixed and ended
-with a newline. The first child to exit non-zero decides the exit code; the others then get
+with a ``[label] `` prefix (:mod:`.output`), and raw to the child's log file when one is
+given. The first child to exit non-zero decides the exit code; the others then get
 SIGTERM, and SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher
 is forwarded to every group the same way and the launcher returns ``128 + signal``.
 """
@@ -19,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,17 +24,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, Callable, ContextManager, Mapping, Sequence
+from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
 from dynamix_byteps.launcher._guardian import group_alive
+from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
 _GUARDIAN = Path(__file__).with_name("_guardian.py")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
-_MAX_LINE = 64 * 1024  # longest piece of output forwarded at once; bounds the memory per pipe
-_LINE_END = re.compile(rb"\r\n|\n|\r(?=.)", re.DOTALL)  # a final \r waits: a \n may follow
 
 try:  # Linux only; elsewhere children still get their own group and the guardian.
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -86,23 +82,6 @@ class SpawnError(Exception):
 def exit_code_of(returncode: int) -> int:
     """Shell-style exit code of a ``Popen.returncode``: ``-N`` (killed by signal N) → ``128 + N``."""
     return returncode if returncode >= 0 else 128 - returncode
-
-
-def _split_lines(data: bytes) -> tuple[list[bytes], bytes]:
-    """Cut ``data`` into lines, each ending in ``\\n``, ``\\r\\n`` or ``\\r`` and at most
-    ``_MAX_LINE`` bytes long; returns them and the unfinished rest (shorter than ``_MAX_LINE``)."""
-    pieces: list[bytes] = []
-    start = 0
-    for match in _LINE_END.finditer(data):
-        while match.end() - start > _MAX_LINE:
-            pieces.append(data[start : start + _MAX_LINE])
-            start += _MAX_LINE
-        pieces.append(data[start : match.end()])
-        start = match.end()
-    while len(data) - start >= _MAX_LINE:
-        pieces.append(data[start : start + _MAX_LINE])
-        start += _MAX_LINE
-    return pieces, data[start:]
 
 
 def _signal_name(signum: int) -> str:
@@ -166,10 +145,7 @@ class Supervisor:
         self.specs = list(specs)
         self.grace_s = grace_s
         self.poll_s = poll_s
-        self._write_guard = write_guard
-        self._out = stdout if stdout is not None else _binary(sys.stdout)
-        self._err = stderr if stderr is not None else _binary(sys.stderr)
-        self._lock = threading.Lock()
+        self.output = Output(stdout, stderr, write_guard)
         self._children: list[_Child] = []
         self._pumps: list[threading.Thread] = []
         self._guardian: subprocess.Popen | None = None
@@ -179,41 +155,6 @@ class Supervisor:
         self.failed_at: float | None = None
         self.self_failed: dict[str, int] = {}
         self.killed: list[str] = []
-
-    # ---- output -------------------------------------------------------------------------
-
-    def note(self, message: str) -> None:
-        """Print one ``bpslaunch: ...`` line on stderr, never inside a child's line."""
-        self._write(self._err, f"bpslaunch: {message}\n".encode(), None, None)
-
-    def _write(self, sink: BinaryIO | None, line: bytes, prefix: bytes | None, log: BinaryIO | None) -> None:
-        with self._lock:
-            if log is not None:
-                try:
-                    log.write(line)
-                    log.flush()
-                except (OSError, ValueError):
-                    pass
-            if sink is not None:
-                if prefix is not None and not line.endswith((b"\n", b"\r")):
-                    line += b"\n"  # a cut long line or a last one without newline: the next starts a line
-                try:
-                    with self._write_guard():
-                        sink.write(line if prefix is None else prefix + line)
-                        sink.flush()
-                except (OSError, ValueError):
-                    pass  # e.g. `bpslaunch ... | head`: keep draining so children never block
-
-    def _pump(self, pipe: IO[bytes], sink: BinaryIO, child: _Child) -> None:
-        prefix = f"[{child.spec.label}] ".encode()
-        rest = b""
-        with pipe:
-            for data in iter(lambda: pipe.read1(_MAX_LINE), b""):
-                lines, rest = _split_lines(rest + data)
-                for line in lines:
-                    self._write(sink, line, prefix, child.log)
-        if rest:
-            self._write(sink, rest, prefix, child.log)
 
     # ---- signals ------------------------------------------------------------------------
 
@@ -244,7 +185,7 @@ class Supervisor:
                 start_new_session=True,
             )
         except OSError as error:  # pragma: no cover - python itself cannot start
-            self.note(f"warning: guardian process not started ({error}); a SIGKILLed launcher may leave grandchildren")
+            self.output.note(f"warning: guardian process not started ({error}); a SIGKILLed launcher may leave grandchildren")
 
     def _tell_guardian(self, message: str) -> None:
         if self._guardian is None or self._guardian.stdin is None:
@@ -314,7 +255,7 @@ class Supervisor:
                         self._stop_all(signal.SIGTERM)
                         return 1
             except SpawnError as error:
-                self.note(str(error))
+                self.output.note(str(error))
                 self._stop_all(signal.SIGTERM)
                 return error.exit_code
             return self._wait()
@@ -324,8 +265,9 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _start_pumps(self, child: _Child) -> None:
-        for pipe, sink in ((child.proc.stdout, self._out), (child.proc.stderr, self._err)):
-            thread = threading.Thread(target=self._pump, args=(pipe, sink, child), daemon=True)
+        for pipe, sink in ((child.proc.stdout, self.output.out), (child.proc.stderr, self.output.err)):
+            thread = threading.Thread(target=self.output.pump, args=(pipe, sink, child.spec.label, child.log),
+                                      daemon=True)
             thread.start()
             self._pumps.append(thread)
 
@@ -333,7 +275,7 @@ class Supervisor:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not child.spec.ready_file.exists():
             if child.proc.poll() is not None or time.monotonic() > deadline or self._signum is not None:
-                self.note(f"[{child.spec.label}] did not become ready "
+                self.output.note(f"[{child.spec.label}] did not become ready "
                           + (f"(exited with code {child.proc.returncode})" if child.proc.returncode is not None
                              else f"within {READY_TIMEOUT_S:g} s"))
                 return False
@@ -349,7 +291,7 @@ class Supervisor:
         while True:
             if self._signum is not None and exit_code is None:
                 exit_code = 128 + self._signum
-                self.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
+                self.output.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
                 self._signal_live(self._signum)
                 stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             for child in self._children:
@@ -362,7 +304,7 @@ class Supervisor:
                 if child.spec.service:
                     expected = rc == 0 and child.spec.ends_with_workers
                     if not (services_stopping or expected) and exit_code is None:  # not while the launcher stops the job
-                        self.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
+                        self.output.note(f"[{child.spec.label}] exited with code {rc}; the workers go on without it")
                     continue
                 if rc > 0 and not child.signalled:
                     self.self_failed[child.spec.label] = rc
@@ -374,7 +316,7 @@ class Supervisor:
                     self.failed_at = time.time()
                     how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
                     others = self._count_live()
-                    self.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))
+                    self.output.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))
                     self._signal_live(signal.SIGTERM)
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if self._count_live() == 0:
@@ -428,26 +370,6 @@ class Supervisor:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for child in self._children:
             if child.log is not None:
-                with self._lock, contextlib.suppress(OSError):  # a full disk: what it could not write is lost
+                with self.output.lock, contextlib.suppress(OSError):  # a full disk: what it could not write is lost
                     child.log.close()
         self._stop_guardian()
-
-
-def _binary(stream) -> BinaryIO | None:
-    if stream is None:
-        return None
-    buffer = getattr(stream, "buffer", None)
-    return buffer if buffer is not None else _TextSink(stream)
-
-
-class _TextSink:
-    """Adapter for a text-only stream (e.g. one replaced by a test harness)."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, data: bytes) -> None:
-        self._stream.write(data.decode(errors="replace"))
-
-    def flush(self) -> None:
-        self._stream.flush()
