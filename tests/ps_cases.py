@@ -32,9 +32,10 @@ def _expected(size: int, round_: int, dtype, numel: int) -> torch.Tensor:
 def sums(rounds: int, in_flight: int) -> dict:
     """``rounds`` rounds, back to back; each issues ``in_flight`` tensors of :data:`SPECS` (cycling)
     before waiting for them. Returns the wrong results (at most 5 described), the rounds per second
-    and whether every push and pull was timed."""
+    and whether every partition's push and pull was timed, once each, under its kind."""
     engine, size, rank = engines.current(), bps.size(), bps.rank()
-    wrong, examples, issued = 0, [], 0
+    wrong, examples, issued, partitions = 0, [], 0, 0
+    timing.ring().end_step()
     start = time.perf_counter()
     for round_ in range(rounds):
         pending = []
@@ -43,6 +44,7 @@ def sums(rounds: int, in_flight: int) -> dict:
             issued += 1
             tensor = _value(rank, round_, dtype, numel)
             pending.append((name, dtype, numel, tensor, engine.all_reduce_async(tensor, name)))
+            partitions += len(engine.plan.partitions(name, numel, tensor.element_size(), str(dtype)))
         for name, dtype, numel, tensor, handle in pending:
             handle.wait()
             if not torch.equal(tensor, _expected(size, round_, dtype, numel)):
@@ -51,10 +53,31 @@ def sums(rounds: int, in_flight: int) -> dict:
                     examples.append(f"round {round_} {name}: {tensor.view(-1)[:4].tolist()}")
     elapsed = time.perf_counter() - start
     engine.flush_timings()
-    names = set(timing.names())
-    used = SPECS[:min(in_flight * rounds, len(SPECS))]
-    timed = all(f"{kind}:{name}:0" in names for kind in ("push", "pull") for name, _, _ in used)
+    kinds = timing.ring().end_step()["kinds"]  # counts include events a full ring dropped
+    timed = [kinds[k]["count"] for k in timing.KINDS] == [0, partitions, partitions]
     return {"wrong": wrong, "examples": examples, "rounds_per_s": rounds / elapsed, "timed": timed}
+
+
+def pull_without_wait(rounds: int, delay_s: float) -> dict:
+    """Rank 0 sleeps ``delay_s`` before each round's push, so the others wait for it at the server.
+    Returns per round this worker's push and pull spans from the timing ring and the seconds its
+    ``wait`` took: the others' pulls must not contain the wait."""
+    engine, rank = engines.current(), bps.rank()
+    engine.all_reduce_async(torch.ones(1000), "wait").wait()  # connections are set up here
+    timing.ring().end_step()
+    pushes, pulls, waits = [], [], []
+    for _ in range(rounds):
+        engine.barrier()
+        timing.ring().end_step()  # the barrier's own push and pull are not this round's
+        if rank == 0:
+            time.sleep(delay_s)
+        begin = time.perf_counter()
+        engine.all_reduce_async(torch.ones(1000), "wait").wait()
+        waits.append(time.perf_counter() - begin)
+        comm = timing.step_comm()
+        pushes.append(comm.push_s)
+        pulls.append(comm.pull_s)
+    return {"push_s": pushes, "pull_s": pulls, "wait_s": waits}
 
 
 def averages(rounds: int) -> dict:

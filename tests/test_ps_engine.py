@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 from conftest import REPO, run_bpslaunch
-from multiworker import free_port, ps_env, run_workers, start_servers, worker_command, worker_env
+from multiworker import free_port, ok, ps_env, run_workers, start_servers, worker_command, worker_env
 
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
 from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
@@ -22,12 +22,6 @@ from dynamix_byteps.engine.ps_server import SummationServer
 from dynamix_byteps.errors import ConfigurationError
 
 PS_TIMEOUT_S = 10
-
-
-def _ok(results):
-    for result in results:
-        assert "ok" in result, result.get("traceback", result)
-    return [result["ok"] for result in results]
 
 
 def test_partitions_cover_the_tensor_and_balance_bytes_over_servers():
@@ -59,28 +53,46 @@ def test_rendezvous_and_partition_size_come_from_the_byteps_variables():
 
 def test_server_keeps_rounds_apart_and_answers_pulls_once_the_last_push_arrived():
     server = SummationServer(num_workers=2)
-    early = server.pull(7, 0)  # a pull before any push waits for the round
-    server.push(7, 0, torch.tensor([1.0, 2.0]))
-    server.push(7, 1, torch.tensor([10.0, 20.0]))  # the next round already starts
+    early = server.pull(7, 0, 0)  # a pull before any push waits for the round
+    server.push(7, 0, torch.tensor([1.0, 2.0]), 0)
+    server.push(7, 1, torch.tensor([10.0, 20.0]), 0)  # the next round already starts
     assert not early.done()
-    server.push(7, 0, torch.tensor([3.0, 4.0]))
-    assert early.wait().tolist() == [4.0, 6.0]
-    assert server.pull(7, 0).wait().tolist() == [4.0, 6.0]
-    server.push(7, 1, torch.tensor([30.0, 40.0]))
-    assert [server.pull(7, 1).wait().tolist() for _ in range(2)] == [[40.0, 60.0]] * 2
+    server.push(7, 0, torch.tensor([3.0, 4.0]), 1)
+    assert early.wait()[0].tolist() == [4.0, 6.0]
+    assert server.pull(7, 0, 1).wait()[0].tolist() == [4.0, 6.0]
+    server.push(7, 1, torch.tensor([30.0, 40.0]), 1)
+    assert [server.pull(7, 1, r).wait()[0].tolist() for r in range(2)] == [[40.0, 60.0]] * 2
     assert server.open_rounds == 0  # every round forgotten once both workers pulled it
-    server.push(8, 0, torch.tensor([1], dtype=torch.int64))
+    server.push(8, 0, torch.tensor([1], dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="different tensors"):
-        server.push(8, 0, torch.tensor([1.0]))
+        server.push(8, 0, torch.tensor([1.0]), 1)
     with pytest.raises(ValueError, match="different tensors"):
-        server.pull(8, 0).wait()
+        server.pull(8, 0, 0).wait()
 
 
+def test_a_pull_says_how_long_the_server_held_the_sum_after_that_workers_push():
+    server = SummationServer(num_workers=2)
+    early = server.pull(3, 0, 0)
+    server.push(3, 0, torch.tensor([1.0]), 0)
+    time.sleep(0.2)  # worker 1 is late: worker 0's sum is held back meanwhile
+    server.push(3, 0, torch.tensor([2.0]), 1)
+    total, held_ns = early.wait()
+    assert total.tolist() == [3.0] and 0.2e9 <= held_ns < 5e9
+    total, held_ns = server.pull(3, 0, 1).wait()  # the last pusher waited for nobody
+    assert total.tolist() == [3.0] and 0 <= held_ns < 0.1e9
+
+
+@pytest.mark.parametrize("single, five, limit", [
+    (1500, 150, 240),
+    # 10,000 rounds, the count BytePS 0.2.5's CPU server could not get through without partial sums
+    pytest.param(9000, 1000, 1500, marks=[pytest.mark.slow, pytest.mark.timeout(1500)]),
+])
 @pytest.mark.timeout(240)
-def test_back_to_back_rounds_give_exact_sums_and_averages():
+def test_back_to_back_rounds_give_exact_sums_and_averages(single, five, limit):
     """3 workers, 2 servers, float32/float64/float16/int64 tensors of 1-3 partitions, no gap between
-    rounds: one tensor per round, then five in flight per round, then averages through bps.push_pull."""
-    results = _ok(run_workers(3, "ps_cases:all_checks", 1500, 150, 20, servers=2, timeout=220,
+    rounds: ``single`` rounds of one tensor, then ``five`` rounds of five in flight, then averages
+    through bps.push_pull."""
+    results = ok(run_workers(3, "ps_cases:all_checks", single, five, 20, servers=2, timeout=limit - 20,
                               env={"BYTEPS_PARTITION_BYTES": "4096", "DYNAMIX_TIMEOUT": "60"}))
     for result in results:
         for check in ("one_in_flight", "five_in_flight"):
@@ -92,10 +104,23 @@ def test_back_to_back_rounds_give_exact_sums_and_averages():
 
 
 @pytest.mark.timeout(180)
+def test_a_workers_pull_time_leaves_out_the_wait_for_a_slower_worker():
+    """Rank 0 pushes 0.5 s late every round: the others wait that long for their sums, yet their
+    pull spans in the timing ring are the transfer only (without the server's hold they would be >= 0.5 s)."""
+    delay = 0.5
+    results = ok(run_workers(3, "ps_cases:pull_without_wait", 5, delay, servers=1, timeout=160))
+    for rank, result in enumerate(results):
+        assert all(p > 0 for p in result["push_s"]) and all(p >= 0 for p in result["pull_s"]), result
+        if rank > 0:
+            assert min(result["wait_s"]) > delay / 2, result  # they did wait for rank 0
+            assert max(result["pull_s"]) < delay / 4, result
+
+
+@pytest.mark.timeout(180)
 def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatches():
     """DistributedOptimizer steps equal a single process on the concatenated batch (float64);
     broadcasts make every rank equal to the root; mismatches raise on every rank."""
-    results = _ok(run_workers(3, "ps_cases:frontend", [8, 24, 40], 4, servers=2, timeout=160))
+    results = ok(run_workers(3, "ps_cases:frontend", [8, 24, 40], 4, servers=2, timeout=160))
     root = results[1]["broadcasts"]
     for rank, result in enumerate(results):
         assert result["training"]["grad_error"] < 1e-6
@@ -143,7 +168,7 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
             if p.poll() is None:
                 p.kill()
             p.wait()
-    results = _ok([json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)])
+    results = ok([json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)])
     for result in results:
         assert result["error"] == "CommunicationError", result
         assert result["after_s"] < PS_TIMEOUT_S + 2, result

@@ -7,10 +7,12 @@ issued, and **pulled** back once that server has the round's sum
 connections, so a worker behind a slow link delays the round's end by its own transfer, not every
 hop of a ring. Broadcast, exchange and barrier are sums too.
 
-Push and pull of every partition go to the timing ring separately, under the names
-``push:<tensor>:<partition>`` and ``pull:<tensor>:<partition>``: the push from its issue to the
-server's acknowledgement, the pull from then until the sum arrived (waiting for the other
-workers included). The ring has no field for the kind of a span, hence the names.
+Push and pull of every partition go to the timing ring separately, under the name
+``<tensor>:<partition>`` with the kinds ``timing.PUSH`` and ``timing.PULL``: the push from its
+issue to the server's acknowledgement; the pull, the sum's transfer alone: the server answers
+with how long it held the sum back after this worker's push arrived (waiting for the other
+workers' pushes), and that hold is left out. So a worker's push and pull times are its own
+link's cost, which the step monitor reports and the ``proportional`` policy balances.
 
 The engine also creates torch.distributed's default gloo process group over the workers only (as
 the gloo engine does), so that code written for it (``DistributedSampler``, ``dist.get_world_size()``)
@@ -43,11 +45,12 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class _Transfer:
     """The push and pull of one partition; records both spans once both have finished."""
 
-    __slots__ = ("part", "flat", "start_ns", "pushed_ns", "pulled_ns", "lock")
+    __slots__ = ("part", "flat", "start_ns", "pushed_ns", "pulled_ns", "hold_ns", "lock")
 
     def __init__(self, part: Partition, flat: torch.Tensor, start_ns: int):
         self.part, self.flat, self.start_ns = part, flat, start_ns
         self.pushed_ns = self.pulled_ns = None
+        self.hold_ns = 0
         self.lock = threading.Lock()
 
     def on_push(self, future) -> None:
@@ -55,19 +58,24 @@ class _Transfer:
         self._finish(pushed_ns=timing.now_ns())
 
     def on_pull(self, future) -> None:
-        self.flat[self.part.start:self.part.stop].copy_(future.value())
-        self._finish(pulled_ns=timing.now_ns())
+        total, hold_ns = future.value()
+        self.flat[self.part.start:self.part.stop].copy_(total)
+        self._finish(pulled_ns=timing.now_ns(), hold_ns=hold_ns)
 
-    def _finish(self, pushed_ns=None, pulled_ns=None) -> None:
+    def _finish(self, pushed_ns=None, pulled_ns=None, hold_ns=0) -> None:
         with self.lock:
             self.pushed_ns = pushed_ns or self.pushed_ns
             self.pulled_ns = pulled_ns or self.pulled_ns
+            self.hold_ns = hold_ns or self.hold_ns
             if self.pushed_ns is None or self.pulled_ns is None:
                 return
         # The last pusher's sum can overtake its own acknowledgement: its push ended with the sum.
         pushed = min(self.pushed_ns, self.pulled_ns)
-        timing.record(self.part.push_label, self.part.nbytes, self.start_ns, pushed)
-        timing.record(self.part.pull_label, self.part.nbytes, pushed, self.pulled_ns)
+        # The acknowledgement left the server when the push arrived, the sum hold_ns later (server
+        # clock, a duration): what remains of the pull is the sum's own transfer.
+        sent = min(pushed + max(self.hold_ns, 0), self.pulled_ns)
+        timing.record(self.part.label, self.part.nbytes, self.start_ns, pushed, timing.PUSH)
+        timing.record(self.part.label, self.part.nbytes, sent, self.pulled_ns, timing.PULL)
 
 
 class _PSHandle(Handle):
@@ -152,8 +160,9 @@ class ParameterServerEngine(Engine):
                 transfer = _Transfer(part, flat, timing.now_ns())
                 server = server_name(part.server)
                 timeout = self.group.timeout_s
-                pushed = rpc.rpc_async(server, ps_server.push, args=(part.key, round_, payload), timeout=timeout)
-                pulled = rpc.rpc_async(server, ps_server.pull, args=(part.key, round_), timeout=timeout)
+                pushed = rpc.rpc_async(server, ps_server.push, args=(part.key, round_, payload, self.rank),
+                                       timeout=timeout)
+                pulled = rpc.rpc_async(server, ps_server.pull, args=(part.key, round_, self.rank), timeout=timeout)
                 futures.append(pushed.then(transfer.on_push))
                 futures.append(pulled.then(transfer.on_pull))
         except RuntimeError as exc:

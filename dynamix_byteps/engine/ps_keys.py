@@ -35,7 +35,8 @@ class Partition:
         server: index of the server that owns the key, ``0 <= server < num_servers``.
         start, stop: element offsets in the flattened tensor.
         nbytes: ``(stop - start) * element_size``.
-        push_label, pull_label: the names its push and pull are timed under in the timing ring.
+        label: ``<tensor>:<index>``, the name its push and its pull are timed under in the timing
+            ring (told apart by the events' kind, ``timing.PUSH`` / ``timing.PULL``).
     """
 
     key: int
@@ -43,8 +44,7 @@ class Partition:
     start: int
     stop: int
     nbytes: int
-    push_label: str
-    pull_label: str
+    label: str
 
 
 class KeyPlan:
@@ -87,7 +87,6 @@ class KeyPlan:
             nbytes = (stop - start) * element_size
             server = min(range(self.num_servers), key=lambda s: (self.server_bytes[s], s))
             self.server_bytes[server] += nbytes
-            parts.append(Partition(self._next_key, server, start, stop, nbytes,
-                                   f"push:{name}:{index}", f"pull:{name}:{index}"))
+            parts.append(Partition(self._next_key, server, start, stop, nbytes, f"{name}:{index}"))
             self._next_key += 1
         return tuple(parts)

@@ -7,13 +7,18 @@ added. Rounds are told apart by their number, so back-to-back rounds of one key 
 0.2.5's CPU server returned partial sums exactly there). A round is forgotten once every worker
 has pulled it.
 
+Each pull is answered with the sum and the nanoseconds, on the server's clock, from that worker's
+push arriving to the sum leaving for it: the time the worker waited for the others (and for its
+own pull request), which the worker subtracts from its pull to time the transfer alone.
+
 Run one per server (``bpslaunch --engine ps --num-servers K`` starts them)::
 
     python -m dynamix_byteps.engine.ps_server --server-id 0 --num-servers 2 --num-workers 4 \\
         --addr 127.0.0.1 --port 29501
 
 Each option defaults to its variable (``DYNAMIX_SERVER_ID``, ``DMLC_NUM_SERVER``, ``DYNAMIX_SIZE``
-or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``). The
+or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``);
+``DYNAMIX_PS_CHANNELS`` restricts TensorPipe's channels (:mod:`~dynamix_byteps.engine.ps_rendezvous`). The
 server returns once every worker has shut its engine down, exits (status 1) when a worker reports
 that the job failed, and exits by itself when its parent process (the launcher) is gone, so it
 never outlives the job.
@@ -31,7 +36,7 @@ import warnings
 import torch
 from torch.distributed import rpc
 
-from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, server_name
+from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, channels_from_env, server_name
 from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
@@ -41,16 +46,22 @@ PARENT_POLL_S = 1.0
 class _Round:
     """The pushes and pulls of one key in one round."""
 
-    __slots__ = ("lock", "total", "pushes", "pulls", "waiting", "complete", "error")
+    __slots__ = ("lock", "total", "pushes", "pulls", "waiting", "arrived_ns", "complete", "error")
 
     def __init__(self):
         self.lock = threading.Lock()
         self.total = None  # the running sum, the first push's tensor (received for us, so ours to add into)
         self.pushes = 0
         self.pulls = 0
-        self.waiting: list = []  # futures of pulls that came before the last push
+        self.waiting: list = []  # (future, worker) of pulls that came before the last push
+        self.arrived_ns: dict[int, int] = {}  # worker -> monotonic ns its push arrived
         self.complete = False
         self.error: str | None = None
+
+    def answer(self, future: torch.futures.Future, worker: int) -> None:
+        """Send the sum and the hold: ns since ``worker``'s push arrived (0 if it never did)."""
+        now = time.monotonic_ns()
+        future.set_result((self.total, now - self.arrived_ns.get(worker, now)))
 
 
 class SummationServer:
@@ -80,15 +91,17 @@ class SummationServer:
         with self._lock:
             self._rounds.pop((key, round_), None)
 
-    def push(self, key: int, round_: int, tensor: torch.Tensor) -> None:
-        """Add ``tensor`` (1-D, any dtype) to round ``round_`` of ``key``.
+    def push(self, key: int, round_: int, tensor: torch.Tensor, worker: int) -> None:
+        """Add ``tensor`` (1-D, any dtype) to round ``round_`` of ``key``, pushed by worker rank ``worker``.
 
         Raises:
             ValueError: its shape or dtype differs from the round's other pushes (every pull of the
                 round fails with the same message).
         """
         state = self._round(key, round_)
+        arrived = time.monotonic_ns()
         with state.lock:
+            state.arrived_ns[worker] = arrived
             if state.error is None and state.total is not None and (
                     state.total.shape != tensor.shape or state.total.dtype != tensor.dtype):
                 state.error = (f"key {key} round {round_}: workers pushed different tensors "
@@ -108,16 +121,18 @@ class SummationServer:
                 state.complete = True
                 finished = state.pulls == self.num_workers
         if failed is not None:
-            for future in failed:
+            for future, _ in failed:
                 future.set_exception(ValueError(state.error))
             raise ValueError(state.error)
         if finished:
             self._forget(key, round_)
-        for future in ready:
-            future.set_result(state.total)
+        for future, puller in ready:
+            state.answer(future, puller)
 
-    def pull(self, key: int, round_: int) -> torch.futures.Future:
-        """A future of the sum of round ``round_`` of ``key``, set once every worker has pushed it."""
+    def pull(self, key: int, round_: int, worker: int) -> torch.futures.Future:
+        """A future of ``(sum, hold_ns)`` for round ``round_`` of ``key``, set once every worker has
+        pushed it: the sum (1-D, the pushes' dtype) and the ns from ``worker``'s push arriving to
+        the answer leaving (int, server clock; the module docstring says why)."""
         future = torch.futures.Future()
         state = self._round(key, round_)
         with state.lock:
@@ -126,12 +141,12 @@ class SummationServer:
                 future.set_exception(ValueError(state.error))
                 return future
             if not state.complete:
-                state.waiting.append(future)
+                state.waiting.append((future, worker))
                 return future
             finished = state.pulls == self.num_workers
         if finished:
             self._forget(key, round_)
-        future.set_result(state.total)
+        state.answer(future, worker)
         return future
 
 
@@ -140,15 +155,15 @@ class SummationServer:
 _serving: SummationServer | None = None
 
 
-def push(key: int, round_: int, tensor: torch.Tensor) -> None:
+def push(key: int, round_: int, tensor: torch.Tensor, worker: int) -> None:
     """RPC entry: :meth:`SummationServer.push` on this process's server."""
-    _serving.push(key, round_, tensor)
+    _serving.push(key, round_, tensor, worker)
 
 
 @rpc.functions.async_execution
-def pull(key: int, round_: int) -> torch.futures.Future:
+def pull(key: int, round_: int, worker: int) -> torch.futures.Future:
     """RPC entry: :meth:`SummationServer.pull` on this process's server."""
-    return _serving.pull(key, round_)
+    return _serving.pull(key, round_, worker)
 
 
 def abort(reason: str) -> None:
@@ -215,7 +230,7 @@ def _main(argv: list[str] | None) -> int:
         if getattr(args, option) is None:
             parser.error(f"--{option.replace('_', '-')} is required (or its environment variable)")
     torch.set_num_threads(1)
-    group = PSRendezvous(args.num_servers, args.num_workers, args.addr, args.port, args.timeout)
+    group = PSRendezvous(args.num_servers, args.num_workers, args.addr, args.port, args.timeout, channels_from_env())
     try:
         serve(args.server_id, group)
     except (RuntimeError, ValueError) as error:
