@@ -313,3 +313,102 @@ def test_a_library_name_given_as_an_option_is_looked_up_in_the_library(name):
     args = build_parser().parse_args(["scheduler", "--policy", "ppo", "--policy-option", f"name={name}"])
     with pytest.raises(UsageError, match="in the policy library"):  # was: make_policy() got multiple values for 'name'
         build_policy(args.policy, dict(args.policy_option), max_change=2.0, hysteresis=0.05)
+
+
+# -- proportional under the ps engine: compute plus each worker's own communication -----------------
+
+def ps_state(thetas, sizes, comm, *, engine="ps", **kw):
+    """A state whose workers report ``comm[i] = (push_s, pull_s)``."""
+    base = make_state(thetas, sizes, **kw)
+    workers = tuple(WorkerState(**{**w.__dict__, "push_s": c[0], "pull_s": c[1]}) for w, c in zip(base.workers, comm))
+    return ClusterState(step=base.step, workers=workers, initial_batch_sizes=base.initial_batch_sizes, engine=engine)
+
+
+def test_bounded_split_with_offsets_equalises_weighted_time_plus_offset():
+    # 1000(T - 0.05) + 2·1000·T = 300 → T = 0.11667: 66.7, 116.7, 116.7
+    assert bounded_split(300, [1000.0] * 3, [8] * 3, [1024] * 3, [0.05, 0.0, 0.0]) == [67, 117, 116]
+    # an offset beyond what the total can cover puts that worker on its lower bound
+    assert bounded_split(96, [1600.0] * 3, [8] * 3, [1024] * 3, [1.36, 0.02, 0.02]) == [8, 44, 44]
+    # equal offsets change nothing: b ∝ w
+    assert bounded_split(96, [1600.0, 800.0, 800.0], [1] * 3, [1024] * 3, [0.3] * 3) == [48, 24, 24]
+    with pytest.raises(ValueError, match="offsets must be finite"):
+        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0, math.nan])
+    with pytest.raises(ValueError, match="same length"):
+        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0])
+
+
+@given(st.lists(st.tuples(st.floats(10.0, 5000.0), st.floats(0.0, 0.5)), min_size=1, max_size=8),
+       st.integers(1, 4000))
+@settings(max_examples=200, deadline=None)
+def test_bounded_split_with_offsets_sums_to_total_within_bounds(workers, total):
+    weights, offsets = [w for w, _ in workers], [o for _, o in workers]
+    n = len(workers)
+    out = bounded_split(total, weights, [1] * n, [1000] * n, offsets)
+    assert all(1 <= b <= 1000 for b in out)
+    assert sum(out) == min(max(total, n), 1000 * n)
+    # the continuous optimum's finishing times are equal for every worker off its bounds: one batch
+    # unit of rounding apart at most
+    free = [i for i, b in enumerate(out) if 1 < b < 1000]
+    times = [out[i] / weights[i] + offsets[i] for i in free]
+    slack = max((1.0 / weights[i] for i in free), default=0.0)
+    assert not times or max(times) - min(times) <= 2 * slack + 1e-9
+
+
+def test_proportional_under_ps_gives_the_slow_link_worker_a_smaller_batch():
+    # equal compute speed; rank 2 needs 0.1 s per step to push and pull over its link:
+    # 320(T - 0.1) + 2·320(T - 0.01) = 96 → T = 0.14, b = 12.8, 41.6, 41.6
+    state = ps_state([320.0] * 3, [32] * 3, [(0.005, 0.005), (0.005, 0.005), (0.05, 0.05)])
+    d = ProportionalPolicy().decide(state)
+    assert sum(d.batch_sizes) == 96 and d.batch_sizes[2] == 13 and sorted(d.batch_sizes[:2]) == [41, 42]
+    finish = [b / 320.0 + m for b, m in zip(d.batch_sizes, [0.01, 0.01, 0.1])]
+    assert max(finish) - min(finish) <= 1 / 320.0 + 1e-9  # compute + own comm equalised
+    assert d.terms["own_comm_s"] == pytest.approx([0.01, 0.01, 0.1])
+    assert d.predicted_gain > 0.05 and "(ps)" in d.reason
+    # the step-time model: the round ends when the last worker's push arrives
+    assert d.terms["step_time_now_s"] == pytest.approx(32 / 320.0 + 0.1)
+    # a link slow enough puts its worker on its lower bound, the others share the rest
+    far = ProportionalPolicy().decide(ps_state([320.0] * 3, [32] * 3, [(0.005, 0.005)] * 2 + [(0.125, 0.125)]))
+    assert far.batch_sizes[2] == 1 and sorted(far.batch_sizes[:2]) == [47, 48]
+
+
+@pytest.mark.parametrize("engine, comm", [
+    ("gloo", [(0.005, 0.005), (0.005, 0.005), (0.125, 0.125)]),  # a ring: communication is common
+    ("ps", [(0.05, 0.02)] * 3),  # equal own communication
+    ("ps", [(0.005, 0.005), (0.005, None), (0.125, 0.125)]),  # one worker did not report its pull
+])
+def test_proportional_stays_throughput_proportional_without_per_worker_differences(engine, comm):
+    thetas, sizes = [1600.0, 800.0, 800.0], [32, 32, 32]
+    plain = ProportionalPolicy().decide(make_state(thetas, sizes))
+    d = ProportionalPolicy().decide(ps_state(thetas, sizes, comm, engine=engine))
+    assert d.batch_sizes == plain.batch_sizes == (48, 24, 24)
+    assert d.terms["own_comm_s"] is None or engine == "ps"
+
+
+def test_the_cluster_carries_each_workers_push_and_pull_to_the_policy():
+    from dynamix_byteps.control import dynamix_pb2
+    from dynamix_byteps.control.cluster import Cluster, Rejected, cluster_state
+
+    def run(engines, comm):
+        cluster = Cluster(num_workers=3, decision_interval=10, policy_name="proportional")
+        with cluster.lock:
+            for rank, engine in enumerate(engines):
+                cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=3, host="h", engine=engine,
+                                                               batch_size=32, min_batch=1))
+            snap = None
+            for rank, (push, pull) in enumerate(comm):
+                report = dynamix_pb2.Report(rank=rank, step=10, local_batch_size=32, compute_s=0.1, push_pull_s=0.3,
+                                            samples_per_s=320.0)
+                if push is not None:
+                    report.push_s, report.pull_s = push, pull
+                _, snap = cluster.report_locked(report)
+        return cluster_state(snap)
+
+    state = run(["ps"] * 3, [(0.005, 0.004), (0.006, 0.005), (0.125, 0.12)])
+    assert state.engine == "ps"
+    assert [(w.push_s, w.pull_s) for w in state.workers] == [(0.005, 0.004), (0.006, 0.005), (0.125, 0.12)]
+    assert ProportionalPolicy().decide(state).batch_sizes[2] < 32
+    ring = run(["gloo"] * 3, [(None, None)] * 3)
+    assert ring.engine == "gloo" and all(w.push_s is None and w.pull_s is None for w in ring.workers)
+    assert run(["ps", "gloo", "ps"], [(None, None)] * 3).engine == ""  # mixed: no engine to go by
+    with pytest.raises(Rejected, match="push_s"):
+        run(["ps"] * 3, [(-1.0, 0.0)] * 3)

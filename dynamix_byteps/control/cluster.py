@@ -141,6 +141,8 @@ class ReportRecord:
     grad_sq: float | None
     trace_cov: float | None
     node: dict
+    push_s: float | None = None  # ps engine only: the worker's own push and pull seconds per step
+    pull_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,8 @@ def validate_report(report, worker: WorkerRecord) -> ReportRecord:
         grad_sq=_optional_stat(report.grad_sq),
         trace_cov=_optional_stat(report.trace_cov),
         node=node,
+        push_s=_check_amount(report.push_s, "push_s", MAX_SECONDS) if report.HasField("push_s") else None,
+        pull_s=_check_amount(report.pull_s, "pull_s", MAX_SECONDS) if report.HasField("pull_s") else None,
     )
 
 
@@ -245,6 +249,9 @@ class _Interval:
     samples_per_s: float = 0.0
     loss: float = 0.0
     loss_count: int = 0
+    push_s: float = 0.0
+    pull_s: float = 0.0
+    comm_count: int = 0  # reports that carried push_s and pull_s
     last: ReportRecord | None = None
 
     def add(self, r: ReportRecord) -> None:
@@ -252,6 +259,10 @@ class _Interval:
         self.compute_s += r.compute_s
         self.push_pull_s += r.push_pull_s
         self.samples_per_s += r.samples_per_s
+        if r.push_s is not None and r.pull_s is not None:
+            self.push_s += r.push_s
+            self.pull_s += r.pull_s
+            self.comm_count += 1
         if r.loss is not None:
             self.loss += r.loss  # NaN/inf propagate: the interval diverged
             self.loss_count += 1
@@ -502,7 +513,9 @@ class Cluster:
 
 
 def cluster_state(snap: Snapshot) -> ClusterState:
-    """The policy's view of ``snap``: per-worker interval averages, bounds, history, noise stats."""
+    """The policy's view of ``snap``: per-worker interval averages (push and pull time where the
+    workers reported them), bounds, history, noise stats, and the engine when every worker runs
+    the same one."""
     workers = []
     grad_sq, trace_cov = [], []
     for w, iv in zip(snap.workers, snap.intervals):
@@ -519,6 +532,8 @@ def cluster_state(snap: Snapshot) -> ClusterState:
                 max_batch=w.max_batch,
                 node={**last.node, **snap.node_metrics.get(w.rank, {})},
                 batch_size_ran=last.batch_size,
+                push_s=iv.push_s / iv.comm_count if iv.comm_count else None,
+                pull_s=iv.pull_s / iv.comm_count if iv.comm_count else None,
             )
         )
         if last.grad_sq is not None:
@@ -533,4 +548,5 @@ def cluster_state(snap: Snapshot) -> ClusterState:
         grad_sq=sum(grad_sq) / len(grad_sq) if grad_sq else None,
         trace_cov=sum(trace_cov) / len(trace_cov) if trace_cov else None,
         dataset_size=snap.dataset_size,
+        engine=engines.pop() if len(engines := {w.engine for w in snap.workers}) == 1 else "",
     )

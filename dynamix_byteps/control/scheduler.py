@@ -615,6 +615,8 @@ class SchedulerServer:
             "batch_size_ran": [w.batch_size_ran for w in ws],
             "compute_s": [w.compute_s for w in ws],
             "push_pull_s": [w.push_pull_s for w in ws],
+            "push_s": [w.push_s for w in ws],
+            "pull_s": [w.pull_s for w in ws],
             "samples_per_s": [w.samples_per_s for w in ws],
             "min_batch": [w.min_batch for w in ws],
             "max_batch": [w.max_batch for w in ws],
@@ -651,6 +653,7 @@ class SchedulerServer:
                 "trace_cov": _num(state.trace_cov),
                 "noise_scale": _num(state.noise_scale),
                 "dataset_size": state.dataset_size,
+                "engine": state.engine,
             },
             reward={
                 "throughput_samples_per_s": state.global_batch / step_time if step_time > 0 else None,

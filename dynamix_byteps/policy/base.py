@@ -33,6 +33,9 @@ class WorkerState:
         min_batch, max_batch: inclusive bounds for this worker (``max_batch`` None = unbounded).
         node: node-agent metrics (e.g. ``cpu_util`` 0–1, ``rtt_s``, ``retransmits``,
             ``tx_bytes_per_s``, ``gpu_util``); absent keys mean unavailable.
+        push_s, pull_s: ``ps`` engine only, seconds per step of this worker's own pushes and pulls
+            over its own link (the pull without the wait for the other workers); None with a ring
+            engine, whose every rank moves the same bytes, or when not reported.
     """
 
     rank: int
@@ -44,6 +47,8 @@ class WorkerState:
     max_batch: int | None = None
     node: dict = field(default_factory=dict)
     batch_size_ran: int | None = None
+    push_s: float | None = None
+    pull_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ class ClusterState:
         grad_sq: smoothed |G|² of the gradient noise estimator, None when unknown.
         trace_cov: smoothed tr(Σ) (per-sample gradient covariance trace), None when unknown.
         dataset_size: samples per epoch, None when unknown.
+        engine: the workers' communication engine (``gloo``, ``nccl``, ``ps``, ``byteps``; empty
+            when unknown or mixed). Under ``ps`` each worker's communication is its own
+            (``WorkerState.push_s``/``pull_s``), under a ring it is the same for every worker.
     """
 
     step: int
@@ -68,6 +76,7 @@ class ClusterState:
     grad_sq: float | None = None
     trace_cov: float | None = None
     dataset_size: int | None = None
+    engine: str = ""
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:

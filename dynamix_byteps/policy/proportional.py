@@ -18,6 +18,20 @@ Step-time model used here (and by :mod:`.goodput` and :mod:`.guardrails`)::
 barrier for the straggler, so only the last worker to arrive (the straggler, smallest wait)
 measures the network alone. ``comm="mean"`` uses the mean instead, which double counts the wait
 the policy is trying to remove (pessimistic predicted gains).
+
+**Parameter servers** (``state.engine == "ps"``, every worker reporting ``push_s`` and
+``pull_s``): each worker moves its own gradient over its own link, and the round ends when the
+last push arrives, so a worker's share of the step is its compute plus its own communication
+``m_i = push_s_i + pull_s_i``::
+
+    T(b) = max_i (c_i(b_i) + m_i)
+
+and the policy equalises ``b_i/θ_i + m_i`` instead of ``b_i/θ_i``: ``b_i = θ_i·(T − m_i)``
+(clamped to the bounds) with ``T`` such that ``Σ b_i`` is the global batch (LB-BSP's equal
+finishing time with the communication of each worker added, Chen et al. 2020, §4). A worker
+behind a slow link gets a smaller batch, so its transfer starts earlier. Under a ring every
+rank moves the same bytes at the slowest link's pace, so communication is a common term and
+the split stays ``b_i ∝ θ_i``; equal ``m_i`` under ``ps`` give that split too.
 """
 
 from __future__ import annotations
@@ -25,12 +39,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState, float_or_nan
 
 __all__ = [
     "ProportionalPolicy",
     "bounded_split",
     "comm_time",
+    "own_comm_times",
     "step_time",
     "throughput",
     "proportional_sizes",
@@ -56,20 +71,24 @@ def bounded_split(
     weights: Sequence[float],
     lower: Sequence[int],
     upper: Sequence[float],
+    offsets: Sequence[float] | None = None,
 ) -> list[int]:
-    """Split ``total`` samples into integers ``b_i ∝ weights_i`` within ``[lower_i, upper_i]``.
+    """Split ``total`` samples into integers ``b_i ∝ weights_i`` within ``[lower_i, upper_i]``,
+    or, with ``offsets``, ``b_i = weights_i·(λ − offsets_i)``: equal ``b_i/w_i + offsets_i``.
 
-    The continuous solution is ``x_i = clamp(λ·w_i, lo_i, hi_i)`` with ``λ`` chosen so that
-    ``Σx_i = total`` ("water filling": what clamping removes from one worker is spread over the
-    unclamped ones in proportion to their weights); ``λ`` is found exactly on the piecewise-linear
-    ``Σ clamp(λ·w_i)``. Integers come from largest-remainder rounding, which keeps each
-    ``b_i`` within its bounds and the sum exactly ``total``.
+    The continuous solution is ``x_i = clamp(w_i·(λ − o_i), lo_i, hi_i)`` (``o_i = 0`` without
+    offsets) with ``λ`` chosen so that ``Σx_i = total`` ("water filling": what clamping removes
+    from one worker is spread over the unclamped ones in proportion to their weights); ``λ`` is
+    found exactly on the piecewise-linear ``Σ clamp(w_i·(λ − o_i))``. Integers come from
+    largest-remainder rounding, which keeps each ``b_i`` within its bounds and the sum exactly ``total``.
 
     Args:
         total: samples to split.
         weights: positive finite weights, one per worker.
         lower: integer lower bounds (>= 0).
         upper: upper bounds (``math.inf`` = unbounded), ``upper_i >= lower_i``.
+        offsets: finite numbers, one per worker (e.g. seconds of communication when the weights
+            are throughputs in samples/s); None: all 0.
 
     Returns:
         One int per worker. When ``total < Σlower`` every worker gets its lower bound, when
@@ -77,11 +96,14 @@ def bounded_split(
         exactly ``total``.
 
     Raises:
-        ValueError: on mismatched lengths or a non-positive / non-finite weight.
+        ValueError: on mismatched lengths, a non-positive / non-finite weight or a non-finite offset.
     """
     n = len(weights)
-    if not (len(lower) == len(upper) == n):
-        raise ValueError("weights, lower and upper must have the same length")
+    off = [0.0] * n if offsets is None else [float(x) for x in offsets]
+    if not (len(lower) == len(upper) == len(off) == n):
+        raise ValueError("weights, lower, upper and offsets must have the same length")
+    if not all(math.isfinite(x) for x in off):
+        raise ValueError(f"offsets must be finite, got {offsets!r}")
     if n == 0:
         return []
     w = [float(x) for x in weights]
@@ -96,9 +118,10 @@ def bounded_split(
         return [int(x) for x in hi]
 
     def f(lam: float) -> float:
-        return sum(min(max(lam * wi, li), hi_i) for wi, li, hi_i in zip(w, lo, hi))
+        return sum(min(max(wi * (lam - oi), li), hi_i) for wi, oi, li, hi_i in zip(w, off, lo, hi))
 
-    breaks = sorted({li / wi for li, wi in zip(lo, w)} | {h / wi for h, wi in zip(hi, w) if math.isfinite(h)})
+    breaks = sorted({oi + li / wi for li, wi, oi in zip(lo, w, off)}
+                    | {oi + h / wi for h, wi, oi in zip(hi, w, off) if math.isfinite(h)})
     # f is non-decreasing; f(breaks[0]) == Σlo < total. Find the segment holding the solution.
     k_lo, k_hi = 1, len(breaks)  # smallest k >= 1 with f(breaks[k]) >= total, else len(breaks)
     while k_lo < k_hi:
@@ -112,15 +135,17 @@ def bounded_split(
     lam_hi = breaks[k] if k < len(breaks) else math.inf
     fixed = 0.0
     free_w = 0.0
-    for wi, li, hi_i in zip(w, lo, hi):
-        if li / wi >= lam_hi:
+    free_wo = 0.0
+    for wi, oi, li, hi_i in zip(w, off, lo, hi):
+        if oi + li / wi >= lam_hi:
             fixed += li
-        elif hi_i / wi <= lam_lo:
+        elif oi + hi_i / wi <= lam_lo:
             fixed += hi_i
         else:
             free_w += wi
-    lam = (total - fixed) / free_w if free_w > 0 else lam_lo
-    x = [min(max(lam * wi, li), hi_i) for wi, li, hi_i in zip(w, lo, hi)]
+            free_wo += wi * oi
+    lam = (total - fixed + free_wo) / free_w if free_w > 0 else lam_lo
+    x = [min(max(wi * (lam - oi), li), hi_i) for wi, oi, li, hi_i in zip(w, off, lo, hi)]
 
     out = []
     for xi, li, hi_i in zip(x, lo, hi):
@@ -160,6 +185,21 @@ def comm_time(state: ClusterState, mode: str = "min") -> float:
     return min(values)
 
 
+def own_comm_times(state: ClusterState) -> list[float] | None:
+    """Each worker's own communication ``push_s + pull_s`` (seconds per step) when the state is of
+    a ``ps`` job and every worker reported both as finite numbers >= 0; None otherwise (a ring
+    engine, whose communication is common to all workers, or a measurement missing)."""
+    if state.engine != "ps" or not state.workers:
+        return None
+    out = []
+    for w in state.workers:
+        parts = [float_or_nan(w.push_s), float_or_nan(w.pull_s)]
+        if not all(math.isfinite(x) and x >= 0 for x in parts):
+            return None
+        out.append(sum(parts))
+    return out
+
+
 def _compute_time(worker: WorkerState, size: int) -> float:
     theta = throughput(worker)
     if theta is not None:
@@ -170,19 +210,24 @@ def _compute_time(worker: WorkerState, size: int) -> float:
     return 0.0
 
 
-def step_time(state: ClusterState, sizes: Sequence[int], comm_s: float) -> float:
-    """Predicted seconds per synchronous step: ``max_i c_i(b_i) + comm_s`` (module docstring)."""
+def step_time(state: ClusterState, sizes: Sequence[int], comm_s: float, own_comm: Sequence[float] | None = None) -> float:
+    """Predicted seconds per synchronous step (module docstring): ``max_i c_i(b_i) + comm_s``, or
+    with each worker's own communication ``own_comm`` (``ps``), ``max_i (c_i(b_i) + own_comm_i)``."""
+    if own_comm is not None:
+        return max((_compute_time(w, b) + m for w, b, m in zip(state.workers, sizes, own_comm)), default=0.0)
     compute = max((_compute_time(w, b) for w, b in zip(state.workers, sizes)), default=0.0)
     return compute + comm_s
 
 
 def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list[int]]:
-    """Split ``total`` over the workers ∝ θ_i within bounds.
+    """Split ``total`` over the workers ∝ θ_i within bounds, or, in a ``ps`` job whose workers
+    reported their own communication (:func:`own_comm_times`), so that ``b_i/θ_i + m_i`` is equal.
 
     Workers without a valid θ keep their current size (clamped to their bounds); the rest of
     ``total`` goes to the others. Returns ``(sizes, ranks_kept)``; when no worker has a valid θ
     every worker keeps its (clamped) size.
     """
+    own = own_comm_times(state)
     thetas = [throughput(w) for w in state.workers]
     lows, highs = state.bounds
     sizes = [int(min(max(w.batch_size, lo), hi)) for w, lo, hi in zip(state.workers, lows.tolist(), highs.tolist())]
@@ -195,6 +240,7 @@ def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list
             [thetas[i] for i in idx],
             lows[idx].tolist(),
             highs[idx].tolist(),
+            None if own is None else [own[i] for i in idx],
         )
         for i, b in zip(idx, split):
             sizes[i] = b
@@ -202,7 +248,8 @@ def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list
 
 
 class ProportionalPolicy(Policy):
-    """Keep the global batch B, give each worker ``b_i ∝ θ_i`` so compute times equalise (LB-BSP).
+    """Keep the global batch B, give each worker ``b_i ∝ θ_i`` so compute times equalise (LB-BSP);
+    under ``ps``, so that compute plus each worker's own communication equalises (module docstring).
 
     Args:
         comm: how to estimate the pure push_pull time, ``"min"`` (default) or ``"mean"`` of the
@@ -226,9 +273,9 @@ class ProportionalPolicy(Policy):
 
     def predict_gain(self, state: ClusterState, batch_sizes: Sequence[int]) -> float:
         """Relative step-time reduction of ``batch_sizes`` over the current sizes (0 if unknown)."""
-        comm = comm_time(state, self.comm)
-        t_now = step_time(state, state.batch_sizes, comm)
-        t_new = step_time(state, batch_sizes, comm)
+        comm, own = comm_time(state, self.comm), own_comm_times(state)
+        t_now = step_time(state, state.batch_sizes, comm, own)
+        t_new = step_time(state, batch_sizes, comm, own)
         if not (math.isfinite(t_now) and t_now > 0 and math.isfinite(t_new)):
             return 0.0
         return (t_now - t_new) / t_now
@@ -238,21 +285,23 @@ class ProportionalPolicy(Policy):
             return Decision((), "proportional: no workers")
         total = state.global_batch
         sizes, kept = proportional_sizes(state, total)
-        comm = comm_time(state, self.comm)
-        t_now = step_time(state, state.batch_sizes, comm)
-        t_new = step_time(state, sizes, comm)
+        comm, own = comm_time(state, self.comm), own_comm_times(state)
+        t_now = step_time(state, state.batch_sizes, comm, own)
+        t_new = step_time(state, sizes, comm, own)
         gain = self.predict_gain(state, sizes)
         terms = {
             "global_batch": total,
             "samples_per_s": [throughput(w) for w in state.workers],
             "comm_s": comm,
+            "own_comm_s": own,
             "step_time_now_s": t_now,
             "step_time_predicted_s": t_new,
             "ranks_without_throughput": kept,
         }
         if len(kept) == len(state.workers):
             return Decision(tuple(sizes), "proportional: no valid throughput measurement; keeping sizes", 0.0, terms)
-        reason = f"proportional: b_i ∝ θ_i at global batch {sum(sizes)} (step {t_now:.4g}s → {t_new:.4g}s)"
+        rule = "b_i/θ_i + own push+pull equal (ps)" if own is not None else "b_i ∝ θ_i"
+        reason = f"proportional: {rule} at global batch {sum(sizes)} (step {t_now:.4g}s → {t_new:.4g}s)"
         if kept:
             reason += f"; ranks {kept} keep their size (no throughput)"
         if sum(sizes) != total:
