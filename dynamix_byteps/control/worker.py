@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynamix_byteps import batching, progress, summaries
+from dynamix_byteps import batching, progress, summaries, timing
 from dynamix_byteps.assignment import InvalidAssignmentError
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.negotiation import negotiate, round_lock
@@ -72,18 +72,23 @@ class StepStatistics:
             without push_pull and without :func:`untimed` sections.
         push_pull_s: seconds in gradient aggregation.
         samples: local samples trained on.
+        push_s, pull_s: seconds of this worker's own pushes and pulls (``ps`` engine; timing ring).
     """
 
     steps: int = 0
     compute_s: float = 0.0
     push_pull_s: float = 0.0
     samples: int = 0
+    push_s: float = 0.0
+    pull_s: float = 0.0
 
-    def add(self, compute_s: float, push_pull_s: float, samples: int) -> None:
+    def add(self, compute_s: float, push_pull_s: float, samples: int, push_s: float = 0.0, pull_s: float = 0.0) -> None:
         self.steps += 1
         self.compute_s += compute_s
         self.push_pull_s += push_pull_s
         self.samples += samples
+        self.push_s += push_s
+        self.pull_s += pull_s
 
     @property
     def samples_per_s(self) -> float:
@@ -182,8 +187,9 @@ class StepMonitor:
         communication (the rest of the step counts as compute)."""
         end = time.perf_counter()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
-        self._interval.add(compute_s, push_pull_s, samples or 0)
-        self.totals.add(compute_s, push_pull_s, samples or 0)
+        comm = timing.step_comm()
+        self._interval.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
+        self.totals.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
         self._last_end = self._stretched_until = end
         self.steps += 1
         self.global_step = self.steps if step is None else step
@@ -206,6 +212,7 @@ class StepMonitor:
             self._apply_newest_assignment()
             self._report(iv, loss, noise)
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
+        timing.step_comm()  # nor are their pushes and pulls part of the next step's
 
     def _reported_batch(self, iv: StepStatistics) -> int:
         """The batch size this interval reports: the mean over its steps of the batch the schedule
@@ -236,6 +243,8 @@ class StepMonitor:
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
             trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
         )
+        if self.engine.name == "ps":
+            report.push_s, report.pull_s = iv.push_s / iv.steps, iv.pull_s / iv.steps
         if self._client is None:
             from dynamix_byteps.control.client import SchedulerClient
 
