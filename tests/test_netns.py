@@ -231,3 +231,39 @@ def test_signal_to_the_owner_removes_the_bed():
             owner.kill()
             owner.wait()
     assert not [n for _, n, _ in netns.owned_objects() if tag in n]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_under_ps_proportional_gives_the_slow_link_host_smaller_batches(tmp_path):
+    """Three hosts, one worker each, host 2 behind 20 Mbit/s, ``--engine ps --num-servers 1``.
+
+    Each worker pushes its 311 KB of gradients to the server on host 0 over its own link, so rank 2's
+    push and pull take about 0.125 s each while the others' take milliseconds; compute is stretched
+    to about 0.1 s per step for every rank (``--slowdown``), so that its batch matters. ``proportional``
+    equalises compute plus each worker's own communication: rank 2 gets the smaller batch.
+    """
+    out = tmp_path / "out"
+    out.mkdir()
+    with netns.Testbed(3, rates_mbit={2: 20.0}) as bed:
+        result = netns.run_job(
+            bed, [1, 1, 1], [sys.executable, RANK_WORKER, str(out), "120", "1024"],
+            ["--engine", "ps", "--num-servers", "1", "--policy", "proportional", "--monitor", "auto",
+             "--decision-interval", "10", "--timeout", "120", "--log-dir", str(out / "logs"),
+             *[arg for rank in range(3) for arg in ("--slowdown", f"{rank}=40")]], timeout_s=240)
+    assert result.ok, _job_report(result, out)
+    decisions = [json.loads(line) for line in (out / "logs" / "decisions.jsonl").read_text().splitlines()]
+    assert len(decisions) >= 6, _job_report(result, out)
+    assert {d["state"]["engine"] for d in decisions} == {"ps"}
+    later = [d["state"]["workers"] for d in decisions[len(decisions) // 2:]]
+    push, pull = ([statistics.mean(w[kind][r] for w in later) for r in range(3)] for kind in ("push_s", "pull_s"))
+    assert push[2] > 2 * max(push[:2]) and pull[2] > 2 * max(pull[:2]), (push, pull)  # each worker's own link
+    sizes = decisions[-1]["batch_sizes"]
+    assert sum(sizes) == 96 and sizes[2] < min(sizes[:2]), [d["batch_sizes"] for d in decisions]
+    assert all(d["batch_sizes"][2] == min(d["batch_sizes"]) for d in decisions[len(decisions) // 2:]), \
+        [d["batch_sizes"] for d in decisions]
+    # the slow host's agent: its worker's TCP round trips queue in the 20 Mbit/s link
+    rtts = [[w["node"][r]["rtt_s"] for w in later if w["node"][r].get("rtt_s") is not None] for r in range(3)]
+    assert all(rtts), f"too few node reports: {rtts}"
+    mean_rtt = [statistics.mean(r) for r in rtts]
+    assert mean_rtt[2] > 2 * max(mean_rtt[:2]), mean_rtt

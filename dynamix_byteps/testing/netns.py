@@ -475,7 +475,8 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
     ``--restart-port``) are chosen free on host 0 unless ``launcher_args`` gives them; with either
     and no ``DYNAMIX_TOKEN`` in ``env``, a random token is shared by all hosts. With ``--log-dir D``
     in ``launcher_args``, host 0 writes to D (so the scheduler's ``decisions.jsonl`` is
-    ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``.
+    ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``. ``DYNAMIX_PS_CHANNELS`` defaults to
+    ``basic``, so that an ``--engine ps`` job's tensors cross the emulated links.
 
     Every launcher is stopped (SIGTERM, SIGKILL after ``grace_s`` seconds) as soon as one exits
     non-zero, when ``timeout_s`` seconds have passed, and on any exception here.
@@ -504,6 +505,9 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
             raise ValueError(f"launcher_args must not set {flag}: run_job sets it for each host")
     # A process that aborts in native code (std::terminate, a segfault) prints every thread's Python stack.
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    # The hosts share one kernel: TensorPipe's cma channel (the ps engine) would copy gradients from
+    # process to process past the emulated links; basic sends them through the sockets.
+    env.setdefault("DYNAMIX_PS_CHANNELS", "basic")
     host0 = bed.hosts[0].address
     extra = list(launcher_args)
     if _flag_value(extra, "--port") is None:
