@@ -64,11 +64,12 @@ def init(lazy: bool = True) -> None:
 def shutdown() -> None:
     """Leave the job and release the engine; stops reporting to the scheduler, flushes and closes
     this worker's TensorBoard events. Safe to call twice."""
-    from dynamix_byteps.control.worker import active_monitor
+    from dynamix_byteps import batch_plan
 
-    monitor = active_monitor()
-    if monitor is not None:
-        monitor.close()
+    plan = batch_plan.default()
+    if plan.monitor is not None:
+        plan.monitor.close()
+    plan.forget_shared()
     _summaries.close()
     _engine.stop()
 
@@ -104,24 +105,46 @@ def untimed():
     the batch-size policy sees (and the ``FACTOR@START-END`` straggler windows) count training
     only. A no-op before a ``DistributedOptimizer`` exists.
     """
-    from dynamix_byteps.control.worker import active_monitor
+    from dynamix_byteps import batch_plan
 
-    monitor = active_monitor()
+    monitor = batch_plan.default().monitor
     return monitor.untimed() if monitor is not None else contextlib.nullcontext()
 
 
 def step_statistics():
-    """This worker's sums since its ``DistributedOptimizer`` was created.
+    """This worker's sums since its ``DistributedOptimizer`` was created (the newest frontend on
+    the default batch plan: the newest sampler's).
 
     Returns:
         :class:`~dynamix_byteps.control.worker.StepStatistics`: ``steps``, ``samples``,
         ``compute_s`` and ``push_pull_s`` (seconds), and ``samples_per_s``, the compute-only
         throughput θ_i (samples/s). All zero before a ``DistributedOptimizer`` exists.
     """
-    from dynamix_byteps.control.worker import StepStatistics, active_monitor
+    from dynamix_byteps import batch_plan
+    from dynamix_byteps.control.worker import StepStatistics
 
-    monitor = active_monitor()
+    monitor = batch_plan.default().monitor
     return dataclasses.replace(monitor.totals) if monitor is not None else StepStatistics()
 
 
-log_scalar = _summaries.log_scalar
+def log_scalar(tag: str, value, step: int | None = None) -> None:
+    """Record ``value`` under ``tag`` in this worker's TensorBoard run (``bpslaunch --log-dir``).
+
+    For a script's own metrics, e.g. ``bps.log_scalar("test/accuracy", 0.87)`` after an
+    evaluation; ``dynamix report`` plots tags containing ``accuracy`` and ``test/loss``
+    against wall time. A no-op (after checking the arguments) when the job has no log directory.
+
+    Args:
+        tag: TensorBoard tag, a non-empty string; ``/`` groups charts (``test/accuracy``).
+        value: a real number (float, int, numpy scalar, or 0-dim tensor).
+        step: x coordinate; default: the global step, i.e. optimizer steps completed so far
+            (0 before a ``DistributedOptimizer`` has stepped).
+
+    Raises:
+        ValueError: ``tag`` is empty or not a string, ``value`` is not a real number, or
+            ``step`` is not an integer >= 0.
+    """
+    from dynamix_byteps import batch_plan
+
+    monitor = batch_plan.default().monitor
+    _summaries.log_scalar(tag, value, step, monitor.global_step if monitor is not None else 0)

@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dynamix_byteps import batching
 from dynamix_byteps import engine as _engine
-from dynamix_byteps.control.worker import StepMonitor
 from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.data.lr_scaling import get_rule
 from dynamix_byteps.env import optional_int
@@ -182,7 +180,10 @@ class Round:
 
 
 class GradientAggregator:
-    """The per-step aggregation state of one distributed optimizer (any frontend).
+    """The per-step reduction and its statistics for one distributed optimizer (any frontend).
+
+    Math and collectives only: where a step's batch sizes come from and what happens when a
+    step ends belong to the frontend (:class:`~dynamix_byteps.training_step.TrainingStep`).
 
     Args:
         optimizer_family: ``"sgd"`` or ``"adam"`` (:func:`~dynamix_byteps.data.lr_scaling.optimizer_family_of`).
@@ -191,13 +192,13 @@ class GradientAggregator:
             ``DYNAMIX_LR_SCALING`` (``bpslaunch --lr-scaling``), else ``none``.
         base_batch_size: B0, the global batch the base learning rate was tuned for; default: the
             global batch of the first step.
+        before_send: called before each bucket and each trailer leaves this worker (the step
+            monitor's straggler emulation); None: nothing.
 
     Attributes:
         gradient_noise: the :class:`GradientNoiseScale` fed every step.
         global_batch_size: Σ b_i of the last step, None when batch sizes were not known.
         lr_scale: the learning-rate factor of the last step.
-        next_step: the global step after the last one taken from the sampler (None without one).
-        monitor: the :class:`~dynamix_byteps.control.worker.StepMonitor` (timing, scheduler reports).
         wait_s: seconds the last :meth:`finish` blocked on communication (the exposed push_pull time).
 
     Raises:
@@ -205,7 +206,8 @@ class GradientAggregator:
         NotInitializedError: ``init()`` was not called.
     """
 
-    def __init__(self, optimizer_family: str, compression, lr_scaling=None, base_batch_size: int | None = None):
+    def __init__(self, optimizer_family: str, compression, lr_scaling=None, base_batch_size: int | None = None,
+                 before_send: Callable[[], None] | None = None):
         if base_batch_size is not None and (isinstance(base_batch_size, bool) or not isinstance(base_batch_size, int)
                                             or base_batch_size < 1):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
@@ -219,21 +221,9 @@ class GradientAggregator:
         self.gradient_noise = GradientNoiseScale()
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
-        self.next_step: int | None = None
         self.wait_s = 0.0
+        self.before_send = before_send or (lambda: None)
         self._reference = 1.0
-        self.monitor = StepMonitor(self.engine, self.engine.env, optimizer_family)
-        batching.register_noise(self.gradient_noise)
-
-    def take_samples(self, declared: int = UNSET, passes: int = 1) -> int:
-        """This step's local sample count: ``declared`` if set, else the sum of the next
-        ``passes`` batches the sampler handed out, else :data:`UNSET`."""
-        drawn = [d for d in (batching.take_draw() for _ in range(passes)) if d is not None]
-        if drawn:
-            self.next_step = drawn[-1][0] + 1
-        if declared != UNSET:
-            return declared
-        return sum(samples for _, samples in drawn) if drawn else UNSET
 
     def agree_on_plan(self, description: str, samples: int, flag: int = 0) -> np.ndarray:
         """Check that every worker built the same bucket plan (a blocking collective, run when
@@ -263,7 +253,7 @@ class GradientAggregator:
         """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
         1-D) holds this worker's gradients times ``step.scale``. Buckets must be launched in the
         same order on every worker."""
-        self.monitor.stretch()
+        self.before_send()
         if step.measure:
             step.local_sq = step.local_sq + squared_norm(flat)
         wire, ctx = self.compression.compress(flat)
@@ -275,7 +265,7 @@ class GradientAggregator:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
         squared norm and plan digest (``description``'s), and ``counts`` (float64, one per
         tensor, e.g. 1 for a gradient this worker had), summed over the workers into ``step.counts``."""
-        self.monitor.stretch()
+        self.before_send()
         engine = self.engine
         trailer = torch.zeros(engine.size * 3 + (0 if counts is None else counts.size), dtype=torch.float64,
                               device=engine.device)
@@ -350,17 +340,10 @@ class GradientAggregator:
             self.lr_scale = self.lr_scaling.factor(self.global_batch_size, self.base_batch_size, self.gradient_noise)
         return self.lr_scale
 
-    def after_step(self, samples: int) -> None:
-        """Tell the step monitor the step is complete (timing, reports, assignment boundary)."""
-        self.monitor.after_step(None if samples == UNSET else samples, self.gradient_noise, self.lr_scale,
-                                self.next_step, self.wait_s)
-
     def state_dict(self) -> dict:
-        """What a checkpoint needs: base batch, noise statistics, next step."""
-        return {"base_batch_size": self.base_batch_size, "gradient_noise": self.gradient_noise.state_dict(),
-                "next_step": self.next_step}
+        """What a checkpoint needs: base batch and noise statistics."""
+        return {"base_batch_size": self.base_batch_size, "gradient_noise": self.gradient_noise.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.base_batch_size = state["base_batch_size"]
         self.gradient_noise.load_state_dict(state["gradient_noise"])
-        self.next_step = state["next_step"]

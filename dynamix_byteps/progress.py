@@ -40,20 +40,18 @@ class ProgressWriter:
         self.min_interval_s = min_interval_s
         self._last = -float("inf")
 
-    def update(self, step: int) -> None:
-        """Publish ``step`` (optimizer steps completed) and the sampler's epoch position; throttled,
-        except for an epoch's last step, so the bar reaches 100%."""
-        from dynamix_byteps import batching
-
-        trained, schedule = batching.trained_position(), batching.schedule()
-        known = trained is not None and schedule is not None and bool(schedule.dataset_size)
+    def update(self, step: int, trained: tuple[int, int] | None = None, dataset_size: int | None = None) -> None:
+        """Publish ``step`` (optimizer steps completed) and the sampler's epoch position: ``trained``,
+        ``(epoch, samples of it trained so far)``, in a dataset of ``dataset_size`` samples (both
+        None without a sampler); throttled, except for an epoch's last step, so the bar reaches 100%."""
+        known = trained is not None and bool(dataset_size)
         now = time.monotonic()
-        if now - self._last < self.min_interval_s and not (known and trained[1] >= schedule.dataset_size):
+        if now - self._last < self.min_interval_s and not (known and trained[1] >= dataset_size):
             return
         self._last = now
         record = {"step": step, "epoch": None, "samples": None, "dataset_size": None}
         if known:
-            record.update(epoch=trained[0], samples=trained[1], dataset_size=schedule.dataset_size)
+            record.update(epoch=trained[0], samples=trained[1], dataset_size=dataset_size)
         try:
             write_atomic(self.path, json.dumps(record), durable=False)
         except OSError:

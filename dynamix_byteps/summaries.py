@@ -180,18 +180,10 @@ def worker_writer() -> ScalarWriter | None:
     return _writer
 
 
-def log_scalar(tag: str, value, step: int | None = None) -> None:
-    """Record ``value`` under ``tag`` in this worker's TensorBoard run (``bpslaunch --log-dir``).
-
-    For a script's own metrics, e.g. ``bps.log_scalar("test/accuracy", 0.87)`` after an
-    evaluation; ``dynamix report`` plots tags containing ``accuracy`` and ``test/loss``
-    against wall time. A no-op (after checking the arguments) when the job has no log directory.
-
-    Args:
-        tag: TensorBoard tag, a non-empty string; ``/`` groups charts (``test/accuracy``).
-        value: a real number (float, int, numpy scalar, or 0-dim tensor).
-        step: x coordinate; default: the global step, i.e. optimizer steps completed so far
-            (0 before a ``DistributedOptimizer`` has stepped).
+def log_scalar(tag: str, value, step: int | None = None, default_step: int = 0) -> None:
+    """The checks and the write behind :func:`dynamix_byteps.log_scalar`: ``value`` under ``tag``
+    in this worker's TensorBoard run at ``step``, or ``default_step`` when ``step`` is None; a
+    no-op (after checking the arguments) when the job has no log directory.
 
     Raises:
         ValueError: ``tag`` is empty or not a string, ``value`` is not a real number, or
@@ -208,14 +200,8 @@ def log_scalar(tag: str, value, step: int | None = None) -> None:
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
         raise ValueError(f"log_scalar({tag!r}, ...) needs step=None or an integer >= 0, got {step!r}")
     writer = worker_writer()
-    if writer is None:
-        return
-    if step is None:
-        from dynamix_byteps.control.worker import active_monitor
-
-        monitor = active_monitor()
-        step = monitor.global_step if monitor is not None else 0
-    writer.add({tag: number}, step)
+    if writer is not None:
+        writer.add({tag: number}, default_step if step is None else step)
 
 
 def close() -> None:

@@ -1,24 +1,40 @@
-"""The worker's per-interval loss mean (what the divergence guardrail sees)."""
+"""The worker's step monitor: per-interval loss mean (what the divergence guardrail sees),
+untimed sections and the straggler emulation."""
 
 import math
 
+import pytest
 import torch
 
-from dynamix_byteps.control.worker import _take_mean_loss, report_loss
+from dynamix_byteps import batch_plan
+from dynamix_byteps.control.worker import report_loss
+
+
+@pytest.fixture(autouse=True)
+def _own_default_plan(monkeypatch):
+    """Each test gets a fresh default batch plan, as a new process would."""
+    monkeypatch.setattr(batch_plan, "_default", batch_plan.BatchPlan())
 
 
 def test_loss_mean_per_interval_and_none_when_nothing_was_reported():
-    assert _take_mean_loss() is None
-    report_loss(1.0)
-    report_loss(torch.tensor(3.0))
-    assert _take_mean_loss() == 2.0
-    assert _take_mean_loss() is None  # the next interval starts empty
+    monitor = _monitor()
+    assert monitor._take_mean_loss() is None
+    report_loss(1.0)  # bps.report_loss: to the default plan's newest monitor
+    monitor.report_loss(torch.tensor(3.0))
+    assert monitor._take_mean_loss() == 2.0
+    assert monitor._take_mean_loss() is None  # the next interval starts empty
 
 
 def test_a_non_finite_loss_makes_the_interval_non_finite():
+    monitor = _monitor()
     report_loss(1.0)
     report_loss(float("nan"))
-    assert math.isnan(_take_mean_loss())
+    assert math.isnan(monitor._take_mean_loss())
+
+
+def test_a_loss_reported_before_any_monitor_exists_is_dropped():
+    report_loss(1.0)
+    assert _monitor()._take_mean_loss() is None
 
 
 class _OneWorker:
@@ -30,6 +46,7 @@ def _monitor(slowdown="1", steps=0):
     from dynamix_byteps.env import WorkerEnv
 
     monitor = StepMonitor(_OneWorker(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")
+    batch_plan.default().attach(monitor, None)  # what a frontend's TrainingStep does
     for _ in range(steps):
         monitor.stretch()
         monitor.after_step(8, None)

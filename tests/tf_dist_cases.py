@@ -172,7 +172,7 @@ def weighted_training(batch_sizes: list[int], steps: int) -> dict:
     fit_model.fit(bps.dynamic_batch_dataset(sampler, (x_all, y_all)), epochs=1, verbose=0, shuffle=False)
     return {"tape": tape_result, "fit_param_error": _relative_error([v.numpy() for v in fit_model.trainable_variables],
                                                                     fit_ref_params),
-            "fit_global_batch": fit_opt.global_batch_size, "fit_steps": fit_opt.dynamix.aggregator.monitor.steps}
+            "fit_global_batch": fit_opt.global_batch_size, "fit_steps": fit_opt.dynamix.monitor.steps}
 
 
 class _RecordingSampler(bps.DynamicBatchSampler):
@@ -205,7 +205,7 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
-            step = opt.dynamix.aggregator.next_step - 1
+            step = opt.next_step - 1
             steps.append([step, len(sampler.drawn[step]), opt.global_batch_size, opt.lr_scale])
             epoch_of_step[step] = self.epoch
 

@@ -1,4 +1,4 @@
-"""The worker's half of the control loop, driven by ``DistributedOptimizer`` once per step.
+"""The worker's half of the control loop, driven once per step by the frontend that owns it.
 
 Every step it measures push_pull time (the seconds the worker waited for gradient
 communication that backward did not hide) and compute time (the rest of the step). Every
@@ -11,6 +11,11 @@ communication that backward did not hide) and compute time (the rest of the step
 2. sends this worker's averages to the scheduler without waiting (:class:`SchedulerClient`).
 
 A scheduler that is slow or gone changes nothing.
+
+The frontend (``DistributedOptimizer``, ``DistributedDataParallel``, TensorFlow's tape and Keras
+optimizer, through :class:`~dynamix_byteps.training_step.TrainingStep`) builds its monitor and
+hands it, every step, the :class:`~dynamix_byteps.batch_plan.BatchPlan` it trains on; the
+BytePS API's module functions reach the monitor of the process's default plan.
 
 With ``DYNAMIX_JOB_ID`` set (``bpslaunch --monitor``), the worker also publishes each step's
 compute time, push_pull time and samples to a shared-memory mailbox, where the node agent of its
@@ -34,32 +39,20 @@ from dataclasses import dataclass
 
 import torch
 
-from dynamix_byteps import batching, progress, summaries, timing
+from dynamix_byteps import batch_plan, progress, timing
 from dynamix_byteps.assignment import InvalidAssignmentError
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.negotiation import negotiate, round_lock
 
 log = logging.getLogger(__name__)
 
-_losses_lock = threading.Lock()
-_loss_sum = 0.0  # of the losses reported since the last report (NaN/inf propagate: divergence)
-_loss_count = 0
-
 
 def report_loss(loss) -> None:
-    """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler."""
-    global _loss_sum, _loss_count
-    value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-    with _losses_lock:
-        _loss_sum += value
-        _loss_count += 1
-
-
-def _take_mean_loss() -> float | None:
-    global _loss_sum, _loss_count
-    with _losses_lock:
-        total, count, _loss_sum, _loss_count = _loss_sum, _loss_count, 0.0, 0
-    return total / count if count else None
+    """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler,
+    by the step monitor of the default plan's newest frontend; dropped before any frontend exists."""
+    monitor = batch_plan.default().monitor
+    if monitor is not None:
+        monitor.report_loss(loss)
 
 
 @dataclass
@@ -106,21 +99,26 @@ def _interval_scalars(iv: StepStatistics, loss: float | None, lr_scale: float, n
             "loss": loss, "lr_scale": lr_scale, "noise_scale": getattr(noise, "noise_scale", None)}
 
 
-_active: StepMonitor | None = None
-
-
-def active_monitor() -> StepMonitor | None:
-    """The step monitor of this process's ``DistributedOptimizer``, None before one exists."""
-    return _active
-
-
 class StepMonitor:
-    """Per-step timing and the decision boundary of one worker (see the module docstring)."""
+    """Per-step timing and the decision boundary of one worker (see the module docstring).
 
-    def __init__(self, engine, env: WorkerEnv, optimizer_family: str):
+    Args:
+        engine: the communication engine (rank, size, name, ``broadcast``).
+        env: the worker's environment (scheduler address, decision interval, slowdown).
+        optimizer_family: ``"sgd"`` or ``"adam"``, told to the scheduler.
+        scalars: the worker's TensorBoard :class:`~dynamix_byteps.summaries.ScalarWriter`, or
+            None (no ``--log-dir``): each interval's scalars go there.
+
+    Attributes:
+        plan: the :class:`~dynamix_byteps.batch_plan.BatchPlan` of the newest step
+            (:meth:`after_step`); None before the first.
+    """
+
+    def __init__(self, engine, env: WorkerEnv, optimizer_family: str, scalars=None):
         self.engine = engine
         self.env = env
         self.optimizer_family = optimizer_family
+        self.plan: batch_plan.BatchPlan | None = None
         self.steps = 0
         self.global_step = 0  # steps completed in the job (across restarts when a sampler knows them)
         self._start = self._last_end = self._stretched_until = time.perf_counter()
@@ -133,15 +131,28 @@ class StepMonitor:
         self._said_unapplied = self._said_unknown_batch = False
         self._client = None
         self._mailbox = None
+        self._losses_lock = threading.Lock()
+        self._loss_sum = 0.0  # of the losses reported since the last report (NaN/inf propagate: divergence)
+        self._loss_count = 0
         job = os.environ.get("DYNAMIX_JOB_ID")
         if job:
             from dynamix_byteps.control.mailbox import Mailbox, mailbox_name
 
             self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
         self._progress = progress.writer_from_env()
-        summaries.worker_writer()  # with a log dir, the event file's first event marks the start
-        global _active
-        _active = self
+        self._scalars = scalars
+
+    def report_loss(self, loss) -> None:
+        """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        with self._losses_lock:
+            self._loss_sum += value
+            self._loss_count += 1
+
+    def _take_mean_loss(self) -> float | None:
+        with self._losses_lock:
+            total, count, self._loss_sum, self._loss_count = self._loss_sum, self._loss_count, 0.0, 0
+        return total / count if count else None
 
     def training_seconds(self) -> float:
         """Seconds since this monitor started, without :meth:`untimed` sections."""
@@ -180,11 +191,13 @@ class StepMonitor:
             self._client.close()
 
     def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None,
-                   push_pull_s: float = 0.0) -> None:
-        """Called after every optimizer step, on every worker, with this step's local samples, the
-        gradient noise statistics, the learning-rate factor applied, the global step completed
-        (None: this monitor's count of steps) and the seconds spent waiting for the gradients'
-        communication (the rest of the step counts as compute)."""
+                   push_pull_s: float = 0.0, plan: batch_plan.BatchPlan | None = None) -> None:
+        """Called when a step ends, on every worker, with this step's local samples, the
+        gradient noise statistics, the learning-rate factor of the step, the global step completed
+        (None: this monitor's count of steps), the seconds spent waiting for the gradients'
+        communication (the rest of the step counts as compute) and the batch plan it trained on
+        (None: unknown, treated as a plan without a sampler)."""
+        self.plan = plan
         end = time.perf_counter()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
         comm = timing.step_comm()
@@ -196,16 +209,18 @@ class StepMonitor:
         if self._mailbox is not None:
             self._mailbox.publish_metrics(self.steps, (compute_s, push_pull_s, samples or 0))
         if self._progress is not None:
-            self._progress.update(self.global_step)
+            schedule = self._schedule()
+            self._progress.update(self.global_step, None if plan is None else plan.trained_position(),
+                                  None if schedule is None else schedule.dataset_size)
         if self.steps % self.env.decision_interval == 0:
             self._end_interval(noise, lr_scale)
 
     def _end_interval(self, noise, lr_scale: float) -> None:
         """The report boundary: TensorBoard scalars, then the assignment round, then the report."""
         iv, self._interval = self._interval, StepStatistics()
-        loss = _take_mean_loss()
-        if (writer := summaries.worker_writer()) is not None:
-            writer.add(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
+        loss = self._take_mean_loss()
+        if self._scalars is not None:
+            self._scalars.add(_interval_scalars(iv, loss, lr_scale, noise), self.global_step)
         if self.env.scheduler is not None:
             # The assignment first: an answer to this boundary's report then always applies at the
             # next boundary, the decision's effective_step (a fast answer sometimes applied at once).
@@ -214,13 +229,16 @@ class StepMonitor:
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
         timing.step_comm()  # nor are their pushes and pulls part of the next step's
 
+    def _schedule(self):
+        return None if self.plan is None else self.plan.schedule
+
     def _reported_batch(self, iv: StepStatistics) -> int:
         """The batch size this interval reports: the mean over its steps of the batch the schedule
         assigned this rank, which lies within the registered bounds even when the epoch's last,
         partial step drew fewer samples (the throughput still counts the samples really drawn),
         and shows the guardrails an assignment that took effect during the interval.
         Without a sampler: the mean declared by ``set_local_batch_size``; 0 when nothing was declared."""
-        schedule = batching.schedule()
+        schedule = self._schedule()
         if schedule is not None:
             steps = range(max(self.global_step - iv.steps, 0), max(self.global_step, 1))
             assigned = [schedule.at(step).batch_sizes[self.engine.rank] for step in steps]
@@ -259,13 +277,13 @@ class StepMonitor:
             self._said_unknown_batch = True
 
     def _step_index(self) -> int:
-        schedule = batching.schedule()
+        schedule = self._schedule()
         return schedule.next_open_step if schedule is not None else self.steps
 
     def _worker_info(self):
         from dynamix_byteps.control import dynamix_pb2
 
-        schedule = batching.schedule()
+        schedule = self._schedule()
         rank = self.engine.rank
         info = dynamix_pb2.WorkerInfo(rank=rank, world_size=self.engine.size, host=socket.gethostname(),
                                       engine=self.engine.name, optimizer_family=self.optimizer_family,
@@ -300,7 +318,7 @@ class StepMonitor:
     def _agree_on_assignment(self) -> None:
         size = self.engine.size
         proposal = torch.zeros(2 + size, dtype=torch.int64)
-        schedule = batching.schedule()
+        schedule = self._schedule()
         if self.engine.rank == 0 and self._client is not None and schedule is None:
             self._say_unapplied(self._client.latest())
         if self.engine.rank == 0 and self._client is not None and schedule is not None:
@@ -318,6 +336,6 @@ class StepMonitor:
         drawn_until = negotiate(self.engine, "assignment boundary", f"scheduler assignment {proposal[1]}",
                                 schedule.next_open_step)[:, 0]
         try:
-            batching.set_batch_sizes(sizes, at_step=int(drawn_until.max()))
+            self.plan.set_batch_sizes(sizes, at_step=int(drawn_until.max()))
         except InvalidAssignmentError as exc:
             log.warning("scheduler assignment %s rejected, the previous one stays in force: %s", sizes, exc)

@@ -14,6 +14,10 @@ frontends feed models from it: a torch ``DataLoader`` takes it as ``batch_sample
 The epoch plan is :mod:`dynamix_byteps.data.partition` (every index once per epoch, the
 same step count on every worker, the end-of-epoch rule); the sizes come from the job's
 :class:`~dynamix_byteps.assignment.AssignmentSchedule`, changed with ``bps.set_batch_sizes``.
+The sampler logs every batch it hands out in its :class:`~dynamix_byteps.batch_plan.BatchPlan`
+(``sampler.batch_plan``), from which the optimizer learns each step's local batch size; hand
+it to the optimizer (``DistributedOptimizer(..., batch_plan=sampler.batch_plan)``) or let the
+optimizer follow the process's default plan, which is the newest sampler's.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence, Sized
 
-from dynamix_byteps import batching
+from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import (
     Assignment,
@@ -59,6 +63,12 @@ class DynamicBatchSampler:
             (default: ``bpslaunch --min-batch/--max-batch`` through ``DYNAMIX_MIN_BATCH`` and
             ``DYNAMIX_MAX_BATCH``, else 1 and unbounded).
 
+    Attributes:
+        schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule` of per-worker batch sizes.
+        batch_plan: the :class:`~dynamix_byteps.batch_plan.BatchPlan` this sampler owns (its
+            schedule and the batches it drew), to hand to the optimizer; it becomes the
+            process's default plan.
+
     Raises:
         ConfigurationError: bad sizes, bounds, rank or an empty dataset.
         InvalidAssignmentError: ``batch_size`` breaks the bounds or exceeds the dataset.
@@ -86,7 +96,8 @@ class DynamicBatchSampler:
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
-        batching.install(self.schedule)
+        self.batch_plan = _batch_plan.BatchPlan(self.schedule)
+        _batch_plan.make_default(self.batch_plan)
 
     @property
     def epoch(self) -> int:
@@ -113,7 +124,7 @@ class DynamicBatchSampler:
             self.schedule.freeze_through(position.step)
             self._remember(position)
             indices = rank_indices(order, position, sizes, self.rank)
-            batching.record_draw(position.step, len(indices), position.epoch, self._position.offset)
+            self.batch_plan.record_draw(position.step, len(indices), position.epoch, self._position.offset)
             yield indices.tolist()
         self._position = Position(self._position.epoch + 1, 0, self._position.step)
         self._unfinished_from = None
@@ -126,8 +137,8 @@ class DynamicBatchSampler:
         (``next(iter(loader))`` to peek at shapes, or a prefetching loader dropped) is started
         over from where it began, as a new pass over torch's ``DistributedSampler`` would.
         """
-        untrained = batching.forget_draws()
-        if untrained is None and not batching.training_started() and self._unfinished_from is not None:
+        untrained = self.batch_plan.forget_draws()
+        if untrained is None and not self.batch_plan.training_started() and self._unfinished_from is not None:
             self._position = self._unfinished_from
             self.schedule.rewind(self._position.step)
         elif untrained is not None and untrained in self._history:

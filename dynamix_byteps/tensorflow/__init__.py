@@ -22,7 +22,7 @@ from dynamix_byteps import (
     step_statistics,
     untimed,
 )
-from dynamix_byteps.batching import (
+from dynamix_byteps.batch_plan import (
     gradient_noise_scale,
     gradient_statistics,
     set_batch_sizes,

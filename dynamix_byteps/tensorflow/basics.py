@@ -4,8 +4,7 @@ and ``dynamix_byteps.tensorflow.keras`` (as BytePS's Keras module re-exports its
 from __future__ import annotations
 
 from dynamix_byteps import engine as _engine
-from dynamix_byteps import shutdown as _shutdown
-from dynamix_byteps.tensorflow.gradients import forget_tape_reducers
+from dynamix_byteps import shutdown
 
 
 def init(lazy: bool = True) -> None:
@@ -15,7 +14,4 @@ def init(lazy: bool = True) -> None:
     _engine.start(framework="tensorflow")
 
 
-def shutdown() -> None:
-    """:func:`dynamix_byteps.shutdown`, after dropping this frontend's gradient-tape reducers."""
-    forget_tape_reducers()
-    _shutdown()
+__all__ = ["init", "shutdown"]

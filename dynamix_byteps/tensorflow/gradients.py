@@ -7,16 +7,17 @@ dtype (the one copy, each gradient starting on a 64-byte boundary as TensorFlow'
 require; the buffer is then scaled by b_i/Σb and reduced in place), and come back as
 TensorFlow tensors that are views of that buffer. The local batch size b_i comes from
 ``local_batch_size`` or from the batches a :class:`~dynamix_byteps.data.sampler.DynamicBatchSampler`
-handed out; the step also feeds the gradient noise scale and the scheduler's step monitor.
+handed out (its ``batch_plan``); the step also feeds the gradient noise scale, and it ends, for
+the scheduler's step monitor, as soon as the reduction completes, as in the PyTorch frontend
+(:class:`~dynamix_byteps.training_step.TrainingStep`).
 """
 
 from __future__ import annotations
 
-import threading
-
 import tensorflow as tf
 import torch
 
+from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps.aggregation import (
     MAX_SAMPLES,
     UNSET,
@@ -33,6 +34,7 @@ from dynamix_byteps.tensorflow.bridge import (
 )
 from dynamix_byteps.tensorflow.ops import Average, check_gradient_op, variable_name
 from dynamix_byteps.torch.compression import Compression, Compressor
+from dynamix_byteps.training_step import TrainingStep
 
 
 def _checked_samples(value) -> int:
@@ -57,12 +59,26 @@ def _fuse(views: list[torch.Tensor], offsets: list[int], length: int, scale: flo
 class GradientReducer:
     """Reduces one step's gradients at a time; keeps the step statistics between steps.
 
-    Args: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+    Args:
+        optimizer_family: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+        compression: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+        lr_scaling: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+        base_batch_size: as :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+        batch_plan: as :class:`~dynamix_byteps.training_step.TrainingStep`.
+
+    Attributes:
+        aggregator: the :class:`~dynamix_byteps.aggregation.GradientAggregator`.
+        monitor: the :class:`~dynamix_byteps.control.worker.StepMonitor` it owns.
     """
 
+    next_step = property(lambda self: self._step.next_step,
+                         doc="The sampler step after the last one trained on (None without a sampler).")
+
     def __init__(self, optimizer_family: str, compression: type[Compressor] = Compression.none,
-                 lr_scaling=None, base_batch_size: int | None = None):
+                 lr_scaling=None, base_batch_size: int | None = None, batch_plan=None):
         self.aggregator = GradientAggregator(optimizer_family, compression, lr_scaling, base_batch_size)
+        self._step = TrainingStep(self.aggregator, optimizer_family, batch_plan)
+        self.monitor = self._step.monitor
         self._descriptions: dict[tuple, str] = {}
         self._agreed: str | None = None  # the description last agreed with the other workers
 
@@ -109,7 +125,7 @@ class GradientReducer:
 
     def _reduce_now(self, grads, names: list[str], declared: int) -> list[tf.Tensor]:
         aggregator = self.aggregator
-        samples = aggregator.take_samples(declared)
+        samples = self._step.take_samples(declared)
         views = [to_torch(g) for g in grads]
         buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
         layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
@@ -129,8 +145,7 @@ class GradientReducer:
         for bucket, (offsets, _), flat in zip(buckets, layouts, flats):
             for i, offset in zip(bucket, offsets):
                 results[i] = to_tf(flat[offset:offset + views[i].numel()].view(views[i].shape))
-        aggregator.update_lr_scale()
-        aggregator.after_step(samples)
+        self._step.end(samples)
         return results
 
     def _description(self, names: list[str], views) -> str:
@@ -143,23 +158,13 @@ class GradientReducer:
         return self._descriptions[key]
 
 
-_tape_lock = threading.Lock()
-_tape_reducers: dict[tuple, GradientReducer] = {}
-
-
-def _tape_reducer(compression: type[Compressor], lr_scaling, base_batch_size) -> GradientReducer:
-    """Tapes are built anew every step; their statistics live in one reducer per setting."""
-    key = (compression, lr_scaling, base_batch_size)
-    with _tape_lock:
-        if key not in _tape_reducers:
-            _tape_reducers[key] = GradientReducer("sgd", compression, lr_scaling, base_batch_size)
-        return _tape_reducers[key]
-
-
-def forget_tape_reducers() -> None:
-    """Drop the tapes' step statistics (on ``shutdown``)."""
-    with _tape_lock:
-        _tape_reducers.clear()
+def _tape_reducer(compression: type[Compressor], lr_scaling, base_batch_size, batch_plan) -> GradientReducer:
+    """Tapes are built anew every step; their statistics live in one reducer per setting, kept by
+    the batch plan they train on (the default one when none was given: ``shutdown`` drops them)."""
+    plan = _batch_plan.default() if _batch_plan.checked(batch_plan) is None else batch_plan
+    key = (GradientReducer, compression, lr_scaling, base_batch_size, batch_plan is None)
+    return plan.shared(key, lambda: GradientReducer("sgd", compression, lr_scaling, base_batch_size, batch_plan),
+                       follows_default=batch_plan is None)
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -180,7 +185,7 @@ class _DistributedGradientTape(tf.GradientTape):
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
                             op: str = Average, local_batch_size=None, lr_scaling: str | None = None,
-                            base_batch_size: int | None = None) -> tf.GradientTape:
+                            base_batch_size: int | None = None, batch_plan=None) -> tf.GradientTape:
     """Wrap ``gradtape`` so that ``gradient()`` returns gradients averaged over all workers,
     weighted by each worker's local batch size: Σ b_i g_i / Σ b_i.
 
@@ -204,17 +209,21 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         lr_scaling: the rule behind ``tape.lr_scale``: ``none``, ``linear``, ``sqrt`` or
             ``adascale``; default ``DYNAMIX_LR_SCALING`` (``bpslaunch --lr-scaling``), else ``none``.
         base_batch_size: B0, the global batch of factor 1; default: the first step's.
+        batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
+            (``sampler.batch_plan``) whose batch sizes weight the gradients, and which keeps the
+            step statistics between tapes; default: the process's default plan, the newest sampler's.
 
     Raises:
         ValueError: ``op`` is not ``Average``; an unknown ``lr_scaling`` rule or a
             ``base_batch_size`` below 1 (at the first ``gradient()`` call).
+        TypeError: ``batch_plan`` is not a ``BatchPlan`` (at the first ``gradient()`` call).
     """
     del device_dense, device_sparse, sparse_as_dense
     check_gradient_op(op)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,), dict(_DistributedGradientTape.__dict__))
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
-    tape._dynamix_settings = (compression, lr_scaling, base_batch_size)
+    tape._dynamix_settings = (compression, lr_scaling, base_batch_size, batch_plan)
     tape._dynamix_batch = local_batch_size
     tape.lr_scale = None
     return tape

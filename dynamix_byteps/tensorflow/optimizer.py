@@ -14,7 +14,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          device_dense: str = "", device_sparse: str = "",
                          compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: str = Average, lr_scaling: str | None = None,
-                         base_batch_size: int | None = None) -> keras.optimizers.Optimizer:
+                         base_batch_size: int | None = None, batch_plan=None) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that every update first averages the gradients over all workers,
     weighted by each worker's local batch size; see
     :func:`dynamix_byteps.tensorflow.keras.DistributedOptimizer`, which this calls.
@@ -28,13 +28,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         sparse_as_dense: as for the Keras ``DistributedOptimizer``.
         lr_scaling: as for the Keras ``DistributedOptimizer``.
         base_batch_size: as for the Keras ``DistributedOptimizer``.
+        batch_plan: as for the Keras ``DistributedOptimizer``.
         use_locking: accepted for BytePS compatibility (it applies to TensorFlow 1 optimizers).
         backward_passes_per_step: must be 1, as in BytePS with a Keras optimizer.
         op: must be ``Average`` (gradients are always averaged; BytePS refused ``Adasum`` too).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras 3 optimizer (TensorFlow 1 ``tf.compat.v1.train``
-            optimizers are not supported: use the ``keras.optimizers`` one).
+            optimizers are not supported: use the ``keras.optimizers`` one), or ``batch_plan`` is
+            not a ``BatchPlan``.
         ValueError: ``backward_passes_per_step`` is not 1, ``op`` is not ``Average``, or as the
             Keras ``DistributedOptimizer``.
     """
@@ -44,4 +46,4 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          "gradients of every step (BytePS refuses more than 1 too); leave it at 1")
     check_gradient_op(op)
     return _keras_optimizer.DistributedOptimizer(optimizer, name, compression=compression, lr_scaling=lr_scaling,
-                                                 base_batch_size=base_batch_size)
+                                                 base_batch_size=base_batch_size, batch_plan=batch_plan)

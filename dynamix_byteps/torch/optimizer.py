@@ -5,8 +5,10 @@ over the global batch (plain BytePS averaging when no batch sizes are known), th
 follows the global batch for that step only, and the gradient noise scale is updated. The
 reduction runs during backward, bucket by bucket, from the gradient hooks
 (:class:`~dynamix_byteps.torch.reducer.BucketReducer`); ``step()`` only waits for it. b_i
-comes from the batches a ``DynamicBatchSampler`` drew or from ``set_local_batch_size``, which
-must then be called before ``loss.backward()``.
+comes from the batches a ``DynamicBatchSampler`` drew (its ``batch_plan``, handed to the
+optimizer or followed as the process's default) or from ``set_local_batch_size``, which
+must then be called before ``loss.backward()``. The step ends, for the step monitor, when the
+reduction completes (:class:`~dynamix_byteps.training_step.TrainingStep`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dynamix_byteps.data.lr_scaling import optimizer_family_of
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.reducer import BucketReducer
+from dynamix_byteps.training_step import TrainingStep
 
 
 def _not_count(value) -> bool:
@@ -31,21 +34,23 @@ def _not_count(value) -> bool:
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
-    def _init_distributed(self, named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size):
+    def _init_distributed(self, named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size,
+                          batch_plan):
         if _not_count(backward_passes_per_step):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if base_batch_size is not None and _not_count(base_batch_size):
             raise ValueError(f"base_batch_size must be an integer >= 1, got {base_batch_size!r}")
-        self._aggregator = GradientAggregator(optimizer_family_of(self), compression, lr_scaling,
+        family = optimizer_family_of(self)
+        self._aggregator = GradientAggregator(family, compression, lr_scaling,
                                               None if base_batch_size is None else int(base_batch_size))
+        self._step_path = TrainingStep(self._aggregator, family, batch_plan)
         self._names = self._name_parameters(named_parameters)
         self._samples = UNSET
-        self._step_samples = UNSET
         self._synchronized = False
         self._skip_sync = False
         self._reducer = BucketReducer(
             self._aggregator, self._gradient_params, f"compression={compression.name}",
-            lambda: self._aggregator.take_samples(self._samples, self._reducer.passes_per_step),
+            lambda: self._step_path.take_samples(self._samples, self._reducer.passes_per_step),
             int(backward_passes_per_step))
 
     # The step's statistics, kept by the shared aggregator.
@@ -57,7 +62,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     lr_scaling = property(lambda self: self._aggregator.lr_scaling, doc="The LR-scaling rule.")
     base_batch_size = property(lambda self: self._aggregator.base_batch_size,
                                doc="B0, the global batch of factor 1 (the first step's unless given).")
-    next_step = property(lambda self: self._aggregator.next_step,
+    next_step = property(lambda self: self._step_path.next_step,
                          doc="The sampler step after the last one trained on (None without a sampler).")
     backward_passes_per_step = property(lambda self: self._reducer.passes_per_step,
                                         doc="Backward passes accumulated locally before each reduction.")
@@ -130,7 +135,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._samples = int(samples) + max(self._samples, 0)
 
     def synchronize(self) -> None:
-        """Wait until every gradient holds the batch-weighted global mean (blocking).
+        """Wait until every gradient holds the batch-weighted global mean (blocking); this ends
+        the step for the step monitor and fixes its learning-rate factor (:attr:`lr_scale`).
 
         Parameters without a gradient on this worker contribute zeros, so all workers reduce
         the same buckets. Called by :meth:`step`; call it yourself to clip gradients first,
@@ -143,10 +149,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             CommunicationError: a peer failed.
         """
         try:
-            self._step_samples = self._reducer.finish(None if self._samples == UNSET else self._samples)
+            samples = self._reducer.finish(None if self._samples == UNSET else self._samples)
         finally:
             self._samples = UNSET
         self._synchronized = True
+        self._step_path.end(samples)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -169,7 +176,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not (self._synchronized or self._skip_sync):
             self.synchronize()
-        lr_scale = self._aggregator.update_lr_scale()
+        lr_scale = self._aggregator.lr_scale
         base_lrs = [group["lr"] for group in self.param_groups]
         for group in self.param_groups:
             group["lr"] = group["lr"] * lr_scale
@@ -179,21 +186,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group, lr in zip(self.param_groups, base_lrs):
                 group["lr"] = lr
         self._synchronized = False
-        self._aggregator.after_step(self._step_samples)
         return loss
 
     def dynamix_state_dict(self) -> dict:
         """What a checkpoint needs beyond ``state_dict()``: base batch, noise statistics, step."""
-        return self._aggregator.state_dict()
+        return self._step_path.state_dict()
 
     def load_dynamix_state_dict(self, state: dict) -> None:
-        self._aggregator.load_state_dict(state)
+        self._step_path.load_state_dict(state)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: type[Compressor] = Compression.none,
                          backward_passes_per_step: int = 1, lr_scaling: str | None = None,
-                         base_batch_size: int | None = None) -> torch.optim.Optimizer:
+                         base_batch_size: int | None = None, batch_plan=None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that :meth:`step` first averages gradients over all workers,
     weighted by each worker's local batch size (``optimizer.set_local_batch_size(n)``).
 
@@ -211,6 +217,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             default: ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
         base_batch_size: B0, the global batch the base learning rate was tuned for; default:
             the global batch of the first step.
+        batch_plan: the :class:`~dynamix_byteps.batch_plan.BatchPlan` of the
+            ``DynamicBatchSampler`` feeding this optimizer (``sampler.batch_plan``), whose batch
+            sizes weight the gradients; default: the process's default plan, the newest
+            sampler's at each step (one sampler per job). Give it when one process trains
+            several models on separate samplers.
 
     With ``torch.amp.GradScaler``, reduce before unscaling, so every worker sees the same
     overflow and skips the same steps: ``optimizer.synchronize(); scaler.unscale_(optimizer);
@@ -220,6 +231,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         ValueError: duplicate or missing parameter names, ``backward_passes_per_step`` not an
             integer >= 1, an unknown ``lr_scaling`` rule, a ``base_batch_size`` below 1, or an
             optimizer that re-evaluates its closure (``LBFGS``).
+        TypeError: ``batch_plan`` is not a ``BatchPlan``.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates its closure several times per step, which cannot be "
@@ -232,5 +244,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     # would bypass the aggregation, so it goes; the scheduler does not need it.
     wrapped.__dict__ = optimizer.__dict__
     wrapped.__dict__.pop("step", None)
-    wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size)
+    wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size,
+                              batch_plan)
     return wrapped

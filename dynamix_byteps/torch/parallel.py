@@ -20,6 +20,7 @@ from dynamix_byteps.aggregation import UNSET, GradientAggregator
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
 from dynamix_byteps.torch.reducer import BucketReducer
+from dynamix_byteps.training_step import TrainingStep
 
 
 def _leading_dimension(inputs, kwargs) -> int | None:
@@ -44,6 +45,9 @@ class DistributedDataParallel(torch.nn.Module):
             e.g. an evaluation on one rank, is not a collective).
         compression: ``Compression.none`` or ``Compression.fp16``.
         bucket_cap_mb: bucket size in MiB (default ``DYNAMIX_FUSION_BYTES``, else 25, as DDP).
+        batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
+            (``sampler.batch_plan``) whose batch sizes weight the gradients; default: the
+            process's default plan, the newest sampler's.
 
     Attributes:
         module: the wrapped model.
@@ -51,12 +55,14 @@ class DistributedDataParallel(torch.nn.Module):
 
     Raises:
         ValueError: ``device_ids`` has more than one entry, or ``bucket_cap_mb`` is not > 0.
+        TypeError: ``batch_plan`` is not a ``BatchPlan``.
         TensorMismatchError: the workers' modules differ.
         NotInitializedError: ``init()`` was not called.
     """
 
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
-                 compression: type[Compressor] = Compression.none, bucket_cap_mb: float | None = None):
+                 compression: type[Compressor] = Compression.none, bucket_cap_mb: float | None = None,
+                 batch_plan=None):
         super().__init__()
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError(f"device_ids must hold exactly one device (this process's GPU), got {device_ids!r}")
@@ -67,13 +73,14 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self._aggregator = GradientAggregator("sgd", compression, "none")
+        self._step_path = TrainingStep(self._aggregator, "sgd", batch_plan)
         if bucket_cap_mb is not None:
             self._aggregator.fusion_bytes = max(int(bucket_cap_mb * 2**20), 1)
         self._forward_samples: int | None = None  # None: no forward input had a batch dimension
         self._forwards = 0
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
-                                      self._take_samples, on_backward_end=self._aggregator.after_step)
+                                      self._take_samples, on_backward_end=self._step_path.end)
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 
@@ -81,7 +88,7 @@ class DistributedDataParallel(torch.nn.Module):
         return [(f"Gradient.{name}", p) for name, p in self.module.named_parameters() if p.requires_grad]
 
     def _take_samples(self) -> int:
-        samples = self._aggregator.take_samples(UNSET, max(self._forwards, 1))
+        samples = self._step_path.take_samples(UNSET, max(self._forwards, 1))
         if samples == UNSET and self._forward_samples is not None:
             samples = self._forward_samples
         self._forward_samples, self._forwards = None, 0

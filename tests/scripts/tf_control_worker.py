@@ -37,7 +37,7 @@ log = []
 
 class Record(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        step = optimizer.dynamix.aggregator.next_step - 1
+        step = optimizer.next_step - 1
         log.append([int(sampler.schedule.at(step).batch_sizes[bps.rank()]), optimizer.global_batch_size])
         if len(log) == steps:
             self.model.stop_training = True

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import keras
 import tensorflow as tf
 
-from dynamix_byteps import batching
+from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import parse_batch_schedule
 from dynamix_byteps.control.worker import report_loss
@@ -167,6 +167,8 @@ class BatchSizeCallback(keras.callbacks.Callback):
         schedule: global steps at which the per-worker batch sizes change: ``"STEP:SIZES;..."``
             (e.g. ``"300:64;600:96,96,32,32"``, as ``--batch-schedule``), ``{step: sizes}`` or
             ``[(step, sizes), ...]``; sizes one for all workers or one per worker.
+        batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
+            (``sampler.batch_plan``); default: the process's default plan, the newest sampler's.
 
     Raises (at the start of training):
         ConfigurationError: no ``DynamicBatchSampler`` exists, or a malformed schedule.
@@ -174,9 +176,11 @@ class BatchSizeCallback(keras.callbacks.Callback):
             already drawn); every worker raises.
     """
 
-    def __init__(self, schedule: str | Mapping[int, Sequence[int] | int] | Sequence | None = None):
+    def __init__(self, schedule: str | Mapping[int, Sequence[int] | int] | Sequence | None = None,
+                 batch_plan: _batch_plan.BatchPlan | None = None):
         super().__init__()
         self.schedule = schedule
+        self.batch_plan = batch_plan
         self._applied: set[int] = set()
 
     def set_model(self, model):
@@ -198,11 +202,12 @@ class BatchSizeCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         entries = [(step, sizes) for step, sizes in self._entries() if step not in self._applied]
-        if entries and batching.schedule() is None:
+        plan = self.batch_plan if self.batch_plan is not None else _batch_plan.default()
+        if entries and plan.schedule is None:
             raise ConfigurationError("BatchSizeCallback needs a DynamicBatchSampler feeding the model; build the "
                                      "dataset with bps.dynamic_batch_dataset(sampler, data)")
         for step, sizes in entries:
-            batching.set_batch_sizes(sizes, at_step=step)
+            plan.set_batch_sizes(sizes, at_step=step)
             self._applied.add(step)
 
     def on_train_batch_end(self, batch, logs=None):

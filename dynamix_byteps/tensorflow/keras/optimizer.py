@@ -22,8 +22,8 @@ from dynamix_byteps.torch.compression import Compression, Compressor
 class _DistributedOptimizer(keras.optimizers.Optimizer):
     """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
-    def _dynamix_init(self, compression, lr_scaling, base_batch_size) -> None:
-        self.dynamix = GradientReducer(optimizer_family_of(self), compression, lr_scaling, base_batch_size)
+    def _dynamix_init(self, compression, lr_scaling, base_batch_size, batch_plan) -> None:
+        self.dynamix = GradientReducer(optimizer_family_of(self), compression, lr_scaling, base_batch_size, batch_plan)
         self._dynamix_lr_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="dynamix_lr_scale")
         self._dynamix_scaling = False
 
@@ -31,6 +31,11 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
     def global_batch_size(self) -> int | None:
         """Σ b_i of the last step (None when batch sizes were not known)."""
         return self.dynamix.aggregator.global_batch_size
+
+    @property
+    def next_step(self) -> int | None:
+        """The sampler step after the last one trained on (None without a sampler)."""
+        return self.dynamix.next_step
 
     @property
     def lr_scale(self) -> float:
@@ -63,7 +68,7 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
                          device_sparse: str = "", compression: type[Compressor] = Compression.none,
                          sparse_as_dense: bool = False, lr_scaling: str | None = None,
-                         base_batch_size: int | None = None) -> keras.optimizers.Optimizer:
+                         base_batch_size: int | None = None, batch_plan=None) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that every update first averages the gradients over all
     workers, weighted by each worker's local batch size, and scales the learning rate with the
     global batch.
@@ -85,12 +90,16 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
             Adam/AdamW); default ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
         base_batch_size: B0, the global batch the learning rate was tuned for; default: the
             first step's global batch.
+        batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
+            (``sampler.batch_plan``) whose batch sizes weight the gradients; default: the
+            process's default plan, the newest sampler's.
 
-    Attributes of the result: ``global_batch_size`` and ``lr_scale`` of the last step, and
+    Attributes of the result: ``global_batch_size`` and ``lr_scale`` of the last step,
+    ``next_step`` (the sampler step after it), and
     ``dynamix`` (its :class:`~dynamix_byteps.tensorflow.gradients.GradientReducer`).
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras 3 optimizer.
+        TypeError: ``optimizer`` is not a Keras 3 optimizer, or ``batch_plan`` is not a ``BatchPlan``.
         ValueError: the optimizer was already built (its state would be lost: wrap it before
             training), an unknown ``lr_scaling`` rule, or a ``base_batch_size`` below 1.
     """
@@ -109,5 +118,5 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if name is not None:
         config["name"] = name
     wrapped = cls.from_config(config)
-    wrapped._dynamix_init(compression, lr_scaling, base_batch_size)
+    wrapped._dynamix_init(compression, lr_scaling, base_batch_size, batch_plan)
     return wrapped
