@@ -231,6 +231,35 @@ def switch_at_step(change_step: int, steps: int) -> dict:
             "noise_scale": bps.gradient_noise_scale(), "stats": bps.gradient_statistics()}
 
 
+def two_plans(steps: int) -> dict:
+    """Two models in one process, each fed by its own sampler and stepped by an optimizer handed
+    that sampler's batch plan, interleaved step by step; each plan changes its sizes on its own."""
+    dataset = _index_dataset(400)
+    jobs = []
+    for seed, sizes in enumerate(([3, 5], [7, 2])):
+        sampler = bps.DynamicBatchSampler(dataset, sizes, seed=seed)
+        model = _model()
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                       batch_plan=sampler.batch_plan)
+        jobs.append((opt, model, iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler)), sampler))
+    jobs[0][3].batch_plan.set_batch_sizes([6, 6], at_step=4)  # the first plan, through the plan
+    bps.set_batch_sizes([2, 2], at_step=6)  # the module function: the default plan, the newest sampler's
+    result = {"local": [[], []], "global": [[], []], "next_step": [[], []]}
+    for _ in range(steps):
+        for k, (opt, model, batches, _) in enumerate(jobs):
+            x, y, _ = next(batches)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            result["local"][k].append(len(y))
+            result["global"][k].append(opt.global_batch_size)
+            result["next_step"][k].append(opt.next_step)
+    stats = bps.step_statistics()
+    result["default_monitor"] = {"steps": stats.steps, "samples": stats.samples}
+    result["separate_noise"] = jobs[0][0].gradient_noise is not jobs[1][0].gradient_noise
+    return result
+
+
 def rejected_assignment() -> dict:
     dataset, sampler, model, opt = _sgd_job([4, 4, 4], 100)
     before = sampler.schedule.latest.batch_sizes

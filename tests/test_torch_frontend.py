@@ -91,6 +91,20 @@ def test_the_gradient_noise_is_measured_every_noise_every_steps(every, measured)
 
 
 @pytest.mark.timeout(120)
+def test_two_batch_plans_in_one_process_do_not_interfere():
+    steps = 8
+    for rank, result in enumerate(ok(run_workers(2, "dist_cases:two_plans", steps))):
+        assert result["local"][0] == [[3, 5][rank]] * 4 + [6] * (steps - 4)
+        assert result["global"][0] == [8] * 4 + [12] * (steps - 4)
+        assert result["local"][1] == [[7, 2][rank]] * 6 + [2] * (steps - 6)
+        assert result["global"][1] == [9] * 6 + [4] * (steps - 6)
+        assert result["next_step"] == [list(range(1, steps + 1))] * 2
+        # bps.step_statistics() reports the newest sampler's optimizer, and only its steps
+        assert result["default_monitor"] == {"steps": steps, "samples": sum(result["local"][1])}
+        assert result["separate_noise"]
+
+
+@pytest.mark.timeout(120)
 def test_invalid_or_disputed_assignments_are_refused_everywhere():
     for result in ok(run_workers(3, "dist_cases:rejected_assignment")):
         assert result == {"error": "InvalidAssignmentError", "mismatch": "TensorMismatchError", "kept": True}

@@ -1,0 +1,79 @@
+"""BatchPlan: each sampler's own record of the batches it drew, and the process's default plan.
+
+In-process, no engine: samplers are built with an explicit ``num_replicas`` and ``rank``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from dynamix_byteps import batch_plan
+from dynamix_byteps.batch_plan import BatchPlan
+from dynamix_byteps.data.sampler import DynamicBatchSampler
+from dynamix_byteps.errors import ConfigurationError
+
+
+@pytest.fixture(autouse=True)
+def _own_default_plan(monkeypatch):
+    """Each test starts without a default plan, as a new process does."""
+    monkeypatch.setattr(batch_plan, "_default", None)
+
+
+def _sampler(sizes, dataset_size=100):
+    return DynamicBatchSampler(dataset_size, sizes, num_replicas=len(sizes), rank=0, shuffle=False)
+
+
+def test_each_sampler_logs_its_draws_in_its_own_plan():
+    first, second = _sampler([3, 5]), _sampler([7, 2])
+    first_batches, second_batches = iter(first), iter(second)
+    next(first_batches), next(first_batches), next(second_batches)
+    assert first.batch_plan is not second.batch_plan
+    assert first.batch_plan.take_draws(5) == [(0, 3), (1, 3)]
+    assert second.batch_plan.take_draws(5) == [(0, 7)]
+    assert first.batch_plan.trained_position() == (0, 16)  # two global batches of 8
+    assert second.batch_plan.trained_position() == (0, 9)
+
+
+def test_the_newest_sampler_is_the_default_and_set_batch_sizes_needs_one():
+    with pytest.raises(ConfigurationError, match="DynamicBatchSampler"):
+        batch_plan.set_batch_sizes([4, 4])
+    first = _sampler([3, 5])
+    assert batch_plan.default() is first.batch_plan
+    second = _sampler([7, 2])
+    assert batch_plan.default() is second.batch_plan
+    assert first.batch_plan.schedule is first.schedule and second.batch_plan.schedule is second.schedule
+
+
+def test_a_new_sampler_keeps_the_newest_frontends_statistics_reachable():
+    monitor, noise = object(), object()
+    batch_plan.default().attach(monitor, noise)  # a frontend built before any sampler
+    sampler = _sampler([4, 4])
+    assert (sampler.batch_plan.monitor, sampler.batch_plan.gradient_noise) == (monitor, noise)
+
+
+def test_objects_kept_for_default_followers_move_with_the_default_and_bound_ones_stay():
+    first = _sampler([4, 4])
+    following = first.batch_plan.shared("tape", object, follows_default=True)
+    bound = first.batch_plan.shared("bound tape", object)
+    second = _sampler([4, 4])
+    assert second.batch_plan.shared("tape", object, follows_default=True) is following
+    assert first.batch_plan.shared("bound tape", object) is bound
+    assert second.batch_plan.shared("bound tape", object) is not bound
+
+
+def test_replacing_a_default_plan_warns_only_when_a_frontend_following_it_trained_on_it():
+    bound = _sampler([4, 4])
+    bound.batch_plan.take_draws(1)  # a frontend handed this plan explicitly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        followed = _sampler([4, 4])
+    followed.batch_plan.take_draws(1, as_default=True)
+    with pytest.warns(UserWarning, match="replaces the one training has used"):
+        _sampler([4, 4])
+
+
+def test_a_plan_without_a_sampler_refuses_set_batch_sizes():
+    with pytest.raises(ConfigurationError, match="needs a DynamicBatchSampler"):
+        BatchPlan().set_batch_sizes([4])
