@@ -333,3 +333,50 @@ def test_a_seven_step_ladder_sizes_the_action_space_and_keeps_at_its_middle():
     assert (env.sim.batch == sizes).all()
     env.step(np.array([0, 2, 4, 6]))
     assert env.sim.batch.tolist() == [16, 27, 38, 64]
+
+
+# -- per-worker links under parameter servers ---------------------------------------------------
+
+def _slow_link_job(engine: str):
+    from dynamix_byteps.policy.sim.params import SimParams, WorkerParams
+
+    workers = (WorkerParams(jitter=0.0),) * 2 + (WorkerParams(jitter=0.0, bandwidth_bytes_per_s=2.5e6),)
+    return SimParams(workers=workers, initial_batch=(32,) * 3, engine=engine)
+
+
+def test_under_ps_each_worker_moves_its_gradient_over_its_own_link():
+    from dynamix_byteps.policy.sim.dynamics import Simulator
+
+    job = _slow_link_job("ps")
+    state = Simulator(job, rng=np.random.default_rng(0)).reset()
+    assert state.engine == "ps"
+    own = [job.comm.latency_s / 2 + job.comm.model_bytes / bw for bw in (1.25e8, 1.25e8, 2.5e6)]
+    assert [w.push_s for w in state.workers] == pytest.approx(own, rel=0.2)  # comm jitter 5 %
+    assert [w.pull_s for w in state.workers] == [w.push_s for w in state.workers]
+    ring = Simulator(_slow_link_job("ring"), rng=np.random.default_rng(0)).reset()
+    assert ring.engine == "" and all(w.push_s is None and w.pull_s is None for w in ring.workers)
+
+
+def test_a_smaller_batch_behind_the_slow_link_shortens_the_step_under_ps_only():
+    from dynamix_byteps.policy.sim.dynamics import Simulator
+
+    even, shifted = [32, 32, 32], [44, 44, 8]
+    ps = Simulator(_slow_link_job("ps"))
+    ring = Simulator(_slow_link_job("ring"))
+    # ps: the slow link's worker starts its push earlier; the others' extra compute overlaps it
+    assert ps.nominal_step_s(shifted) < ps.nominal_step_s(even)
+    # ring: everyone waits for the slowest link after the slowest compute, now longer
+    assert ring.nominal_step_s(shifted) > ring.nominal_step_s(even)
+    # and the proportional policy, shown the simulated ps state, moves in that direction
+    decision = make_policy("proportional").decide(ps.reset())
+    assert decision.batch_sizes[2] < min(decision.batch_sizes[:2])
+
+
+def test_the_engine_is_checked_and_survives_json(tmp_path):
+    from dynamix_byteps.policy.sim.params import SimParams
+
+    with pytest.raises(ConfigurationError, match="engine='tree'"):
+        dataclasses.replace(_slow_link_job("ps"), engine="tree")
+    path = tmp_path / "p.json"
+    _slow_link_job("ps").to_json(path)
+    assert SimParams.from_json(path) == _slow_link_job("ps")

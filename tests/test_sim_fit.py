@@ -318,3 +318,44 @@ def test_a_loss_curve_with_a_slow_tail_is_fitted_with_it_and_keeps_the_noise_law
     assert stats.noise_scale == pytest.approx(400, rel=0.3) and stats.noise_growth == pytest.approx(1.0, abs=0.25)
     assert main(["sim", "fit", *map(str, runs), "--out", str(tmp_path / "p.json")]) == 0
     assert SimParams.from_json(tmp_path / "p.json").stats.loss_tail == stats.loss_tail
+
+
+# ---- per-worker links of a ps run ---------------------------------------------------------------
+
+
+def _simulated_run(path: Path, params: SimParams, decisions: int = 12) -> Path:
+    """The decision log of ``params`` simulated at its initial batches, with the state's ``engine``
+    and each worker's ``push_s``/``pull_s`` logged as the scheduler logs them."""
+    from dynamix_byteps.policy.sim.dynamics import Simulator
+
+    sim = Simulator(params, rng=np.random.default_rng(1))
+    state, lines = sim.reset(), []
+    for decision in range(1, decisions + 1):
+        w = state.workers
+        lines.append(json.dumps({"decision": decision, "step": state.step, "batch_sizes": list(state.batch_sizes), "state": {
+            "workers": {"batch_size": list(state.batch_sizes), "compute_s": [x.compute_s for x in w],
+                        "push_pull_s": [x.push_pull_s for x in w], "samples_per_s": [x.samples_per_s for x in w],
+                        "push_s": [x.push_s for x in w], "pull_s": [x.pull_s for x in w],
+                        "loss": [state.loss_history[-1]] * len(w), "reports": [1] * len(w)},
+            "engine": state.engine, "noise_scale": state.noise_scale}}))
+        sim.step(state.batch_sizes)
+        state = sim.cluster_state()
+    path.mkdir()
+    (path / "decisions.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("engine", ["ps", "ring"])
+def test_a_ps_run_fits_each_workers_own_link(tmp_path, engine):
+    from dynamix_byteps.policy.sim.params import WorkerParams
+
+    job = replace(SimParams(workers=(WorkerParams(),) * 2 + (WorkerParams(bandwidth_bytes_per_s=2.5e6),),
+                            initial_batch=(32,) * 3), engine=engine)
+    params = fit_run(_simulated_run(tmp_path / "run", job))
+    links = [w.bandwidth_bytes_per_s for w in params.workers]
+    if engine == "ring":  # the ring paces every rank to the slowest link: nothing per worker to fit
+        assert params.engine == "ring" and links == [None] * 3
+        return
+    assert params.engine == "ps"
+    assert links[2] == pytest.approx(2.5e6, rel=0.1)  # 20 Mbit/s
+    assert min(links[:2]) > 20 * links[2]  # the others' 1 Gbit/s links, give or take the latency split

@@ -3,8 +3,16 @@
 Timing, per step k and worker i (``b_i`` local batch, ``f`` progress fraction)::
 
     c_ik = (a_i + b_i / θ_i) · slowdown_i(f) · J_ik            J lognormal, mean 1, sd = jitter_i
-    T_k  = max_i c_ik + C_k,   C_k = (latency + 2·model_bytes / min_i bw_i) · J'_k
+    ring:  T_k = max_i c_ik + C_k,   C_k = (latency + 2·model_bytes / min_i bw_i) · J'_k
+    ps:    T_k = max_i (c_ik + 2·m_ik),  m_ik = (latency/2 + model_bytes / bw_i) · J'_k
     push_pull_ik = T_k − c_ik                                  (barrier wait + communication)
+
+Under a ring every rank moves the same bytes at the slowest link's pace. Under parameter servers
+(``SimParams.engine == "ps"``) each worker pushes its gradient over its own link after its compute,
+overlapped with the others' compute; the round ends when the last push arrives, and a worker
+starts its next step once it has pulled the sum over its own link, so its cycle is
+``pull_i + c_i + push_i`` with ``push_i = pull_i = m_i``. The state then carries each worker's
+``push_s`` and ``pull_s`` (``m_i``) and ``engine="ps"``, as the scheduler's would.
 
 Progress follows the gradient-noise-scale model of McCandlish, Kaplan, Amodei et al., *An
 Empirical Model of Large-Batch Training* (arXiv 1812.06162, eq. 2.11 ``S = S_min(1 + B_noise/B)``):
@@ -83,6 +91,9 @@ class Simulator:
         self._jitter = np.array([w.jitter for w in p.workers])
         bw = [w.bandwidth_bytes_per_s or p.comm.bandwidth_bytes_per_s for w in p.workers]
         self._bw = np.array(bw, dtype=np.float64)
+        self._ps = p.engine == "ps"
+        # ps: each worker's push (and its pull), seconds, shape (N,); ring: one round for all
+        self._own_s = p.comm.latency_s / 2.0 + p.comm.model_bytes / self._bw
         self._comm_s = p.comm.latency_s + 2.0 * p.comm.model_bytes / float(self._bw.min())
         self._m0 = float(sum(p.initial_batch))
         self._has_windows = any(w.slowdowns for w in p.workers)
@@ -129,9 +140,13 @@ class Simulator:
         return np.array([w.slowdown_at(fraction) for w in self.params.workers])
 
     def nominal_step_s(self, sizes, fraction: float = 0.0) -> float:
-        """Step time without jitter: ``max_i (a_i + b_i/θ_i)·slowdown_i + comm`` (seconds)."""
+        """Step time without jitter (seconds): ``max_i (a_i + b_i/θ_i)·slowdown_i + comm`` under a
+        ring, ``max_i ((a_i + b_i/θ_i)·slowdown_i + 2·m_i)`` under ``ps`` (module docstring)."""
         b = np.asarray(sizes, dtype=np.float64)
-        return float(((self._a + b / self._theta) * self.slowdowns(fraction)).max() + self._comm_s)
+        compute = (self._a + b / self._theta) * self.slowdowns(fraction)
+        if self._ps:
+            return float((compute + 2.0 * self._own_s).max())
+        return float(compute.max() + self._comm_s)
 
     # -- episode --------------------------------------------------------------------------
     def reset_state(self) -> None:
@@ -189,8 +204,9 @@ class Simulator:
         z = rng.standard_normal((k_steps, n))
         compute = base * np.exp(self._jitter * z - 0.5 * self._jitter ** 2)
         cj = p.comm.jitter
-        comm = self._comm_s * np.exp(cj * rng.standard_normal(k_steps) - 0.5 * cj * cj)
-        step_s = compute.max(axis=1) + comm
+        comm_jitter = np.exp(cj * rng.standard_normal(k_steps) - 0.5 * cj * cj)
+        own = self._own_s[None, :] * comm_jitter[:, None]  # (K, N): each push, and each pull
+        step_s = (compute + 2.0 * own).max(axis=1) if self._ps else compute.max(axis=1) + self._comm_s * comm_jitter
         # B_noise is held at its value at the start of the interval for its K steps.
         d_eff = m / (m + self.noise_scale(self.loss))
         eff = self.effective_steps + d_eff * np.arange(1, k_steps + 1)
@@ -206,7 +222,7 @@ class Simulator:
         if reached.size:
             self.time_to_target = self.time_s
         self.steps += done_steps
-        compute, step_s, losses = compute[:done_steps], step_s[:done_steps], losses[:done_steps]
+        compute, step_s, losses, own = compute[:done_steps], step_s[:done_steps], losses[:done_steps], own[:done_steps]
         noise_sd = s.loss_noise * math.sqrt(self._m0 / m)
         reported = float(np.mean(losses)) * (1.0 + noise_sd * float(rng.standard_normal()))
         self.loss_history.append(reported)
@@ -217,6 +233,7 @@ class Simulator:
         self.last = {
             "compute_s": c_mean,
             "push_pull_s": pp_mean,
+            "own_comm_s": own.mean(axis=0) if self._ps else None,
             "noise_scale": self.measured_noise_scale(self.loss) * math.exp(sn * float(rng.standard_normal()) - 0.5 * sn * sn),
             "node": self._node_metrics(c_mean, pp_mean, slow) if p.node_metrics else [{} for _ in range(n)],
         }
@@ -230,7 +247,8 @@ class Simulator:
         return [{"cpu_util": float(u), "rtt_s": float(r), "retransmits": 0} for u, r in zip(util, rtt)]
 
     def cluster_state(self) -> ClusterState:
-        """What the scheduler would see now: interval averages, bounds, loss history, B_noise."""
+        """What the scheduler would see now: interval averages (under ``ps`` each worker's push and
+        pull time), bounds, loss history, B_noise."""
         p, last = self.params, self.last
         workers = tuple(
             WorkerState(
@@ -242,6 +260,8 @@ class Simulator:
                 min_batch=p.min_batch,
                 max_batch=p.max_batch,
                 node=last["node"][i],
+                push_s=None if last["own_comm_s"] is None else float(last["own_comm_s"][i]),
+                pull_s=None if last["own_comm_s"] is None else float(last["own_comm_s"][i]),
             )
             for i in range(p.num_workers)
         )
@@ -253,4 +273,5 @@ class Simulator:
             grad_sq=1.0,
             trace_cov=float(last["noise_scale"]),
             dataset_size=p.dataset_size,
+            engine="ps" if self._ps else "",
         )

@@ -33,6 +33,11 @@ What is fitted (units: seconds, samples):
   ``latency + 2·model_bytes/bandwidth`` is identifiable from one model size: ``model_bytes`` and
   ``latency_s`` keep their reference values (latency at most ``C̄/2``) and the bandwidth is the
   effective one, ``2·model_bytes/(C̄ − latency)``; comm jitter = sd of ``ln(C_t/C̄)``;
+* **per-worker links**, for a run of the ``ps`` engine (``state.engine == "ps"`` and every worker's
+  ``push_s`` and ``pull_s`` logged in the fitted intervals): each worker's own communication
+  ``m̄_i`` = mean of ``push_s + pull_s``, its link ``bandwidth_i = 2·model_bytes/(m̄_i − latency)``
+  (latency at most ``min_i m̄_i/2``), comm jitter = sd of ``ln(m_ti/m̄_i)`` over workers and
+  intervals, and ``engine="ps"``;
 * job: initial batches, the bounds common to all workers (largest minimum, smallest maximum;
   unbounded: the reference maximum), K (median step gap between decisions), dataset size,
   whether node-agent metrics were present;
@@ -59,7 +64,8 @@ What is fitted (units: seconds, samples):
   tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
   timings, bounds and K come from ``RUN_DIR``.
 
-Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links, the
+Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links of a
+ring run (every rank moves at the slowest link's pace, so they cannot be told apart), the
 generalisation gap and the loss noise. The fitted file suits ``dynamix policy train --scenario
 homogeneous --sim-params FILE`` (other scenarios add their slowdowns on top of the fitted speeds).
 """
@@ -120,6 +126,9 @@ class RunLog:
         min_batch, max_batch: bounds common to all workers (max None: unbounded).
         dataset_size: samples per epoch, None when not reported.
         node_metrics: whether a node agent reported cpu_util or rtt_s.
+        push_s, pull_s: (T, N) each worker's own push and pull seconds per step (``ps`` engine),
+            NaN where not logged.
+        engine: the run's engine as logged (``state.engine``; empty when not logged).
     """
 
     path: Path
@@ -134,6 +143,9 @@ class RunLog:
     max_batch: int | None
     dataset_size: int | None
     node_metrics: bool
+    push_s: np.ndarray | None = None
+    pull_s: np.ndarray | None = None
+    engine: str = ""
 
     @property
     def step_s(self) -> np.ndarray:
@@ -206,11 +218,13 @@ def load_log(run_dir) -> RunLog:
             reports = [int(x) for x in w.get("reports") or [1] * len(sizes)]
             step, decision = record.step, record.decision
             losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
+            push = [_finite(x) for x in w.get("push_s") or [None] * len(sizes)]
+            pull = [_finite(x) for x in w.get("pull_s") or [None] * len(sizes)]
             nodes = any(isinstance(node, dict) and ("cpu_util" in node or "rtt_s" in node) for node in w.get("node") or [])
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise _corrupt(path, number, f"missing or malformed field {error}") from None
         n = len(sizes)
-        if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == n:
+        if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == len(push) == len(pull) == n:
             raise _corrupt(path, number, "the per-worker lists are empty or of different lengths")
         if (beyond := _beyond_range(compute, push_pull, smoothed)) is not None:
             raise _corrupt(path, number, beyond)
@@ -228,6 +242,7 @@ def load_log(run_dir) -> RunLog:
             continue  # an interval without real timings (a worker that did not compute)
         losses = [x for x in losses if math.isfinite(x)]
         rows.append({"n": n, "line": number, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,
+                     "push": push, "pull": pull, "engine": state.get("engine") or "",
                      "loss": sum(losses) / len(losses) if losses else math.nan,
                      "noise": _finite(state.get("noise_scale")), "nodes": nodes, "record": record})
     if len(rows) < MIN_INTERVALS:
@@ -259,6 +274,9 @@ def load_log(run_dir) -> RunLog:
         max_batch=min(maxes) if maxes else None,
         dataset_size=max(datasets) if datasets else None,
         node_metrics=any(r["nodes"] for r in rows),
+        push_s=np.array([r["push"] for r in rows], dtype=np.float64),
+        pull_s=np.array([r["pull"] for r in rows], dtype=np.float64),
+        engine=rows[-1]["engine"] if len({r["engine"] for r in rows}) == 1 else "",
     )
 
 
@@ -318,6 +336,27 @@ def _fit_workers(log: RunLog, rows: slice) -> list[WorkerFit]:
             f = WorkerFit(a, theta, jitter, "shared-fraction")
         out.append(f)
     return out
+
+
+def own_links(log: RunLog, rows: slice) -> np.ndarray | None:
+    """(T, N) each worker's own ``push_s + pull_s`` over ``rows`` when ``log`` is of a ``ps`` run
+    that logged them all (finite, >= 0, not all zero), else None (module docstring)."""
+    if log.engine != "ps" or log.push_s is None or log.pull_s is None:
+        return None
+    own = log.push_s[rows] + log.pull_s[rows]
+    if own.size == 0 or not np.all(np.isfinite(own) & (own >= 0)) or not np.all(own.mean(axis=0) > 0):
+        return None
+    return own
+
+
+def _fit_links(own: np.ndarray) -> tuple[CommParams, list[float]]:
+    """The comm parameters and each worker's link bandwidth (bytes/s) from ``own`` of :func:`own_links`."""
+    ref = _REF.comm
+    mean = own.mean(axis=0)
+    latency = min(ref.latency_s, float(mean.min()) / 2.0)
+    jitter = _log_sd(np.log(np.maximum(own, 1e-9) / mean).ravel(), ref.jitter, own.shape[1])
+    bandwidths = [2.0 * ref.model_bytes / (m - latency) for m in mean.tolist()]
+    return replace(ref, latency_s=latency, bandwidth_bytes_per_s=float(np.median(bandwidths)), jitter=jitter), bandwidths
 
 
 def _fit_comm(log: RunLog, rows: slice) -> CommParams:
@@ -431,8 +470,11 @@ def fit_log(log: RunLog, calibration: Sequence[RunLog] = ()) -> tuple[SimParams,
     max_batch = max(log.max_batch or ref.max_batch, *log.initial_batch)
     gaps = np.diff(log.steps)
     k = int(np.median(gaps)) if gaps.size and np.median(gaps) >= 1 else ref.decision_interval
+    own = own_links(log, rows)
+    comm, links = _fit_links(own) if own is not None else (_fit_comm(log, rows), [None] * len(workers))
     params = SimParams(
-        workers=tuple(WorkerParams(fixed_s=f.fixed_s, samples_per_s=f.samples_per_s, jitter=f.jitter) for f in workers),
+        workers=tuple(WorkerParams(fixed_s=f.fixed_s, samples_per_s=f.samples_per_s, jitter=f.jitter,
+                                   bandwidth_bytes_per_s=link) for f, link in zip(workers, links)),
         initial_batch=log.initial_batch,
         min_batch=min_batch,
         max_batch=max_batch,
@@ -440,9 +482,10 @@ def fit_log(log: RunLog, calibration: Sequence[RunLog] = ()) -> tuple[SimParams,
         max_decisions=ref.max_decisions,
         dataset_size=log.dataset_size or ref.dataset_size,
         node_metrics=log.node_metrics,
-        comm=_fit_comm(log, rows),
+        comm=comm,
         stats=_fit_stats([log, *calibration]),
         scenario=f"fit:{log.path.parent.name}",
+        engine="ps" if own is not None else "ring",
     )
     return params, workers
 

@@ -4,8 +4,10 @@
 
 * per worker (:class:`WorkerParams`): compute time per step ``(a_i + b_i/θ_i) · slowdown_i(f)``
   with lognormal jitter, and an optional own link bandwidth;
-* communication (:class:`CommParams`): ``latency + 2 · model_bytes / min_i bandwidth_i`` per
-  step (push then pull; a synchronous round waits for the slowest link);
+* communication (:class:`CommParams`): under a ring (``engine="ring"``),
+  ``latency + 2 · model_bytes / min_i bandwidth_i`` per step (push then pull; a synchronous round
+  waits for the slowest link); under parameter servers (``engine="ps"``), each worker's own
+  ``latency/2 + model_bytes / bandwidth_i`` to push and as much to pull, over its own link;
 * the statistical model (:class:`StatParams`, formulas in :mod:`.dynamics`);
 * the job: initial local batches, bounds, decision interval K, episode cap, dataset size.
 
@@ -29,9 +31,12 @@ from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
 
-__all__ = ["CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "loss_remaining", "reference"]
+__all__ = ["ENGINES", "CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "loss_remaining",
+           "reference"]
 
 SCHEMA_VERSION = 1
+#: Communication topologies the simulator models: a ring all-reduce, or parameter servers.
+ENGINES = ("ring", "ps")
 
 
 def _check(cond: bool, what: str) -> None:
@@ -96,7 +101,8 @@ class WorkerParams:
 
 @dataclass(frozen=True)
 class CommParams:
-    """Push/pull per step: ``latency_s + 2 · model_bytes / bandwidth`` (slowest link), jittered.
+    """Push/pull per step: ``latency_s + 2 · model_bytes / bandwidth`` (slowest link; under ``ps``
+    each worker's own link), jittered.
 
     Attributes:
         model_bytes: gradient bytes per step (4 × parameters for float32).
@@ -205,6 +211,8 @@ class SimParams:
         node_metrics: whether node-agent metrics (cpu_util, rtt_s, retransmits) are reported.
         comm, stats: :class:`CommParams`, :class:`StatParams`.
         scenario: the scenario it was built from, for reports.
+        engine: ``"ring"`` (the slowest link paces every worker) or ``"ps"`` (each worker pushes and
+            pulls over its own link; :mod:`.dynamics` has both step-time laws).
     """
 
     workers: tuple[WorkerParams, ...]
@@ -218,6 +226,7 @@ class SimParams:
     comm: CommParams = field(default_factory=CommParams)
     stats: StatParams = field(default_factory=StatParams)
     scenario: str = ""
+    engine: str = "ring"
 
     def __post_init__(self):
         _check(len(self.workers) >= 1, "workers must hold at least one worker")
@@ -228,6 +237,7 @@ class SimParams:
                f"initial_batch {list(self.initial_batch)} must lie within [{self.min_batch}, {self.max_batch}]")
         _check(self.decision_interval >= 1 and self.max_decisions >= 1 and self.dataset_size >= 1,
                "decision_interval, max_decisions and dataset_size must be >= 1")
+        _check(self.engine in ENGINES, f"engine={self.engine!r} must be one of {', '.join(ENGINES)}")
 
     @property
     def num_workers(self) -> int:
