@@ -17,7 +17,7 @@ from conftest import REPO, run_bpslaunch
 from multiworker import free_port, ok, ps_env, run_workers, start_servers, worker_command, worker_env
 
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
-from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
+from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, channels_from_env
 from dynamix_byteps.engine.ps_server import SummationServer
 from dynamix_byteps.errors import ConfigurationError
 
@@ -47,6 +47,11 @@ def test_rendezvous_and_partition_size_come_from_the_byteps_variables():
     with pytest.raises(ConfigurationError, match="DYNAMIX_PS_PORT"):
         PSRendezvous.from_environ(1, "h", None, 30.0, {"DMLC_NUM_SERVER": "1"})
     assert partition_bytes_from_env({}) == 4096000
+    assert group.channels is None  # TensorPipe's choice
+    assert PSRendezvous.from_environ(4, "h", 1234, 30.0, {"DMLC_NUM_SERVER": "1", "DYNAMIX_PS_CHANNELS": "basic, cma"}
+                                     ).channels == ("basic", "cma")
+    with pytest.raises(ConfigurationError, match="DYNAMIX_PS_CHANNELS='shm' names unknown"):
+        channels_from_env({"DYNAMIX_PS_CHANNELS": "shm"})
     with pytest.raises(ConfigurationError, match="BYTEPS_PARTITION_BYTES"):
         partition_bytes_from_env({"BYTEPS_PARTITION_BYTES": "0"})
 
@@ -234,7 +239,13 @@ def test_a_server_exits_by_itself_when_its_launcher_is_killed():
             launcher.wait()
 
 
-def test_a_server_with_a_bad_variable_exits_2_naming_it():
-    done = subprocess.run([sys.executable, "-m", "dynamix_byteps.engine.ps_server"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "DYNAMIX_SERVER_ID": "x"})
-    assert done.returncode == 2 and "DYNAMIX_SERVER_ID='x' is not an integer" in done.stderr
+@pytest.mark.parametrize("variable, value, message", [
+    ("DYNAMIX_SERVER_ID", "x", "DYNAMIX_SERVER_ID='x' is not an integer"),
+    ("DYNAMIX_PS_CHANNELS", "basic,shm", "DYNAMIX_PS_CHANNELS='basic,shm' names unknown TensorPipe channel(s) ['shm']"),
+])
+def test_a_server_with_a_bad_variable_exits_2_naming_it(variable, value, message):
+    args = [] if variable == "DYNAMIX_SERVER_ID" else ["--server-id", "0", "--num-servers", "1", "--num-workers", "1",
+                                                      "--port", str(free_port())]
+    done = subprocess.run([sys.executable, "-m", "dynamix_byteps.engine.ps_server", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, variable: value})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
