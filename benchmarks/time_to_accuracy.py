@@ -41,7 +41,7 @@ puts over 5% on resamples made of one or two seeds, so ``ahead`` nearly needs ev
 Load: during each run, ``os.getloadavg()`` is sampled every 2 s. The run's own expected share is
 its worker count (plus the summation servers with ``--engine ps``) seen through the kernel's
 1-minute filter, on top of what the previous run still holds in the average; a run whose mean
-excess over that share is above ``--load-margin`` (default 0.5 runnable processes) was loaded by
+excess over that share is above ``--load-margin`` (default 0.75 runnable processes) was loaded by
 other work. Without ``--allow-load`` a run starts only when the excess is within the margin
 (waiting up to ``--load-wait`` s), and a run that turns out loaded is set aside (kept in the
 JSON under ``refused_runs``) and made again, twice at most, before the benchmark stops with exit
@@ -193,7 +193,7 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
             returncode = run_behind_links(scenario, launch, command, timeout, log)
         else:
             argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
-            returncode = subprocess.run(argv, check=False, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            returncode = run_launcher(argv, timeout, log)
     if returncode != 0 or not output.exists():
         raise RuntimeError(f"{name} on {scenario.name} failed with exit code {returncode}; see {run_dir}/launcher.log")
     result = json.loads(output.read_text())
@@ -204,6 +204,24 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
             "times_to_target_s": {target_key(t): None if s == math.inf else s for t, s in zip(args.targets, times)},
             "load": {"share": load.share, "tail": tail, "samples": load.samples, "other_load": other,
                      "loaded": other > args.load_margin}}
+
+
+def run_launcher(argv: list[str], timeout: float, log) -> int:
+    """Run bpslaunch, its output to ``log``; its exit status. Past ``timeout`` seconds it is
+    stopped with SIGTERM (which stops its workers too), SIGKILL 30 s later, and RuntimeError raised."""
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the job ran past {timeout:g} s and was stopped") from None
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def own_share(args: argparse.Namespace) -> float:
@@ -239,9 +257,10 @@ def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
     each row holds medians with 90% intervals (``inf`` as None in JSON, see :func:`finite`) and
     ``vs_best_static`` / ``vs_best_heuristic``: ``{"reference", "ratio", "ci90", "verdict"}``.
     """
-    by_config: dict[str, list[dict]] = {}
+    by_config: dict[str, list[dict]] = {name: [] for name in STYLES}  # the table's order
     for run in runs:
-        by_config.setdefault(run["config"], []).append(run)
+        by_config[run["config"]].append(run)
+    by_config = {name: done for name, done in by_config.items() if done}
     metrics = {name: [run_metrics(r, targets, budget_s) for r in done] for name, done in by_config.items()}
     rows = {}
     for name, done in by_config.items():
@@ -319,8 +338,15 @@ def _comparison(row: dict, kind: str) -> str:
         return ""
     if c["ci90"] is None or c["verdict"] == "ref":
         return c["verdict"]
-    ratio = lambda v: "inf" if v is None or v == math.inf else f"{v:.2f}"  # noqa: E731
-    return f"{ratio(c['ratio'])}x [{ratio(c['ci90'][0])}, {ratio(c['ci90'][1])}] {c['verdict']}"
+    return f"{_ratio(c['ratio'])}x [{_ratio(c['ci90'][0])}, {_ratio(c['ci90'][1])}] {c['verdict']}"
+
+
+def _ratio(value: float | None) -> str:
+    return "inf" if value is None or value == math.inf else f"{value:.2f}"
+
+
+def _three(value: float) -> str:
+    return f"{value:.3f}"
 
 
 def tables(summary: dict, targets: list[float]) -> tuple[list[str], list[list[str]]]:
@@ -333,10 +359,9 @@ def tables(summary: dict, targets: list[float]) -> tuple[list[str], list[list[st
     header += [f"vs {k.replace('_', ' ')} ({decided[k]}) {against}" for k in kinds] + ["loaded runs"]
     lines = []
     for row in summary["rows"]:
-        three = lambda v: f"{v:.3f}"  # noqa: E731
         lines.append([row["config"], str(row["runs"]),
                       *(_with_interval(row["time_to_target_s"][target_key(t)], _seconds) for t in targets),
-                      _with_interval(row["accuracy_at_budget"], three), _with_interval(row["auc"], three),
+                      _with_interval(row["accuracy_at_budget"], _three), _with_interval(row["auc"], _three),
                       f"{row['samples_per_s']:.0f}", f"{row['straggler_efficiency']:.2f}", f"{row['mean_global_batch']:.0f}",
                       *(_comparison(row, k) for k in kinds),
                       f"{row['loaded_runs']}/{row['runs']}" + (" LOADED" if row["loaded_runs"] else "")])
@@ -380,8 +405,11 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
                     linewidth=1.6, label=f"{name} ({len(mine)})")
         for i, t in enumerate(targets):
             y = i + (k - (len(names) - 1) / 2) * 0.8 / max(len(names), 1)
-            times = [x for x in (time_to_target(r["curve"], t) for r in mine) if x is not None]
-            crossings.scatter(times, [y] * len(times), color=colour, marker=marker, s=14, alpha=0.5)
+            times = [time_to_target(r["curve"], t) for r in mine]
+            reached = [x for x in times if x is not None]
+            crossings.scatter(reached, [y] * len(reached), color=colour, marker=marker, s=14, alpha=0.5)
+            missed = len(times) - len(reached)
+            crossings.scatter([budget] * missed, [y] * missed, marker=marker, s=14, facecolors="none", edgecolors=colour)
             cell = summary["rows"][k]["time_to_target_s"][target_key(t)]
             if cell["median"] < math.inf:
                 crossings.scatter([cell["median"]], [y], color=colour, marker=marker, s=60, edgecolors="black",
@@ -395,8 +423,8 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
                ylim=(max(0.0, min(targets) - 0.2), min(1.0, highest + 0.02)), xlim=(0, budget))
     curves.grid(alpha=0.3)
     curves.legend(loc="lower right", fontsize=8, title="median, min-max (runs)", title_fontsize=8)
-    crossings.set(xlabel="training seconds to the target (small: runs, large: median)",
-                  yticks=range(len(targets)), yticklabels=[f"{100 * t:g}%" for t in targets], xlim=(0, budget))
+    crossings.set(xlabel="training s to target (runs; large: median; hollow: not reached)",
+                  yticks=range(len(targets)), yticklabels=[f"{100 * t:g}%" for t in targets], xlim=(0, budget * 1.03))
     crossings.grid(alpha=0.3, axis="x")
     fig.suptitle(f"Fashion-MNIST {report['model']}, {report['workers']} workers, {report['engine']}: scenario "
                  f"{report['scenario']} ({report['description']}), {report['measured_at'][:10]}", fontsize=10)
@@ -439,8 +467,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42, help="the example's --seed of the first round (default 42)")
     p.add_argument("--allow-load", action="store_true", help="keep runs made while other work loaded the machine "
                    "(flagged LOADED) instead of waiting for quiet and remaking them")
-    p.add_argument("--load-margin", type=float_in(0, 1000), default=0.5,
-                   help="load beyond a run's own share that counts as other work (default 0.5)")
+    p.add_argument("--load-margin", type=float_in(0, 1000), default=0.75,
+                   help="load beyond a run's own share that counts as other work (default 0.75)")
     p.add_argument("--load-wait", type=float_in(0, 86400, unit="s"), default=600.0,
                    help="without --allow-load: seconds to wait for a quiet machine before a run (default 600)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
@@ -544,11 +572,11 @@ def main(argv=None) -> int:
     earlier = args.earlier or {}
     kept = [r for r in earlier.get("runs", []) if r["config"] not in args.configs]
     refused = [r for r in earlier.get("refused_runs", []) if r["config"] not in args.configs]
-    header = ("benchmark", "schema", *experiment(args), "description", "workers", "seed", "load_margin", "measured_at",
+    header = ("benchmark", "schema", *experiment(args), "description", "workers", "load_margin", "measured_at",
               "measured_on")
     report = {key: earlier[key] for key in header} if earlier else {
         "benchmark": "time_to_accuracy", "schema": SCHEMA, **experiment(args), "description": args.scenario.description,
-        "workers": args.scenario.workers, "seed": args.seed, "load_margin": args.load_margin,
+        "workers": args.scenario.workers, "load_margin": args.load_margin,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "measured_on": machine()}
     runs = list(kept)
     if args.configs:
@@ -566,7 +594,12 @@ def main(argv=None) -> int:
                 for attempt in range(LOAD_RETRIES + 1):
                     if not args.allow_load:
                         wait_for_quiet(args, tail_now)
-                    run = run_config(name, config, args.scenario, args, repeat, tail_now())
+                    try:
+                        run = run_config(name, config, args.scenario, args, repeat, tail_now())
+                    except RuntimeError as error:
+                        save(args, report, runs, refused, complete=False)
+                        print(f"{name} seed {args.seed + repeat}: {error}; the runs so far are in {args.out}", file=sys.stderr)
+                        return 1
                     previous.update(share=run["load"]["share"], end=time.monotonic())
                     times = ", ".join(_seconds(t) for t in run["times_to_target_s"].values())
                     print(f"  {name} seed {run['seed']}: to targets {times} s, accuracy {run['test_accuracy']:.4f}, "
