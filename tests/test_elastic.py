@@ -7,11 +7,14 @@ import dataclasses
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
@@ -234,3 +237,54 @@ def test_the_checkpoint_folder_is_created_like_the_log_dir(tmp_path):
                      timeout=50)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run").is_dir()
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("DYNAMIX_TEST_MARKER") == marker:
+                found.append(process)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_ps_server_restarts_servers_and_workers_from_the_checkpoint_and_leaves_nothing(tmp_path):
+    """--engine ps: SIGKILL server1 mid-epoch; the launcher stops the run, starts fresh servers and the same two
+    workers, which resume from the checkpoint; every sample is trained once and no process is left."""
+    out, marker = tmp_path / "out", f"ps-restart-{os.getpid()}-{time.time_ns()}"
+    out.mkdir()
+    samples = 240  # 20 steps of the global batch 12
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--engine", "ps", "--num-servers", "2",
+         "--batch-size", "6", "--timeout", "30", "--grace-period", "2", "--restart-on-failure", "1",
+         "--checkpoint", str(tmp_path / "ckpt.pt"), "--", sys.executable, str(WORKER), str(out), str(samples),
+         "-1", "-1", "0.2"],
+        env={**os.environ, "DYNAMIX_TEST_MARKER": marker, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+        stdout=open(tmp_path / "stdout", "wb"), stderr=open(tmp_path / "stderr", "wb"))
+    try:
+        deadline = time.monotonic() + 150
+        first = out / "rank0.run0.jsonl"
+        while not (first.exists() and first.read_text().count('"step"') >= 4):
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.1)
+        (server,) = [p for p in _marked(marker) if "dynamix_byteps.engine.ps_server" in p.cmdline()
+                     and p.cmdline()[p.cmdline().index("--server-id") + 1] == "1"]
+        server.kill()
+        code = launcher.wait(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == 0, stderr[-3000:]
+    assert "[server1] was killed by SIGKILL; the workers cannot go on without it" in stderr
+    assert "server1 failed with code 137" in stderr and "restart 1 of 1 with 2 workers and fresh servers" in stderr
+    runs = read_runs(out)
+    assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1]
+    resumed = {records[0]["resumed_at"] for records in runs[1].values()}
+    assert len(resumed) == 1 and resumed.pop() >= 4  # both resumed from one checkpoint, past the kill's step
+    assert sorted(trained_indices(runs)) == list(range(samples))  # every sample exactly once
+    assert _marked(marker) == []

@@ -77,8 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--num-servers", type=_positive_int, metavar="K",
-        help="with --engine ps: K summation servers on node 0 beside the scheduler, each owning a share of "
-        "the gradient partitions (default 1; BytePS's DMLC_NUM_SERVER)",
+        help="with --engine ps: K summation servers on node 0 beside the scheduler (or on --server-hosts), each "
+        "owning a share of the gradient partitions (default 1; BytePS's DMLC_NUM_SERVER)",
+    )
+    parser.add_argument(
+        "--server-hosts", type=_host_names, metavar="H[,H...]",
+        help="with --engine ps and --hosts: server i runs on the (i mod n)-th of these hosts, each one of --hosts "
+        "(its bpslaunch starts it); default: the first of --hosts",
     )
     parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
@@ -154,6 +159,14 @@ def _slowdown(text: str) -> tuple[int, str]:
             f"{text!r} is not RANK=FACTOR or RANK=FACTOR@START-END with a rank >= 0, 1 <= FACTOR <= 1000 "
             "and 0 <= START < END seconds of training")
     return parsed, spec
+
+
+def _host_names(text: str) -> tuple[str, ...]:
+    """``H1,H2`` -> ``("H1", "H2")``."""
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of hosts")
+    return names
 
 
 def parse_hosts(text: str) -> list[tuple[str, int | None]]:

@@ -27,7 +27,7 @@ class LaunchConfig:
         command: the program every worker runs, with its arguments.
         num_workers: ``--num-workers``; None = BytePS environment mode (or ``--hosts H:S``).
         engine: ``--engine``; None = ``$DYNAMIX_ENGINE``, else gloo.
-        num_servers: ``--num-servers K`` (``--engine ps``).
+        num_servers, server_hosts: ``--num-servers K`` and where they run (``--engine ps``).
         hosts: ``--hosts`` as ``((host, slots or None), ...)``; node_rank: ``--node-rank``.
         slowdown: ``--slowdown`` as ``((rank, "FACTOR[@START-END]"), ...)``.
         timeout, grace_period: seconds.
@@ -43,6 +43,7 @@ class LaunchConfig:
     num_workers: int | None = None
     engine: str | None = None
     num_servers: int | None = None
+    server_hosts: tuple[str, ...] | None = None
     batch_size: int | None = None
     log_dir: Path | None = None
     port: int | None = None

@@ -21,7 +21,8 @@ calls :func:`decide`, and answers every host with the same decision:
 
 Which workers are lost: those killed by a signal their launcher did not send (SIGKILL, the OOM
 killer); when none was, the worker of the earliest failure (the others are the collectives it
-broke; wall-clock times, so the hosts' clocks should agree to well under a second). Each lost
+broke; wall-clock times, so the hosts' clocks should agree to well under a second), unless that
+failure was a summation server's (``--engine ps``): then no worker is lost. Each lost
 worker takes one slot from its host. The job ends instead when every report is 0 (done), when no
 restart is left, when no worker got through ``bps.init`` or every worker failed on its own (an
 error in the command, not a lost worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
@@ -79,6 +80,8 @@ class RunReport:
         token: the shared secret (``DYNAMIX_TOKEN``).
         started: whether a worker of this host got through ``bps.init`` (the rendezvous completes for
             all workers or none, so a run no host started failed at start-up).
+        server_failed: a summation server of this host (``--engine ps``) failed and ended the run
+            here (then ``failed`` is None); the next run keeps every worker.
     """
 
     node: int
@@ -91,6 +94,7 @@ class RunReport:
     workers: list[int] = field(default_factory=list)
     token: str = ""
     started: bool = True
+    server_failed: bool = False
 
 
 def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> dict:
@@ -103,7 +107,7 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
     if not failures:
         return {"exit": 0, "reason": "every worker succeeded"}
     first = failures[0].code
-    if any(r.failed is None for r in failures):
+    if any(r.failed is None and not r.server_failed for r in failures):
         return {"exit": first, "reason": "a launcher was stopped; not restarting"}
     if restarts_left <= 0:
         return {"exit": first, "reason": "no restart left"}
@@ -111,10 +115,12 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
         return {"exit": first, "reason": "the job failed before it started (no worker got through bps.init): an "
                 "error in the command or its environment, not a lost worker; not restarting"}
     workers = {w for r in reports for w in r.workers}
-    if {w for r in reports for w in r.self_failed} == workers:
+    if {w for r in reports for w in r.self_failed} == workers and not any(r.server_failed for r in reports):
         return {"exit": first, "reason": "every worker failed on its own: an error in the command, not a lost worker; "
                 "not restarting"}
-    lost = [(r.node, rank) for r in reports for rank in r.killed] or [(failures[0].node, failures[0].failed)]
+    lost = [(r.node, rank) for r in reports for rank in r.killed]
+    if not lost and not failures[0].server_failed:  # a lost server costs no worker
+        lost = [(failures[0].node, failures[0].failed)]
     new = list(slots)
     for node, _ in lost:
         new[node] -= 1
@@ -240,7 +246,6 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
     while True:
         started = time.monotonic()
         code, supervisor, started_workers = _supervise(config, specs)
-        restarts = config.run + 1
         if config.multi_host_elastic:
             decision = _coordinate(config, env, supervisor, code, coordinator, started_workers)
             if "exit" in decision:
@@ -252,7 +257,8 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
                 return 0
         else:
             failed, self_failed = supervisor.failed_worker, supervisor.self_failed
-            if code == 0 or failed is None or config.run >= config.restart_on_failure:
+            server = supervisor.failed_service
+            if code == 0 or (failed is None and server is None) or config.run >= config.restart_on_failure:
                 return code
             workers = [s.label for s in specs if not s.service]
             if not started_workers:
@@ -260,24 +266,35 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
                       f"{_exit_codes(self_failed, workers)}): an error in the command or its environment, not a lost "
                       "worker; not restarting", file=sys.stderr, flush=True)
                 return code
-            if set(self_failed) == set(workers):
+            if server is not None:
+                config = dataclasses.replace(config, run=config.run + 1)
+                print(f"{PROG}: {server} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
+                      f"{config.run} of {config.restart_on_failure} with {len(workers)} workers and fresh servers from "
+                      f"{config.checkpoint}", file=sys.stderr, flush=True)
+            elif set(self_failed) == set(workers):
                 print(f"{PROG}: every worker failed on its own at once (exit codes "
                       f"{', '.join(f'[{w}] {self_failed[w]}' for w in workers)}): an error in the command, not a lost "
                       "worker; not restarting", file=sys.stderr, flush=True)
                 return code
-            if config.num_workers <= 1:
+            elif config.num_workers <= 1:
                 print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
                 return code
-            left = config.num_workers - 1
-            config = dataclasses.replace(config, run=restarts, num_workers=left,
-                                         slowdown=tuple((r, s) for r, s in config.slowdown if r < left))
-            print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
-                  f"{restarts} of {config.restart_on_failure} with {left} workers from {config.checkpoint}",
-                  file=sys.stderr, flush=True)
+            else:
+                config = _one_worker_fewer(config, failed, code, started)
         specs = build(config)
         if isinstance(specs, int):
             return code
         specs = [dataclasses.replace(s, append_log=True) for s in specs]
+
+
+def _one_worker_fewer(config: LaunchConfig, failed: str, code: int, started: float) -> LaunchConfig:
+    """The next local run after worker ``failed`` was lost: one worker fewer, its slowdowns dropped."""
+    restarts, left = config.run + 1, config.num_workers - 1
+    print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
+          f"{restarts} of {config.restart_on_failure} with {left} workers from {config.checkpoint}",
+          file=sys.stderr, flush=True)
+    return dataclasses.replace(config, run=restarts, num_workers=left,
+                               slowdown=tuple((r, s) for r, s in config.slowdown if r < left))
 
 
 def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
@@ -295,8 +312,9 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
                        failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
                        self_failed=[int(label) for label in supervisor.self_failed],
                        workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"],
-                       started=started_workers)
-    stopped = code != 0 and report.failed is None  # the launcher was signalled (or could not start the job)
+                       started=started_workers, server_failed=supervisor.failed_service is not None)
+    # the launcher was signalled (or could not start the job)
+    stopped = code != 0 and report.failed is None and not report.server_failed
     node0 = (topology.hosts[0], config.restart_port)
     if coordinator is None:
         if stopped:
@@ -328,7 +346,8 @@ def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: 
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
     slots, mine = decision["slots"], decision["slots"][topology.node_rank]
     total, restarts = sum(slots), config.run + 1
-    print(f"{PROG}: worker(s) {', '.join(map(str, decision['lost']))} lost (code {code} here) after "
+    lost = f"worker(s) {', '.join(map(str, decision['lost']))}" if decision["lost"] else "a summation server"
+    print(f"{PROG}: {lost} lost (code {code} here) after "
           f"{time.monotonic() - started:.1f} s; restart {restarts} of {config.restart_on_failure} with {total} workers "
           f"({', '.join(f'{h}:{n}' for h, n in zip(topology.hosts, slots))}) from {config.checkpoint}",
           file=sys.stderr, flush=True)

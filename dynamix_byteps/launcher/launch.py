@@ -19,16 +19,17 @@ the cluster exactly as for BytePS's own ``bpslaunch``::
 
 A worker node starts ``BYTEPS_LOCAL_SIZE`` processes (default: one per entry of
 ``NVIDIA_VISIBLE_DEVICES``, else 1). The ``server`` and ``scheduler`` roles need no process
-with the default gloo engine; with ``--engine byteps`` they run BytePS's server.
+with the default gloo engine; with ``--engine byteps`` they run BytePS's server; with ``--engine
+ps`` a ``server`` runs summation server ``DYNAMIX_SERVER_ID`` of ``DMLC_NUM_SERVER``.
 
 Elastic restart: with ``--restart-on-failure N --checkpoint PATH``, when a worker fails the others
 are stopped and the job starts again with one worker fewer (ranks 0..size-2, a fresh scheduler
-for the new size; logs are appended to), up to N times. With ``--hosts``, every host's bpslaunch
-reports how its run ended to node 0's on ``--restart-port`` (needs ``DYNAMIX_TOKEN``), which
-decides for all (:mod:`.elastic`): the host of each lost worker runs one fewer, a host left with
-none leaves the job (exit 0), and the next run rendezvouses on a fresh port; PATH must be on a file
-system every host sees. Every
-child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
+for the new size; logs are appended to), up to N times; when a summation server of ``--engine ps``
+fails, the job stops the same way and starts again with the same workers and fresh servers. With
+``--hosts``, every host's bpslaunch reports how its run ended to node 0's on ``--restart-port``
+(needs ``DYNAMIX_TOKEN``), which decides for all (:mod:`.elastic`): the host of each lost worker
+runs one fewer, a host left with none leaves the job (exit 0), and the next run rendezvouses on a
+fresh port; PATH must be on a file system every host sees. Every child sees ``DYNAMIX_CHECKPOINT`` (PATH) and ``DYNAMIX_RESTART`` (0 on the first run, then 1, 2,
 ...); the script resumes with ``bps.load_checkpoint(PATH, ...)`` when PATH exists. PATH's
 directory must exist and be writable (else exit 2 before the start). When the job fails before
 any worker got through ``bps.init`` (an import error, a bad argument: each worker tells the

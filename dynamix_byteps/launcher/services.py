@@ -15,7 +15,7 @@ from dynamix_byteps.launcher.config import LaunchConfig
 from dynamix_byteps.launcher.supervisor import ChildSpec
 from dynamix_byteps.launcher.topology import LOCAL_HOST, check_port_free, free_port
 
-__all__ = ["agent_spec", "byteps_role_spec", "ps_server_specs", "require_byteps", "scheduler_specs"]
+__all__ = ["agent_spec", "byteps_role_spec", "ps_server_spec", "require_byteps", "scheduler_specs"]
 
 
 def require_byteps(role: str) -> None:
@@ -132,20 +132,19 @@ def agent_spec(config: LaunchConfig, env: Mapping[str, str], scheduler: str) -> 
                      service=True, ready_file=ready)
 
 
-def ps_server_specs(config: LaunchConfig, env: Mapping[str, str], workers: int, addr: str,
-                    port: int) -> list[ChildSpec]:
-    """The summation servers of ``--engine ps`` (``python -m dynamix_byteps.engine.ps_server``):
-    services, started before the workers and stopped once every worker has exited."""
-    servers = config.num_servers or 1
-    specs = []
-    for index in range(servers):
-        argv = [sys.executable, "-m", "dynamix_byteps.engine.ps_server", "--server-id", str(index),
-                "--num-servers", str(servers), "--num-workers", str(workers), "--addr", addr, "--port", str(port)]
-        if config.timeout is not None:
-            argv += ["--timeout", repr(config.timeout)]
-        specs.append(ChildSpec(label=f"server{index}", argv=argv, env=dict(env, DMLC_ROLE="server", PYTHONUNBUFFERED="1"),
-                               log_path=_log(config, f"server-{index}.log"), service=True, ends_with_workers=True))
-    return specs
+def ps_server_spec(config: LaunchConfig, env: Mapping[str, str], index: int, *, servers: int, workers: int,
+                   addr: str, port: int, service: bool = True) -> ChildSpec:
+    """Summation server ``index`` of ``servers`` for ``workers`` worker processes, its rendezvous
+    (hosted by server 0) at ``addr:port`` (``python -m dynamix_byteps.engine.ps_server``). As a
+    ``service`` it starts before the workers, the job fails when it does, and it is stopped once
+    every worker has exited; else (BytePS environment mode) it is the launcher's only child."""
+    argv = [sys.executable, "-m", "dynamix_byteps.engine.ps_server", "--server-id", str(index),
+            "--num-servers", str(servers), "--num-workers", str(workers), "--addr", addr, "--port", str(port)]
+    if config.timeout is not None:
+        argv += ["--timeout", repr(config.timeout)]
+    return ChildSpec(label=f"server{index}", argv=argv, env=dict(env, DMLC_ROLE="server", PYTHONUNBUFFERED="1"),
+                     log_path=_log(config, f"server-{index}.log"), service=service, ends_with_workers=service,
+                     essential=service)
 
 
 def byteps_role_spec(config: LaunchConfig, env: Mapping[str, str], role: str) -> ChildSpec:

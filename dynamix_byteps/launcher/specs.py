@@ -25,7 +25,7 @@ from dynamix_byteps.launcher.config import LaunchConfig
 from dynamix_byteps.launcher.services import (
     agent_spec,
     byteps_role_spec,
-    ps_server_specs,
+    ps_server_spec,
     require_byteps,
     scheduler_specs,
 )
@@ -185,13 +185,15 @@ def local_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -
         seen.add(rank)
     services, scheduler = scheduler_specs(config, env, hosts, node_rank, total)
     if engine == "ps":
+        placement = _ps_placement(config, topology)
         # Every host must name the same rendezvous port for the servers: --port's next one across hosts.
         ps_port = free_port() if len(hosts) == 1 else port + 1
-        env = dict(env, DMLC_NUM_SERVER=str(config.num_servers or 1), DYNAMIX_PS_PORT=str(ps_port))
-        if node_rank == 0:
-            services += ps_server_specs(config, env, total, topology.root, ps_port)
-    elif config.num_servers is not None:
-        raise UsageError("--num-servers is for --engine ps")
+        ps_addr = topology.root if placement[0] == 0 else hosts[placement[0]]  # server 0 hosts the rendezvous
+        env = dict(env, DMLC_NUM_SERVER=str(len(placement)), DYNAMIX_PS_PORT=str(ps_port), DYNAMIX_PS_ADDR=ps_addr)
+        services += [ps_server_spec(config, env, index, servers=len(placement), workers=total, addr=ps_addr,
+                                    port=ps_port) for index, node in enumerate(placement) if node == node_rank]
+    elif config.num_servers is not None or config.server_hosts is not None:
+        raise UsageError(f"--{'num-servers' if config.num_servers is not None else 'server-hosts'} is for --engine ps")
     if scheduler is not None and config.monitor != "off":
         services.append(agent_spec(config, env, scheduler))
     return services + worker_specs(
@@ -199,6 +201,22 @@ def local_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -
         root_addr=topology.root, root_port=port, notes=notes, scheduler=scheduler,
         rank_offset=topology.rank_offset, world_size=total,
     )
+
+
+def _ps_placement(config: LaunchConfig, topology: Topology) -> list[int]:
+    """The index in ``--hosts`` of each summation server's host: server i on the (i mod n)-th of
+    ``--server-hosts`` (a name given twice in ``--hosts`` is its first), else all on node 0."""
+    servers = config.num_servers or 1
+    if config.server_hosts is None:
+        return [0] * servers
+    if len(topology.hosts) == 1:
+        raise UsageError("--server-hosts needs --hosts: on one machine every server runs on it")
+    unknown = [host for host in config.server_hosts if host not in topology.hosts]
+    if unknown:
+        raise UsageError(f"argument --server-hosts: {', '.join(unknown)} is not one of --hosts "
+                         f"({', '.join(topology.hosts)}); a server runs beside a host's workers, started by its bpslaunch")
+    nodes = [topology.hosts.index(host) for host in config.server_hosts]
+    return [nodes[index % len(nodes)] for index in range(servers)]
 
 
 def _check_bounds(config: LaunchConfig, total: int) -> None:
@@ -262,7 +280,10 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
 
 def _role_specs(config: LaunchConfig, env: Mapping[str, str], role: str, engine: str,
                 notes: list[str]) -> list[ChildSpec]:
-    """``DMLC_ROLE=server`` or ``scheduler``: BytePS's process with ``--engine byteps``, else none."""
+    """``DMLC_ROLE=server`` or ``scheduler``: BytePS's process with ``--engine byteps``, a summation
+    server with ``--engine ps`` (its scheduler role needs none), else none."""
+    if engine == "ps" and role == "server":
+        return [_ps_env_server(config, env)]
     if engine != "byteps":
         notes.append(f"DMLC_ROLE={role}: the {engine} engine needs no {role} process; nothing to start")
         return []
@@ -273,6 +294,33 @@ def _role_specs(config: LaunchConfig, env: Mapping[str, str], role: str, engine:
     if config.port is None:
         _required_int(env, "DMLC_PS_ROOT_PORT", "the scheduler's TCP port", 1, 65535)
     return [byteps_role_spec(config, env, role)]
+
+
+def _ps_env_server(config: LaunchConfig, env: Mapping[str, str]) -> ChildSpec:
+    """``DMLC_ROLE=server`` with the ps engine: summation server ``DYNAMIX_SERVER_ID`` (0..DMLC_NUM_SERVER-1,
+    default 0 when there is one) for the ``DMLC_NUM_WORKER`` x ``BYTEPS_LOCAL_SIZE`` workers (or
+    ``DYNAMIX_SIZE``), its rendezvous at ``DYNAMIX_PS_ADDR`` (default ``DMLC_PS_ROOT_URI``) on
+    ``DYNAMIX_PS_PORT`` (default the root port + 1), as the workers read them."""
+    servers = _required_int(env, "DMLC_NUM_SERVER", "the number of summation servers", 1)
+    if servers == 1 and not env.get("DYNAMIX_SERVER_ID", "").strip():
+        index = 0
+    else:
+        index = _required_int(env, "DYNAMIX_SERVER_ID", f"this server's index (0..{servers - 1})", 0, servers - 1)
+    if env.get("DYNAMIX_SIZE", "").strip():
+        workers = _required_int(env, "DYNAMIX_SIZE", "the number of worker processes", 1, MAX_WORKERS)
+    else:
+        local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1, MAX_WORKERS) or 1
+        workers = local_size * _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
+    addr = env.get("DYNAMIX_PS_ADDR", "").strip() or env.get("DMLC_PS_ROOT_URI", "").strip()
+    if not addr:
+        raise UsageError(f"environment variable DMLC_PS_ROOT_URI is not set; set it to the host of the workers' "
+                         f"rendezvous, or {_ENV_MODE_HINT}")
+    if env.get("DYNAMIX_PS_PORT", "").strip():
+        port = _required_int(env, "DYNAMIX_PS_PORT", "the servers' rendezvous TCP port", 1, 65535)
+    else:
+        port = 1 + (config.port if config.port is not None else
+                    _required_int(env, "DMLC_PS_ROOT_PORT", "the rendezvous TCP port", 1, 65534))
+    return ps_server_spec(config, env, index, servers=servers, workers=workers, addr=addr, port=port, service=False)
 
 
 def _prepare_log_files(log_dir: Path, specs: Sequence[ChildSpec]) -> None:

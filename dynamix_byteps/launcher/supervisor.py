@@ -58,6 +58,9 @@ class ChildSpec:
         append_log: append to ``log_path`` instead of truncating it (a restarted job).
         ends_with_workers: a service that exits by itself, with code 0, once the workers have
             shut down (a ps summation server): that exit is not reported.
+        essential: a service the workers cannot go on without (a ps summation server): its
+            failure (a code > 0, or a signal the launcher did not send) ends the job as a worker's
+            would, and is ``failed_service``.
     """
 
     label: str
@@ -68,6 +71,7 @@ class ChildSpec:
     ready_file: Path | None = None
     append_log: bool = False
     ends_with_workers: bool = False
+    essential: bool = False
 
 
 class SpawnError(Exception):
@@ -126,7 +130,8 @@ class Supervisor:
     the job (None when all succeeded, or a signal or a service ended it), ``failed_at`` the wall-clock
     time (``time.time()``) its failure was seen, ``self_failed`` maps each worker that exited
     with a code > 0 before the launcher signalled it to that code, and ``killed`` lists the workers
-    that died of a signal the launcher did not send.
+    that died of a signal the launcher did not send; ``failed_service`` is the label of the
+    essential service whose failure ended the job instead (then ``failed_worker`` is None).
     """
 
     def __init__(
@@ -152,6 +157,7 @@ class Supervisor:
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
+        self.failed_service: str | None = None
         self.failed_at: float | None = None
         self.self_failed: dict[str, int] = {}
         self.killed: list[str] = []
@@ -276,8 +282,8 @@ class Supervisor:
         while not child.spec.ready_file.exists():
             if child.proc.poll() is not None or time.monotonic() > deadline or self._signum is not None:
                 self.output.note(f"[{child.spec.label}] did not become ready "
-                          + (f"(exited with code {child.proc.returncode})" if child.proc.returncode is not None
-                             else f"within {READY_TIMEOUT_S:g} s"))
+                                 + (f"(exited with code {child.proc.returncode})" if child.proc.returncode is not None
+                                    else f"within {READY_TIMEOUT_S:g} s"))
                 return False
             time.sleep(self.poll_s)
         return True
@@ -294,13 +300,20 @@ class Supervisor:
                 self.output.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
                 self._signal_live(self._signum)
                 stopping_since, signals_at_stop = time.monotonic(), self._signal_count
-            for child in self._children:
+            # Workers first: a server a lost worker's peers stopped (abort) exits right after it.
+            for child in sorted(self._children, key=lambda c: c.spec.service):
                 if child.returncode is not None:
                     continue
                 rc = child.proc.poll()
                 if rc is None:
                     continue
                 child.returncode = rc
+                if child.spec.service and child.spec.essential and rc != 0 and not child.signalled \
+                        and exit_code is None:
+                    exit_code = self._fail(child, rc, "; the workers cannot go on without it")
+                    self.failed_service = child.spec.label
+                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                    continue
                 if child.spec.service:
                     expected = rc == 0 and child.spec.ends_with_workers
                     if not (services_stopping or expected) and exit_code is None:  # not while the launcher stops the job
@@ -311,13 +324,8 @@ class Supervisor:
                 elif rc < 0 and not child.signalled:
                     self.killed.append(child.spec.label)
                 if rc != 0 and exit_code is None:
-                    exit_code = exit_code_of(rc)
+                    exit_code = self._fail(child, rc)
                     self.failed_worker = child.spec.label
-                    self.failed_at = time.time()
-                    how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
-                    others = self._count_live()
-                    self.output.note(f"[{child.spec.label}] {how}" + (f"; stopping {others} other process(es)" if others else ""))
-                    self._signal_live(signal.SIGTERM)
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if self._count_live() == 0:
                 return 0 if exit_code is None else exit_code
@@ -332,6 +340,15 @@ class Supervisor:
                     self._signal_live(signal.SIGKILL)
                     killed = True
             time.sleep(self.poll_s)
+
+    def _fail(self, child: _Child, rc: int, why: str = "") -> int:
+        """``child``'s exit ``rc`` ends the job: say so, stop the others; returns the job's exit code."""
+        self.failed_at = time.time()
+        how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
+        others = self._count_live()
+        self.output.note(f"[{child.spec.label}] {how}{why}" + (f"; stopping {others} other process(es)" if others else ""))
+        self._signal_live(signal.SIGTERM)
+        return exit_code_of(rc)
 
     def _count_live(self) -> int:
         return sum(1 for c in self._children if c.returncode is None)
