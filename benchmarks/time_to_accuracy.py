@@ -10,7 +10,9 @@ every run; the pause is not training time), so a target crossing is placed withi
 
 Repeats: ``--repeats N`` runs every configuration N times round-robin (A seed S, B seed S, ...,
 A seed S+1, ...; a drift in the machine's load hits every configuration alike); run r uses the
-example's ``--seed S + r`` (model initialisation and data order).
+example's ``--seed S + r`` (model initialisation and data order). ``--quick``: 30 s budget,
+static32, static64, proportional and goodput, 2 seeds, targets 50/60/70%, evaluation every 3 s on
+500 images.
 
 Per run, from its accuracy curve (linear between evaluations, from 10% at 0 s):
 
@@ -35,8 +37,10 @@ both configurations ran, resample the seeds (pairs kept together) 2000 times and
 median(configuration) ÷ median(reference); its 90% interval (5th-95th percentile) decides:
 ``ahead`` when the whole interval is on the better side of 1 (below 1 for a time, above 1 for
 AUC), ``behind`` when it is wholly on the worse side, ``tie`` otherwise; ``ref`` marks the
-reference itself and ``n/a`` a pair with fewer than 2 common seeds. With 3 seeds the bootstrap
-puts over 5% on resamples made of one or two seeds, so ``ahead`` nearly needs every seed ahead.
+reference itself and ``n/a`` a pair with fewer than 2 common seeds. With 2 or 3 seeds, a
+resample's medians are one seed's pair whenever that seed is drawn at least twice (25% and 26% of
+the resamples for each seed), so the interval spans every seed's own ratio: ``ahead`` needs every
+seed ahead.
 
 Load: during each run, ``os.getloadavg()`` is sampled every 2 s. The run's own expected share is
 its worker count (plus the summation servers with ``--engine ps``) seen through the kernel's
