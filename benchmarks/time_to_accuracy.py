@@ -551,7 +551,7 @@ def read_report(path: Path) -> dict:
     if report.get("schema") != SCHEMA:
         raise ValueError(f"{path} is in the old schema ({report.get('schema', 1)}, one target, full test set every "
                          f"10 s, no load record); this version reads schema {SCHEMA} only: its table is in the file's "
-                         "'rows'; rerun the benchmark to measure the configurations anew")
+                         "'rows'; rerun the benchmark without --append (it replaces the file) to measure anew")
     return report
 
 
