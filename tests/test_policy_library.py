@@ -172,3 +172,112 @@ def test_a_damaged_policy_json_is_listed_as_unreadable(tmp_path, monkeypatch, ca
     assert "error" in library.entries()["damaged"]
     assert main(["policy", "list"]) == 0
     assert "1 policies in" in capsys.readouterr().out
+
+
+# ---- training on fitted profiles, one scenario held aside -------------------------------------
+
+
+def test_the_library_policy_names_its_profiles_and_the_held_aside_scenario_it_never_saw():
+    """small-cnn-sgd's training record: the fitted profiles it was trained on and the scenario kept
+    aside for evaluation, which is none of them (by name, and by its slowdown pattern)."""
+    from dynamix_byteps.policy.ppo.mixture import load_profiles
+
+    info = library.entries()["small-cnn-sgd"]
+    training = info["training"]
+    held_out = training["held_out"]
+    assert held_out, "the training record names no scenario held aside"
+    for name in held_out:
+        assert "for evaluation only" in scenario(name).description
+    trained = {p["scenario"] for p in training["profiles"]}
+    assert trained >= {"homogeneous", "straggler", "two-speed", "interference"}
+    assert not trained & set(held_out) and not set(info["scenarios"]) & set(held_out)
+    profiles, shipped_held_out = load_profiles(library.library_root() / "small-cnn-sgd" / "profiles.json")
+    assert shipped_held_out == held_out and {p.scenario for p in profiles} == trained
+    for name in held_out:
+        pattern = {(s.rank, s.factor, s.start, s.end) for s in scenario(name).slowdowns}
+        for p in profiles:
+            windows = {(r, w.factor, w.start, w.end) for r, worker in enumerate(p.params.workers) for w in worker.slowdowns}
+            assert not pattern <= windows, f"profile {p.name} holds {name}'s slowdowns"
+
+
+def _fitted(theta=(800.0, 820.0, 300.0, 790.0)):
+    from dataclasses import replace
+
+    from dynamix_byteps.policy.sim.params import WorkerParams, reference
+
+    return replace(reference(4), workers=tuple(WorkerParams(fixed_s=0.01 * (r + 1), samples_per_s=t, jitter=0.3 if r == 2 else 0.05)
+                                               for r, t in enumerate(theta)))
+
+
+def test_a_windowed_slowdown_is_put_back_on_the_undisturbed_speed_and_a_whole_run_one_is_kept():
+    from dynamix_byteps.policy.ppo.mixture import profile_from_fit
+
+    fitted = _fitted()
+    straggler = profile_from_fit(fitted, scenario("straggler"))  # rank 3 3x slower all along: in the fit already
+    assert straggler.params.workers == fitted.workers and straggler.scenario == "straggler"
+    interference = profile_from_fit(fitted, scenario("interference"))  # rank 1 slowed 3x in [0.33, 0.67)
+    w = interference.params.workers
+    assert w[0] == fitted.workers[0] and w[2] == fitted.workers[2] and w[3] == fitted.workers[3]
+    # the median-throughput rank of the undisturbed 0, 2, 3 (300, 790, 800 samples/s) is rank 3
+    assert (w[1].samples_per_s, w[1].fixed_s, w[1].jitter) == (790.0, fitted.workers[3].fixed_s, 0.05)
+    assert [(s.factor, s.start, s.end) for s in w[1].slowdowns] == [(3.0, 0.33, 0.67)]
+    with pytest.raises(ConfigurationError, match="2 workers"):
+        profile_from_fit(_fitted((1.0, 2.0)), scenario("straggler"))
+
+
+def test_perturbed_profiles_stay_near_the_fit_and_the_mixture_draws_every_profile():
+    from dynamix_byteps.policy.ppo.mixture import PERTURBATION, WORKER_SPREAD, MixtureSimEnv, perturbed, profile_from_fit
+
+    fitted = _fitted()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = perturbed(fitted, rng)
+        ratio = np.array([w.samples_per_s for w in p.workers]) / [w.samples_per_s for w in fitted.workers]
+        assert ((1 / (PERTURBATION * WORKER_SPREAD) <= ratio) & (ratio <= PERTURBATION * WORKER_SPREAD)).all()
+        assert ratio.max() / ratio.min() <= WORKER_SPREAD ** 2 + 1e-9  # the straggler stays a straggler
+        assert 1 / PERTURBATION <= p.comm.bandwidth_bytes_per_s / fitted.comm.bandwidth_bytes_per_s <= PERTURBATION
+        assert 1 / PERTURBATION <= p.stats.steps_scale / fitted.stats.steps_scale <= PERTURBATION
+        assert p.initial_batch[0] in (16, 32, 64)
+    profiles = [profile_from_fit(fitted, scenario(n)) for n in ("straggler", "interference")]
+    env = MixtureSimEnv({"profiles": [p.params.to_dict() for p in profiles], "workers": [4, 8]})
+    seen = set()
+    for seed in range(16):
+        _, info = env.reset(seed=seed)
+        seen.add((info["scenario"], info["workers"]))
+        assert env.sim.params.workers[2].samples_per_s < 0.6 * env.sim.params.workers[0].samples_per_s  # the fit's straggler
+        env.step(env.action_space.sample())
+    assert seen == {(s, n) for s in ("straggler", "interference") for n in (4, 8)}
+
+
+def test_a_profile_fitted_to_a_held_out_scenario_is_refused(tmp_path):
+    from dynamix_byteps.policy.ppo.mixture import load_profiles, profile_from_fit, write_profiles
+
+    path = tmp_path / "profiles.json"
+    write_profiles(path, [profile_from_fit(_fitted(), scenario("straggler"))], ["straggler"])
+    with pytest.raises(ConfigurationError, match=r"\['straggler'\] were fitted to a scenario held out"):
+        load_profiles(path)
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.cli", "policy", "train", "--profiles", str(path),
+                             "--out", str(tmp_path / "p")], capture_output=True, text=True, timeout=100, check=False)
+    assert result.returncode == 2 and "held out" in result.stderr, result.stderr
+    result = subprocess.run([sys.executable, "-m", "dynamix_byteps.cli", "policy", "train", "--out", str(tmp_path / "p")],
+                            capture_output=True, text=True, timeout=100, check=False)
+    assert result.returncode == 2 and "either --scenario" in result.stderr, result.stderr
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.timeout(900)
+def test_training_on_profiles_records_them_and_the_scenario_held_aside(tmp_path):
+    pytest.importorskip("ray")
+    from dynamix_byteps.policy.ppo.mixture import profile_from_fit
+    from dynamix_byteps.policy.ppo.serve import read_metadata
+    from dynamix_byteps.policy.ppo.train import train
+
+    profiles = [profile_from_fit(_fitted(), scenario(n), source=f"test fit of {n}") for n in ("straggler", "interference")]
+    with pytest.raises(ConfigurationError, match="held out"):
+        train(tmp_path / "no", [], profiles=profiles, held_out=["interference"], progress=False)
+    assert not (tmp_path / "no").exists()
+    train(tmp_path / "p", [], iterations=1, train_batch_size_per_learner=200, minibatch_size=100, num_epochs=1,
+          workers=[4, 8], progress=False, profiles=profiles, held_out=["swapping-stragglers"])
+    record = read_metadata(tmp_path / "p")[1]["training"]
+    assert record["profiles"] == [{"name": n, "scenario": n, "source": f"test fit of {n}"} for n in ("straggler", "interference")]
+    assert record["held_out"] == ["swapping-stragglers"] and record["scenarios"] == ["interference", "straggler"]
