@@ -30,9 +30,11 @@ that never reaches a target counts as slower than every run that does (time ``in
 that is ``inf`` prints as ``-``.
 
 Verdicts, per configuration against two references: the best static batch and the best
-heuristic (``proportional``/``goodput``), "best" meaning the lowest median time to the verdict
-target. The verdict target is the highest target that every configuration's median run reaches;
-when there is none, the verdict compares AUC instead (higher is better). The rule: over the seeds
+heuristic (``proportional``/``goodput``). For each, the verdict target is the highest target that
+the median run of some candidate (a static batch; a heuristic) reaches, and the reference is the
+candidate with the lowest median time to it; a configuration that never reaches it counts as
+slower. When no candidate's median reaches any target, the reference is the candidate with the
+highest median AUC and the verdict compares AUC (higher is better). The rule: over the seeds
 both configurations ran, resample the seeds (pairs kept together) 2000 times and take the ratio
 median(configuration) ÷ median(reference); its 90% interval (5th-95th percentile) decides:
 ``ahead`` when the whole interval is on the better side of 1 (below 1 for a time, above 1 for
@@ -255,11 +257,12 @@ def _median_interval(values) -> dict:
 
 
 def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
-    """Rows of the table from every kept run, and the verdict's target and references.
+    """Rows of the table from every kept run, and the references of the verdicts.
 
-    Returns ``{"rows": [...], "verdict": {"target", "metric", "best_static", "best_heuristic"}}``;
-    each row holds medians with 90% intervals (``inf`` as None in JSON, see :func:`finite`) and
-    ``vs_best_static`` / ``vs_best_heuristic``: ``{"reference", "ratio", "ci90", "verdict"}``.
+    Returns ``{"rows": [...], "verdict": {"best_static": REF, "best_heuristic": REF}}``, REF being
+    ``{"reference", "target", "metric"}`` or None without candidates; each row holds medians with
+    90% intervals (``inf`` where never reached) and ``vs_best_static`` / ``vs_best_heuristic``:
+    ``{"reference", "seeds", "ratio", "ci90", "verdict"}``.
     """
     by_config: dict[str, list[dict]] = {name: [] for name in STYLES}  # the table's order
     for run in runs:
@@ -277,43 +280,57 @@ def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
                       **{key: _median_interval([x[key] for x in m]) for key in ("accuracy_at_budget", "auc")},
                       **{key: float(np.median([x[key] for x in m]))
                          for key in ("samples_per_s", "straggler_efficiency", "mean_global_batch")}}
-    common = [i for i, t in enumerate(targets)
-              if all(row["time_to_target_s"][target_key(t)]["median"] < math.inf for row in rows.values())]
-
-    def score(run_metric: dict) -> float:  # lower is better
-        return run_metric["times"][common[-1]] if common else -run_metric["auc"]
-
-    def median_score(name: str) -> tuple[float, int]:
-        return float(np.median([score(x) for x in metrics[name]])), list(rows).index(name)
-
-    statics = [n for n in rows if n.startswith("static")]
-    heuristics = [n for n in rows if n in HEURISTICS]
-    references = {"best_static": min(statics, key=median_score, default=None),
-                  "best_heuristic": min(heuristics, key=median_score, default=None)}
-    for name, row in rows.items():
-        for kind, reference in references.items():
-            if reference is None:
-                continue
+    references = {"best_static": [n for n in rows if n.startswith("static")],
+                  "best_heuristic": [n for n in rows if n in HEURISTICS]}
+    chosen = {}
+    for kind, candidates in references.items():
+        if not candidates:
+            chosen[kind] = None
+            continue
+        reference, target, score = _reference(candidates, metrics, targets)
+        chosen[kind] = {"reference": reference, "target": target,
+                        "metric": "AUC" if target is None else f"time to {100 * target:g}%"}
+        theirs = {r["seed"]: score(x) for r, x in zip(by_config[reference], metrics[reference])}
+        for name, row in rows.items():
             mine = {r["seed"]: score(x) for r, x in zip(by_config[name], metrics[name])}
-            theirs = {r["seed"]: score(x) for r, x in zip(by_config[reference], metrics[reference])}
             seeds = sorted(set(mine) & set(theirs))
-            # scores are times (lower better) or -AUC: the ratio of the AUCs themselves is (-a)/(-b)
-            x, ref = np.array([mine[s] for s in seeds]), np.array([theirs[s] for s in seeds])
-            comparison = {"reference": reference, "seeds": seeds}
-            if name == reference:
-                comparison.update(ratio=1.0, ci90=[1.0, 1.0], verdict="ref")
-            elif len(seeds) < MIN_PAIRS:
-                comparison.update(ratio=None, ci90=None, verdict="n/a")
-            else:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    ratio = float(np.median(x) / np.median(ref))
-                ci = paired_ratio_interval(x, ref, ROUNDS)
-                comparison.update(ratio=1.0 if math.isnan(ratio) else ratio, ci90=ci,
-                                  verdict=verdict(ci, lower_is_better=bool(common)))
-            row[f"vs_{kind}"] = comparison
-    return {"rows": list(rows.values()),
-            "verdict": {"target": targets[common[-1]] if common else None,
-                        "metric": f"time to {100 * targets[common[-1]]:g}%" if common else "AUC", **references}}
+            row[f"vs_{kind}"] = {"reference": reference, "seeds": seeds,
+                                 **_compare([mine[s] for s in seeds], [theirs[s] for s in seeds], name == reference,
+                                            lower_is_better=target is not None)}
+    return {"rows": list(rows.values()), "verdict": chosen}
+
+
+def _reference(candidates: list[str], metrics: dict[str, list[dict]], targets: list[float]):
+    """The best of ``candidates`` and what it is best at: ``(name, target or None, score)``.
+
+    The target is the highest one that some candidate's median run reaches; the best candidate
+    has the lowest median time to it (ties: the first in the table). Without such a target, the
+    best has the highest median AUC (target None). ``score(run_metrics)``: a time, or an AUC.
+    """
+    reached = [i for i in range(len(targets))
+               if any(np.median([x["times"][i] for x in metrics[c]]) < math.inf for c in candidates)]
+    if reached:
+        def score(run_metric: dict) -> float:
+            return run_metric["times"][reached[-1]]
+        sign, target = 1.0, targets[reached[-1]]
+    else:
+        def score(run_metric: dict) -> float:
+            return run_metric["auc"]
+        sign, target = -1.0, None
+    best = min(candidates, key=lambda c: sign * float(np.median([score(x) for x in metrics[c]])))
+    return best, target, score
+
+
+def _compare(mine: list[float], theirs: list[float], itself: bool, lower_is_better: bool) -> dict:
+    """Ratio of medians over paired seeds, its 90% interval and the verdict (see the module's rule)."""
+    if itself:
+        return {"ratio": 1.0, "ci90": [1.0, 1.0], "verdict": "ref"}
+    if len(mine) < MIN_PAIRS:
+        return {"ratio": None, "ci90": None, "verdict": "n/a"}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = float(np.median(mine) / np.median(theirs))
+    ci = paired_ratio_interval(mine, theirs, ROUNDS)
+    return {"ratio": 1.0 if math.isnan(ratio) else ratio, "ci90": ci, "verdict": verdict(ci, lower_is_better)}
 
 
 def finite(value):
@@ -342,11 +359,11 @@ def _comparison(row: dict, kind: str) -> str:
         return ""
     if c["ci90"] is None or c["verdict"] == "ref":
         return c["verdict"]
-    return f"{_ratio(c['ratio'])}x [{_ratio(c['ci90'][0])}, {_ratio(c['ci90'][1])}] {c['verdict']}"
+    return f"{_ratio(c['ratio'])} [{_ratio(c['ci90'][0])}, {_ratio(c['ci90'][1])}] {c['verdict']}"
 
 
 def _ratio(value: float | None) -> str:
-    return "inf" if value is None or value == math.inf else f"{value:.2f}"
+    return "inf" if value is None or value == math.inf else f"{value:.2f}x"
 
 
 def _three(value: float) -> str:
@@ -356,11 +373,11 @@ def _three(value: float) -> str:
 def tables(summary: dict, targets: list[float]) -> tuple[list[str], list[list[str]]]:
     """The header and cells of the table (one row per configuration)."""
     decided = summary["verdict"]
-    against = f"on {decided['metric']}"
     header = ["config", "runs", *(f"time to {100 * t:g}% s [90%]" for t in targets), "acc@budget [90%]", "AUC [90%]",
               "samples/s", "straggler eff.", "mean batch"]
     kinds = [k for k in ("best_static", "best_heuristic") if decided[k] is not None]
-    header += [f"vs {k.replace('_', ' ')} ({decided[k]}) {against}" for k in kinds] + ["loaded runs"]
+    header += [f"vs {k.replace('_', ' ')} ({decided[k]['reference']}) on {decided[k]['metric']}" for k in kinds]
+    header += ["loaded runs"]
     lines = []
     for row in summary["rows"]:
         lines.append([row["config"], str(row["runs"]),
