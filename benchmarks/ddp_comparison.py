@@ -49,8 +49,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import (RESULTS, cnn_worker, interval90, markdown_table, text_table, timed_steps, verdict, worker_counts,
-                    write_report)
+from common import RESULTS, cnn_worker, interval90, markdown_table, text_table, timed_steps, verdict, worker_counts, write_report
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
 BASELINE = "torch DDP"
