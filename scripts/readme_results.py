@@ -8,11 +8,13 @@ A generated table sits between two marker comments; everything between them is r
 
 ``FILE`` is a file of ``benchmarks/results/`` and ``KIND`` the benchmark that wrote it:
 
-* ``time_to_accuracy``: one row per configuration with the number of runs, the median time to
-  the report's target accuracy and every run's time, the ratio to the fastest configuration's
-  median with a 90% bootstrap interval and its verdict (``tie`` while the interval holds 1; a
-  configuration measured once gets no verdict), accuracy at the end of the budget, samples/s,
-  straggler efficiency and mean global batch (the columns of ``benchmarks/time_to_accuracy.py``);
+* ``time_to_accuracy``: ``benchmarks/time_to_accuracy.py``'s own table (every target with its
+  median and 90% interval, accuracy at the budget, AUC, the verdicts against the best static batch
+  and the best heuristic, loaded runs); for a report of the benchmark's first schema, one row per
+  configuration with the median time to its one target and every run's time, the ratio to the
+  fastest median with a 90% bootstrap interval and its verdict (``tie`` while the interval holds 1;
+  a configuration measured once gets no verdict), accuracy at the budget, samples/s, straggler
+  efficiency and mean global batch;
 * ``ddp_comparison``: ``benchmarks/ddp_comparison.py``'s markdown table of the file's runs;
 * ``ps_engine``: ``benchmarks/ps_engine.py``'s markdown table;
 * ``sim_scaling``: ``benchmarks/sim_scaling.py``'s cells (``table``) as policy x worker count:
@@ -43,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import ddp_comparison
 import ps_engine
+import time_to_accuracy as time_to_accuracy_benchmark
 from common import RESULTS, bootstrap_medians, interval90, markdown_table, verdict
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -67,7 +70,16 @@ def _ratio_interval(times: list[float], fastest: list[float]) -> list[float]:
 
 
 def time_to_accuracy(report: dict) -> str:
-    """The time-to-accuracy table of a ``benchmarks/time_to_accuracy.py`` report (``rows``)."""
+    """The time-to-accuracy table of a ``benchmarks/time_to_accuracy.py`` report: the benchmark's own
+    table for its current schema, else :func:`time_to_accuracy_schema1`."""
+    if report.get("schema") == time_to_accuracy_benchmark.SCHEMA:
+        return markdown_table(*time_to_accuracy_benchmark.tables(report, report["targets"]))
+    return time_to_accuracy_schema1(report)
+
+
+def time_to_accuracy_schema1(report: dict) -> str:
+    """The table of a report the benchmark wrote before it kept every run (one target, ``rows`` with
+    each configuration's per-run times): they cannot be converted, only shown as measured."""
     target = report["target_accuracy"]
     runs = {row["config"]: [_seconds(t) for t in row.get("time_to_target_runs_s", [row["time_to_target_s"]])]
             for row in report["rows"]}

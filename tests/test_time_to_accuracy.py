@@ -12,7 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "time_to_accuracy.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "scripts"))
 
+import readme_results
 from common import LoadSampler, paired_ratio_interval
 from time_to_accuracy import STYLES, accuracy_area, configurations, read_report, straggler_efficiency, summarise, time_to_target
 
@@ -177,6 +179,7 @@ def test_quick_benchmark_fills_every_column_and_the_table_comes_back_from_the_js
     assert report["rows"][1]["vs_best_static"]["ci90"] is not None  # proportional against static32
     assert out.with_suffix(".png").stat().st_size > 0
     assert "vs best static (static32)" in proc.stdout and "loaded runs" in proc.stdout
+    assert "| vs best static (static32) on time to" in readme_results.time_to_accuracy(report)  # the README's table
     again = subprocess.run([sys.executable, str(SCRIPT), "--table-only", "--out", str(out), "--targets", "0.25"],
                            check=False, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr

@@ -55,13 +55,15 @@ class DynamicBatchSampler:
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
         batch_size: local batch size, one for all workers or one per rank.
-        num_replicas, rank: default to ``bps.size()`` and ``bps.rank()``.
+        num_replicas: number of workers (default ``bps.size()``).
+        rank: this worker's rank (default ``bps.rank()``).
         shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
         seed: identical on every worker.
         drop_last: skip an epoch's last partial global batch instead of sharing it out.
-        min_batch, max_batch: inclusive per-worker bounds every assignment must respect
-            (default: ``bpslaunch --min-batch/--max-batch`` through ``DYNAMIX_MIN_BATCH`` and
-            ``DYNAMIX_MAX_BATCH``, else 1 and unbounded).
+        min_batch: inclusive lower per-worker bound every assignment must respect (default:
+            ``bpslaunch --min-batch`` through ``DYNAMIX_MIN_BATCH``, else 1).
+        max_batch: inclusive upper per-worker bound (default: ``bpslaunch --max-batch`` through
+            ``DYNAMIX_MAX_BATCH``, else unbounded).
 
     Attributes:
         schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule` of per-worker batch sizes.
