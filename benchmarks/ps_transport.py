@@ -37,6 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, write_report  # noqa: E402
 
+from dynamix_byteps.launcher.topology import free_port  # noqa: E402
+
 PARTITION_BYTES = 4096000
 TRANSPORTS = ["uv"]  # as the ps engine: TensorPipe's shm transport busy-polls a core in every process
 SIZES = {"1.7MB": 1_700_000, "36MB": 36_000_000}
@@ -224,16 +226,9 @@ def _child(argv):
     Path(out).write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(transport: str, workers: int, servers: int, repeats: int, timeout: float = 600) -> dict:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         try:

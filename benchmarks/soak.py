@@ -29,7 +29,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import psutil
 from common import write_report
+
+from dynamix_byteps.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,11 +185,6 @@ def decision_times(run_dir: Path) -> list[float]:
 
 # ---- the run ---------------------------------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def schedule(seconds: float, quick: bool) -> list[tuple[float, str]]:

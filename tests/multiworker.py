@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from dynamix_byteps.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 _ENTRY = r"""
@@ -36,11 +37,6 @@ with open(out, "w") as f:
 bps.shutdown()
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env(rank: int, size: int, port: int, **extra: str) -> dict[str, str]:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
