@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 
 from dynamix_byteps import engine as _engine
-from dynamix_byteps import summaries as _summaries
+from dynamix_byteps import tensorboard_scalars as _scalars
 from dynamix_byteps.errors import (
     CommunicationError,
     ConfigurationError,
@@ -70,7 +70,7 @@ def shutdown() -> None:
     if plan.monitor is not None:
         plan.monitor.close()
     plan.forget_shared()
-    _summaries.close()
+    _scalars.close()
     _engine.stop()
 
 
@@ -116,12 +116,12 @@ def step_statistics():
     the default batch plan: the newest sampler's).
 
     Returns:
-        :class:`~dynamix_byteps.control.worker.StepStatistics`: ``steps``, ``samples``,
+        :class:`~dynamix_byteps.control.step_monitor.StepStatistics`: ``steps``, ``samples``,
         ``compute_s`` and ``push_pull_s`` (seconds), and ``samples_per_s``, the compute-only
         throughput θ_i (samples/s). All zero before a ``DistributedOptimizer`` exists.
     """
     from dynamix_byteps import batch_plan
-    from dynamix_byteps.control.worker import StepStatistics
+    from dynamix_byteps.control.step_monitor import StepStatistics
 
     monitor = batch_plan.default().monitor
     return dataclasses.replace(monitor.totals) if monitor is not None else StepStatistics()
@@ -147,4 +147,4 @@ def log_scalar(tag: str, value, step: int | None = None) -> None:
     from dynamix_byteps import batch_plan
 
     monitor = batch_plan.default().monitor
-    _summaries.log_scalar(tag, value, step, monitor.global_step if monitor is not None else 0)
+    _scalars.log_scalar(tag, value, step, monitor.global_step if monitor is not None else 0)

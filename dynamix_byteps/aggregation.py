@@ -20,7 +20,7 @@ sums by Σ b_i / R (when that is not 1) and so holds g exactly; the trailer's di
 mismatched plan into :class:`TensorMismatchError` on every worker. One collective per bucket
 and one trailer per step.
 
-The gradient noise scale (:mod:`dynamix_byteps.data.gradient_noise`) needs |g_i|² and |g|², two
+The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
 extra passes over every gradient. They are measured on every ``noise_every``-th round only
 (default 4, ``DYNAMIX_NOISE_EVERY``): on a communication-heavy model with more workers than cores
 the two passes cost 4% of a step, while the noise scale feeds decisions made every ~20 steps.
@@ -40,11 +40,11 @@ import numpy as np
 import torch
 
 from dynamix_byteps import engine as _engine
-from dynamix_byteps.data.gradient_noise import GradientNoiseScale
-from dynamix_byteps.data.lr_scaling import get_rule
 from dynamix_byteps.env import optional_int
 from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
+from dynamix_byteps.scaling.lr_scaling import get_rule
 
 DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
@@ -186,7 +186,7 @@ class GradientAggregator:
     step ends belong to the frontend (:class:`~dynamix_byteps.training_step.TrainingStep`).
 
     Args:
-        optimizer_family: ``"sgd"`` or ``"adam"`` (:func:`~dynamix_byteps.data.lr_scaling.optimizer_family_of`).
+        optimizer_family: ``"sgd"`` or ``"adam"`` (:func:`~dynamix_byteps.scaling.lr_scaling.optimizer_family_of`).
         compression: a compressor class with ``name``, ``compress`` and ``decompress`` on torch tensors.
         lr_scaling: ``none``, ``linear``, ``sqrt``, ``adascale`` or an ``LRScaling``; default
             ``DYNAMIX_LR_SCALING`` (``bpslaunch --lr-scaling``), else ``none``.

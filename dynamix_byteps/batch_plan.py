@@ -43,10 +43,10 @@ class BatchPlan:
 
     Attributes:
         schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule`, or None.
-        monitor: the :class:`~dynamix_byteps.control.worker.StepMonitor` of the newest frontend
+        monitor: the :class:`~dynamix_byteps.control.step_monitor.StepMonitor` of the newest frontend
             training on this plan (the one ``bps.step_statistics``, ``bps.untimed``,
             ``bps.report_loss`` and ``bps.log_scalar`` reach); None before one exists.
-        gradient_noise: that frontend's :class:`~dynamix_byteps.data.gradient_noise.GradientNoiseScale`.
+        gradient_noise: that frontend's :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale`.
     """
 
     def __init__(self, schedule: AssignmentSchedule | None = None):
@@ -247,7 +247,7 @@ def gradient_noise_scale() -> float | None:
     samples, of the newest frontend on the default plan; None before the first estimate.
 
     Estimated by ``DistributedOptimizer`` from every worker's local squared gradient norm at
-    its batch b_i and the aggregated norm at B = Σ b_i (:mod:`dynamix_byteps.data.gradient_noise`).
+    its batch b_i and the aggregated norm at B = Σ b_i (:mod:`dynamix_byteps.scaling.gradient_noise`).
     """
     noise = default().gradient_noise
     return None if noise is None else noise.noise_scale

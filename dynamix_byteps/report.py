@@ -1,7 +1,7 @@
 """``dynamix report RUN_DIR``: PNG plots and a summary table from a run's TensorBoard events.
 
 Reads ``RUN_DIR/tensorboard/worker-<rank>/`` and ``RUN_DIR/tensorboard/scheduler/`` (written
-by :mod:`dynamix_byteps.summaries` when the job ran with ``bpslaunch --log-dir RUN_DIR``) with
+by :mod:`dynamix_byteps.tensorboard_scalars` when the job ran with ``bpslaunch --log-dir RUN_DIR``) with
 tensorboard's ``EventAccumulator`` and writes, with matplotlib's Agg canvas:
 
 - ``batch_size.png``: each worker's local batch size against wall time, and the global batch
@@ -43,7 +43,7 @@ from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.control.decision_record import read_decisions_lenient
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.extras import import_extra
-from dynamix_byteps.summaries import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
+from dynamix_byteps.tensorboard_scalars import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
 
 
 class RunDirError(ConfigurationError):

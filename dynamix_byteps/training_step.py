@@ -5,7 +5,7 @@ TensorFlow's Keras ``DistributedOptimizer`` and ``DistributedGradientTape``) own
 :class:`TrainingStep`, which holds its three parts and nothing global:
 
 - the :class:`~dynamix_byteps.aggregation.GradientAggregator` (the reduction and its statistics),
-- the :class:`~dynamix_byteps.control.worker.StepMonitor` (timing, scheduler reports, the
+- the :class:`~dynamix_byteps.control.step_monitor.StepMonitor` (timing, scheduler reports, the
   decision boundary), built here, not by the aggregator,
 - the :class:`~dynamix_byteps.batch_plan.BatchPlan` the step's batch sizes come from: the one
   the frontend was handed (``batch_plan=sampler.batch_plan``), else the process's default plan
@@ -21,9 +21,9 @@ backward for ``DistributedDataParallel``; TensorFlow: right after the reduction 
 from __future__ import annotations
 
 from dynamix_byteps import batch_plan as _batch_plan
-from dynamix_byteps import summaries
+from dynamix_byteps import tensorboard_scalars
 from dynamix_byteps.aggregation import UNSET, GradientAggregator
-from dynamix_byteps.control.worker import StepMonitor
+from dynamix_byteps.control.step_monitor import StepMonitor
 
 
 class TrainingStep:
@@ -50,7 +50,7 @@ class TrainingStep:
         self._given = _batch_plan.checked(batch_plan)
         engine = aggregator.engine
         self.aggregator = aggregator
-        self.monitor = StepMonitor(engine, engine.env, optimizer_family, summaries.worker_writer())
+        self.monitor = StepMonitor(engine, engine.env, optimizer_family, tensorboard_scalars.worker_writer())
         aggregator.before_send = self.monitor.stretch
         self.next_step: int | None = None
         self._plan: _batch_plan.BatchPlan | None = None

@@ -1,4 +1,4 @@
-"""Tests for dynamix_byteps.data.gradient_noise (numpy only, seeded, no timing asserts)."""
+"""Tests for dynamix_byteps.scaling.gradient_noise (numpy only, seeded, no timing asserts)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from dynamix_byteps.data.gradient_noise import GradientNoiseScale, estimate, gain
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale, estimate, gain
 
 
 def _synthetic_step(rng, true_grad, noise_std, batch_sizes):

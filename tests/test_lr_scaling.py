@@ -1,4 +1,4 @@
-"""Tests for dynamix_byteps.data.lr_scaling (framework-neutral, no timing asserts)."""
+"""Tests for dynamix_byteps.scaling.lr_scaling (framework-neutral, no timing asserts)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from dynamix_byteps.data.gradient_noise import GradientNoiseScale, gain
-from dynamix_byteps.data.lr_scaling import (
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale, gain
+from dynamix_byteps.scaling.lr_scaling import (
     RULES,
     AdamScale,
     AdaScale,

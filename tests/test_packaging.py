@@ -75,7 +75,7 @@ def test_torch_frontend_leaves_the_installed_optional_libraries_unimported():
 def test_missing_extra_names_the_install_command(tmp_path):
     done = _run_blocked(f"""
         from dynamix_byteps.extras import MissingExtraError
-        from dynamix_byteps.summaries import ScalarWriter
+        from dynamix_byteps.tensorboard_scalars import ScalarWriter
         try:
             ScalarWriter({str(tmp_path)!r}).open()
         except MissingExtraError as error:
@@ -89,10 +89,10 @@ def test_missing_extra_names_the_install_command(tmp_path):
 def test_without_tensorboard_a_log_dir_warns_and_trains_on(tmp_path):
     done = _run_blocked(f"""
         import warnings
-        from dynamix_byteps import summaries
+        from dynamix_byteps import tensorboard_scalars
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            writer = summaries.open_writer(summaries.worker_logdir({str(tmp_path)!r}, 0))
+            writer = tensorboard_scalars.open_writer(tensorboard_scalars.worker_logdir({str(tmp_path)!r}, 0))
         print(writer, [str(w.message) for w in caught])
     """)
     assert done.returncode == 0, done.stderr

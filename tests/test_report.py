@@ -102,7 +102,7 @@ def test_an_empty_directory_is_a_usage_error_that_says_how_to_record_a_run(tmp_p
 def test_a_missing_directory_and_one_without_worker_scalars_are_usage_errors(tmp_path):
     result = dynamix_report(tmp_path / "nope")
     assert result.returncode == 2 and "is not a directory" in result.stderr
-    from dynamix_byteps.summaries import ScalarWriter
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
 
     writer = ScalarWriter(tmp_path / "tensorboard" / "worker-0")
     writer.open()  # an event file, but the job ended before its first interval

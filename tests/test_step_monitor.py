@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dynamix_byteps import batch_plan
-from dynamix_byteps.control.worker import report_loss
+from dynamix_byteps.control.step_monitor import report_loss
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ class _OneWorker:
 
 
 def _monitor(slowdown="1", steps=0):
-    from dynamix_byteps.control.worker import StepMonitor
+    from dynamix_byteps.control.step_monitor import StepMonitor
     from dynamix_byteps.env import WorkerEnv
 
     monitor = StepMonitor(_OneWorker(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")

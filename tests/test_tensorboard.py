@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import RECORDED_INTERVAL
 
-from dynamix_byteps import summaries
+from dynamix_byteps import tensorboard_scalars
 
 
 def read_scalars(path) -> dict:
@@ -25,7 +25,7 @@ def test_each_worker_has_its_batch_size_series_and_the_interval_scalars(recorded
     for rank in (0, 1):
         sizes = json.loads((recorded_run.out / f"rank{rank}.json").read_text())
         scalars = read_scalars(recorded_run.dir / "tensorboard" / f"worker-{rank}")
-        missing = set(summaries.WORKER_TAGS) - set(scalars)
+        missing = set(tensorboard_scalars.WORKER_TAGS) - set(scalars)
         assert not missing, f"worker {rank} lacks {missing}; has {sorted(scalars)}"
         series = scalars["batch_size"]
         # x = steps completed, one point per interval; y = the mean local batch the worker trained on
@@ -64,20 +64,20 @@ def test_log_scalar_writes_into_this_workers_run(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAMIX_LOG_DIR", str(tmp_path))
     for name in ("DMLC_WORKER_ID", "BYTEPS_LOCAL_RANK", "DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    summaries.close()
+    tensorboard_scalars.close()
     try:
-        summaries.log_scalar("test/accuracy", 0.5, step=3)
-        summaries.log_scalar("test/accuracy", np.float32(0.75), step=7)
-        summaries.log_scalar("test/loss", float("nan"), step=7)  # TensorBoard draws no point for it
+        tensorboard_scalars.log_scalar("test/accuracy", 0.5, step=3)
+        tensorboard_scalars.log_scalar("test/accuracy", np.float32(0.75), step=7)
+        tensorboard_scalars.log_scalar("test/loss", float("nan"), step=7)  # TensorBoard draws no point for it
     finally:
-        summaries.close()
+        tensorboard_scalars.close()
     scalars = read_scalars(tmp_path / "tensorboard" / "worker-0")
     assert [(e.step, e.value) for e in scalars["test/accuracy"]] == [(3, 0.5), (7, 0.75)]
     assert "test/loss" not in scalars
 
 
 def test_a_killed_process_loses_no_scalar_it_had_written(tmp_path):
-    code = ("import os, signal, sys; from dynamix_byteps.summaries import ScalarWriter; w = ScalarWriter(sys.argv[1]); "
+    code = ("import os, signal, sys; from dynamix_byteps.tensorboard_scalars import ScalarWriter; w = ScalarWriter(sys.argv[1]); "
             "w.add({'loss': 0.5, 'step_s': 0.25}, 20); os.kill(os.getpid(), signal.SIGKILL)")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, timeout=60)
     assert result.returncode == -9, result.stderr
@@ -89,9 +89,9 @@ def test_a_killed_process_loses_no_scalar_it_had_written(tmp_path):
 def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("DYNAMIX_LOG_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
-    summaries.close()
-    summaries.log_scalar("test/accuracy", 0.5)
-    assert summaries.worker_writer() is None
+    tensorboard_scalars.close()
+    tensorboard_scalars.log_scalar("test/accuracy", 0.5)
+    assert tensorboard_scalars.worker_writer() is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -100,7 +100,7 @@ def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
                                   ("acc", True), ("acc", np.ones(1))])
 def test_log_scalar_refuses_bad_arguments(args):
     with pytest.raises(ValueError, match="log_scalar"):
-        summaries.log_scalar(*args)
+        tensorboard_scalars.log_scalar(*args)
 
 
 def test_decision_scalars_keep_numbers_only():
@@ -108,7 +108,7 @@ def test_decision_scalars_keep_numbers_only():
               "state": {"noise_scale": None}, "reward": {"loss": 0.5, "loss_change": None},
               "terms": {"comm_s": 0.01, "samples_per_s": [1.0, 2.0], "guard": {"notes": [], "predicted_gain_after_guard": 0.1},
                         "fallback": "proportional", "flag": True, "bad": float("inf")}}
-    assert summaries.decision_scalars(record) == {
+    assert tensorboard_scalars.decision_scalars(record) == {
         "batch_size/worker-0": 30.0, "batch_size/worker-1": 98.0, "global_batch": 128.0, "lr_scale": 1.0,
         "predicted_gain": 0.2, "reward/loss": 0.5, "terms/comm_s": 0.01, "terms/guard/predicted_gain_after_guard": 0.1,
     }

@@ -11,7 +11,7 @@ from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBound
 from dynamix_byteps.batch_plan import BatchPlan
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import validate_report, validate_worker_info
-from dynamix_byteps.control.worker import StepMonitor
+from dynamix_byteps.control.step_monitor import StepMonitor
 from dynamix_byteps.env import WorkerEnv
 
 K = 5
@@ -87,7 +87,7 @@ def test_without_a_sampler_the_declared_batch_is_registered_and_reported(caplog)
     info = validate_worker_info(monitor._worker_info(), None)  # batch_size=0 was refused
     assert info.batch_size == 32 and validate_report(report, info).batch_size == 32
     client._latest = dynamix_pb2.Assignment(version=1, batch_sizes=[48])
-    with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.worker"):
+    with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.step_monitor"):
         _train(monitor, [32] * (2 * K), plan, first_step=K)
     [said] = [r.getMessage() for r in caplog.records]
     assert "NOT applied" in said and "DynamicBatchSampler" in said
@@ -96,7 +96,7 @@ def test_without_a_sampler_the_declared_batch_is_registered_and_reported(caplog)
 def test_without_any_declared_batch_no_report_is_sent_and_the_fix_is_named(caplog):
     client = _RecordingClient()
     monitor = _monitor(client)
-    with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.worker"):
+    with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.step_monitor"):
         _train(monitor, [None] * (2 * K), BatchPlan())
     assert client.reports == []
     [said] = [r.getMessage() for r in caplog.records]

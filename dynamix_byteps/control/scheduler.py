@@ -13,7 +13,7 @@ a retrying client) are answered at once and cannot tie up the handler threads.
 Observability: each decision, "keep" included, is one JSON line in ``<run_dir>/decisions.jsonl``
 (written off the RPC path by one thread, one ``write`` per line on an ``O_APPEND`` descriptor,
 so never a half line; a torn tail left by a crash is cut off at start), then TensorBoard scalars
-in ``<run_dir>/tensorboard/scheduler`` by the same thread (:mod:`dynamix_byteps.summaries`), and
+in ``<run_dir>/tensorboard/scheduler`` by the same thread (:mod:`dynamix_byteps.tensorboard_scalars`), and
 Prometheus gauges are served on ``metrics_port``.
 
 Robustness: requests are parsed in the handler (so malformed bytes get INVALID_ARGUMENT, not
@@ -71,7 +71,7 @@ from dynamix_byteps.control.security import (
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.policy.base import Policy
-from dynamix_byteps.summaries import decision_scalars, open_writer, scheduler_logdir
+from dynamix_byteps.tensorboard_scalars import decision_scalars, open_writer, scheduler_logdir
 
 log = logging.getLogger("dynamix_byteps.scheduler")
 

@@ -17,11 +17,11 @@ from pathlib import Path
 from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
-from dynamix_byteps.data.lr_scaling import RULES
 from dynamix_byteps.env import CHECKPOINT_ENV, DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import DEFAULT_GRACE_S, PROG, LaunchConfig
 from dynamix_byteps.policy import POLICIES
+from dynamix_byteps.scaling.lr_scaling import RULES
 
 __all__ = ["DEFAULT_GRACE_S", "PROG", "LaunchConfig", "build_parser", "config_from_args", "parse_args", "parse_hosts"]
 

@@ -68,7 +68,7 @@ class GradientReducer:
 
     Attributes:
         aggregator: the :class:`~dynamix_byteps.aggregation.GradientAggregator`.
-        monitor: the :class:`~dynamix_byteps.control.worker.StepMonitor` it owns.
+        monitor: the :class:`~dynamix_byteps.control.step_monitor.StepMonitor` it owns.
     """
 
     next_step = property(lambda self: self._step.next_step,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from dynamix_byteps.control import worker
+from dynamix_byteps.control import step_monitor
 from dynamix_byteps.tensorflow.bridge import call
 
 
@@ -12,6 +12,6 @@ def report_loss(loss) -> None:
     """Add a training loss (float or scalar tensor, also inside ``tf.function``) to the mean of
     this interval that the batch-size policy sees."""
     if not tf.is_tensor(loss):
-        worker.report_loss(float(loss))
+        step_monitor.report_loss(float(loss))
         return
-    call(lambda value: worker.report_loss(float(value)) or [], [tf.cast(loss, tf.float64)], [])
+    call(lambda value: step_monitor.report_loss(float(value)) or [], [tf.cast(loss, tf.float64)], [])

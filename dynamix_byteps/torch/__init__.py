@@ -20,7 +20,7 @@ from dynamix_byteps import (
     untimed,
 )
 from dynamix_byteps.batch_plan import gradient_noise_scale, gradient_statistics, set_batch_sizes
-from dynamix_byteps.control.worker import report_loss
+from dynamix_byteps.control.step_monitor import report_loss
 from dynamix_byteps.errors import (
     CommunicationError,
     ConfigurationError,

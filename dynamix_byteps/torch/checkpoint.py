@@ -24,9 +24,9 @@ import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.atomic import atomic_write
-from dynamix_byteps.data.gradient_noise import GradientNoiseScale
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.negotiation import negotiate, round_lock
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 
 FORMAT_VERSION = 2  # 2: a SHA-256 digest ends the file; 1: none (still read, checked by the zip CRCs)
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from dynamix_byteps.aggregation import MAX_SAMPLES, UNSET, GradientAggregator
-from dynamix_byteps.data.lr_scaling import optimizer_family_of
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.reducer import BucketReducer
 from dynamix_byteps.training_step import TrainingStep

@@ -51,7 +51,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     Attributes:
         module: the wrapped model.
-        gradient_noise: the :class:`~dynamix_byteps.data.gradient_noise.GradientNoiseScale` it feeds.
+        gradient_noise: the :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale` it feeds.
 
     Raises:
         ValueError: ``device_ids`` has more than one entry, or ``bucket_cap_mb`` is not > 0.

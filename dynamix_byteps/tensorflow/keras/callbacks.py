@@ -16,7 +16,7 @@ import tensorflow as tf
 from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import parse_batch_schedule
-from dynamix_byteps.control.worker import report_loss
+from dynamix_byteps.control.step_monitor import report_loss
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.tensorflow.ops import broadcast_variables, push_pull
 

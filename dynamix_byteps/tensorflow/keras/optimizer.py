@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dynamix_byteps.data.lr_scaling import optimizer_family_of
+from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.tensorflow.gradients import GradientReducer
 from dynamix_byteps.tensorflow.ops import variable_name
 from dynamix_byteps.torch.compression import Compression, Compressor

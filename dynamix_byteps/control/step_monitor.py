@@ -90,7 +90,7 @@ class StepStatistics:
 
 
 def _interval_scalars(iv: StepStatistics, loss: float | None, lr_scale: float, noise) -> dict:
-    """One interval's per-step means, by :data:`~dynamix_byteps.summaries.WORKER_TAGS` name."""
+    """One interval's per-step means, by :data:`~dynamix_byteps.tensorboard_scalars.WORKER_TAGS` name."""
     compute_s, push_pull_s = iv.compute_s / iv.steps, iv.push_pull_s / iv.steps
     known = iv.samples > 0  # samples come from the sampler or set_local_batch_size
     return {"batch_size": iv.samples / iv.steps if known else None,
@@ -106,7 +106,7 @@ class StepMonitor:
         engine: the communication engine (rank, size, name, ``broadcast``).
         env: the worker's environment (scheduler address, decision interval, slowdown).
         optimizer_family: ``"sgd"`` or ``"adam"``, told to the scheduler.
-        scalars: the worker's TensorBoard :class:`~dynamix_byteps.summaries.ScalarWriter`, or
+        scalars: the worker's TensorBoard :class:`~dynamix_byteps.tensorboard_scalars.ScalarWriter`, or
             None (no ``--log-dir``): each interval's scalars go there.
 
     Attributes:

@@ -3,7 +3,7 @@
 Framework-neutral: plain floats, no torch or TensorFlow import. A rule maps the current global
 batch ``B`` (samples, the sum of the per-worker batches in force), the base batch ``B0`` (the
 batch the user's learning rate was tuned for) and, for the adaptive rules, the
-:class:`~dynamix_byteps.data.gradient_noise.GradientNoiseScale` state to a factor. The torch
+:class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale` state to a factor. The torch
 frontend multiplies each parameter group's ``lr`` by the factor for the duration of one
 ``optimizer.step()`` and restores it afterwards, so user LR schedulers keep working on top.
 
@@ -20,7 +20,7 @@ name           factor                        source
                                              better", arXiv 1705.08741 (2017)
 ``adascale``   r = (σ²+μ²)/(σ²/S+μ²)         Johnson et al., "AdaScale SGD", ICML 2020,
                                              arXiv 2007.05105 (see
-                                             :func:`~dynamix_byteps.data.gradient_noise.gain`)
+                                             :func:`~dynamix_byteps.scaling.gradient_noise.gain`)
 ``adamscale``  √r                            AdaptDL's AdamScale (below)
 =============  ============================  =================================================
 
@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from dynamix_byteps.data.gradient_noise import GradientNoiseScale, gain
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale, gain
 
 __all__ = [
     "LRScaling",
@@ -148,7 +148,7 @@ class AdaScale(LRScaling):
     """AdaScale gain ``r = (σ²+μ²)/(σ²/S+μ²)`` (Johnson et al., ICML 2020, arXiv 2007.05105).
 
     ``μ² = |G|²`` and ``σ² = tr(Σ)/B0`` come from the smoothed gradient-noise estimates; see
-    :func:`~dynamix_byteps.data.gradient_noise.gain` for clipping. Returns 1.0 while ``noise``
+    :func:`~dynamix_byteps.scaling.gradient_noise.gain` for clipping. Returns 1.0 while ``noise``
     is None or has no valid estimate yet.
     """
 
