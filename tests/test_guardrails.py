@@ -18,6 +18,7 @@ from dynamix_byteps.policy import (
     StaticPolicy,
     WorkerState,
 )
+from dynamix_byteps.policy.base import MAX_BATCH
 
 
 class Fixed(Policy):
@@ -208,6 +209,17 @@ def test_guarded_answers_are_always_valid(data):
         c_lo, c_hi = math.ceil(c / max_change - 1e-9), math.floor(c * max_change + 1e-9)
         if max(low, c_lo) <= min(h if h is not None else math.inf, c_hi):   # window meets the bounds
             assert c_lo <= b <= c_hi
+
+
+def test_an_astronomical_proposal_for_unbounded_workers_is_capped_not_an_overflow():
+    """Found by the property test above: four proposals of ~9e307 summed to inf in rule 4's
+    global-batch split (OverflowError out of decide) and, without the window, passed through as
+    sizes the scheduler refuses."""
+    s = make_state([1, 1, 1, 1])
+    d = Guarded(Fixed([8.98846567431158e307] * 4, gain=1.0), hysteresis=0.0, preserve_global_batch=True).decide(s)
+    assert d.batch_sizes == (2, 2, 2, 2)
+    unlimited = Guarded(Fixed([1e300, 5, 1e300, 7], gain=1.0), hysteresis=0.0, max_change=math.inf).decide(s)
+    assert unlimited.batch_sizes == (MAX_BATCH, 5, MAX_BATCH, 7)
 
 
 def test_a_flat_noisy_loss_that_ticks_up_three_times_is_not_divergence():

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dynamix_byteps.env import MAX_WORKERS
-from dynamix_byteps.policy.base import ClusterState, WorkerState
+from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, WorkerState
 
 MAX_WORLD_SIZE = MAX_WORKERS
 MAX_HOST_LEN = 255
 MAX_NAME_LEN = 64
 MAX_STEP = 2**53  # steps; a larger one would make every later real report look old
-MAX_BATCH = 2**31 - 1  # samples
 # Physical ranges of every number the scheduler accepts. Generous, but small enough that sums
 # over any number of reports and workers stay finite (a 1e308 timing made an interval's sum inf,
 # and inf cannot be written to the JSON decision log).

@@ -14,6 +14,8 @@ from functools import cached_property
 
 import numpy as np
 
+MAX_BATCH = 2**31 - 1  # samples: the largest local batch the scheduler accepts or assigns
+
 
 @dataclass(frozen=True)
 class WorkerState:

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynamix_byteps.policy.base import ClusterState, Decision, Policy, as_floats
+from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, Decision, Policy, as_floats
 from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]
@@ -228,8 +228,8 @@ class Guarded(Policy):
         raw = _as_list(d.batch_sizes)
         proposal, notes = self._sanitise(state, raw, current)
 
-        # 3. bounds
-        bounded = _clamp(np.maximum(proposal, 1.0), low, high)
+        # 3. bounds (MAX_BATCH also where a worker has no upper bound, so sums stay finite)
+        bounded = _clamp(np.clip(proposal, 1.0, MAX_BATCH), low, high)
         if (clipped := np.flatnonzero(bounded != proposal)).size:
             notes.append(f"{_ranks([workers[i].rank for i in clipped])} clamped to their bounds")
 
