@@ -27,9 +27,9 @@ def test_ruff_check_is_clean():
 
 
 @pytest.mark.timeout(180)
-def test_the_project_rules_catch_an_unused_import_and_unsorted_imports(tmp_path):
+def test_the_project_rules_catch_an_unused_import_unsorted_imports_and_an_invalid_escape(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import sys\nimport os\n\nprint(os.sep)\n")
+    bad.write_text("import sys\nimport os\n\nprint(os.sep, \"a\\ b\")\n")  # '\\ ' warns at import (W605)
     done = ruff("--config", str(REPO / "pyproject.toml"), "--output-format", "concise", str(bad), cwd=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "F401" in done.stdout and "I001" in done.stdout
+    assert "F401" in done.stdout and "I001" in done.stdout and "W605" in done.stdout

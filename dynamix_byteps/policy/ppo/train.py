@@ -119,7 +119,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
             parameters. Optimiser state and the entropy schedule start afresh.
         ladder: the action ladder, a name of :data:`~dynamix_byteps.policy.ppo.mdp.LADDERS`; the
             exported ``features.json`` records its factors and the scheduler applies them.
-        profiles: :class:`~dynamix_byteps.policy.ppo.mixture.Profile`\ s to train on instead of
+        profiles: profiles (:class:`~dynamix_byteps.policy.ppo.mixture.Profile`) to train on instead of
             ``scenarios`` + ``params``: one drawn per episode, perturbed unless ``randomise`` is
             False (:class:`~dynamix_byteps.policy.ppo.mixture.MixtureSimEnv`). The training record
             (``features.json``'s ``training``) names them (``profiles``: name, scenario, source)
