@@ -47,8 +47,11 @@ def test_fitted_simulator_reproduces_each_workers_step_time_and_finds_the_stragg
     for row in rows:
         assert abs(row["step_error"]) < 0.15, rows
         assert abs(row["compute_error"]) < 0.15, rows
-    theta = [w.samples_per_s for w in params.workers]
-    assert theta[STRAGGLER] < 0.6 * min(theta[:STRAGGLER]), (theta, fits)
+    # The split of a step into fixed seconds and seconds per sample is ill-conditioned over the narrow range of
+    # batches one run visits (CI once fitted the straggler's 3x as 0.1 s fixed + θ 355 against θ 456), so the
+    # straggler is found on the fitted compute time at the starting batch, which the replay above pins down.
+    step_at_32 = [w.fixed_s + 32 / w.samples_per_s for w in params.workers]
+    assert step_at_32[STRAGGLER] > 1.7 * max(step_at_32[:STRAGGLER]), (step_at_32, fits)
     assert params == fit_run(run_dir)
 
 
