@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -321,7 +322,7 @@ def ps_state(thetas, sizes, comm, *, engine="ps", **kw):
     """A state whose workers report ``comm[i] = (push_s, pull_s)``."""
     base = make_state(thetas, sizes, **kw)
     workers = tuple(WorkerState(**{**w.__dict__, "push_s": c[0], "pull_s": c[1]}) for w, c in zip(base.workers, comm))
-    return ClusterState(step=base.step, workers=workers, initial_batch_sizes=base.initial_batch_sizes, engine=engine)
+    return dataclasses.replace(base, workers=workers, engine=engine)
 
 
 def test_bounded_split_with_offsets_equalises_weighted_time_plus_offset():
@@ -412,3 +413,17 @@ def test_the_cluster_carries_each_workers_push_and_pull_to_the_policy():
     assert run(["ps", "gloo", "ps"], [(None, None)] * 3).engine == ""  # mixed: no engine to go by
     with pytest.raises(Rejected, match="push_s"):
         run(["ps"] * 3, [(-1.0, 0.0)] * 3)
+
+
+def test_goodput_under_ps_models_each_workers_own_link_and_shrinks_the_slow_link_worker():
+    # noise small enough that goodput keeps M0 = 96; rank 2's link costs 0.1 s per step against 0.01 s
+    comm = [(0.005, 0.005), (0.005, 0.005), (0.05, 0.05)]
+    state = ps_state([320.0] * 3, [32] * 3, comm, grad_sq=1.0, trace_cov=1.0)
+    d = GoodputPolicy().decide(state)
+    # the round ends when the slow link's push arrives: 32/320 + 0.1, not max(b/θ) + the fastest link
+    assert d.terms["step_time_now_s"] == pytest.approx(32 / 320.0 + 0.1)
+    assert d.terms["global_batch_chosen"] == 96 and d.batch_sizes[2] == 13
+    assert d.predicted_gain == pytest.approx((32 / 320.0 + 0.1) / d.terms["step_time_predicted_s"] - 1)
+    assert d.predicted_gain > 0.3
+    assert GoodputPolicy().predict_gain(state, d.batch_sizes) == pytest.approx(d.predicted_gain)
+    assert "own link time (ps)" in d.reason

@@ -20,7 +20,8 @@ Sources:
   batch.) ``scale_down=True`` lifts that floor to ``Σ min_batch``.
 * The throughput model is this package's, not Pollux's fitted one: ``THROUGHPUT(M) = M / T(b(M))``
   where ``b(M)`` is the throughput-proportional split of ``M`` (LB-BSP, see :mod:`.proportional`)
-  and ``T(b) = max_i b_i/θ_i + T_comm``. Pollux models compute as ``α_c + β_c·b`` and overlap of
+  and ``T(b) = max_i b_i/θ_i + T_comm``, or under the ``ps`` engine ``T(b) = max_i (b_i/θ_i + m_i)``
+  with ``m_i`` worker i's own push + pull seconds (the split then equalises ``b_i/θ_i + m_i``). Pollux models compute as ``α_c + β_c·b`` and overlap of
   compute with communication (``γ``); here there is one measurement per worker, so compute is
   ``b/θ`` and the push_pull time is the fixed per-step cost. Consequence: with ``T_comm ≈ 0``
   throughput is flat in ``M`` and the efficiency term drives ``M`` to the lower end of the range.
@@ -36,6 +37,7 @@ from dynamix_byteps.policy.proportional import (
     _COMM_MODES,
     ProportionalPolicy,
     comm_time,
+    own_comm_times,
     proportional_sizes,
     step_time,
     throughput,
@@ -120,7 +122,7 @@ class GoodputPolicy(Policy):
 
     def _goodput(self, state: ClusterState, sizes: Sequence[int], noise: float, m0: int, comm: float):
         total = sum(sizes)
-        t = step_time(state, sizes, comm)
+        t = step_time(state, sizes, comm, own_comm_times(state))
         if not (math.isfinite(t) and t > 0):
             return 0.0, 0.0, 0.0, t
         thr = total / t
@@ -213,6 +215,7 @@ class GoodputPolicy(Policy):
         }
         reason = (
             f"goodput: global batch {current} → {m_best} (B_noise {noise:.4g}, M0 {m0}; "
-            f"goodput {g_now:.4g} → {g_best:.4g}), split ∝ θ_i"
+            f"goodput {g_now:.4g} → {g_best:.4g}), "
+            + ("split ∝ θ_i" if own_comm_times(state) is None else "split to equal compute + own link time (ps)")
         )
         return Decision(tuple(int(b) for b in sizes), reason, gain, terms)
