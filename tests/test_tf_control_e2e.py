@@ -1,7 +1,6 @@
 """A TensorFlow job driven by the control plane: bpslaunch --policy, the scheduler, real workers."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,16 +35,13 @@ def test_proportional_policy_drives_a_keras_fit_job(tmp_path):
     assert decisions and any(d.get("action") for d in decisions)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(400)
 def test_a_pytorch_trained_ppo_policy_drives_a_keras_fit_job(tmp_path):
-    pytest.importorskip("ray.rllib")
+    """The packaged ``ppo:small-cnn-sgd`` (trained with RLlib on torch, exported to ONNX) drives a Keras job:
+    the policy format carries across frameworks. Training and exporting a policy is tested in test_ppo.py."""
     pytest.importorskip("onnxruntime")
-    policy = tmp_path / "policy"  # RLlib PPO with torch, exported to ONNX: one short iteration
-    subprocess.run([sys.executable, "-m", "dynamix_byteps.cli", "policy", "train", "--scenario", "straggler",
-                    "--out", str(policy), "--iterations", "1", "--no-randomise", "--quiet"],
-                   check=True, capture_output=True, timeout=600)
     steps = 40
-    job = bpslaunch("-n", 3, "--policy", "ppo", "--policy-path", policy, "--slowdown", "2=3.0",
+    job = bpslaunch("-n", 3, "--policy", "ppo:small-cnn-sgd", "--slowdown", "2=3.0",
                     "--decision-interval", 5, "--log-dir", tmp_path / "run", "--", sys.executable, WORKER, tmp_path,
                     steps)
     try:
@@ -54,7 +50,7 @@ def test_a_pytorch_trained_ppo_policy_drives_a_keras_fit_job(tmp_path):
         reap(job)
     assert job.returncode == 0, output
     decisions = [json.loads(line) for line in (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()]
-    assert decisions and all(d["policy"] == "ppo" and d["error"] is None for d in decisions)
+    assert decisions and all(d["policy"].startswith("ppo") and d["error"] is None for d in decisions)
     ranks = logs(tmp_path, 3)
     assert all(len(rank) == steps for rank in ranks)
     for step in range(steps):  # every worker applies each assignment at the same step
