@@ -1,4 +1,4 @@
-"""The TensorFlow example through bpslaunch on real Fashion-MNIST: 4 workers, one epoch."""
+"""The TensorFlow example through bpslaunch on real Fashion-MNIST: 4 workers, one epoch (of 30,000 samples)."""
 
 import json
 import subprocess
@@ -27,7 +27,7 @@ def train(tmp_path: Path, *flags: str, launcher_flags: tuple = ()) -> tuple[dict
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_custom_loop_trains_four_workers_to_80_percent(tmp_path):
-    metrics, stdout = train(tmp_path)
+    metrics, stdout = train(tmp_path, "--limit-train", "30000")  # 0.848 measured: half an epoch is enough
     assert metrics["workers"] == 4 and metrics["mode"] == "loop"
     assert metrics["test_samples"] == 10_000
     assert metrics["test_accuracy"] >= 0.80, metrics
