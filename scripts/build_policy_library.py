@@ -52,7 +52,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import FEATURE_VERSION
 from dynamix_byteps.policy.ppo.library import INFO_FILE, library_root
 from dynamix_byteps.policy.ppo.mixture import Profile, load_profiles, profile_from_fit, write_profiles
-from dynamix_byteps.policy.ppo.serve import FEATURES_FILE, POLICY_FILE, read_metadata
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
 from dynamix_byteps.policy.sim.params import SimParams, reference
 
 #: Scenarios declared for evaluation only, before training (scenarios.toml says so in their

@@ -28,18 +28,14 @@ from dynamix_byteps.policy import Guarded
 from dynamix_byteps.policy.ppo.finetune import DecisionTail
 from dynamix_byteps.policy.ppo.finetune_cli import prepare_served
 from dynamix_byteps.policy.ppo.library import library_root
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, sha256
 from dynamix_byteps.policy.ppo.publish import (
     MANIFEST,
     generation_dir,
     publish,
     read_manifest,
 )
-from dynamix_byteps.policy.ppo.serve import (
-    FEATURES_FILE,
-    POLICY_FILE,
-    PPOPolicy,
-    sha256,
-)
+from dynamix_byteps.policy.ppo.serve import PPOPolicy
 
 pytest.importorskip("ray.rllib")
 

@@ -269,7 +269,7 @@ def test_a_profile_fitted_to_a_held_out_scenario_is_refused(tmp_path):
 def test_training_on_profiles_records_them_and_the_scenario_held_aside(tmp_path):
     pytest.importorskip("ray")
     from dynamix_byteps.policy.ppo.mixture import profile_from_fit
-    from dynamix_byteps.policy.ppo.serve import read_metadata
+    from dynamix_byteps.policy.ppo.policy_format import read_metadata
     from dynamix_byteps.policy.ppo.train import train
 
     profiles = [profile_from_fit(_fitted(), scenario(n), source=f"test fit of {n}") for n in ("straggler", "interference")]

@@ -90,7 +90,7 @@ def _check_policy(config: LaunchConfig) -> None:
         if config.policy_path is None:
             raise UsageError("--policy ppo needs --policy-path DIR (a policy directory written by "
                              "`dynamix policy train --out DIR` or `dynamix policy export`)")
-        from dynamix_byteps.policy.ppo.serve import read_metadata
+        from dynamix_byteps.policy.ppo.policy_format import read_metadata
 
         try:
             read_metadata(config.policy_path)

@@ -24,7 +24,7 @@ from dynamix_byteps.policy.ppo.mdp import LADDER, keep_index
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
-from dynamix_byteps.policy.ppo.serve import (
+from dynamix_byteps.policy.ppo.policy_format import (
     FEATURES_FILE,
     FORMAT,
     FORMAT_VERSION,

@@ -87,7 +87,7 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
         ConfigurationError: ``source`` is not a policy directory, or ``run_dir/policy`` holds a
             copy of another policy (a reused --log-dir).
     """
-    from dynamix_byteps.policy.ppo.serve import (
+    from dynamix_byteps.policy.ppo.policy_format import (
         FEATURES_FILE,
         POLICY_FILE,
         read_metadata,
@@ -118,7 +118,7 @@ def trainer_argv(source: Path, run_dir: Path, every: int = 64) -> tuple[list[str
         ConfigurationError: ``source`` has no checkpoint or is not a valid policy directory.
     """
     source = Path(source)
-    from dynamix_byteps.policy.ppo.serve import read_metadata
+    from dynamix_byteps.policy.ppo.policy_format import read_metadata
 
     directory, _ = read_metadata(source)
     checkpoint = directory / "checkpoint"

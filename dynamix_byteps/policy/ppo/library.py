@@ -27,6 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.policy_format import read_metadata
 
 __all__ = ["INFO_FILE", "entries", "library_root", "policy_dir"]
 
@@ -71,15 +72,13 @@ def _listing(known: dict[str, dict]) -> str:
 
 
 def policy_dir(name: str) -> Path:
-    """The directory of library policy ``name``, checked as :func:`.serve.read_metadata` checks it.
+    """The directory of library policy ``name``, checked as :func:`.policy_format.read_metadata` checks it.
 
     Raises:
         ConfigurationError: an unknown name, or an entry that is incomplete or incompatible with
             this version (another feature version, a missing or altered ONNX file); the message
             lists the library (``dynamix policy list``).
     """
-    from dynamix_byteps.policy.ppo.serve import read_metadata
-
     known = entries()
     name = str(name).strip()
     if name not in known:

@@ -25,8 +25,6 @@ decision's ``terms``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -37,70 +35,15 @@ import numpy as np
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy
-from dynamix_byteps.policy.ppo.features import NUM_FEATURES, check_spec, observation
-from dynamix_byteps.policy.ppo.mdp import apply_actions, check_ladder, keep_index
+from dynamix_byteps.policy.ppo.features import NUM_FEATURES, observation
+from dynamix_byteps.policy.ppo.mdp import apply_actions
+from dynamix_byteps.policy.ppo.policy_format import INPUT, OUTPUT, POLICY_FILE, policy_directory, read_metadata
 from dynamix_byteps.policy.ppo.publish import MANIFEST, read_manifest
 
-__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "POLICY_FILE", "PPOPolicy", "read_metadata", "sha256"]
+__all__ = ["PPOPolicy"]
 
-POLICY_FILE = "policy.onnx"
-FEATURES_FILE = "features.json"
-FORMAT = "dynamix-ppo-policy"
-FORMAT_VERSION = 1
-INPUT = "obs"
-OUTPUT = "logits"
 RL_EXTRA = "pip install 'dynamix-byteps[rl]'"
 log = logging.getLogger("dynamix_byteps.policy.ppo")
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _policy_dir(path) -> Path:
-    path = Path(path)
-    if path.is_file():
-        path = path.parent
-    if not path.is_dir():
-        raise ConfigurationError(f"policy path {path} does not exist; pass the directory written by "
-                                 "`dynamix policy train --out DIR` or `dynamix policy export --out DIR`")
-    return path
-
-
-def read_metadata(path) -> tuple[Path, dict]:
-    """``(directory, features.json content)`` of a policy directory, validated against this code.
-
-    Raises:
-        ConfigurationError: missing files, another format or version, a feature spec this
-            version does not compute, a malformed action ladder (:func:`~.mdp.check_ladder`), or
-            an ONNX file whose hash differs from the record.
-    """
-    directory = _policy_dir(path)
-    meta_path = directory / FEATURES_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise ConfigurationError(f"{meta_path} is missing: {directory} is not a policy directory "
-                                 "(expected policy.onnx and features.json from `dynamix policy export`)") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConfigurationError(f"cannot read {meta_path}: {error}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
-                                 "`dynamix policy export CHECKPOINT --out DIR`")
-    check_spec(meta.get("observation") or {}, str(meta_path))
-    actions = meta.get("actions") or {}
-    ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
-    if actions.get("keep") != keep_index(len(ladder)):
-        raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
-                                 f"version with {keep_index(len(ladder))} (the ladder's middle); retrain it")
-    onnx_path = directory / POLICY_FILE
-    if not onnx_path.is_file():
-        raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
-    recorded = (meta.get("onnx") or {}).get("sha256")
-    if recorded != sha256(onnx_path):
-        raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
-                                 "file from another export); re-export the policy")
-    return directory, meta
 
 
 class PPOPolicy(Policy):
@@ -143,7 +86,7 @@ class PPOPolicy(Policy):
             raise ConfigurationError(f"policy 'ppo' needs onnxruntime: {RL_EXTRA}") from None
         self.explore = _flag(explore, "explore")
         self._rng = np.random.default_rng(None if seed is None else int(seed))
-        self.root = _policy_dir(path)
+        self.root = policy_directory(path)
         self._stamp = _stamp(self.root / MANIFEST)
         self._swapper: threading.Thread | None = None
         manifest = read_manifest(self.root)

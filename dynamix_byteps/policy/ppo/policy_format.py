@@ -1,0 +1,84 @@
+"""The policy directory format, shared by the server (:mod:`.serve`), the exporter, the library and
+the fine-tuner: file names, format version, the ONNX graph's input/output names, and the check
+that a directory holds a policy this version can serve (no onnxruntime needed).
+
+``policy.onnx`` takes ``obs`` float32 ``(batch, workers, F)`` and gives ``logits`` float32
+``(batch, workers, A)``; ``features.json`` records the format and version, the observation spec,
+the action ladder and the ONNX file's SHA-256 (see :mod:`.serve`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.features import check_spec
+from dynamix_byteps.policy.ppo.mdp import check_ladder, keep_index
+
+__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "policy_directory",
+           "read_metadata", "sha256"]
+
+POLICY_FILE = "policy.onnx"
+FEATURES_FILE = "features.json"
+FORMAT = "dynamix-ppo-policy"
+FORMAT_VERSION = 1
+INPUT = "obs"
+OUTPUT = "logits"
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of the file at ``path`` (the ONNX file's fingerprint in ``features.json``)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def policy_directory(path) -> Path:
+    """The policy directory ``path`` names (the directory itself, or a file in it).
+
+    Raises:
+        ConfigurationError: it does not exist.
+    """
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise ConfigurationError(f"policy path {path} does not exist; pass the directory written by "
+                                 "`dynamix policy train --out DIR` or `dynamix policy export --out DIR`")
+    return path
+
+
+def read_metadata(path) -> tuple[Path, dict]:
+    """``(directory, features.json content)`` of a policy directory, validated against this code.
+
+    Raises:
+        ConfigurationError: missing files, another format or version, a feature spec this
+            version does not compute, a malformed action ladder (:func:`~.mdp.check_ladder`), or
+            an ONNX file whose hash differs from the record.
+    """
+    directory = policy_directory(path)
+    meta_path = directory / FEATURES_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise ConfigurationError(f"{meta_path} is missing: {directory} is not a policy directory "
+                                 "(expected policy.onnx and features.json from `dynamix policy export`)") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigurationError(f"cannot read {meta_path}: {error}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
+                                 "`dynamix policy export CHECKPOINT --out DIR`")
+    check_spec(meta.get("observation") or {}, str(meta_path))
+    actions = meta.get("actions") or {}
+    ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
+    if actions.get("keep") != keep_index(len(ladder)):
+        raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
+                                 f"version with {keep_index(len(ladder))} (the ladder's middle); retrain it")
+    onnx_path = directory / POLICY_FILE
+    if not onnx_path.is_file():
+        raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
+    recorded = (meta.get("onnx") or {}).get("sha256")
+    if recorded != sha256(onnx_path):
+        raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
+                                 "file from another export); re-export the policy")
+    return directory, meta
