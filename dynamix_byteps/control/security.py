@@ -14,6 +14,9 @@ CA certificate (``--tls-ca`` or ``DYNAMIX_TLS_CA``) through gRPC's SSL credentia
 clients dial (a subjectAltName ``IP:10.0.0.1`` or ``DNS:ps0``). A plaintext client of a TLS
 scheduler fails its handshake (UNAVAILABLE); the token is checked on top of TLS.
 
+``bpslaunch``'s restart rendezvous (:mod:`dynamix_byteps.launcher.rendezvous`) is served and
+called with the same token check and TLS (:func:`listen`, :func:`open_channel`).
+
 The scheduler's Prometheus endpoint requires the same token, as an HTTP header
 ``Authorization: Bearer <token>`` (Prometheus: ``authorization: {credentials: <token>}`` in the
 scrape config), when the scheduler has one (:func:`require_bearer_token`).
@@ -150,6 +153,23 @@ def check_tls_files(cert: str | os.PathLike, key: str | os.PathLike, ca: str | o
             return
     raise ConfigurationError(f"a TLS handshake with the certificate {cert} and the CA {ca} did not complete; "
                              "check --tls-cert, --tls-key and --tls-ca")
+
+
+def listen(server: grpc.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
+    """Add the listening address ``host:port`` (0 = pick one) to ``server``, TLS when ``credentials``
+    (:func:`server_credentials`) is not None; returns the port.
+
+    Raises:
+        OSError: the address is in use or not local (gRPC's reason when it gives one).
+    """
+    address = grpc_address(host, port)
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise OSError(f"cannot listen on {address}: {error}") from None
+    if not bound:
+        raise OSError(f"cannot listen on {address}: address in use or not local")
+    return bound
 
 
 def open_channel(address: str, ca: str | os.PathLike | None = None, options=()) -> grpc.Channel:

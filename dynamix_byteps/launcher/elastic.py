@@ -8,10 +8,10 @@ got through ``bps.init``, or in which every worker exited with a code > 0 by its
 in the command, not a lost worker: it is not restarted.
 
 Across hosts, the ``bpslaunch`` of every host agrees on the next run.
-With ``--hosts ... --restart-on-failure N``, node 0's launcher listens on ``--restart-port``
-(on the first of ``--hosts``) for the whole job. After each run, every other launcher sends it
-one JSON line, its :class:`RunReport`, and waits for one line back; node 0 adds its own report,
-calls :func:`decide`, and answers every host with the same decision:
+With ``--hosts ... --restart-on-failure N``, node 0's launcher serves the gRPC restart rendezvous
+(:mod:`.rendezvous`) on ``--restart-port`` of the first of ``--hosts`` for the whole job. After
+each run (a round), every other launcher sends it its :class:`RunReport` and waits for the
+decision; node 0 adds its own report, calls :func:`decide`, and answers every host with the same one:
 
 * ``{"exit": code, "reason": ...}``: the job ends; every launcher exits with ``code``;
 * ``{"slots": [S0, S1, ...], "port": P, "scheduler_port": Q, "lost": [ranks]}``: the next run
@@ -26,11 +26,12 @@ failure was a summation server's (``--engine ps``): then no worker is lost. Each
 worker takes one slot from its host. The job ends instead when every report is 0 (done), when no
 restart is left, when no worker got through ``bps.init`` or every worker failed on its own (an
 error in the command, not a lost worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
-a launcher was stopped by a signal: a stopped host only :func:`tell`-s node 0 and exits; a
-stopped node 0 answers no one, and the others give up after ``REFUSED_S`` of refused connections.
+a launcher was stopped by a signal: a stopped host only reports (``Leave``) and exits; a
+stopped node 0 answers no one, and the others give up after ``REFUSED_S`` of it being unreachable.
 
-Every message carries ``DYNAMIX_TOKEN`` (required, as for a multi-host scheduler); a connection
-with another token is answered ``{"error": ...}`` and ignored. Node 0 waits ``REPORT_TIMEOUT_S``
+Every call carries ``DYNAMIX_TOKEN`` (required, as for a multi-host scheduler) and uses the
+scheduler's TLS (``--tls-cert/--tls-key`` on node 0, ``--tls-ca`` on the others); a call with
+another token is refused (UNAUTHENTICATED) and not counted. Node 0 waits ``REPORT_TIMEOUT_S``
 for the other hosts' reports: a host that is gone by then ends the job (``exit`` with the first
 failure's code).
 """
@@ -38,63 +39,22 @@ failure's code).
 from __future__ import annotations
 
 import dataclasses
-import hmac
-import json
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dynamix_byteps.control.mailbox import remove_job_mailboxes
 from dynamix_byteps.env import STARTED_DIR_ENV
 from dynamix_byteps.launcher.config import PROG, LaunchConfig
+from dynamix_byteps.launcher.rendezvous import REPORT_TIMEOUT_S, RendezvousServer, RunReport, end_round, leave
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 from dynamix_byteps.launcher.topology import LOCAL_HOST, Topology, free_port
 from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
 
-__all__ = ["REPORT_TIMEOUT_S", "Coordinator", "RunReport", "decide", "report_and_wait", "run", "tell"]
-
-REPORT_TIMEOUT_S = 120.0  # node 0 waits this long for the other hosts' reports of a run
-REFUSED_S = 10.0  # node 0 listens from its start: refused this long, it is gone
-_MAX_LINE = 1 << 20
-
-
-@dataclass(frozen=True)
-class RunReport:
-    """How one run ended on one host.
-
-    Attributes:
-        node: the host's index in this run's ``--hosts``.
-        run: the run (0, then 1 after the first restart, ...).
-        code: the launcher's exit code for the run (0 when every worker succeeded).
-        failed: the global rank of the worker whose failure ended the run on this host, or None
-            (success, or the launcher itself was signalled).
-        killed: global ranks of the workers that died of a signal the launcher did not send.
-        failed_at: wall-clock time (s since the epoch) the launcher saw that failure.
-        self_failed: global ranks of the workers that exited with a code > 0 on their own.
-        workers: global ranks of this host's workers in the run.
-        token: the shared secret (``DYNAMIX_TOKEN``).
-        started: whether a worker of this host got through ``bps.init`` (the rendezvous completes for
-            all workers or none, so a run no host started failed at start-up).
-        server_failed: a summation server of this host (``--engine ps``) failed and ended the run
-            here (then ``failed`` is None); the next run keeps every worker.
-    """
-
-    node: int
-    run: int
-    code: int
-    failed: int | None
-    failed_at: float | None
-    killed: list[int] = field(default_factory=list)
-    self_failed: list[int] = field(default_factory=list)
-    workers: list[int] = field(default_factory=list)
-    token: str = ""
-    started: bool = True
-    server_failed: bool = False
+__all__ = ["RunReport", "decide", "run"]
 
 
 def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> dict:
@@ -129,115 +89,13 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
     return {"slots": new, "lost": sorted(rank for _, rank in lost)}
 
 
-def _send(conn: socket.socket, message: dict) -> None:
-    conn.sendall(json.dumps(message).encode() + b"\n")
-
-
-def _receive(conn: socket.socket, deadline: float) -> dict:
-    """One JSON line from ``conn`` before ``deadline`` (monotonic); raises OSError or ValueError."""
-    data = b""
-    while not data.endswith(b"\n"):
-        conn.settimeout(max(0.01, deadline - time.monotonic()))
-        chunk = conn.recv(4096)
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        data += chunk
-        if len(data) > _MAX_LINE:
-            raise ValueError("message too long")
-    return json.loads(data)
-
-
-class Coordinator:
-    """Node 0's side: listens on ``(host, port)`` from construction to :meth:`close`.
-
-    Raises:
-        OSError: the address cannot be bound.
-    """
-
-    def __init__(self, host: str, port: int, token: str):
-        self._token = token
-        self._server = socket.create_server((host, port))  # SO_REUSEADDR: a restarted job can reuse the port
-
-    def collect(self, run: int, peers: int, timeout_s: float = REPORT_TIMEOUT_S) -> dict[int, tuple[RunReport, socket.socket]]:
-        """Accept reports of ``run`` until ``peers`` hosts have sent one or ``timeout_s`` passes;
-        returns ``{node: (report, connection)}`` (answer them with :meth:`answer`)."""
-        got: dict[int, tuple[RunReport, socket.socket]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(got) < peers and time.monotonic() < deadline:
-            self._server.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                break
-            try:
-                report = RunReport(**_receive(conn, deadline))
-            except (OSError, ValueError, TypeError):
-                conn.close()
-                continue
-            if not hmac.compare_digest(report.token, self._token):
-                _send(conn, {"error": "wrong DYNAMIX_TOKEN: every host needs the same one"})
-                conn.close()
-            elif report.run != run or not 1 <= report.node <= peers:
-                _send(conn, {"error": f"report of run {report.run} node {report.node}; expected run {run}, nodes 1..{peers}"})
-                conn.close()
-            else:
-                if report.node in got:
-                    got[report.node][1].close()
-                got[report.node] = (report, conn)
-        return got
-
-    @staticmethod
-    def answer(connections, decision: dict) -> None:
-        """Send ``decision`` to every connection of :meth:`collect` and close them."""
-        for conn in connections:
-            try:
-                _send(conn, decision)
-            except OSError:
-                pass
-            finally:
-                conn.close()
-
-    def close(self) -> None:
-        self._server.close()
-
-
-def report_and_wait(address: tuple[str, int], report: RunReport, timeout_s: float = REPORT_TIMEOUT_S) -> dict:
-    """A non-zero host's side: send ``report`` to node 0 (retrying while it is not listening yet)
-    and return its decision; ``{"exit": report.code, "reason": why}`` when none comes in time."""
-    deadline = time.monotonic() + timeout_s + 30.0  # node 0 may wait timeout_s for the slowest host
-    refused_until = time.monotonic() + REFUSED_S
-    error: Exception | None = None
-    while time.monotonic() < min(deadline, refused_until if isinstance(error, ConnectionRefusedError) else deadline):
-        try:
-            with socket.create_connection(address, timeout=5.0) as conn:
-                _send(conn, asdict(report))
-                answer = _receive(conn, deadline)
-        except (OSError, ValueError) as why:
-            error = why
-            time.sleep(0.5)
-            continue
-        if "error" in answer:
-            return {"exit": report.code, "reason": f"node 0 refused the report: {answer['error']}"}
-        return answer
-    return {"exit": report.code, "reason": f"no answer from node 0 at {address[0]}:{address[1]} ({error})"}
-
-
-def tell(address: tuple[str, int], report: RunReport) -> None:
-    """Send ``report`` to node 0 without waiting for an answer (a stopped launcher); errors are ignored."""
-    try:
-        with socket.create_connection(address, timeout=2.0) as conn:
-            _send(conn, asdict(report))
-    except OSError:
-        pass
-
-
 # ---- the restart loop -----------------------------------------------------------------------------
 
 Build = Callable[[LaunchConfig], "list[ChildSpec] | int"]
 
 
 def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[ChildSpec],
-        coordinator: Coordinator | None) -> int:
+        coordinator: RendezvousServer | None) -> int:
     """Run the job of ``specs``, restarting it as ``config.restart_on_failure`` allows; returns the exit code.
 
     ``build`` makes the next run's specs from its config (or returns the exit code after printing
@@ -303,7 +161,7 @@ def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
 
 
 def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Supervisor, code: int,
-                coordinator: Coordinator | None, started_workers: bool) -> dict:
+                coordinator: RendezvousServer | None, started_workers: bool) -> dict:
     """Report how run ``config.run`` ended on this host and get the job's next step (see the module
     docstring): node 0 collects every host's report, decides and answers; the others ask node 0."""
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
@@ -311,21 +169,22 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
                        failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
                        failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
                        self_failed=[int(label) for label in supervisor.self_failed],
-                       workers=[int(s.label) for s in supervisor.specs if not s.service], token=env["DYNAMIX_TOKEN"],
-                       started=started_workers, server_failed=supervisor.failed_service is not None)
+                       workers=[int(s.label) for s in supervisor.specs if not s.service], started=started_workers,
+                       server_failed=supervisor.failed_service is not None)
     # the launcher was signalled (or could not start the job)
     stopped = code != 0 and report.failed is None and not report.server_failed
-    node0 = (topology.hosts[0], config.restart_port)
+    node0, token = (topology.hosts[0], config.restart_port), env["DYNAMIX_TOKEN"]
+    tls_ca = None if config.tls_ca is None else str(config.tls_ca)
     if coordinator is None:
         if stopped:
-            tell(node0, report)
+            leave(node0, report, token, tls_ca)
             return {"exit": code, "reason": "stopped; not restarting"}
-        return report_and_wait(node0, report)
+        return end_round(node0, report, token, tls_ca)
     if stopped:
         return {"exit": code, "reason": "stopped; not restarting"}
     peers = coordinator.collect(config.run, len(topology.hosts) - 1)
     missing = [i for i in range(1, len(topology.hosts)) if i not in peers]
-    reports = [report] + [peers[i][0] for i in sorted(peers)]
+    reports = [report] + [peers[i] for i in sorted(peers)]
     if missing:
         first = next((r.code for r in reports if r.code != 0), 1)
         decision = {"exit": first, "reason": f"host(s) {', '.join(map(str, missing))} sent no report of run "
@@ -337,7 +196,7 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
         decision["port"] = free_port(address)
         if config.policy is not None:
             decision["scheduler_port"] = free_port(address)
-    Coordinator.answer([conn for _, conn in peers.values()], decision)
+    coordinator.answer(config.run, decision)
     return decision
 
 

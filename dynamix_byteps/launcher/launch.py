@@ -70,7 +70,8 @@ from pathlib import Path
 
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.cli import PROG, LaunchConfig, build_parser, parse_args
-from dynamix_byteps.launcher.elastic import Coordinator, run
+from dynamix_byteps.launcher.elastic import run
+from dynamix_byteps.launcher.rendezvous import RendezvousServer
 from dynamix_byteps.launcher.specs import build_specs
 from dynamix_byteps.launcher.supervisor import ChildSpec
 
@@ -132,12 +133,11 @@ def _launch(config: LaunchConfig, env: Mapping[str, str], parser: argparse.Argum
         return 0
     coordinator = None
     if config.multi_host_elastic and config.node_rank == 0:
-        host = config.hosts[0][0]
-        try:
-            coordinator = Coordinator(host, config.restart_port, env["DYNAMIX_TOKEN"])
-        except OSError as error:
-            return _usage_error(parser, f"argument --restart-port: cannot listen on {host}:{config.restart_port} "
-                                f"({error.strerror or error}); choose another port")
+        try:  # the restart rendezvous, served with the scheduler's token and TLS
+            coordinator = RendezvousServer(config.hosts[0][0], config.restart_port, env["DYNAMIX_TOKEN"],
+                                           config.tls_cert, config.tls_key, hosts=len(config.hosts))
+        except (OSError, ValueError) as error:  # the port is taken, the token is no gRPC metadata
+            return _usage_error(parser, f"argument --restart-port: {error}")
     try:
         return run(config, env, build, specs, coordinator)
     finally:
