@@ -4,11 +4,11 @@ A plain ``pip install dynamix-byteps`` is what a training worker needs. The libr
 imported only where used, through :func:`import_extra`, so a missing one fails with the command
 that installs it:
 
-* ``monitoring``: ``tensorboard`` (scalars under ``--log-dir``) and ``prometheus-client``
+* ``scheduler``: ``tensorboard`` (scalars under ``--log-dir``) and ``prometheus-client``
   (the scheduler's ``--metrics-port``)
-* ``plots``: ``matplotlib`` and ``tensorboard`` (``dynamix report``)
-* ``gpu``: ``nvidia-ml-py`` (the node agent's GPU readings)
-* ``all``: every one of them
+* ``report``: ``matplotlib`` and ``tensorboard`` (``dynamix report``)
+* ``agent``: ``nvidia-ml-py`` (the node agent's GPU readings)
+* ``all``: every one of them (and ``tensorflow`` and ``rl``)
 """
 
 from __future__ import annotations

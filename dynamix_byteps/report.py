@@ -97,7 +97,7 @@ def _event_accumulator():
     ``tensorboard.compat.tf``)."""
     if "tensorflow" not in sys.modules:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
-    event_accumulator = import_extra("tensorboard.backend.event_processing.event_accumulator", "plots",
+    event_accumulator = import_extra("tensorboard.backend.event_processing.event_accumulator", "report",
                                      "reading a run's TensorBoard scalars")
 
     logging.getLogger("tensorboard").setLevel(logging.WARNING)  # one INFO line per file read
@@ -268,8 +268,8 @@ def format_summary(rows: list[dict], job: dict) -> str:
 
 
 def _figure(ncols: int = 1):
-    FigureCanvasAgg = import_extra("matplotlib.backends.backend_agg", "plots", "drawing the report's plots").FigureCanvasAgg
-    Figure = import_extra("matplotlib.figure", "plots", "drawing the report's plots").Figure
+    FigureCanvasAgg = import_extra("matplotlib.backends.backend_agg", "report", "drawing the report's plots").FigureCanvasAgg
+    Figure = import_extra("matplotlib.figure", "report", "drawing the report's plots").Figure
 
     fig = Figure(figsize=(6.4 * ncols, 4.2), layout="constrained")
     FigureCanvasAgg(fig)

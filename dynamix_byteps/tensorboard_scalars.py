@@ -72,7 +72,7 @@ def scheduler_logdir(run_dir: str | os.PathLike) -> Path:
 
 
 def _tensorboard(submodule: str):
-    return import_extra(f"tensorboard.{submodule}", "monitoring", "writing TensorBoard scalars (--log-dir)")
+    return import_extra(f"tensorboard.{submodule}", "scheduler", "writing TensorBoard scalars (--log-dir)")
 
 
 class ScalarWriter:
@@ -137,7 +137,7 @@ class ScalarWriter:
 
 # ---- the worker process's writer ----------------------------------------------------------------
 
-_lock = threading.Lock()
+
 def open_writer(logdir: str | os.PathLike) -> ScalarWriter | None:
     """A :class:`ScalarWriter` into ``logdir``, opened; None, with a warning naming the extra to
     install, when tensorboard is missing (the scalars are monitoring: training and the decision
@@ -155,6 +155,9 @@ def open_writer(logdir: str | os.PathLike) -> ScalarWriter | None:
     return writer
 
 
+# Resolved when a frontend builds its step monitor (TrainingStep hands the writer to it) or at a
+# log_scalar call, and reset by bps.shutdown(); a training step itself only uses the monitor's writer.
+_lock = threading.Lock()
 _writer: ScalarWriter | None = None
 _resolved = False  # DYNAMIX_LOG_DIR was looked at (None writer: no run directory)
 

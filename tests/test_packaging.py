@@ -83,7 +83,7 @@ def test_missing_extra_names_the_install_command(tmp_path):
             print(error)
     """)
     assert done.returncode == 0, done.stderr
-    assert "pip install 'dynamix-byteps[monitoring]'" in done.stdout
+    assert "pip install 'dynamix-byteps[scheduler]'" in done.stdout
 
 
 def test_without_tensorboard_a_log_dir_warns_and_trains_on(tmp_path):
@@ -97,7 +97,7 @@ def test_without_tensorboard_a_log_dir_warns_and_trains_on(tmp_path):
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("None [")
-    assert "pip install 'dynamix-byteps[monitoring]'" in done.stdout and "going on without" in done.stdout
+    assert "pip install 'dynamix-byteps[scheduler]'" in done.stdout and "going on without" in done.stdout
 
 
 # ---- extras ---------------------------------------------------------------------------------

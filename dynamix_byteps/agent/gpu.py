@@ -66,7 +66,7 @@ class GpuMonitor:
         self._handles: list = []
         self._last_ts: dict[int, int] = {}  # device -> NVML timestamp (µs) of the last process sample
         try:
-            pynvml = import_extra("pynvml", "gpu", "reading GPUs through NVML")
+            pynvml = import_extra("pynvml", "agent", "reading GPUs through NVML")
         except ImportError as e:
             self._unavailable(str(e))
             return

@@ -207,7 +207,7 @@ class DecisionLog:
 
 
 def _prometheus_client():
-    return import_extra("prometheus_client", "monitoring", "serving the scheduler's metrics (--metrics-port)")
+    return import_extra("prometheus_client", "scheduler", "serving the scheduler's metrics (--metrics-port)")
 
 
 class SchedulerMetrics:
