@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,6 +16,7 @@ import pytest
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.security import TOKEN_METADATA_KEY, open_channel
 from dynamix_byteps.launcher import rendezvous
+from dynamix_byteps.launcher.config import PROG
 from dynamix_byteps.launcher.rendezvous import RendezvousServer, RunReport, decision_dict, decision_message, end_round, leave
 from dynamix_byteps.launcher.topology import free_port
 
@@ -169,3 +173,17 @@ def test_over_tls_a_host_verified_by_the_ca_gets_the_decision_and_a_plaintext_on
                 dynamix_pb2_grpc.RendezvousStub(channel).EndRound(report(1).message(), timeout=3,
                                                                    metadata=((TOKEN_METADATA_KEY, TOKEN),))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token, message", [(TOKEN, "argument --restart-port: cannot listen on 127.0.0.1:"),
+                                            ("two words", "DYNAMIX_TOKEN: the token must be printable ASCII")])
+def test_bpslaunch_node_0_whose_rendezvous_cannot_serve_is_a_usage_error(tmp_path, token, message):
+    with RendezvousServer("127.0.0.1", 0, TOKEN) as taken:
+        port = taken.port if token == TOKEN else free_port("127.0.0.1")
+        proc = subprocess.run(
+            [sys.executable, "-m", "dynamix_byteps.launcher", "--hosts", "127.0.0.1:1,127.0.0.2:1", "--node-rank", "0",
+             "--port", str(free_port("127.0.0.1")), "--restart-port", str(port), "--restart-on-failure", "1",
+             "--checkpoint", str(tmp_path / "c.pt"), "--", "true"],
+            env={**os.environ, "DYNAMIX_TOKEN": token}, capture_output=True, text=True, timeout=50, check=False)
+    assert proc.returncode == 2 and f"{PROG}: error: {message}" in proc.stderr, proc.stderr

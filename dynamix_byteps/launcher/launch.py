@@ -132,12 +132,13 @@ def _launch(config: LaunchConfig, env: Mapping[str, str], parser: argparse.Argum
     if not specs:
         return 0
     coordinator = None
-    if config.multi_host_elastic and config.node_rank == 0:
-        try:  # the restart rendezvous, served with the scheduler's token and TLS
+    if config.multi_host_elastic and config.node_rank == 0:  # serves the restart rendezvous (scheduler's token, TLS)
+        try:
             coordinator = RendezvousServer(config.hosts[0][0], config.restart_port, env["DYNAMIX_TOKEN"],
                                            config.tls_cert, config.tls_key, hosts=len(config.hosts))
-        except (OSError, ValueError) as error:  # the port is taken, the token is no gRPC metadata
-            return _usage_error(parser, f"argument --restart-port: {error}")
+        except (OSError, ValueError) as error:  # the port is taken; the token is no gRPC metadata
+            return _usage_error(parser, f"{'argument --restart-port' if isinstance(error, OSError) else 'DYNAMIX_TOKEN'}"
+                                f": {error}")
     try:
         return run(config, env, build, specs, coordinator)
     finally:
