@@ -25,6 +25,7 @@ char LICENSE[] SEC("license") = "GPL";
 struct sock_stat {
     __u64 bytes_sent;    /* bytes returned by send calls on this socket, bytes */
     __u64 bytes_recv;    /* bytes returned by receive calls (MSG_PEEK excluded), bytes */
+    __u64 delivery_rate; /* latest delivery-rate sample as tcp_info's tcpi_delivery_rate, bytes/s (0: none) */
     __u32 tgid;          /* process that first sent/received on it (global pid namespace) */
     __u32 srtt_us;       /* smoothed RTT, microseconds (tcp_sock.srtt_us >> 3) */
     __u32 snd_cwnd;      /* congestion window, segments */
@@ -74,6 +75,10 @@ static __always_inline void refresh(struct sock_stat *st, struct tcp_sock *tp)
     st->snd_cwnd = tp->snd_cwnd;
     st->total_retrans = tp->total_retrans;
     st->sndq = tp->write_seq - tp->snd_una;
+    /* tcp_compute_delivery_rate (net/ipv4/tcp.c): segments delivered x MSS / interval */
+    __u64 delivered = tp->rate_delivered, interval_us = tp->rate_interval_us;
+    if (delivered && interval_us)
+        st->delivery_rate = delivered * tp->mss_cache * 1000000 / interval_us;
 }
 
 static __always_inline struct sock_stat *get_stat(struct sock *sk, __u32 tgid)

@@ -46,7 +46,7 @@ def test_a_huge_finite_timing_is_refused_naming_the_field(field):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field", ["memory_used_bytes", "gpu_memory_used_bytes", "rtt_s", "tx_bytes_per_s",
-                                   "rx_bytes_per_s", "retransmits"])
+                                   "rx_bytes_per_s", "delivery_rate_bytes_per_s", "retransmits"])
 def test_a_huge_node_metric_is_refused_naming_the_field(field):
     value = 2**64 - 1 if field == "retransmits" else HUGE
     with running(ScriptedPolicy()) as server, stub_for(server) as (stub, md, _):

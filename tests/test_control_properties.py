@@ -62,7 +62,8 @@ def _optional(fields: dict) -> st.SearchStrategy[dict]:
 
 
 node_metrics = _optional({name: number for name in ("cpu_util", "memory_used_bytes", "gpu_util", "gpu_memory_used_bytes",
-                                                    "rtt_s", "tx_bytes_per_s", "rx_bytes_per_s")}
+                                                    "rtt_s", "tx_bytes_per_s", "rx_bytes_per_s",
+                                                    "delivery_rate_bytes_per_s")}
                          | {"retransmits": uint64}).map(lambda kw: dynamix_pb2.NodeMetrics(**kw))
 
 worker_info = st.builds(dynamix_pb2.WorkerInfo, rank=rank, world_size=mostly(st.just(WORLD), uint32), host=text,

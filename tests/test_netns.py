@@ -262,8 +262,17 @@ def test_under_ps_proportional_gives_the_slow_link_host_smaller_batches(tmp_path
     assert sum(sizes) == 96 and sizes[2] < min(sizes[:2]), [d["batch_sizes"] for d in decisions]
     assert all(d["batch_sizes"][2] == min(d["batch_sizes"]) for d in decisions[len(decisions) // 2:]), \
         [d["batch_sizes"] for d in decisions]
-    # the slow host's agent: its worker's TCP round trips queue in the 20 Mbit/s link
-    rtts = [[w["node"][r]["rtt_s"] for w in later if w["node"][r].get("rtt_s") is not None] for r in range(3)]
-    assert all(rtts), f"too few node reports: {rtts}"
-    mean_rtt = [statistics.mean(r) for r in rtts]
+    # the slow host's agent: its worker's TCP round trips queue in the 20 Mbit/s link, and TCP's
+    # delivery-rate estimate shows the link's lower rate (bytes sent per second cannot: every
+    # worker sends the same bytes per step at the job's one step rate)
+    mean_rtt, mean_rate = (_node_means(later, metric) for metric in ("rtt_s", "delivery_rate_bytes_per_s"))
     assert mean_rtt[2] > 2 * max(mean_rtt[:2]), mean_rtt
+    assert mean_rate[2] < 0.5 * statistics.mean(mean_rate[:2]), mean_rate
+
+
+def _node_means(workers: list[dict], metric: str) -> list[float]:
+    """Each rank's mean of node-agent ``metric`` over the decision-log ``workers`` entries that have it."""
+    values = [[w["node"][r][metric] for w in workers if w["node"][r].get(metric) is not None]
+              for r in range(len(workers[0]["node"]))]
+    assert all(values), f"too few node reports of {metric}: {values}"
+    return [statistics.mean(v) for v in values]

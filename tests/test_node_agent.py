@@ -69,13 +69,15 @@ def test_agent_reports_traffic_and_host_metrics_that_reach_the_policy(job):
         (worker,) = report.workers
         assert worker.rank == 0
         assert worker.node.tx_bytes_per_s > 0 and worker.node.rx_bytes_per_s > 0
+        assert worker.node.delivery_rate_bytes_per_s > 0  # the sending socket's; the idle listener has none
         assert 0.0 <= worker.node.cpu_util <= 1.0 and worker.node.memory_used_bytes > 0
         assert not worker.node.HasField("gpu_util")  # no GPU here: unavailable, not zero
         stub_info = dynamix_pb2.WorkerInfo(rank=0, world_size=1, batch_size=8)
         server.register(stub_info)
         server.report(dynamix_pb2.Report(rank=0, step=1, local_batch_size=8, compute_s=0.1, push_pull_s=0.0,
                                          samples_per_s=80.0))
-        assert policy.states[-1].workers[0].node["tx_bytes_per_s"] > 0
+        node = policy.states[-1].workers[0].node
+        assert node["tx_bytes_per_s"] > 0 and node["delivery_rate_bytes_per_s"] > 0
     finally:
         for s in (peer, conn, listener):
             s.close()

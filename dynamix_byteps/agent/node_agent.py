@@ -96,6 +96,8 @@ def _rates(now: ProcessNetStats, before: ProcessNetStats | None, dt: float) -> d
         metrics["retransmits"] = max(now.retransmits - before.retransmits, 0)
     if now.srtt_s is not None:
         metrics["rtt_s"] = now.srtt_s
+    if now.delivery_rate_bytes_per_s is not None:
+        metrics["delivery_rate_bytes_per_s"] = now.delivery_rate_bytes_per_s
     return metrics
 
 

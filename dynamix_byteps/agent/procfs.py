@@ -44,7 +44,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ _TCPI_BYTES_ACKED = 120
 _TCPI_BYTES_RECEIVED = 128
 _TCPI_NOTSENT_BYTES = 144
 _TCPI_DATA_SEGS_OUT = 156
+_TCPI_DELIVERY_RATE = 160  # __u64, Linux >= 4.9
 _TCPI_BYTES_SENT = 200
 _TCPI_BYTES_RETRANS = 208
 _TCPI_LEN_WANTED = 232  # through tcpi_snd_wnd; older kernels return less, missing fields -> None
@@ -95,6 +96,8 @@ class TcpInfo:
         data_segs_out: segments sent that carried data.
         bytes_sent: data bytes sent, retransmissions included (RFC 4898 HCDataOctetsOut).
         bytes_retrans: data bytes retransmitted.
+        delivery_rate: the kernel's latest delivery-rate sample, bytes/s (0: no sample yet); it
+            stays after the socket goes idle (see :func:`.base.delivery_rate`).
     """
 
     state: int
@@ -108,6 +111,7 @@ class TcpInfo:
     data_segs_out: int | None = None
     bytes_sent: int | None = None
     bytes_retrans: int | None = None
+    delivery_rate: int | None = None
 
 
 def _u32(buf: bytes, off: int) -> int | None:
@@ -139,6 +143,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo:
             _U32(buf, _TCPI_DATA_SEGS_OUT)[0],
             _U64(buf, _TCPI_BYTES_SENT)[0],
             _U64(buf, _TCPI_BYTES_RETRANS)[0],
+            _U64(buf, _TCPI_DELIVERY_RATE)[0],
         )
     return TcpInfo(
         state=buf[_TCPI_STATE],
@@ -152,6 +157,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo:
         data_segs_out=_u32(buf, _TCPI_DATA_SEGS_OUT),
         bytes_sent=_u64(buf, _TCPI_BYTES_SENT),
         bytes_retrans=_u64(buf, _TCPI_BYTES_RETRANS),
+        delivery_rate=_u64(buf, _TCPI_DELIVERY_RATE),
     )
 
 
@@ -382,6 +388,7 @@ class ProcCollector(NetworkCollector):
         srtts: list[float] = []
         cwnds: list[int] = []
         sendq = 0
+        rates: list[tuple[int, int]] = []  # (bytes sent since the previous sample, delivery rate)
         still_not_tcp: set[int] = set()
         for fd, inode in links:
             if inode in proc.not_tcp:
@@ -414,6 +421,7 @@ class ProcCollector(NetworkCollector):
             if old is None:
                 base = _Counters(sent, received, retrans) if not proc.seen else _Counters()
                 old = _Socket(base=base, last=_Counters())
+            sent_before = old.last.bytes_sent
             old.last = _Counters(
                 max(old.last.bytes_sent, sent - old.base.bytes_sent),
                 max(old.last.bytes_received, received - old.base.bytes_received),
@@ -427,6 +435,8 @@ class ProcCollector(NetworkCollector):
                 if info.snd_cwnd is not None:
                     cwnds.append(info.snd_cwnd)
                 sendq += outq
+                if info.delivery_rate is not None:
+                    rates.append((old.last.bytes_sent - sent_before, info.delivery_rate))
 
         for inode, sock in proc.sockets.items():
             if inode not in current:
@@ -449,14 +459,17 @@ class ProcCollector(NetworkCollector):
             cwnd=sum(cwnds) / len(cwnds) if cwnds else None,
             send_queue_bytes=sendq,
             sockets=len(srtts),
+            delivery_rate_bytes_per_s=delivery_rate(rates),
         )
 
     def sample(self, pids: set[int]) -> dict[int, ProcessNetStats]:
         """Cumulative counters for each live pid in ``pids``.
 
         ``sockets``, ``srtt_s``, ``cwnd`` and ``send_queue_bytes`` cover connection sockets
-        (listening sockets are left out). Raises :class:`CollectorUnavailable` when a pid's
-        sockets cannot be duplicated (no ptrace rights over it).
+        (listening sockets are left out); ``delivery_rate_bytes_per_s`` those that sent data
+        since the previous call (a socket first seen now counts from zero if the pid was seen
+        before, else from now, as the byte counters do). Raises :class:`CollectorUnavailable`
+        when a pid's sockets cannot be duplicated (no ptrace rights over it).
         """
         out: dict[int, ProcessNetStats] = {}
         for pid in list(self._procs):

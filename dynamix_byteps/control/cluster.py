@@ -54,7 +54,7 @@ FAILED_PRECONDITION = "FAILED_PRECONDITION"
 
 _NODE_FRACTIONS = ("cpu_util", "gpu_util")
 _NODE_LIMITS = {"memory_used_bytes": MAX_BYTES, "gpu_memory_used_bytes": MAX_BYTES, "rtt_s": MAX_SECONDS,
-                "tx_bytes_per_s": MAX_RATE, "rx_bytes_per_s": MAX_RATE}
+                "tx_bytes_per_s": MAX_RATE, "rx_bytes_per_s": MAX_RATE, "delivery_rate_bytes_per_s": MAX_RATE}
 
 
 class Rejected(Exception):
