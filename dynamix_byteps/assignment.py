@@ -11,6 +11,7 @@ A step is one batch drawn from the sampler (one optimizer step when
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import numbers
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dynamix_byteps.errors import ConfigurationError, InvalidAssignmentError
+from dynamix_byteps.scaling.lr_scaling import RULES
 
 
 @dataclass(frozen=True)
@@ -236,3 +238,22 @@ def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...
     if len(set(steps)) != len(steps):
         raise ConfigurationError(f"schedule {text!r} names a step twice")
     return sorted(entries)
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser, *, batch_size: int = 64, lr_scaling: str = "linear") -> None:
+    """Add the flags of a training script whose batch sizes ``bpslaunch`` sets through the environment.
+
+    ``--batch-size`` (text for :func:`parse_batch_sizes`; default ``$DYNAMIX_BATCH_SIZE``, which
+    ``bpslaunch --batch-size`` sets, else ``batch_size``), ``--batch-schedule`` (text for
+    :func:`parse_batch_schedule`, default empty) and ``--lr-scaling`` (a rule of
+    :data:`~dynamix_byteps.scaling.lr_scaling.RULES`; default ``$DYNAMIX_LR_SCALING``, else
+    ``lr_scaling``). Both texts are parsed once the number of workers is known.
+    """
+    parser.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or str(batch_size),
+                        help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
+                             f"(default: $DYNAMIX_BATCH_SIZE or {batch_size})")
+    parser.add_argument("--batch-schedule", default="", metavar="STEP:SIZES;...",
+                        help='change the batch sizes at given global steps, e.g. "300:64;600:96,96,32,32"')
+    parser.add_argument("--lr-scaling", default=os.environ.get("DYNAMIX_LR_SCALING") or lr_scaling, choices=sorted(RULES),
+                        help="how the learning rate follows the global batch when it changes "
+                             f"(default: $DYNAMIX_LR_SCALING or {lr_scaling})")

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
-from dynamix_byteps.assignment import parse_batch_schedule, parse_batch_sizes
-from dynamix_byteps.atomic import atomic_write
+from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
+from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
@@ -102,17 +102,9 @@ def parse_args():
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")
-    p.add_argument("--batch-size", default=os.environ.get("DYNAMIX_BATCH_SIZE") or "64",
-                   help="samples per worker per step, one for all or one per worker: 64 or 32,48,80,96 "
-                        "(default: $DYNAMIX_BATCH_SIZE or 64)")
-    p.add_argument("--batch-schedule", default="", metavar="STEP:SIZES;...",
-                   help='change the batch sizes at given global steps, e.g. "300:64;600:96,96,32,32"')
+    add_batch_arguments(p)
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
-    p.add_argument("--lr-scaling", default=os.environ.get("DYNAMIX_LR_SCALING") or "linear",
-                   choices=["none", "linear", "sqrt", "adascale"],
-                   help="how the learning rate follows the global batch when it changes "
-                        "(default: $DYNAMIX_LR_SCALING or linear)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
@@ -268,8 +260,7 @@ def main():
                    "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in curve],
                    "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
-            with atomic_write(args.output, "w") as f:
-                json.dump(metrics, f, indent=2)
+            write_atomic(args.output, json.dumps(metrics, indent=2))
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

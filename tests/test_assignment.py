@@ -71,3 +71,25 @@ def test_bad_sizes(text, message):
 def test_bad_schedules(text, message):
     with pytest.raises(ConfigurationError, match=message):
         parse_batch_schedule(text, 2)
+
+
+def test_batch_arguments_default_to_what_bpslaunch_sets_in_the_environment(monkeypatch):
+    import argparse
+
+    from dynamix_byteps.assignment import add_batch_arguments
+
+    def parse(*argv):
+        parser = argparse.ArgumentParser()
+        add_batch_arguments(parser, batch_size=16)
+        return parser.parse_args(argv)
+
+    monkeypatch.delenv("DYNAMIX_BATCH_SIZE", raising=False)
+    monkeypatch.delenv("DYNAMIX_LR_SCALING", raising=False)
+    args = parse()
+    assert (args.batch_size, args.batch_schedule, args.lr_scaling) == ("16", "", "linear")
+    monkeypatch.setenv("DYNAMIX_BATCH_SIZE", "24,40")
+    monkeypatch.setenv("DYNAMIX_LR_SCALING", "sqrt")
+    assert (parse().batch_size, parse().lr_scaling) == ("24,40", "sqrt")
+    assert parse("--batch-size", "8", "--lr-scaling", "adascale").batch_size == "8"
+    with pytest.raises(SystemExit):
+        parse("--lr-scaling", "cubic")
