@@ -65,6 +65,7 @@ from dynamix_byteps.control.security import (
     TokenInterceptor,
     grpc_address,
     is_loopback,
+    listen,
     require_bearer_token,
     server_credentials,
 )
@@ -417,19 +418,10 @@ class SchedulerServer:
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
-        address = grpc_address(self.bind, self._port)
         try:
-            if self._credentials is not None:
-                port = server.add_secure_port(address, self._credentials)
-            else:
-                port = server.add_insecure_port(address)
-        except RuntimeError as error:
-            port = 0
-            detail = str(error)
-        else:
-            detail = "address in use or not local"
-        if not port:
-            raise SchedulerStartError(f"cannot listen on {address}: {detail}")
+            port = listen(server, self.bind, self._port, self._credentials)
+        except OSError as error:
+            raise SchedulerStartError(str(error)) from None
         if self.metrics is not None:
             self.metrics_port = self.metrics.serve(self.bind, self._metrics_port, self.token)
         server.start()
