@@ -449,3 +449,18 @@ def test_throughput_is_smoothed_over_intervals_the_other_fields_are_not(tmp_path
     assert first.workers[0].samples_per_s == pytest.approx(320)
     assert second.workers[0].samples_per_s == pytest.approx(alpha * 160 + (1 - alpha) * 320)
     assert second.workers[0].compute_s == pytest.approx(0.2)
+
+
+def test_a_taken_port_fails_start_naming_the_address():
+    from dynamix_byteps.control.scheduler import SchedulerStartError
+    from dynamix_byteps.policy import make_policy
+
+    first = SchedulerServer(make_policy("static"), decision_interval=1)
+    first.start()
+    try:
+        second = SchedulerServer(make_policy("static"), decision_interval=1, port=first.port)
+        with pytest.raises(SchedulerStartError, match=f"cannot listen on 127.0.0.1:{first.port}"):
+            second.start()
+        second.stop()
+    finally:
+        first.stop()
