@@ -1,8 +1,8 @@
 """Cost of recording one timing event from Python, in ns per call.
 
 Measures ``TimingRing.record`` called directly (with the default kind, push_pull, and with an
-explicit kind, as the ps engine's pushes and pulls are recorded) and ``dynamix_byteps.timing.record``
-(name interning + process ring), each as the median of --runs runs of --calls calls, next to an
+explicit kind, as the ps engine's pushes and pulls are recorded) and ``CommTiming.record``, the
+path every engine records through (name interning + the engine's ring), each as the median of --runs runs of --calls calls, next to an
 empty Python loop of the same length for reference. The ring is sized to hold every call
 and drained between runs, so only the success path is timed. Prints a table, writes JSON.
 
@@ -12,7 +12,6 @@ and drained between runs, so only the success path is timed. Prints a table, wri
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -52,13 +51,13 @@ def _raw_record_kind(ring, n: int) -> int:
     return elapsed
 
 
-def _timing_record(timing, n: int) -> int:
-    record = timing.record
+def _timing_record(owner, n: int) -> int:
+    record = owner.record
     t0 = time.perf_counter_ns()
     for _ in range(n):
         record("model.layer1.weight", 4096, 1_000, 2_000)
     elapsed = time.perf_counter_ns() - t0
-    if timing.ring().dropped:
+    if owner.ring.dropped:
         raise RuntimeError("ring overflowed during the benchmark; the drop path was timed")
     return elapsed
 
@@ -72,19 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls < 1 or args.runs < 1:
         parser.error("--calls and --runs must be >= 1")
 
-    # The process ring must hold one run's calls; set before dynamix_byteps.timing creates it.
-    os.environ["DYNAMIX_TIMING_CAPACITY"] = str(args.calls)
     from dynamix_byteps import _core, timing
 
     raw_ring = _core.TimingRing(args.calls)
+    owner = timing.CommTiming(args.calls)  # an engine's, holding one run's calls
     cases = {
         "empty python loop (reference)": lambda: _loop_baseline(args.calls),
         "TimingRing.record (raw)": lambda: _raw_record(raw_ring, args.calls),
         "TimingRing.record (raw, kind=push)": lambda: _raw_record_kind(raw_ring, args.calls),
-        "timing.record (name + process ring)": lambda: _timing_record(timing, args.calls),
+        "CommTiming.record (name + engine's ring)": lambda: _timing_record(owner, args.calls),
     }
     drains = {"TimingRing.record (raw)": raw_ring.drain, "TimingRing.record (raw, kind=push)": raw_ring.drain,
-              "timing.record (name + process ring)": timing.ring().drain}
+              "CommTiming.record (name + engine's ring)": owner.ring.drain}
 
     results = []
     for name, run in cases.items():

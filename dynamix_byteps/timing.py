@@ -1,8 +1,15 @@
-"""Process-wide communication timing: one lock-free ring and an interned table of tensor names.
+"""Communication timing: a lock-free ring of transfer spans and an interned table of tensor names,
+owned by the running engine.
 
 Times are CLOCK_MONOTONIC nanoseconds (:func:`now_ns`, the clock of ``time.monotonic_ns()``),
 sizes are bytes. The ring is :class:`dynamix_byteps._core.TimingRing`; its capacity comes
-from ``DYNAMIX_TIMING_CAPACITY`` (events, default 65536) when it is first used.
+from ``DYNAMIX_TIMING_CAPACITY`` (events, default 65536) when its owner is created.
+
+Every engine owns one :class:`CommTiming` (``engine.timing``), created with it by ``bps.init()``
+and dropped with it by ``bps.shutdown()``: a session started after a shutdown sees no event and
+no name of the one before. The engines record into their own; the module functions
+(:func:`ring`, :func:`record`, :func:`name_id`, :func:`names`, :func:`step_comm`) act on the
+running engine's, so nothing here is module state.
 
 Every event has a kind (:data:`KINDS`): :data:`PUSH_PULL`, a whole collective of the gloo, nccl
 or byteps engine; :data:`PUSH` and :data:`PULL`, the two halves of a ``ps`` engine transfer.
@@ -19,8 +26,8 @@ from dataclasses import dataclass
 from dynamix_byteps._core import TIMING_KINDS, TimingRing, now_ns
 from dynamix_byteps.env import optional_int
 
-__all__ = ["KINDS", "PULL", "PUSH", "PUSH_PULL", "StepComm", "TimingRing", "name_id", "names", "now_ns", "record",
-           "ring", "step_comm"]
+__all__ = ["KINDS", "PULL", "PUSH", "PUSH_PULL", "CommTiming", "Span", "StepComm", "TimingRing", "current",
+           "name_id", "names", "now_ns", "record", "ring", "step_comm"]
 
 #: Names of the kinds, by value: ``KINDS[PUSH] == "push"``.
 KINDS: tuple[str, ...] = TIMING_KINDS
@@ -28,63 +35,9 @@ PUSH_PULL, PUSH, PULL = (KINDS.index(k) for k in ("push_pull", "push", "pull"))
 
 DEFAULT_CAPACITY = 65536
 
-_lock = threading.Lock()
-_ring: TimingRing | None = None
-_ids: dict[str, int] = {}
-_names: list[str] = []
-
 
 def _capacity_from_env() -> int:
     return optional_int(os.environ, "DYNAMIX_TIMING_CAPACITY", 1, 2**30) or DEFAULT_CAPACITY
-
-
-def ring() -> TimingRing:
-    """The process's timing ring, created on first call.
-
-    Raises:
-        ConfigurationError: ``DYNAMIX_TIMING_CAPACITY`` is not an integer in [1, 2**30].
-    """
-    global _ring
-    r = _ring
-    if r is None:
-        with _lock:
-            if _ring is None:
-                _ring = TimingRing(_capacity_from_env())
-            r = _ring
-    return r
-
-
-def name_id(name: str) -> int:
-    """The uint32 id of ``name``: assigned on first use (0, 1, 2, ...), stable for the process."""
-    i = _ids.get(name)
-    if i is None:
-        with _lock:
-            i = _ids.get(name)
-            if i is None:
-                i = len(_names)
-                _names.append(name)
-                _ids[name] = i
-    return i
-
-
-def names() -> list[str]:
-    """All interned names; ``names()[i]`` is the name whose id is ``i``."""
-    with _lock:
-        return list(_names)
-
-
-def record(name: str, nbytes: int, start_ns: int, end_ns: int, kind: int = PUSH_PULL) -> None:
-    """Record one transfer of ``nbytes`` bytes on tensor ``name`` from ``start_ns`` to ``end_ns``,
-    of ``kind`` (:data:`PUSH_PULL`, :data:`PUSH` or :data:`PULL`).
-
-    A full ring drops the event (counted in ``ring().dropped``) but it still counts in
-    ``ring().end_step()``. Raises ValueError if ``end_ns < start_ns``, ``nbytes < 0`` or
-    ``kind`` is not one of the three.
-    """
-    i = _ids.get(name)
-    if i is None:
-        i = name_id(name)
-    (_ring or ring()).record(i, nbytes, start_ns, end_ns, kind)
 
 
 @dataclass(frozen=True)
@@ -103,11 +56,132 @@ class StepComm:
     pull_s: float
 
 
-def step_comm() -> StepComm:
-    """Close the process ring's step (``ring().end_step()``) and return its spans per kind.
+NO_COMM = StepComm(0.0, 0.0, 0.0)
 
-    One consumer per process calls it once per training step (the step monitor does); another
-    caller would split the steps' aggregates between them.
+
+class CommTiming:
+    """One engine's timing ring and the names its events refer to by id.
+
+    Args:
+        capacity: events the ring holds before it drops (rounded up to a power of two by the ring);
+            None: ``DYNAMIX_TIMING_CAPACITY``, default :data:`DEFAULT_CAPACITY`.
+
+    Attributes:
+        ring: the :class:`TimingRing`.
+
+    Raises:
+        ConfigurationError: ``DYNAMIX_TIMING_CAPACITY`` is not an integer in [1, 2**30].
     """
-    kinds = ring().end_step()["kinds"]
-    return StepComm(*(kinds[k]["span_ns"] * 1e-9 for k in ("push_pull", "push", "pull")))
+
+    def __init__(self, capacity: int | None = None):
+        self.ring = TimingRing(_capacity_from_env() if capacity is None else capacity)
+        self._lock = threading.Lock()
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []
+
+    def name_id(self, name: str) -> int:
+        """The uint32 id of ``name``: assigned on first use (0, 1, 2, ...), stable for this owner."""
+        i = self._ids.get(name)
+        if i is None:
+            with self._lock:
+                i = self._ids.get(name)
+                if i is None:
+                    i = len(self._names)
+                    self._names.append(name)
+                    self._ids[name] = i
+        return i
+
+    def names(self) -> list[str]:
+        """All interned names; ``names()[i]`` is the name whose id is ``i``."""
+        with self._lock:
+            return list(self._names)
+
+    def record(self, name: str, nbytes: int, start_ns: int, end_ns: int, kind: int = PUSH_PULL) -> None:
+        """Record one transfer of ``nbytes`` bytes on tensor ``name`` from ``start_ns`` to ``end_ns``,
+        of ``kind`` (:data:`PUSH_PULL`, :data:`PUSH` or :data:`PULL`).
+
+        A full ring drops the event (counted in ``ring.dropped``) but it still counts in
+        ``ring.end_step()``. Raises ValueError if ``end_ns < start_ns``, ``nbytes < 0`` or
+        ``kind`` is not one of the three.
+        """
+        i = self._ids.get(name)
+        if i is None:
+            i = self.name_id(name)
+        self.ring.record(i, nbytes, start_ns, end_ns, kind)
+
+    def start(self, name: str, nbytes: int) -> Span:
+        """A :class:`Span` of ``nbytes`` bytes on ``name`` starting now."""
+        return Span(self, name, nbytes, now_ns())
+
+    def step_comm(self) -> StepComm:
+        """Close the ring's step (``ring.end_step()``) and return its spans per kind.
+
+        One consumer per engine calls it once per training step (the step monitor does); another
+        caller would split the steps' aggregates between them.
+        """
+        kinds = self.ring.end_step()["kinds"]
+        return StepComm(*(kinds[k]["span_ns"] * 1e-9 for k in ("push_pull", "push", "pull")))
+
+
+@dataclass(slots=True)
+class Span:
+    """A transfer being timed, recorded into its owner's ring by :meth:`end`.
+
+    Attributes:
+        owner: the :class:`CommTiming` it is recorded into.
+        name: the tensor's name.
+        nbytes: bytes transferred.
+        start_ns: when the transfer was issued, :func:`now_ns` nanoseconds.
+    """
+
+    owner: CommTiming
+    name: str
+    nbytes: int
+    start_ns: int
+
+    def end(self, end_ns: int | None = None, kind: int = PUSH_PULL) -> None:
+        """Record the transfer as ending at ``end_ns`` (None: now), of ``kind``."""
+        self.owner.record(self.name, self.nbytes, self.start_ns, now_ns() if end_ns is None else end_ns, kind)
+
+
+def current() -> CommTiming:
+    """The running engine's :class:`CommTiming`.
+
+    Raises:
+        NotInitializedError: no engine runs (``bps.init()`` not called, or ``bps.shutdown()`` was).
+    """
+    from dynamix_byteps import engine
+
+    return engine.current().timing
+
+
+def ring() -> TimingRing:
+    """The running engine's timing ring. Raises NotInitializedError when none runs."""
+    return current().ring
+
+
+def name_id(name: str) -> int:
+    """The id of ``name`` in the running engine's table (:meth:`CommTiming.name_id`)."""
+    return current().name_id(name)
+
+
+def names() -> list[str]:
+    """The running engine's interned names (:meth:`CommTiming.names`)."""
+    return current().names()
+
+
+def record(name: str, nbytes: int, start_ns: int, end_ns: int, kind: int = PUSH_PULL) -> None:
+    """Record one transfer into the running engine's ring (:meth:`CommTiming.record`)."""
+    current().record(name, nbytes, start_ns, end_ns, kind)
+
+
+def step_comm() -> StepComm:
+    """Close the running engine's step and return its spans per kind (:meth:`CommTiming.step_comm`);
+    :data:`NO_COMM` when no engine runs (nothing was communicated)."""
+    from dynamix_byteps.errors import NotInitializedError
+
+    try:
+        owner = current()
+    except NotInitializedError:
+        return NO_COMM
+    return owner.step_comm()

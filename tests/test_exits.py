@@ -276,18 +276,16 @@ def test_a_worker_leaving_with_collectives_in_flight_and_no_shutdown_exits_clean
 def test_a_gloo_collective_is_timed_when_the_worker_sees_it_complete():
     import torch
 
-    from dynamix_byteps import timing
     from dynamix_byteps.engine.distributed import TorchDistributedEngine
     from dynamix_byteps.env import WorkerEnv
 
     engine = TorchDistributedEngine(WorkerEnv(), "gloo")
     try:
-        timing.ring().drain()
         handle = engine.all_reduce_async(torch.ones(8), "timed.tensor")
         handle.wait()
         assert handle.done()
-        records = timing.ring().drain()  # one array per field
-        assert [timing.names()[int(i)] for i in records["name_id"]] == ["timed.tensor"]  # once, not per call
+        records = engine.timing.ring.drain()  # one array per field
+        assert [engine.timing.names()[int(i)] for i in records["name_id"]] == ["timed.tensor"]  # once, not per call
         assert int(records["nbytes"][0]) == 32 and records["end_ns"][0] >= records["start_ns"][0]
     finally:
         engine.shutdown()

@@ -1,4 +1,4 @@
-"""Timing ring of the native core (dynamix_byteps._core) and its Python wrapper (dynamix_byteps.timing)."""
+"""Timing ring of the native core (dynamix_byteps._core) and its Python owner (dynamix_byteps.timing)."""
 
 from __future__ import annotations
 
@@ -288,14 +288,19 @@ def test_kinds_are_kept_apart_in_events_and_step_aggregates():
 
 @pytest.mark.timeout(60)
 def test_step_comm_gives_each_kinds_wall_clock_span_in_seconds():
-    timing.ring().end_step()
+    owner = timing.CommTiming()
     t0 = timing.now_ns()
-    timing.record("test_timing.p0", 100, t0, t0 + 3_000_000, timing.PUSH)
-    timing.record("test_timing.p1", 100, t0 + 1_000_000, t0 + 5_000_000, timing.PUSH)
-    timing.record("test_timing.p0", 100, t0 + 5_000_000, t0 + 7_000_000, timing.PULL)
-    comm = timing.step_comm()
+    owner.record("test_timing.p0", 100, t0, t0 + 3_000_000, timing.PUSH)
+    owner.record("test_timing.p1", 100, t0 + 1_000_000, t0 + 5_000_000, timing.PUSH)
+    timing.Span(owner, "test_timing.p0", 100, t0 + 5_000_000).end(t0 + 7_000_000, timing.PULL)
+    comm = owner.step_comm()
     assert comm == timing.StepComm(push_pull_s=0.0, push_s=pytest.approx(5e-3), pull_s=pytest.approx(2e-3))
-    assert timing.step_comm() == timing.StepComm(0.0, 0.0, 0.0)  # the step was closed
+    assert owner.step_comm() == timing.NO_COMM  # the step was closed
+
+    span = owner.start("test_timing.p2", 8)  # starts now, ends when end() is called without a time
+    assert span.start_ns >= t0
+    span.end()
+    assert owner.step_comm().push_pull_s >= 0.0 and owner.names()[-1] == "test_timing.p2"
 
 
 @pytest.mark.timeout(60)
@@ -326,26 +331,36 @@ def test_end_step_concurrent_with_native_producers_loses_nothing():
 
 
 @pytest.mark.timeout(60)
-def test_timing_module_interns_names_and_records_into_process_ring():
-    a = timing.name_id("test_timing.layer1.weight")
-    b = timing.name_id("test_timing.layer1.bias")
-    assert a != b
-    assert timing.name_id("test_timing.layer1.weight") == a
-    assert timing.names()[a] == "test_timing.layer1.weight"
-    assert timing.names()[b] == "test_timing.layer1.bias"
+def test_comm_timing_interns_names_and_records_into_its_ring():
+    owner = timing.CommTiming()
+    a = owner.name_id("test_timing.layer1.weight")
+    b = owner.name_id("test_timing.layer1.bias")
+    assert (a, b) == (0, 1)  # each owner numbers its names from 0
+    assert owner.name_id("test_timing.layer1.weight") == a
+    assert owner.names() == ["test_timing.layer1.weight", "test_timing.layer1.bias"]
 
-    ring = timing.ring()
-    assert ring is timing.ring()
-    ring.drain()
-    ring.end_step()
+    ring = owner.ring
     start = timing.now_ns()
-    timing.record("test_timing.layer2.weight", 4096, start, start + 250)
-    c = timing.name_id("test_timing.layer2.weight")
+    owner.record("test_timing.layer2.weight", 4096, start, start + 250)
+    c = owner.name_id("test_timing.layer2.weight")
     out = ring.drain()
     assert as_tuples(out) == [(c, 4096, start, start + 250)]
     assert totals(ring.end_step()) == {"count": 1, "bytes": 4096, "busy_ns": 250, "span_ns": 250}
     with pytest.raises(ValueError):
-        timing.record("test_timing.layer2.weight", 1, 10, 9)
+        owner.record("test_timing.layer2.weight", 1, 10, 9)
+    assert timing.CommTiming().names() == []  # nothing is shared between owners
+
+
+@pytest.mark.timeout(60)
+def test_module_functions_need_a_running_engine():
+    from dynamix_byteps import engine
+    from dynamix_byteps.errors import NotInitializedError
+
+    assert not engine.is_started()
+    for call in (timing.ring, timing.names, lambda: timing.name_id("x"), lambda: timing.record("x", 1, 0, 1)):
+        with pytest.raises(NotInitializedError):
+            call()
+    assert timing.step_comm() == timing.NO_COMM  # no engine: nothing was communicated
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -356,7 +371,7 @@ def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(60)
 def test_timing_capacity_comes_from_environment():
-    code = "from dynamix_byteps import timing; print(timing.ring().capacity)"
+    code = "from dynamix_byteps import timing; print(timing.CommTiming().ring.capacity)"
     default = _run_python(code)
     assert default.returncode == 0, default.stderr
     assert default.stdout.strip() == "65536"

@@ -8,17 +8,25 @@ models, names of gradients or batch sizes: the frontends build those on top of f
 Collectives are matched by **issue order**: every worker must issue the same sequence of
 collectives. :mod:`dynamix_byteps.negotiation` checks that before each round, because gloo
 aborts the process on a size mismatch and silently sums garbage on a dtype mismatch.
+
+An engine also owns its session's state: the communication timing (:attr:`Engine.timing`) and
+the frontends' async handles (:attr:`Engine.handles`). Both go with the engine at ``shutdown()``,
+so the process keeps them only through the running engine (``dynamix_byteps.engine.current()``),
+and a new ``init()`` starts with neither events, names nor handles of the session before.
 """
 
 from __future__ import annotations
 
 import abc
+import itertools
+import threading
 from typing import Sequence
 
 import numpy as np
 
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError
+from dynamix_byteps.timing import CommTiming
 
 EXCHANGE_NAME = "dynamix.exchange"  # the all-reduce behind Engine.exchange
 
@@ -54,13 +62,79 @@ class Handle(abc.ABC):
         """
 
 
+class HandleTable:
+    """A frontend's operations in flight by handle: the small positive integers (1, 2, ...) that
+    BytePS's and Horovod's ``*_async`` functions return, and the counter behind auto-named tensors.
+
+    Each engine owns one (:attr:`Engine.handles`), so a session started after ``shutdown()``
+    knows no handle of the one before and numbers from 1 again. Thread-safe.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[int, object] = {}
+        self._numbers = itertools.count(1)
+        self._auto_names = itertools.count()
+
+    def auto_name(self, prefix: str) -> str:
+        """``<prefix>.<n>`` with n = 0, 1, 2, ... in call order; callers that must agree across workers
+        call it in the same order on each."""
+        return f"{prefix}.{next(self._auto_names)}"
+
+    def add(self, entry: object) -> int:
+        """Keep ``entry`` under a new handle and return the handle."""
+        with self._lock:
+            handle = next(self._numbers)
+            self._entries[handle] = entry
+        return handle
+
+    def get(self, handle: int) -> object:
+        """The entry under ``handle``. Raises ValueError when there is none (see :meth:`pop`)."""
+        with self._lock:
+            entry = self._entries.get(handle)
+        return self._known(handle, entry)
+
+    def pop(self, handle: int) -> object:
+        """Remove and return the entry under ``handle``.
+
+        Raises:
+            ValueError: ``handle`` was never returned by :meth:`add` of this table, or was popped already.
+        """
+        with self._lock:
+            entry = self._entries.pop(handle, None)
+        return self._known(handle, entry)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @staticmethod
+    def _known(handle: int, entry: object | None) -> object:
+        if entry is None:
+            raise ValueError(f"handle {handle!r} is unknown, was already synchronized, or belongs to a session "
+                             "ended by shutdown()")
+        return entry
+
+
 class Engine(abc.ABC):
-    """A communication backend. Created by :func:`dynamix_byteps.engine.start`."""
+    """A communication backend. Created by :func:`dynamix_byteps.engine.start`.
+
+    Args:
+        env: the worker's environment.
+        timing: the :class:`~dynamix_byteps.timing.CommTiming` to record into; None: a new one.
+
+    Attributes:
+        env: as given.
+        timing: this engine's communication timing; the step monitor reads it once per step.
+        handles: this engine's :class:`HandleTable`, for the frontends' async operations.
+    """
 
     name: str
 
-    def __init__(self, env: WorkerEnv):
+    def __init__(self, env: WorkerEnv, timing: CommTiming | None = None):
         self.env = env
+        self.timing = CommTiming() if timing is None else timing
+        self.handles = HandleTable()
 
     @property
     def rank(self) -> int:

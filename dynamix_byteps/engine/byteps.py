@@ -36,12 +36,12 @@ def _import_byteps_torch():
 
 
 class _BytePSHandle(Handle):
-    def __init__(self, bps, handle: int, name: str, nbytes: int, start_ns: int):
+    """BytePS's ``handle`` of one push_pull, timed by ``span`` once polling has seen it finish."""
+
+    def __init__(self, bps, handle: int, span: timing.Span):
         self._bps = bps
         self._handle = handle
-        self._name = name
-        self._nbytes = nbytes
-        self._start_ns = start_ns
+        self._span = span
         self._finished = False
 
     def done(self) -> bool:
@@ -52,11 +52,11 @@ class _BytePSHandle(Handle):
             return
         while not self._bps.poll(self._handle):
             time.sleep(POLL_INTERVAL_S)
-        timing.record(self._name, self._nbytes, self._start_ns, timing.now_ns())
+        self._span.end()
         try:
             self._bps.synchronize(self._handle)
         except RuntimeError as exc:
-            raise CommunicationError(f"BytePS {describe_collective(self._name)} failed: {exc}") from exc
+            raise CommunicationError(f"BytePS {describe_collective(self._span.name)} failed: {exc}") from exc
         self._finished = True
 
 
@@ -99,9 +99,9 @@ class BytePSEngine(Engine):
 
     def all_reduce_async(self, tensor, name: str) -> Handle:
         self._declare(name)
-        start = timing.now_ns()
+        span = self.timing.start(name, tensor.numel() * tensor.element_size())
         handle = self._bps.push_pull_async_inplace(tensor, average=False, name=name)
-        return _BytePSHandle(self._bps, handle, name, tensor.numel() * tensor.element_size(), start)
+        return _BytePSHandle(self._bps, handle, span)
 
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
         # BytePS's own broadcast: every rank but the root zeroes its copy, then a sum.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 
-from dynamix_byteps import timing
 from dynamix_byteps.engine.base import Handle
 from dynamix_byteps.engine.byteps import BytePSEngine
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
@@ -57,12 +56,12 @@ class BytePSTensorFlowEngine(BytePSEngine):
         import tensorflow as tf
         import torch
 
-        start = timing.now_ns()
+        span = self.timing.start(name, tensor.numel() * tensor.element_size())
         try:
             summed = self._bps._push_pull(tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(tensor)),
                                           scope="", name=op_name(name))
             tensor.copy_(torch.from_dlpack(summed))
         except tf.errors.OpError as exc:
             raise CommunicationError(f"BytePS push_pull of {name!r} failed: {exc.message}") from exc
-        timing.record(name, tensor.numel() * tensor.element_size(), start, timing.now_ns())
+        span.end()
         return _Finished()

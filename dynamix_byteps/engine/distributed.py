@@ -7,7 +7,7 @@ worker needs no network at all. Under torchrun the launcher's agent already serv
 ``MASTER_PORT`` and sets ``TORCHELASTIC_USE_AGENT_STORE=True``; torch's ``tcp://`` rendezvous
 then makes every rank, rank 0 included, a client of that store, so the same code serves both.
 
-Every collective's start, end and bytes go to the timing ring (``dynamix_byteps.timing``). With
+Every collective's start, end and bytes go to the engine's timing ring (:attr:`Engine.timing`). With
 gloo the end is the host time at which this worker first saw the collective complete
 (:meth:`Handle.done` true or :meth:`Handle.wait` returned): no Python code runs on gloo's threads,
 because a gloo thread that needs the GIL while the interpreter exits aborts the process
@@ -24,10 +24,10 @@ import collections
 import datetime
 import threading
 
-from dynamix_byteps import timing
 from dynamix_byteps.engine.base import Engine, Handle, describe_collective
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
+from dynamix_byteps.timing import CommTiming, Span
 
 try:
     import torch
@@ -54,29 +54,32 @@ class _CudaTimings:
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
 
-    def add(self, name: str, nbytes: int, start_ns: int, start, end) -> None:
+    def add(self, span: Span, start, end) -> None:
         with self._lock:
-            self._pending.append((name, nbytes, start_ns, start, end))
+            self._pending.append((span, start, end))
 
     def resolve(self, block: bool = False) -> None:
         """Record every pending collective whose end event the GPU has passed (all of them if ``block``)."""
         with self._lock:
             while self._pending:
-                name, nbytes, start_ns, start, end = self._pending[0]
+                span, start, end = self._pending[0]
                 if block:
                     end.synchronize()
                 elif not end.query():
                     break
                 self._pending.popleft()
-                timing.record(name, nbytes, start_ns, start_ns + round(start.elapsed_time(end) * 1e6))
+                span.end(span.start_ns + round(start.elapsed_time(end) * 1e6))
 
 
 class _DistributedHandle(Handle):
-    def __init__(self, work, what: str, timed=None, host_timed=None):
+    """``span`` is recorded once this worker sees the collective complete (gloo: host time), or, with
+    ``timings`` and the CUDA event ``start`` given (nccl), once the GPU has passed the collective."""
+
+    def __init__(self, work, what: str, span: Span, timings: _CudaTimings | None = None, start=None):
         self._work = work
         self._what = what
-        self._timed = timed  # nccl: (timings, name, nbytes, start_ns, start event), completed by wait()
-        self._host_timed = host_timed  # gloo: (name, nbytes, start_ns), recorded once completion is seen
+        self._span: Span | None = span
+        self._cuda = (timings, start) if timings is not None else None
 
     def done(self) -> bool:
         finished = self._work.is_completed()
@@ -85,10 +88,9 @@ class _DistributedHandle(Handle):
         return finished
 
     def _record_host_time(self) -> None:
-        if self._host_timed is not None:
-            name, nbytes, start_ns = self._host_timed
-            self._host_timed = None
-            timing.record(name, nbytes, start_ns, timing.now_ns())
+        if self._span is not None and self._cuda is None:
+            span, self._span = self._span, None
+            span.end()
 
     def wait(self) -> None:
         try:
@@ -96,12 +98,12 @@ class _DistributedHandle(Handle):
         except RuntimeError as exc:
             raise _communication_error(exc, self._what) from exc
         self._record_host_time()
-        if self._timed is not None:
-            timings, name, nbytes, start_ns, start = self._timed
-            self._timed = None
+        if self._span is not None:  # nccl: timed on the GPU once it has passed the end event
+            timings, start = self._cuda
+            span, self._span = self._span, None
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            timings.add(name, nbytes, start_ns, start, end)
+            timings.add(span, start, end)
             timings.resolve()
 
 
@@ -138,14 +140,19 @@ def _device(env: WorkerEnv, backend: str) -> torch.device:
 class TorchDistributedEngine(Engine):
     """A ``torch.distributed`` process group with the gloo or nccl backend.
 
+    Args:
+        env: the worker's environment.
+        backend: ``gloo`` or ``nccl``.
+        timing: the timing to record into, as :class:`Engine`'s; None: a new one.
+
     Attributes:
         name: the backend, ``gloo`` or ``nccl``.
         device: where collective tensors must live: CPU for gloo, ``cuda:<local_rank>`` for nccl
             (``cuda:0`` when the process sees a single GPU).
     """
 
-    def __init__(self, env: WorkerEnv, backend: str = "gloo"):
-        super().__init__(env)
+    def __init__(self, env: WorkerEnv, backend: str = "gloo", timing: CommTiming | None = None):
+        super().__init__(env, timing)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.name = backend
@@ -188,8 +195,7 @@ class TorchDistributedEngine(Engine):
         return self._device
 
     def all_reduce_async(self, tensor, name: str) -> Handle:
-        nbytes = tensor.numel() * tensor.element_size()
-        start_ns = timing.now_ns()
+        span = self.timing.start(name, tensor.numel() * tensor.element_size())
         if self._timings is not None:
             self._timings.resolve()
             start = torch.cuda.Event(enable_timing=True)
@@ -200,8 +206,8 @@ class TorchDistributedEngine(Engine):
         except RuntimeError as exc:
             raise _communication_error(exc, what) from exc
         if self._timings is not None:
-            return _DistributedHandle(work, what, (self._timings, name, nbytes, start_ns, start))
-        return _DistributedHandle(work, what, host_timed=(name, nbytes, start_ns))
+            return _DistributedHandle(work, what, span, self._timings, start)
+        return _DistributedHandle(work, what, span)
 
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
         wire = tensor if tensor.device == self._device else tensor.to(self._device)

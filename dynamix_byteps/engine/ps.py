@@ -7,7 +7,7 @@ issued, and **pulled** back once that server has the round's sum
 connections, so a worker behind a slow link delays the round's end by its own transfer, not every
 hop of a ring. Broadcast, exchange and barrier are sums too.
 
-Push and pull of every partition go to the timing ring separately, under the name
+Push and pull of every partition go to the engine's timing ring separately, under the name
 ``<tensor>:<partition>`` with the kinds ``timing.PUSH`` and ``timing.PULL``: the push from its
 issue to the server's acknowledgement; the pull, the sum's transfer alone: the server answers
 with how long it held the sum back after this worker's push arrived (waiting for the other
@@ -45,10 +45,10 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class _Transfer:
     """The push and pull of one partition; records both spans once both have finished."""
 
-    __slots__ = ("part", "flat", "start_ns", "pushed_ns", "pulled_ns", "hold_ns", "lock")
+    __slots__ = ("timing", "part", "flat", "start_ns", "pushed_ns", "pulled_ns", "hold_ns", "lock")
 
-    def __init__(self, part: Partition, flat: torch.Tensor, start_ns: int):
-        self.part, self.flat, self.start_ns = part, flat, start_ns
+    def __init__(self, comm_timing: timing.CommTiming, part: Partition, flat: torch.Tensor):
+        self.timing, self.part, self.flat, self.start_ns = comm_timing, part, flat, timing.now_ns()
         self.pushed_ns = self.pulled_ns = None
         self.hold_ns = 0
         self.lock = threading.Lock()
@@ -74,8 +74,8 @@ class _Transfer:
         # The acknowledgement left the server when the push arrived, the sum hold_ns later (server
         # clock, a duration): what remains of the pull is the sum's own transfer.
         sent = min(pushed + max(self.hold_ns, 0), self.pulled_ns)
-        timing.record(self.part.label, self.part.nbytes, self.start_ns, pushed, timing.PUSH)
-        timing.record(self.part.label, self.part.nbytes, sent, self.pulled_ns, timing.PULL)
+        self.timing.record(self.part.label, self.part.nbytes, self.start_ns, pushed, timing.PUSH)
+        self.timing.record(self.part.label, self.part.nbytes, sent, self.pulled_ns, timing.PULL)
 
 
 class _PSHandle(Handle):
@@ -120,7 +120,7 @@ class ParameterServerEngine(Engine):
                             partition_bytes if partition_bytes is not None else partition_bytes_from_env())
         self.broken = False
         self._rounds: list[int] = []  # pushes issued per key
-        self._default_group = TorchDistributedEngine(env, "gloo")
+        self._default_group = TorchDistributedEngine(env, "gloo", self.timing)
         try:
             self.group.wait_for_store()
             with warnings.catch_warnings():  # TensorPipe's setup calls a deprecated c10d path internally
@@ -157,7 +157,7 @@ class ParameterServerEngine(Engine):
                 round_ = self._rounds[part.key]
                 self._rounds[part.key] += 1
                 payload = flat[part.start:part.stop]  # RPC sends a view's elements only, not its storage
-                transfer = _Transfer(part, flat, timing.now_ns())
+                transfer = _Transfer(self.timing, part, flat)
                 server = server_name(part.server)
                 timeout = self.group.timeout_s
                 pushed = rpc.rpc_async(server, ps_server.push, args=(part.key, round_, payload, self.rank),

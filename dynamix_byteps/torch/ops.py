@@ -5,13 +5,13 @@ workers; integer tensors use truncating division, as C does). Every call first n
 with the other workers (see :mod:`dynamix_byteps.negotiation`): all workers must call the
 same push_pulls, with the same names, shapes and dtypes, in the same order.
 
-Handles are small integers, as in BytePS. A handle is valid until ``synchronize``.
+Handles are small integers, as in BytePS. A handle is valid until ``synchronize``, and only in
+the session (``init()`` to ``shutdown()``) that issued it: the table of handles in flight and the
+counter of auto-generated names belong to the running engine (:attr:`Engine.handles`).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -32,16 +32,6 @@ class _Pending:
     divide_after: bool  # an integer average: truncate the sum, as C does
     size: int
     prescale: int | None = None  # a floating-point average: each worker's value was divided by this power of two
-
-
-_handles: dict[int, _Pending] = {}
-_handles_lock = threading.Lock()
-_next_handle = itertools.count(1)
-_next_auto_name = itertools.count()
-
-
-def _auto_name() -> str:
-    return f"push_pull.noname.{next(_next_auto_name)}"
 
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -75,7 +65,7 @@ def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
     check_tensor(tensor, engine.device)
     output = make_output(tensor)
     with round_lock:
-        name = _auto_name() if name is None else str(name)
+        name = engine.handles.auto_name("push_pull.noname") if name is None else str(name)
         negotiate(engine, "push_pull", f"{describe(name, tensor)} average={average} compression={compression.name}")
         with torch.no_grad():
             divide_first = average and _divides_exactly(output)
@@ -89,11 +79,8 @@ def _start(tensor: torch.Tensor, make_output, average: bool, name: str | None,
             if not wire.is_contiguous():
                 wire = wire.contiguous()
             work = engine.all_reduce_async(wire, name)
-    pending = _Pending(work, wire, ctx, compression, output, average and not divide_first, engine.size, prescale)
-    handle = next(_next_handle)
-    with _handles_lock:
-        _handles[handle] = pending
-    return handle
+    return engine.handles.add(
+        _Pending(work, wire, ctx, compression, output, average and not divide_first, engine.size, prescale))
 
 
 def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -140,21 +127,21 @@ def poll(handle: int) -> bool:
     """True once the push_pull behind ``handle`` has finished; never blocks.
 
     Raises:
-        ValueError: ``handle`` is unknown or was already synchronized.
+        ValueError: ``handle`` is unknown, was already synchronized, or was issued before the last ``shutdown()``.
+        NotInitializedError: ``init()`` was not called.
     """
-    return _lookup(handle).work.done()
+    return _engine.current().handles.get(handle).work.done()
 
 
 def synchronize(handle: int) -> torch.Tensor:
     """Wait for the push_pull behind ``handle`` and return its result tensor.
 
     Raises:
-        ValueError: ``handle`` is unknown or was already synchronized.
+        ValueError: ``handle`` is unknown, was already synchronized, or was issued before the last ``shutdown()``.
+        NotInitializedError: ``init()`` was not called.
         CommunicationError: a peer failed during the round.
     """
-    pending = _lookup(handle)
-    with _handles_lock:
-        del _handles[handle]
+    pending = _engine.current().handles.pop(handle)
     pending.work.wait()
     with torch.no_grad():
         result = pending.compression.decompress(pending.wire, pending.ctx)
@@ -176,14 +163,6 @@ def _divides_exactly(tensor: torch.Tensor) -> bool:
     """Floating-point and complex tensors are averaged by scaling each worker's value before the
     sum; integers are summed first and then divided with truncation."""
     return tensor.is_floating_point() or tensor.is_complex()
-
-
-def _lookup(handle: int) -> _Pending:
-    with _handles_lock:
-        pending = _handles.get(handle)
-    if pending is None:
-        raise ValueError(f"push_pull handle {handle!r} is unknown or was already synchronized")
-    return pending
 
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
