@@ -26,7 +26,6 @@ from dynamix_byteps.control.scheduler import DECISION_LOG, SchedulerServer
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import Guarded
 from dynamix_byteps.policy.ppo.finetune import DecisionTail
-from dynamix_byteps.policy.ppo.finetune_cli import prepare_served
 from dynamix_byteps.policy.ppo.library import library_root
 from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, sha256
 from dynamix_byteps.policy.ppo.publish import (
@@ -36,6 +35,7 @@ from dynamix_byteps.policy.ppo.publish import (
     read_manifest,
 )
 from dynamix_byteps.policy.ppo.serve import PPOPolicy
+from dynamix_byteps.policy.ppo.served import prepare_served
 
 pytest.importorskip("ray.rllib")
 

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamix_byteps.cli import UsageError, build_parser, build_policy
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.cli import build_parser
+from dynamix_byteps.cli.scheduler import build_policy
+from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.policy import (
     ClusterState,
     GoodputPolicy,

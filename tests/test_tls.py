@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dynamix_byteps.cli import build_policy
+from dynamix_byteps.cli.scheduler import build_policy
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import SchedulerClient
 from dynamix_byteps.control.scheduler import DECISION_LOG, SchedulerServer

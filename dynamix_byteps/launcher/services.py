@@ -101,15 +101,16 @@ def _check_policy(config: LaunchConfig) -> None:
 
 
 def _fine_tune_spec(config: LaunchConfig, env: Mapping[str, str], scheduler_argv: list[str]) -> ChildSpec:
-    """--fine-tune: the trainer service (:mod:`dynamix_byteps.policy.ppo.finetune_cli`); points the
-    scheduler at the copy of the policy it publishes into, with exploration on."""
+    """--fine-tune: the trainer service (``dynamix policy finetune``, see
+    :func:`dynamix_byteps.cli.policy.trainer_argv`); points the scheduler at the copy of the policy
+    it publishes into, with exploration on."""
     if config.policy != "ppo":
         raise UsageError(f"--fine-tune needs --policy ppo --policy-path DIR (a directory from `dynamix policy train` "
                          f"with its RLlib checkpoint), not --policy {config.policy}")
     if config.log_dir is None:
         raise UsageError("--fine-tune needs --log-dir DIR: the policy generations it trains are published there "
                          "(without it they would be deleted with the job's temporary folder)")
-    from dynamix_byteps.policy.ppo.finetune_cli import trainer_argv
+    from dynamix_byteps.cli.policy import trainer_argv
 
     try:
         argv, served = trainer_argv(config.policy_path, config.run_dir, every=config.fine_tune)

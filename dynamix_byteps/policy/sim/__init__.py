@@ -5,7 +5,7 @@
 * :mod:`.randomise`: per-episode domain randomisation;
 * :mod:`.env`: :class:`DynamixSimEnv`, the gymnasium environment (imports gymnasium);
 * :mod:`.evaluate`: run any :class:`~dynamix_byteps.policy.base.Policy` through episodes;
-* :mod:`.fit`: :class:`SimParams` fitted to a real run's decision log (``dynamix sim fit``, :mod:`.commands`).
+* :mod:`.fit`: :class:`SimParams` fitted to a real run's decision log (``dynamix sim fit``, :mod:`dynamix_byteps.cli.sim`).
 """
 
 from dynamix_byteps.policy.sim.dynamics import Interval, Simulator

@@ -1,7 +1,8 @@
-"""``dynamix policy train | eval | export | list``: the agent's command-line front end.
+"""``dynamix policy train | eval | export | finetune | list``: the agent's command-line front end.
 
-``dynamix_byteps.cli`` registers :func:`add_policy_parser`. Training and export import torch and
-Ray only when run; ``eval`` needs neither (it runs the exported ONNX file, as the scheduler does).
+Training, export and fine-tuning import torch and Ray only when run; ``eval`` needs neither (it
+runs the exported ONNX file, as the scheduler does). ``bpslaunch --policy ppo --fine-tune`` starts
+``dynamix policy finetune`` beside the scheduler (:func:`trainer_argv`) and stops it with the job.
 """
 
 from __future__ import annotations
@@ -9,17 +10,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
+import sys
+import threading
 from pathlib import Path
 
-from dynamix_byteps.argtypes import int_in
+from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
-from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.policy.ppo.finetune_cli import add_finetune_parser
+from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.policy.ppo.mdp import LADDERS
+from dynamix_byteps.policy.ppo.policy_format import read_metadata
+from dynamix_byteps.policy.ppo.served import prepare_served
 from dynamix_byteps.scenarios import load_scenarios
 
-__all__ = ["add_policy_parser", "format_table"]
+__all__ = ["add_parser", "format_table", "run_eval", "run_export", "run_finetune", "run_list", "run_train", "trainer_argv"]
 
 BASELINES = ("static", "proportional", "goodput")
 
@@ -48,8 +53,8 @@ def _weight(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
 
 
-def add_policy_parser(sub, usage_error: type[Exception]) -> None:
-    """Add ``policy`` with its subcommands to ``sub``; bad usage raises ``usage_error``."""
+def add_parser(sub) -> None:
+    """Add ``policy`` with its subcommands to the ``dynamix`` subcommands ``sub``."""
     p = sub.add_parser("policy", help="train, evaluate and export the PPO batch-size agent",
                        description="Train the DYNAMIX agent (RLlib PPO) in the simulator, compare it with the "
                                    "heuristics, export it for the scheduler (--policy ppo --policy-path DIR).")
@@ -87,7 +92,7 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
                         "×1.4) or full (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2) for jobs whose balanced batches fall "
                         "between the coarse rungs")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.set_defaults(func=lambda args: _train(args, usage_error))
+    t.set_defaults(run=run_train)
 
     e = cmds.add_parser(
         "eval", help="compare a policy with static/proportional/goodput in the simulator",
@@ -105,7 +110,7 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
     e.add_argument("--sim-params", type=Path, metavar="JSON", help="base simulator parameters (SimParams JSON)")
     e.add_argument("--randomise", action="store_true", help="evaluate on randomised variants of the scenarios")
     e.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
-    e.set_defaults(func=lambda args: _eval(args, usage_error))
+    e.set_defaults(run=run_eval)
 
     x = cmds.add_parser(
         "export", help="write policy.onnx + features.json from an RLlib checkpoint",
@@ -115,16 +120,70 @@ def add_policy_parser(sub, usage_error: type[Exception]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     x.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="DIR/checkpoint from `dynamix policy train`")
     x.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
-    x.set_defaults(func=lambda args: _export(args, usage_error))
+    x.set_defaults(run=run_export)
 
-    add_finetune_parser(cmds, usage_error)
+    _add_finetune(cmds)
 
     li = cmds.add_parser(
         "list", help="list the trained policies shipped with the package (--policy ppo:NAME)",
         description="List the policy library: name, model family, optimizer, worker counts and scenarios it\n"
                     "was trained on, and whether this version can serve it.",
         epilog="exit status: 0 on success.", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    li.set_defaults(func=lambda args: _list())
+    li.set_defaults(run=run_list)
+
+
+def _add_finetune(cmds) -> None:
+    """Add ``finetune`` to the ``dynamix policy`` subcommands ``cmds``."""
+    f = cmds.add_parser(
+        "finetune", help="update a served policy from the scheduler's decision log (online fine-tuning)",
+        description="Follow RUN/decisions.jsonl of a scheduler serving --policy ppo from --policy-path DIR; every\n"
+                    "--every decisions of the generation in force, run RLlib's Learner.update (PPO) on them,\n"
+                    "export and check a new ONNX, and publish it as the next generation in DIR (the scheduler\n"
+                    "swaps it in). A generation whose mean reward over its first --window decisions falls below\n"
+                    "the previous mean - K * std is rolled back. Events go to RUN/finetune.jsonl. Runs until\n"
+                    "SIGTERM or Ctrl-C. Needs pip install 'dynamix-byteps[rl]'.",
+        epilog="exit status: 0 when stopped by a signal, 1 on failure, 2 on bad usage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    f.add_argument("--run-dir", type=Path, required=True, metavar="RUN", help="the scheduler's --run-dir")
+    f.add_argument("--policy-path", type=Path, required=True, metavar="DIR",
+                   help="the policy directory the scheduler serves; generations are published here")
+    f.add_argument("--checkpoint", type=Path, metavar="CKPT",
+                   help="RLlib checkpoint of that policy (default DIR/checkpoint)")
+    f.add_argument("--every", type=int_in(2, what="--every"), default=64, metavar="N",
+                   help="decisions per update (default 64)")
+    f.add_argument("--window", type=int_in(1, what="--window"), default=16, metavar="M",
+                   help="decisions a new generation is judged on before it is kept (default 16)")
+    f.add_argument("--collapse-k", type=float_in(0.0), default=2.0, metavar="K",
+                   help="roll back when the window's mean reward < previous mean - K * std (default 2)")
+    f.add_argument("--lr", type=float_in(0.0, low_open=True), default=1e-4, metavar="LR", help="learning rate (default 1e-4)")
+    f.add_argument("--epochs", type=int_in(1, what="--epochs"), default=4, metavar="E",
+                   help="passes over each batch (default 4)")
+    f.add_argument("--poll", type=float_in(0.0, low_open=True), default=2.0, metavar="S",
+                   help="seconds between reads of the decision log (default 2)")
+    f.add_argument("--seed", type=int_in(0, what="--seed"), default=0, metavar="S", help="torch seed (default 0)")
+    f.set_defaults(run=run_finetune)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune until SIGTERM/SIGINT; 0 then. UsageError for a run or policy it cannot follow."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        from dynamix_byteps.policy.ppo.finetune import FineTuner
+    except ImportError as error:
+        raise ConfigurationError(f"fine-tuning needs Ray RLlib and torch ({error}): "
+                                 "pip install 'dynamix-byteps[rl]'") from None
+    try:
+        tuner = FineTuner(args.run_dir, args.policy_path, checkpoint=args.checkpoint, every=args.every,
+                          window=args.window, collapse_k=args.collapse_k, lr=args.lr, epochs=args.epochs,
+                          seed=args.seed)
+    except (ConfigurationError, FileNotFoundError) as error:
+        raise UsageError(str(error)) from None
+    print(f"fine-tuning {args.policy_path} from {args.run_dir / 'decisions.jsonl'} (generation {tuner.generation})",
+          file=sys.stderr, flush=True)
+    tuner.run(args.poll, stop)
+    return 0
 
 
 def _base_params(path: Path | None) -> dict | None:
@@ -143,17 +202,18 @@ def _profiles(path: Path | None) -> tuple[list, list[str]]:
     return load_profiles(path)
 
 
-def _train(args, usage_error) -> int:
+def run_train(args: argparse.Namespace) -> int:
+    """Train and export; UsageError for bad scenario/profile/reward flags, ConfigurationError without Ray RLlib."""
     from dynamix_byteps.policy.ppo.mdp import RewardWeights
 
     if (args.scenario is None) == (args.profiles is None) or (args.profiles and args.sim_params):
-        raise usage_error("give either --scenario (with --sim-params, optionally) or --profiles FILE")
+        raise UsageError("give either --scenario (with --sim-params, optionally) or --profiles FILE")
     try:
         weights = RewardWeights.from_dict(dict(args.reward))
         params = _base_params(args.sim_params)
         profiles, held_out = _profiles(args.profiles)
     except ConfigurationError as error:
-        raise usage_error(str(error)) from None
+        raise UsageError(str(error)) from None
     try:
         from dynamix_byteps.policy.ppo.train import train
     except ImportError as error:
@@ -164,7 +224,7 @@ def _train(args, usage_error) -> int:
                         randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder,
                         profiles=profiles, held_out=held_out)
     except ConfigurationError as error:
-        raise usage_error(str(error)) from None
+        raise UsageError(str(error)) from None
     final = summary["final_return"]
     print(f"trained {summary['iterations']} iterations in {summary['seconds']:.0f} s; mean episode return "
           f"{'n/a' if final is None else f'{final:.3f}'} (last iteration)")
@@ -185,7 +245,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _eval(args, usage_error) -> int:
+def run_eval(args: argparse.Namespace) -> int:
+    """Compare the policy with the heuristics and print the table; UsageError for a bad policy, scenario or parameters."""
     from dynamix_byteps.policy import make_policy
     from dynamix_byteps.policy.ppo.mdp import RewardWeights
     from dynamix_byteps.policy.ppo.serve import PPOPolicy
@@ -203,7 +264,7 @@ def _eval(args, usage_error) -> int:
             jobs = [from_scenario(scenario(n, args.scenario_file), base=base) for n in args.scenario]
         weights = RewardWeights.from_dict(ppo.metadata.get("training", {}).get("reward"))
     except ConfigurationError as error:
-        raise usage_error(str(error)) from None
+        raise UsageError(str(error)) from None
     policies = {"ppo": ppo, **{name: make_policy(name) for name in BASELINES}}
     rows = compare(policies, jobs, args.episodes, args.seed, weights, args.randomise)
     print(format_table(rows))
@@ -214,7 +275,8 @@ def _eval(args, usage_error) -> int:
     return 0
 
 
-def _list() -> int:
+def run_list(args: argparse.Namespace) -> int:
+    """Print the policy library."""
     from dynamix_byteps.policy.ppo.library import entries, library_root, policy_dir
 
     known = entries()
@@ -234,7 +296,8 @@ def _list() -> int:
     return 0
 
 
-def _export(args, usage_error) -> int:
+def run_export(args: argparse.Namespace) -> int:
+    """Export the checkpoint; UsageError for an unloadable CHECKPOINT, ConfigurationError without Ray/torch/onnx."""
     try:
         from dynamix_byteps.policy.ppo.export import export_module, load_module
     except ImportError as error:
@@ -242,7 +305,27 @@ def _export(args, usage_error) -> int:
     try:
         module = load_module(args.checkpoint)
     except ConfigurationError as error:
-        raise usage_error(f"argument CHECKPOINT: {error}") from None
+        raise UsageError(f"argument CHECKPOINT: {error}") from None
     export_module(module, args.out)
     print(f"exported {args.checkpoint} to {args.out} (policy.onnx, features.json)")
     return 0
+
+
+def trainer_argv(source: Path, run_dir: Path, every: int = 64) -> tuple[list[str], Path]:
+    """``(argv, served directory)`` of the trainer ``bpslaunch --fine-tune`` runs for the trained
+    policy ``source`` (which must hold the RLlib ``checkpoint/``), one update per ``every`` decisions.
+
+    Raises:
+        ConfigurationError: ``source`` has no checkpoint or is not a valid policy directory.
+    """
+    source = Path(source)
+    directory, _ = read_metadata(source)
+    checkpoint = directory / "checkpoint"
+    if not checkpoint.is_dir():
+        raise ConfigurationError(f"{directory} has no RLlib checkpoint/ to fine-tune from; use the directory written by "
+                                 "`dynamix policy train --out DIR`")
+    served = prepare_served(directory, run_dir)
+    argv = [sys.executable, "-m", "dynamix_byteps.cli", "policy", "finetune", "--run-dir", str(run_dir),
+            "--policy-path", str(served), "--checkpoint", str(checkpoint.resolve()), "--every", str(every),
+            "--window", str(max(1, every // 4))]
+    return argv, served

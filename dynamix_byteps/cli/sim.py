@@ -1,22 +1,19 @@
-"""``dynamix sim fit``: the simulator's command-line front end (numpy only, no torch or Ray).
-
-``dynamix_byteps.cli`` registers :func:`add_sim_parser`.
-"""
+"""``dynamix sim fit``: the simulator's command-line front end (numpy only, no torch or Ray)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.errors import ConfigurationError, UsageError
 
-__all__ = ["add_sim_parser", "format_fit_table"]
+__all__ = ["add_parser", "format_fit_table", "run_fit"]
 
 FITTED_FILE = "sim_params.json"
 
 
-def add_sim_parser(sub, usage_error: type[Exception]) -> None:
-    """Add ``sim`` with its ``fit`` subcommand to ``sub``; bad usage raises ``usage_error``."""
+def add_parser(sub) -> None:
+    """Add ``sim`` with its ``fit`` subcommand to the ``dynamix`` subcommands ``sub``."""
     p = sub.add_parser("sim", help="fit the training simulator to a recorded run",
                        description="Tools for the training simulator the PPO agent learns in.")
     cmds = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
@@ -34,7 +31,7 @@ def add_sim_parser(sub, usage_error: type[Exception]) -> None:
                    help="runs of the same model and data at other global batches (e.g. --policy static at 2x and "
                         "1/2x the batch): their losses calibrate how much larger batches cost in progress")
     f.add_argument("--out", type=Path, metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
-    f.set_defaults(func=lambda args: _fit(args, usage_error))
+    f.set_defaults(run=run_fit)
 
 
 def format_fit_table(rows: list[dict], methods: list[str]) -> str:
@@ -49,7 +46,8 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _fit(args, usage_error) -> int:
+def run_fit(args: argparse.Namespace) -> int:
+    """Fit, write and print; UsageError for an unusable log or an --out that is a directory."""
     from dynamix_byteps.policy.sim.fit import (
         MIN_GLOBAL_BATCH_SPREAD,
         fit_log,
@@ -59,19 +57,19 @@ def _fit(args, usage_error) -> int:
     )
 
     if args.out is not None and args.out.is_dir():
-        raise usage_error(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
+        raise UsageError(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
     try:
         log = load_log(args.run_dir)
     except ConfigurationError as error:
-        raise usage_error(f"argument RUN_DIR: {error}") from None
+        raise UsageError(f"argument RUN_DIR: {error}") from None
     try:
         calibration = [load_log(d) for d in args.calibration_dirs]
     except ConfigurationError as error:
-        raise usage_error(f"argument MORE_RUN_DIRS: {error}") from None
+        raise UsageError(f"argument MORE_RUN_DIRS: {error}") from None
     try:
         params, fits = fit_log(log, calibration)
     except ConfigurationError as error:
-        raise usage_error(f"argument RUN_DIR: {error}") from None
+        raise UsageError(f"argument RUN_DIR: {error}") from None
     out = args.out or (log.path.parent / FITTED_FILE)
     params.to_json(out)
     print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")

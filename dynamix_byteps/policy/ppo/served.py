@@ -1,0 +1,45 @@
+"""The copy of a trained policy that online fine-tuning publishes into and the scheduler serves.
+
+``bpslaunch --policy ppo --fine-tune`` serves ``RUN/policy`` (:func:`prepare_served`), never the
+trained directory itself; ``dynamix policy finetune`` publishes its generations there
+(:mod:`.publish`). No torch or Ray: the launcher calls it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
+
+__all__ = ["SERVED_DIR", "prepare_served"]
+
+#: Where ``bpslaunch --fine-tune`` keeps the policy the scheduler serves, inside the run directory.
+SERVED_DIR = "policy"
+
+
+def prepare_served(source: Path, run_dir: Path) -> Path:
+    """Copy the policy files of ``source`` to ``run_dir/policy`` (kept if already there: a
+    restarted job goes on from its newest generation); return that directory. The trained
+    policy itself is never modified.
+
+    Raises:
+        ConfigurationError: ``source`` is not a policy directory, or ``run_dir/policy`` holds a
+            copy of another policy (a reused --log-dir).
+    """
+    served = Path(run_dir) / SERVED_DIR
+    directory, _ = read_metadata(source)
+    if (served / FEATURES_FILE).is_file():
+        if (served / FEATURES_FILE).read_bytes() != (directory / FEATURES_FILE).read_bytes():
+            raise ConfigurationError(f"{served} holds the fine-tuning of another policy than {directory}; give this "
+                                     f"job a new --log-dir, or remove {served} to start again from {directory}")
+    else:
+        staging = served.with_name(f".{SERVED_DIR}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in (POLICY_FILE, FEATURES_FILE):
+            shutil.copy2(directory / name, staging / name)
+        shutil.rmtree(served, ignore_errors=True)
+        staging.rename(served)
+    return served
