@@ -22,3 +22,17 @@ def test_a_training_step_changes_no_module_state_but_the_engine_and_default_plan
     [changed] = ok(run_workers(1, "session_cases:module_state_across_a_step", env=env))
     assert changed == []
     assert list((tmp_path / "tensorboard" / "worker-0").glob("events.out.tfevents.*"))
+
+
+def test_a_handle_table_numbers_from_1_and_forgets_what_was_popped():
+    from dynamix_byteps.engine.base import HandleTable
+
+    table = HandleTable()
+    first, second = table.add("a"), table.add("b")
+    assert (first, second) == (1, 2) and len(table) == 2
+    assert table.get(first) == "a" and table.pop(first) == "a"
+    for stale in (first, 99):
+        with pytest.raises(ValueError, match="unknown, was already synchronized"):
+            table.pop(stale)
+    assert [table.auto_name("push_pull.noname") for _ in range(2)] == ["push_pull.noname.0", "push_pull.noname.1"]
+    assert HandleTable().add("c") == 1  # another engine's table starts over
