@@ -30,13 +30,16 @@ def fresh_session_after_shutdown() -> dict:
     first_names = timing.names()
     bps.shutdown()
     bps.init()
+    names_at_start = timing.names()
+    events_at_start = int(timing.ring().size)
+    pending = [bps.push_pull_async(torch.ones(1), name=f"second.session.{i}") for i in range(3)]  # handles in use
     try:
         bps.poll(stale)
         stale_handle = "visible"
     except ValueError as error:
         stale_handle = str(error)
-    names_at_start = timing.names()
-    events_at_start = int(timing.ring().size)
+    for handle in pending:
+        bps.synchronize(handle)
     bps.synchronize(bps.push_pull_async(torch.ones(2)))
     return {"first_names": first_names, "stale_handle": stale_handle, "names_at_start": names_at_start,
             "events_at_start": events_at_start, "second_names": timing.names()}

@@ -29,10 +29,15 @@ def test_a_handle_table_numbers_from_1_and_forgets_what_was_popped():
 
     table = HandleTable()
     first, second = table.add("a"), table.add("b")
-    assert (first, second) == (1, 2) and len(table) == 2
+    assert second == first + 1 and 0 < first < 2**52 and len(table) == 2
     assert table.get(first) == "a" and table.pop(first) == "a"
     for stale in (first, 99):
         with pytest.raises(ValueError, match="unknown, was already synchronized"):
             table.pop(stale)
     assert [table.auto_name("push_pull.noname") for _ in range(2)] == ["push_pull.noname.0", "push_pull.noname.1"]
-    assert HandleTable().add("c") == 1  # another engine's table starts over
+    # a later session's table: empty, and its handles are not the earlier session's numbers
+    later = HandleTable()
+    issued = [later.add(n) for n in range(1000)]
+    assert first not in issued and second not in issued
+    with pytest.raises(ValueError, match="unknown, was already synchronized"):
+        later.pop(second)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import secrets
 import threading
 from typing import Sequence
 
@@ -63,17 +64,20 @@ class Handle(abc.ABC):
 
 
 class HandleTable:
-    """A frontend's operations in flight by handle: the small positive integers (1, 2, ...) that
-    BytePS's and Horovod's ``*_async`` functions return, and the counter behind auto-named tensors.
+    """A frontend's operations in flight by handle: the positive integers that BytePS's and
+    Horovod's ``*_async`` functions return, and the counter behind auto-named tensors.
 
     Each engine owns one (:attr:`Engine.handles`), so a session started after ``shutdown()``
-    knows no handle of the one before and numbers from 1 again. Thread-safe.
+    knows no handle of the one before. Handles count up from a random start below 2**52 (exact
+    as a float too), so a handle kept from an earlier session is refused rather than taken for
+    one of the new session's (the chance that two sessions' first million handles overlap is
+    below 1e-3 · 2**-20). Thread-safe.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._entries: dict[int, object] = {}
-        self._numbers = itertools.count(1)
+        self._numbers = itertools.count(1 + secrets.randbelow(2**52 - 2**32))
         self._auto_names = itertools.count()
 
     def auto_name(self, prefix: str) -> str:
