@@ -61,7 +61,7 @@ status 1. With ``--allow-load`` loaded runs are kept and flagged in the table.
 Writes ``benchmarks/results/time_to_accuracy_<scenario>[_quick].json`` (schema 2: every run with
 its curve, seed, times to each target and load; rewritten after every run) and ``.png`` (accuracy
 against training time, median and min-max of the runs; time to each target per run), and keeps
-each run's log directory (TensorBoard files, decisions.jsonl) under ``--runs-dir`` for
+each run's log directory (TensorBoard files, decisions.jsonl) as ``--runs-dir/<report name>/<config>/seed<S>`` for
 ``dynamix report``.
 """
 
@@ -181,7 +181,7 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
     Returns the example's metrics plus the run's facts (seed, load, wall time, times to targets).
     """
     seed = args.seed + repeat
-    run_dir = args.runs_dir / args.scenario.name / name / f"seed{seed}"
+    run_dir = args.runs_dir / args.out.stem / name / f"seed{seed}"  # one folder per report: engines never share
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     output = run_dir / "result.json"
@@ -493,7 +493,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load-wait", type=float_in(0, 86400, unit="s"), default=600.0,
                    help="without --allow-load: seconds to wait for a quiet machine before a run (default 600)")
     p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "time_to_accuracy",
-                   help="where each run's log directory is kept (default: runs/time_to_accuracy)")
+                   help="where each run's log directory is kept, as DIR/<--out's name>/<config>/seed<S> "
+                   "(default: runs/time_to_accuracy)")
     p.add_argument("--table-only", action="store_true", help="run nothing: redo the table and plot of --out "
                    "(e.g. for other --targets)")
     p.add_argument("--append", action="store_true", help="keep the runs of the other configurations already in "

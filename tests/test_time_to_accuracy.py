@@ -167,6 +167,8 @@ def test_quick_benchmark_fills_every_column_and_the_table_comes_back_from_the_js
     for run in report["runs"]:
         assert set(run["times_to_target_s"]) == {"0.2", "0.3"} and run["curve"]
         assert run["load"]["samples"] and run["load"]["share"] == 4
+        # one folder per report, so a ring and a ps experiment of one scenario never overwrite each other's logs
+        assert Path(run["run_dir"]) == tmp_path / "runs" / "tta" / run["config"] / f"seed{run['seed']}"
     assert [r["config"] for r in report["rows"]] == ["static32", "proportional"]
     for row in report["rows"]:
         for target in ("0.2", "0.3"):
