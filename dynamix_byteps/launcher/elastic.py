@@ -61,8 +61,14 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
     """The next step of the job from every host's report (``reports[i]`` is host ``i``'s).
 
     Returns ``{"exit": code, "reason": text}`` or ``{"slots": new_slots, "lost": ranks}`` (see the
-    module docstring; the caller adds the ports).
+    module docstring; the caller adds the ports). A report that no launcher of this job can send
+    (:meth:`RunReport.problem`, or workers other than its host's ``slots``) ends the job with exit 1.
     """
+    for r in reports:
+        problem = r.problem() or (None if len(r.workers) == slots[r.node] else
+                                  f"workers {r.workers} of a host with {slots[r.node]} slot(s)")
+        if problem is not None:
+            return {"exit": 1, "reason": f"host {r.node}'s report of run {r.run} is malformed ({problem}); not restarting"}
     failures = sorted((r for r in reports if r.code != 0), key=lambda r: (r.failed_at or float("inf"), r.node))
     if not failures:
         return {"exit": 0, "reason": "every worker succeeded"}

@@ -13,7 +13,8 @@ Security is the scheduler's (:mod:`dynamix_byteps.control.security`): every call
 UNAUTHENTICATED before its request is read (so it is never counted); node 0 serves TLS with
 ``--tls-cert/--tls-key`` and the other hosts verify it with ``--tls-ca``. Requests are parsed in the
 handler: bytes that are no ``RoundReport`` get INVALID_ARGUMENT, a report of another run
-FAILED_PRECONDITION, a node that is not a reporting host of the run INVALID_ARGUMENT; unknown
+FAILED_PRECONDITION, a node that is not a reporting host of the run or a report that no launcher
+can send (:meth:`RunReport.problem`) INVALID_ARGUMENT, not counted; unknown
 fields are skipped (proto3). Every wait is bounded: node 0 waits ``REPORT_TIMEOUT_S`` for the
 reports, a host waits that plus 30 s for the decision, and gives up after ``REFUSED_S`` of node 0
 being unreachable.
@@ -21,6 +22,7 @@ being unreachable.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -90,6 +92,24 @@ class RunReport:
             node=self.node, run=self.run, exit_code=self.code, failed=self.failed, failed_at=self.failed_at,
             killed=self.killed, self_failed=self.self_failed, workers=self.workers, started=self.started,
             server_failed=self.server_failed)
+
+    def problem(self) -> str | None:
+        """Why this report cannot be a launcher's (None when it can): ``code`` outside 0..255 (an
+        exit status; 256 would exit 0), ``failed_at`` not finite, a rank listed twice, or ``failed``,
+        ``killed`` or ``self_failed`` naming a rank that is not one of ``workers``."""
+        if not 0 <= self.code <= 255:
+            return f"exit_code {self.code} is no exit status (0..255)"
+        if self.failed_at is not None and not math.isfinite(self.failed_at):
+            return f"failed_at {self.failed_at} is not a time"
+        for name in ("workers", "killed", "self_failed"):
+            ranks = getattr(self, name)
+            if len(set(ranks)) != len(ranks):
+                return f"{name} {ranks} lists a rank twice"
+            if name != "workers" and not set(ranks) <= set(self.workers):
+                return f"{name} {ranks} names a rank that is not one of workers {self.workers}"
+        if self.failed is not None and self.failed not in self.workers:
+            return f"failed {self.failed} is not one of workers {self.workers}"
+        return None
 
     @classmethod
     def of(cls, m: dynamix_pb2.RoundReport) -> RunReport:
@@ -184,6 +204,8 @@ class RendezvousServer:
             report = RunReport.of(dynamix_pb2.RoundReport.FromString(raw))
         except DecodeError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed RoundReport message: {error}")
+        if (problem := report.problem()) is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed report of node {report.node}: {problem}")
         with self._cond:
             if report.run == self._round and (report.node == 0 or (self._peers is not None and report.node > self._peers)):
                 peers = "?" if self._peers is None else self._peers
