@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from dynamix_byteps.agent.base import MONITORS
-from dynamix_byteps.argtypes import float_in
+from dynamix_byteps.argtypes import float_in, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import UsageError
 
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     p.add_argument("--monitor", choices=MONITORS, default="auto")
     p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")
-    p.add_argument("--ready-file", type=Path, metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
+    p.add_argument("--ready-file", type=output_path("file"), metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate of a TLS scheduler (default: $DYNAMIX_TLS_CA)")
     p.set_defaults(run=run)
 

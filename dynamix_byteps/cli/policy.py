@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.argtypes import float_in, int_in, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     t.add_argument("--profiles", type=Path, metavar="JSON",
                    help="instead of --scenario and --sim-params: a profiles file (fitted jobs, scenarios held out; "
                         "scripts/build_policy_library.py fit); one profile per episode, perturbed unless --no-randomise")
-    t.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    t.add_argument("--out", type=output_path("dir"), required=True, metavar="DIR", help="output directory")
     t.add_argument("--iterations", type=int_in(1, what="--iterations"), default=150, metavar="N",
                    help="PPO iterations of 2000 simulated decisions each (default 150, ~5-15 min on 2 cores)")
     t.add_argument("--seed", type=int_in(0, what="--seed"), default=0, metavar="S", help="random seed (default 0)")
@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
     e.add_argument("--scenario-file", type=Path, metavar="TOML", help="scenarios file (default: the packaged one)")
     e.add_argument("--sim-params", type=Path, metavar="JSON", help="base simulator parameters (SimParams JSON)")
     e.add_argument("--randomise", action="store_true", help="evaluate on randomised variants of the scenarios")
-    e.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
+    e.add_argument("--json", type=output_path("file"), metavar="PATH", help="also write the rows as JSON")
     e.set_defaults(run=run_eval)
 
     x = cmds.add_parser(
@@ -119,7 +119,7 @@ def add_parser(sub) -> None:
         epilog="exit status: 0 on success, 1 on failure, 2 on bad usage.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     x.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="DIR/checkpoint from `dynamix policy train`")
-    x.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    x.add_argument("--out", type=output_path("dir"), required=True, metavar="DIR", help="output directory")
     x.set_defaults(run=run_export)
 
     _add_finetune(cmds)

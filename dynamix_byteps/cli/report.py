@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dynamix_byteps.argtypes import output_path
 from dynamix_byteps.errors import UsageError
 
 __all__ = ["add_parser", "run"]
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
         allow_abbrev=False,
     )
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir (or its tensorboard/ folder)")
-    p.add_argument("--out", type=Path, metavar="DIR", help="where the PNGs go (default: RUN_DIR)")
+    p.add_argument("--out", type=output_path("dir"), metavar="DIR", help="where the PNGs go (default: RUN_DIR)")
     p.set_defaults(run=run)
 
 

@@ -12,7 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
-from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.argtypes import float_in, int_in, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
@@ -55,7 +55,7 @@ def add_parser(sub) -> None:
         allow_abbrev=False,
     )
     p.add_argument("--port", type=int_in(0, 65535, "port"), default=0, metavar="P", help="gRPC port (default 0: pick a free one)")
-    p.add_argument("--port-file", type=Path, metavar="FILE", help="write the bound port to FILE (atomically) once listening")
+    p.add_argument("--port-file", type=output_path("file"), metavar="FILE", help="write the bound port to FILE (atomically) once listening")
     p.add_argument("--bind", default="127.0.0.1", metavar="ADDR", help="listen address (default 127.0.0.1; others require a token)")
     p.add_argument("--token", metavar="T", help="shared secret the workers send (default: $DYNAMIX_TOKEN)")
     p.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate (default: $DYNAMIX_TLS_CERT)")
@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
     p.add_argument("--num-workers", type=int_in(1, MAX_WORKERS, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
     p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=DEFAULT_DECISION_INTERVAL, metavar="K", help=f"steps between decisions (default {DEFAULT_DECISION_INTERVAL}, as the workers')")
-    p.add_argument("--run-dir", type=Path, metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
+    p.add_argument("--run-dir", type=output_path("dir"), metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
     p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
     p.add_argument("--max-change", type=float_in(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")
     p.add_argument("--hysteresis", type=float_in(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dynamix_byteps.argtypes import output_path
 from dynamix_byteps.errors import ConfigurationError, UsageError
 
 __all__ = ["add_parser", "format_fit_table", "run_fit"]
@@ -30,7 +31,7 @@ def add_parser(sub) -> None:
     f.add_argument("calibration_dirs", type=Path, nargs="*", metavar="MORE_RUN_DIRS",
                    help="runs of the same model and data at other global batches (e.g. --policy static at 2x and "
                         "1/2x the batch): their losses calibrate how much larger batches cost in progress")
-    f.add_argument("--out", type=Path, metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
+    f.add_argument("--out", type=output_path("file", FITTED_FILE), metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
     f.set_defaults(run=run_fit)
 
 
@@ -47,7 +48,7 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    """Fit, write and print; UsageError for an unusable log or an --out that is a directory."""
+    """Fit, write and print; UsageError for an unusable log."""
     from dynamix_byteps.policy.sim.fit import (
         MIN_GLOBAL_BATCH_SPREAD,
         fit_log,
@@ -56,8 +57,6 @@ def run_fit(args: argparse.Namespace) -> int:
         replay,
     )
 
-    if args.out is not None and args.out.is_dir():
-        raise UsageError(f"argument --out: {args.out} is a directory; give a file, e.g. {args.out / FITTED_FILE}")
     try:
         log = load_log(args.run_dir)
     except ConfigurationError as error:

@@ -1,0 +1,46 @@
+"""Output paths a careless user gives the ``dynamix`` subcommands: a directory where a file goes,
+a file where a directory goes, a path under a file. Each exits 2 with one line naming the flag
+and the fix, before anything starts, instead of a bare ``OSError`` (or none at all) later."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamix_byteps.cli import main
+
+
+@pytest.fixture
+def paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "decisions.jsonl").write_text("")
+    return tmp_path
+
+
+DIR_FOR_FILE = "adir is a directory; give the path of a file in it, e.g. adir/"
+FILE_FOR_DIR = "afile is a file; give a directory (it is created if missing)"
+UNDER_FILE = "afile/x: {}/afile is a file, not a directory; give a path under a directory"
+
+CASES = [
+    (["scheduler", "--port-file", "adir"], "--port-file", DIR_FOR_FILE + "out"),
+    (["scheduler", "--run-dir", "afile"], "--run-dir", FILE_FOR_DIR),
+    (["scheduler", "--run-dir", "afile/x"], "--run-dir", UNDER_FILE),
+    (["agent", "--job", "j", "--scheduler", "127.0.0.1:1", "--ready-file", "afile/x"], "--ready-file", UNDER_FILE),
+    (["sim", "fit", "run", "--out", "adir"], "--out", DIR_FOR_FILE + "sim_params.json"),
+    (["sim", "fit", "run", "--out", "afile/x"], "--out", UNDER_FILE),
+    (["report", "run", "--out", "afile"], "--out", FILE_FOR_DIR),
+    (["policy", "train", "--scenario", "homogeneous", "--out", "afile"], "--out", FILE_FOR_DIR),
+    (["policy", "export", "adir", "--out", "afile/x"], "--out", UNDER_FILE),
+    (["policy", "eval", "adir", "--scenario", "homogeneous", "--json", "adir"], "--json", DIR_FOR_FILE + "out"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, flag, why", CASES, ids=[" ".join(c[0][:2]) + " " + c[1] for c in CASES])
+def test_an_output_path_that_cannot_be_written_is_usage_naming_the_flag(paths, capsys, argv, flag, why):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: {why.format(paths)}" in err, err
+    assert "Traceback" not in err and not (paths / "afile" / "x").exists()
