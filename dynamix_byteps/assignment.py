@@ -193,12 +193,14 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
     """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
 
     Raises:
-        ConfigurationError: not integers, or a count other than 1 or ``size``.
+        ConfigurationError: not integers, a size below 1, or a count other than 1 or ``size``.
     """
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
+    if min(values) < 1:
+        raise ConfigurationError(f"batch sizes {text!r}: {min(values)} is no batch size; each must be at least 1 sample")
     if len(values) == 1:
         return values * size
     if len(values) != size:
@@ -226,7 +228,7 @@ def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...
     step STEP on, the sizes of :func:`parse_batch_sizes`. Returns ``[(step, sizes)]`` by step.
 
     Raises:
-        ConfigurationError: malformed entries, negative or repeated steps.
+        ConfigurationError: malformed entries or sizes (:func:`parse_batch_sizes`), negative or repeated steps.
     """
     entries = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
