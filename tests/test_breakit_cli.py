@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from dynamix_byteps.cli import main
+from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
+from dynamix_byteps.launcher.cli import parse_args
 
 
 @pytest.fixture
@@ -44,3 +46,12 @@ def test_an_output_path_that_cannot_be_written_is_usage_naming_the_flag(paths, c
     err = capsys.readouterr().err
     assert f"error: argument {flag}: {why.format(paths)}" in err, err
     assert "Traceback" not in err and not (paths / "afile" / "x").exists()
+
+
+@pytest.mark.parametrize("count", ["999999999", "1025", "0", "-1"])
+def test_bpslaunch_refuses_a_server_count_beyond_what_a_worker_accepts(capsys, count):
+    # 999999999 used to pass the parser and hang the launcher building that many servers
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--engine", "ps", "--num-servers", count, "-n", "2", "--", "true"])
+    assert stop.value.code == 2
+    assert f"argument --num-servers: --num-servers {count} must be between 1 and {MAX_SERVERS}" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from pathlib import Path
 from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.env import CHECKPOINT_ENV, DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import DEFAULT_GRACE_S, PROG, LaunchConfig
@@ -76,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "ps (parameter servers: see --num-servers)",
     )
     parser.add_argument(
-        "--num-servers", type=_positive_int, metavar="K",
-        help="with --engine ps: K summation servers on node 0 beside the scheduler (or on --server-hosts), each "
+        "--num-servers", type=int_in(1, MAX_SERVERS, "--num-servers"), metavar="K",
+        help=f"with --engine ps: K (at most {MAX_SERVERS}) summation servers on node 0 beside the scheduler (or on --server-hosts), each "
         "owning a share of the gradient partitions (default 1; BytePS's DMLC_NUM_SERVER)",
     )
     parser.add_argument(
