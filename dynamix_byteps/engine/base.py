@@ -63,6 +63,17 @@ class Handle(abc.ABC):
         """
 
 
+def _hashable(value: object) -> bool:
+    """Whether ``value`` can be a dict key; a list or dict passed as a handle is none, and must get
+    the same ValueError as any other unknown handle, not a TypeError (or none at all: ``pop`` on an
+    empty dict does not hash its key)."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 class HandleTable:
     """A frontend's operations in flight by handle: the positive integers that BytePS's and
     Horovod's ``*_async`` functions return, and the counter behind auto-named tensors.
@@ -95,7 +106,7 @@ class HandleTable:
     def get(self, handle: int) -> object:
         """The entry under ``handle``. Raises ValueError when there is none (see :meth:`pop`)."""
         with self._lock:
-            entry = self._entries.get(handle)
+            entry = self._entries.get(handle) if _hashable(handle) else None
         return self._known(handle, entry)
 
     def pop(self, handle: int) -> object:
@@ -105,7 +116,7 @@ class HandleTable:
             ValueError: ``handle`` was never returned by :meth:`add` of this table, or was popped already.
         """
         with self._lock:
-            entry = self._entries.pop(handle, None)
+            entry = self._entries.pop(handle, None) if _hashable(handle) else None
         return self._known(handle, entry)
 
     def __len__(self) -> int:
