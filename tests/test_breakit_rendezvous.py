@@ -4,8 +4,14 @@ negative slot count or an exit status that reads as success."""
 
 from __future__ import annotations
 
+import threading
+import time
+
+import grpc
 import pytest
 
+from dynamix_byteps.control.security import TOKEN_METADATA_KEY, open_channel
+from dynamix_byteps.launcher import rendezvous
 from dynamix_byteps.launcher.elastic import decide
 from dynamix_byteps.launcher.rendezvous import RendezvousServer, RunReport, decision_message, end_round
 
@@ -53,3 +59,43 @@ def test_decide_ends_the_job_on_a_malformed_report_instead_of_a_negative_slot_or
 def test_a_well_formed_report_still_restarts():
     host0 = RunReport(node=0, run=0, code=1, failed=0, failed_at=2.0, self_failed=[0], workers=[0, 1])
     assert decide([2, 2], [host0, report()], restarts_left=3) == {"slots": [2, 1], "lost": [2]}
+
+
+@pytest.mark.timeout(60)
+def test_clients_that_never_send_their_request_with_a_wrong_token_are_refused_without_holding_a_thread():
+    """Each opens EndRound (headers, then nothing): the refusal used to wait for the request on a
+    handler thread, so 2·hosts + 4 of them starved node 0 and a real host's report was never taken."""
+    stalled, codes, stallers = threading.Event(), [], []
+
+    def never_sends(port):
+        def nothing():
+            stalled.wait(30)
+            yield from ()
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                channel.stream_unary(f"/{rendezvous.SERVICE}/EndRound")(
+                    nothing(), timeout=30, metadata=((TOKEN_METADATA_KEY, "wrong"),))
+            except grpc.RpcError as error:
+                codes.append(error.code())
+
+    with RendezvousServer("127.0.0.1", 0, TOKEN, hosts=2) as server:
+        try:
+            stallers = [threading.Thread(target=never_sends, args=(server.port,)) for _ in range(2 * 2 + 4 + 4)]
+            for thread in stallers:
+                thread.start()
+            started = time.monotonic()
+            while len(codes) < len(stallers) and time.monotonic() - started < 10:
+                time.sleep(0.05)
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(stallers)
+            answer = {}
+            host = threading.Thread(target=lambda: answer.update(
+                end_round(("127.0.0.1", server.port), report(), TOKEN, timeout_s=10)))
+            host.start()
+            assert server.collect(0, 1, timeout_s=10) == {1: report()}
+            server.answer(0, {"exit": 0, "reason": "done"})
+            host.join(10)
+            assert answer == {"exit": 0, "reason": "done"}
+        finally:
+            stalled.set()
+            for thread in stallers:
+                thread.join(10)

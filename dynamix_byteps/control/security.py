@@ -184,11 +184,14 @@ def open_channel(address: str, ca: str | os.PathLike | None = None, options=()) 
     return grpc.secure_channel(address, credentials, options=list(options))
 
 
-def _reject_unauthenticated(request, context):
+def _reject_unauthenticated(requests, context):
     context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata")
 
 
-_REJECT = grpc.unary_unary_rpc_method_handler(_reject_unauthenticated)
+# Request-streaming, so that the refusal is sent without reading the request: a unary handler's
+# thread first waits for the whole request, and clients that send headers but never a message
+# would hold every handler thread of the server (the rendezvous has 2·hosts + 4) unanswered.
+_REJECT = grpc.stream_unary_rpc_method_handler(_reject_unauthenticated)
 
 
 def require_bearer_token(app, token: str):
