@@ -35,6 +35,7 @@ from dynamix_byteps.agent.gpu import GpuMonitor
 from dynamix_byteps.agent.procfs import HostMonitor, ProcCollector
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
+from dynamix_byteps.control.cluster import Rejected, validate_node
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes
 from dynamix_byteps.control.security import open_channel
 
@@ -101,6 +102,24 @@ def _rates(now: ProcessNetStats, before: ProcessNetStats | None, dt: float) -> d
     return metrics
 
 
+def node_metrics(rank: int, metrics: dict, refused: set[tuple[int, str]]) -> dynamix_pb2.NodeMetrics:
+    """``metrics`` as a ``NodeMetrics`` message without the values the scheduler refuses
+    (:func:`~dynamix_byteps.control.cluster.validate_node`: NaN, infinite, negative, beyond any real
+    machine): it refuses the whole report for one, which would drop every worker's metrics of this
+    host each interval. Each left-out field is logged once per rank (``refused`` keeps which)."""
+    kept = {}
+    for name, value in metrics.items():
+        try:
+            validate_node(dynamix_pb2.NodeMetrics(**{name: value}))
+        except Rejected as why:
+            if (rank, name) not in refused:
+                refused.add((rank, name))
+                log.warning("rank %d: %s; left out of the node reports while it lasts", rank, why.message)
+            continue
+        kept[name] = value
+    return dynamix_pb2.NodeMetrics(**kept)
+
+
 class NodeAgent:
     """Samples the workers of ``job`` on this host and reports to the scheduler at ``scheduler``."""
 
@@ -114,6 +133,7 @@ class NodeAgent:
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._previous: dict[int, tuple[float, ProcessNetStats]] = {}
         self._failing = False
+        self._refused: set[tuple[int, str]] = set()  # (rank, field) left out of a report once already
         self._host = socket.gethostname()
         self.gpu = GpuMonitor()
         self.host = HostMonitor()
@@ -148,7 +168,7 @@ class NodeAgent:
             if stats is not None:
                 metrics.update({k: v for k, v in (("gpu_util", stats.util), ("gpu_memory_used_bytes", stats.mem_used_bytes))
                                 if v is not None})
-            report.workers.add(rank=rank, node=dynamix_pb2.NodeMetrics(**metrics))
+            report.workers.add(rank=rank, node=node_metrics(rank, metrics, self._refused))
         return report
 
     def send(self, report: dynamix_pb2.NodeReport) -> None:
@@ -156,8 +176,8 @@ class NodeAgent:
             self._stub.ReportNode(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
             if not self._failing:
-                log.warning("scheduler refused or missed a node report (%s); retrying every interval",
-                            exc.code().name)
+                log.warning("scheduler refused or missed a node report (%s: %s); retrying every interval",
+                            exc.code().name, exc.details())
             self._failing = True
         else:
             self._failing = False
