@@ -132,6 +132,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     tb_dir = _tensorboard_dir(run_dir)
     ea = _event_accumulator()
     raw: dict[str, tuple[float, dict[str, list]]] = {}
+    unreadable = []  # worker/scheduler folders without a readable event (no event file, empty or damaged)
     for path in sorted(tb_dir.iterdir()):
         name = path.name
         is_worker = name.startswith(WORKER_RUN_PREFIX) and name[len(WORKER_RUN_PREFIX):].isdigit()
@@ -141,11 +142,15 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         acc.Reload()
         try:
             first = acc.FirstEventTimestamp()
-        except ValueError:  # an empty event file
+        except ValueError:  # an empty or damaged event file
+            unreadable.append(path.name)
             continue
         raw[name] = (first, {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]})
     if not any(name.startswith(WORKER_RUN_PREFIX) and tags for name, (_, tags) in raw.items()):
-        why = "has no TensorBoard scalars of any worker yet" if raw else "has no TensorBoard event files"
+        why = ("has no TensorBoard scalars of any worker yet" if raw else
+               f"has no readable TensorBoard event in {', '.join(unreadable)} (event files missing, empty or damaged)"
+               if unreadable else
+               "has no TensorBoard event files")
         raise _no_events(run_dir, why)
     start = min(first for first, _ in raw.values())
     data = RunData(start=start)

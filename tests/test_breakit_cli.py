@@ -55,3 +55,14 @@ def test_bpslaunch_refuses_a_server_count_beyond_what_a_worker_accepts(capsys, c
         parse_args(["--engine", "ps", "--num-servers", count, "-n", "2", "--", "true"])
     assert stop.value.code == 2
     assert f"argument --num-servers: --num-servers {count} must be between 1 and {MAX_SERVERS}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("content", [b"", bytes(range(256)) * 20], ids=["empty", "damaged"])
+def test_report_on_a_run_whose_event_file_is_empty_or_damaged_says_so(paths, capsys, content):
+    worker = paths / "run" / "tensorboard" / "worker-0"
+    worker.mkdir(parents=True)
+    (worker / "events.out.tfevents.1.host").write_bytes(content)
+    assert main(["report", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "run has no readable TensorBoard event in worker-0 (event files missing, empty or damaged)" in err, err
