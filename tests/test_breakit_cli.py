@@ -66,3 +66,10 @@ def test_report_on_a_run_whose_event_file_is_empty_or_damaged_says_so(paths, cap
     assert main(["report", "run"]) == 2
     err = capsys.readouterr().err
     assert "run has no readable TensorBoard event in worker-0 (event files missing, empty or damaged)" in err, err
+
+
+@pytest.mark.parametrize("argv, why", [([], "the following arguments are required: COMMAND"),
+                                       (["--bogus"], "unrecognized arguments: --bogus")])
+def test_dynamix_without_a_command_or_with_an_unknown_flag_names_what_is_wrong(capsys, argv, why):
+    assert main(argv) == 2  # `dynamix --bogus` said "required: COMMAND"
+    assert f"dynamix: error: {why}" in capsys.readouterr().err

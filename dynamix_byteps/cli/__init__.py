@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dynamix`` parser with every subcommand; the parsed namespace's ``run(args)`` runs it."""
     parser = argparse.ArgumentParser(prog=PROG, description="dynamix_byteps: per-worker dynamic batch sizes for data-parallel training.")
     parser.add_argument("--version", action="version", version=f"dynamix_byteps {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # not required=True: argparse would then answer `dynamix --bogus` with "required: COMMAND"
+    # instead of naming --bogus; main() asks for the command itself
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (scheduler, agent, policy, sim, report):
         command.add_parser(sub)
     return parser
@@ -48,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        if args.command is None:
+            parser.error("the following arguments are required: COMMAND")
     except SystemExit as stop:  # --help (0) or bad usage (2)
         return stop.code if isinstance(stop.code, int) else 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
