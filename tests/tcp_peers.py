@@ -10,6 +10,7 @@ namespaces (with their veth ends and nft tables) are deleted even when setup fai
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -227,3 +228,20 @@ def lossy_namespace_pair(name_prefix: str, subnet: str = "10.213.0", loss_percen
     finally:
         for ns in (sender_ns, receiver_ns):
             subprocess.run(["ip", "netns", "delete", ns], check=False, timeout=20, capture_output=True)
+
+
+def ebpf_collector_or_skip():
+    """A loaded :class:`~dynamix_byteps.agent.ebpf.EbpfCollector` (the caller closes it); the test
+    skips with the collector's reason where loading is not permitted, but fails where the machine
+    could load it (root with kernel BTF)."""
+    import pytest
+
+    from dynamix_byteps.agent.base import CollectorUnavailable
+    from dynamix_byteps.agent.ebpf import EbpfCollector
+
+    try:
+        return EbpfCollector()
+    except CollectorUnavailable as e:
+        if os.geteuid() == 0 and os.path.exists("/sys/kernel/btf/vmlinux"):
+            raise  # root with BTF: the collector must load here
+        pytest.skip(f"eBPF collector cannot load here: {e}")

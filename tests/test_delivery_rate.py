@@ -9,12 +9,10 @@ with the reason otherwise) of one host behind 20 Mbit/s and one unshaped.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from tcp_peers import Peer, connect_peers, move_bytes
+from tcp_peers import Peer, connect_peers, ebpf_collector_or_skip, move_bytes
 
-from dynamix_byteps.agent.base import CollectorUnavailable, NetworkCollector, delivery_rate
+from dynamix_byteps.agent.base import NetworkCollector, delivery_rate
 from dynamix_byteps.testing import netns
 
 MB = 1_000_000
@@ -28,14 +26,7 @@ def collector(request) -> NetworkCollector:
 
         c = ProcCollector()
     else:
-        from dynamix_byteps.agent.ebpf import EbpfCollector
-
-        try:
-            c = EbpfCollector()
-        except CollectorUnavailable as e:
-            if os.geteuid() == 0 and os.path.exists("/sys/kernel/btf/vmlinux"):
-                raise  # root with BTF: the collector must load here
-            pytest.skip(f"eBPF collector cannot load here: {e}")
+        c = ebpf_collector_or_skip()
     yield c
     c.close()
 

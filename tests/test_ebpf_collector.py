@@ -19,25 +19,21 @@ import pytest
 from tcp_peers import (
     Peer,
     connect_peers,
+    ebpf_collector_or_skip,
     lossy_namespace_pair,
     missing_netns_tools,
     move_bytes,
 )
 
 from dynamix_byteps.agent.base import CollectorUnavailable
-from dynamix_byteps.agent.ebpf import EbpfCollector, check_available
+from dynamix_byteps.agent.ebpf import check_available
 
 MB = 1_000_000
 
 
 @pytest.fixture
 def collector():
-    try:
-        c = EbpfCollector()
-    except CollectorUnavailable as e:
-        if os.geteuid() == 0 and os.path.exists("/sys/kernel/btf/vmlinux"):
-            raise  # root with BTF: the collector must load here
-        pytest.skip(f"eBPF collector cannot load here: {e}")
+    c = ebpf_collector_or_skip()
     yield c
     c.close()
 
