@@ -20,8 +20,10 @@ $(INSTALLED): setup.py pyproject.toml protos/dynamix.proto $(wildcard csrc/*) $(
 demo: install
 	$(VENV)/bin/bpslaunch --num-workers 4 -- $(PY) examples/torch_fashion_mnist.py
 
+# two test processes for the machine CI runs on (2 cores): most tests spawn jobs that wait on
+# sockets and timeouts; tests/conftest.py keeps files that share a resource in one process
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 benchmark: install
 	$(PY) benchmarks/ddp_comparison.py

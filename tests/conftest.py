@@ -15,6 +15,23 @@ import pytest
 os.environ.setdefault("RLLIB_TEST_NO_TF_IMPORT", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# `make test` runs two pytest processes (pytest-xdist, --dist loadgroup): each file is one group, so
+# a module's fixtures are built once, and files that would step on each other share a group and
+# run one after the other: the network test beds (namespaces, tc qdiscs, eBPF programs, a fixed
+# test subnet) and the users of the session-wide recorded run.
+SERIAL_GROUPS = {
+    "network": {"test_netns.py", "test_link_emulation.py", "test_faults.py", "test_slow_host.py", "test_elastic.py",
+                "test_delivery_rate.py", "test_ebpf_collector.py", "test_proc_collector.py"},
+    "recorded_run": {"test_progress.py", "test_report.py", "test_tensorboard.py"},
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        file = item.path.name
+        group = next((name for name, files in SERIAL_GROUPS.items() if file in files), file)
+        item.add_marker(pytest.mark.xdist_group(group))
 OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
