@@ -132,6 +132,8 @@ def main():
     args = parse_args()
     bps.init()
     rank, size = bps.rank(), bps.size()
+    batch_sizes = parse_batch_sizes(args.batch_size, size)  # before the data loads: a typo fails at once
+    schedule = parse_batch_schedule(args.batch_schedule, size)
     keras.utils.set_random_seed(args.seed)
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
@@ -139,11 +141,10 @@ def main():
     test_x, test_y = load_fashion_mnist("test", root=args.data_dir)
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
-    batch_sizes = parse_batch_sizes(args.batch_size, size)
     # One shared permutation per epoch, cut by each worker's batch size: every sample once.
     sampler = bps.DynamicBatchSampler(len(train_x), batch_sizes, seed=args.seed)
     if not args.fit:  # with --fit, BatchSizeCallback applies the schedule
-        for step, sizes in parse_batch_schedule(args.batch_schedule, size):
+        for step, sizes in schedule:
             bps.set_batch_sizes(sizes, at_step=step)
     dataset = bps.dynamic_batch_dataset(sampler, (train_x, train_y))
     model = build_model()

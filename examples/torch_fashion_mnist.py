@@ -161,6 +161,8 @@ def main():
     args = parse_args()
     bps.init()
     rank, size = bps.rank(), bps.size()
+    batch_sizes = parse_batch_sizes(args.batch_size, size)  # before the data loads: a typo fails at once
+    schedule = parse_batch_schedule(args.batch_schedule, size)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)  # several workers share this machine's cores
     torch.manual_seed(args.seed)
@@ -173,10 +175,9 @@ def main():
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
     train_set = TensorDataset(train_x, train_y)
-    batch_sizes = parse_batch_sizes(args.batch_size, size)
     # One shared permutation per epoch, cut by each worker's batch size: every sample once.
     sampler = bps.DynamicBatchSampler(train_set, batch_sizes, seed=args.seed)
-    for step, sizes in parse_batch_schedule(args.batch_schedule, size):
+    for step, sizes in schedule:
         bps.set_batch_sizes(sizes, at_step=step)
     loader = DataLoader(train_set, batch_sampler=sampler)
 
