@@ -120,9 +120,10 @@ class GoodputPolicy(Policy):
         m0 = sum(int(b) for b in state.initial_batch_sizes) if state.initial_batch_sizes else 0
         return m0 if m0 > 0 else max(1, state.global_batch)
 
-    def _goodput(self, state: ClusterState, sizes: Sequence[int], noise: float, m0: int, comm: float):
+    def _goodput(self, state: ClusterState, sizes: Sequence[int], noise: float, m0: int, comm: float,
+                 own: Sequence[float] | None):
         total = sum(sizes)
-        t = step_time(state, sizes, comm, own_comm_times(state))
+        t = step_time(state, sizes, comm, own)
         if not (math.isfinite(t) and t > 0):
             return 0.0, 0.0, 0.0, t
         thr = total / t
@@ -165,10 +166,10 @@ class GoodputPolicy(Policy):
         noise = self._noise(state)
         if noise is None:
             return self._fallback.predict_gain(state, batch_sizes)
-        comm = comm_time(state, self.comm)
+        comm, own = comm_time(state, self.comm), own_comm_times(state)
         m0 = self._initial_batch(state)
-        g_now = self._goodput(state, state.batch_sizes, noise, m0, comm)[0]
-        g_new = self._goodput(state, list(batch_sizes), noise, m0, comm)[0]
+        g_now = self._goodput(state, state.batch_sizes, noise, m0, comm, own)[0]
+        g_new = self._goodput(state, list(batch_sizes), noise, m0, comm, own)[0]
         return g_new / g_now - 1.0 if g_now > 0 and math.isfinite(g_new) else 0.0
 
     # -- policy ------------------------------------------------------------------------------
@@ -182,16 +183,16 @@ class GoodputPolicy(Policy):
             terms = dict(d.terms, fallback="proportional", noise_scale=noise)
             return Decision(d.batch_sizes, f"goodput: {why}; {d.reason}", d.predicted_gain, terms)
 
-        comm = comm_time(state, self.comm)
+        comm, own = comm_time(state, self.comm), own_comm_times(state)
         m0 = self._initial_batch(state)
         current = state.global_batch
         m_lo, m_hi = self.feasible_range(state)
-        g_now, thr_now, eff_now, t_now = self._goodput(state, state.batch_sizes, noise, m0, comm)
+        g_now, thr_now, eff_now, t_now = self._goodput(state, state.batch_sizes, noise, m0, comm, own)
 
         best = None  # (goodput, -distance to current, M, sizes, thr, eff, t)
         for m in self._grid(m_lo, m_hi, current):
             sizes, _ = proportional_sizes(state, m)
-            g, thr, eff, t = self._goodput(state, sizes, noise, m0, comm)
+            g, thr, eff, t = self._goodput(state, sizes, noise, m0, comm, own)
             key = (g, -abs(sum(sizes) - current))
             if best is None or key > best[0]:
                 best = (key, sum(sizes), sizes, thr, eff, t)
@@ -216,6 +217,6 @@ class GoodputPolicy(Policy):
         reason = (
             f"goodput: global batch {current} → {m_best} (B_noise {noise:.4g}, M0 {m0}; "
             f"goodput {g_now:.4g} → {g_best:.4g}), "
-            + ("split ∝ θ_i" if own_comm_times(state) is None else "split to equal compute + own link time (ps)")
+            + ("split ∝ θ_i" if own is None else "split to equal compute + own link time (ps)")
         )
         return Decision(tuple(int(b) for b in sizes), reason, gain, terms)

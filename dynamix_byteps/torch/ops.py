@@ -5,9 +5,10 @@ workers; integer tensors use truncating division, as C does). Every call first n
 with the other workers (see :mod:`dynamix_byteps.negotiation`): all workers must call the
 same push_pulls, with the same names, shapes and dtypes, in the same order.
 
-Handles are small integers, as in BytePS. A handle is valid until ``synchronize``, and only in
-the session (``init()`` to ``shutdown()``) that issued it: the table of handles in flight and the
-counter of auto-generated names belong to the running engine (:attr:`Engine.handles`).
+Handles are integers, as in BytePS (counted from a random start per session). A handle is valid
+until ``synchronize``, and only in the session (``init()`` to ``shutdown()``) that issued it: the
+table of handles in flight and the counter of auto-generated names belong to the running engine
+(:attr:`Engine.handles`).
 """
 
 from __future__ import annotations
