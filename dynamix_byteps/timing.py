@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from dynamix_byteps._core import TIMING_KINDS, TimingRing, now_ns
 from dynamix_byteps.env import optional_int
 
-__all__ = ["KINDS", "PULL", "PUSH", "PUSH_PULL", "CommTiming", "Span", "StepComm", "TimingRing", "current",
+__all__ = ["KINDS", "NO_COMM", "PULL", "PUSH", "PUSH_PULL", "CommTiming", "Span", "StepComm", "TimingRing", "current",
            "name_id", "names", "now_ns", "record", "ring", "step_comm"]
 
 #: Names of the kinds, by value: ``KINDS[PUSH] == "push"``.
@@ -54,6 +54,10 @@ class StepComm:
     push_pull_s: float
     push_s: float
     pull_s: float
+
+    def __add__(self, other: StepComm) -> StepComm:
+        """Kind by kind sum: the spans of two parts of one step (an untimed section between them)."""
+        return StepComm(self.push_pull_s + other.push_pull_s, self.push_s + other.push_s, self.pull_s + other.pull_s)
 
 
 NO_COMM = StepComm(0.0, 0.0, 0.0)

@@ -40,6 +40,11 @@ def test_a_loss_reported_before_any_monitor_exists_is_dropped():
 class _OneWorker:
     rank, size, name = 0, 1, "test"
 
+    def __init__(self):
+        from dynamix_byteps.timing import CommTiming
+
+        self.timing = CommTiming()
+
 
 def _monitor(slowdown="1", steps=0):
     from dynamix_byteps.control.step_monitor import StepMonitor
@@ -99,3 +104,28 @@ def test_nested_untimed_sections_count_once():
     monitor.stretch()
     monitor.after_step(8, None)
     assert monitor.totals.steps == 2
+
+
+def test_transfers_inside_an_untimed_section_and_the_pause_itself_are_not_push_time():
+    """A ps worker that evaluates between steps (a metric averaged by push_pull) kept the ring's
+    step open across the evaluation: its push span ran from before the pause to after it."""
+    import time
+
+    import dynamix_byteps as bps
+    from dynamix_byteps import timing
+
+    monitor = _monitor()
+    ring = monitor.engine.timing
+
+    def push(seconds):
+        start = timing.now_ns()
+        time.sleep(seconds)
+        ring.record("grad", 4, start, timing.now_ns(), timing.PUSH)
+
+    push(0.02)  # the step's first bucket
+    with bps.untimed():
+        push(0.01)  # the evaluation's metric average
+        time.sleep(0.4)
+    push(0.02)  # the step's last bucket
+    monitor.after_step(8, None)
+    assert 0.04 <= monitor.totals.push_s < 0.2  # both buckets, not the 0.4 s pause nor the metric

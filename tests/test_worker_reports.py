@@ -13,12 +13,16 @@ from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import validate_report, validate_worker_info
 from dynamix_byteps.control.step_monitor import StepMonitor
 from dynamix_byteps.env import WorkerEnv
+from dynamix_byteps.timing import CommTiming
 
 K = 5
 
 
 class _OneWorker:
     rank, size, name = 0, 1, "test"
+
+    def __init__(self):
+        self.timing = CommTiming()
 
     def broadcast(self, tensor, root, name):
         pass

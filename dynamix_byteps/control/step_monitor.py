@@ -103,7 +103,8 @@ class StepMonitor:
     """Per-step timing and the decision boundary of one worker (see the module docstring).
 
     Args:
-        engine: the communication engine (rank, size, name, ``broadcast``).
+        engine: the communication engine (rank, size, name, ``broadcast``, ``timing``: its
+            :class:`~dynamix_byteps.timing.CommTiming`, whose steps this monitor closes).
         env: the worker's environment (scheduler address, decision interval, slowdown).
         optimizer_family: ``"sgd"`` or ``"adam"``, told to the scheduler.
         scalars: the worker's TensorBoard :class:`~dynamix_byteps.tensorboard_scalars.ScalarWriter`, or
@@ -124,6 +125,7 @@ class StepMonitor:
         self._start = self._last_end = self._stretched_until = time.perf_counter()
         self._untimed_s = 0.0
         self._untimed_depth = 0
+        self._comm_before_untimed = timing.NO_COMM  # the step's transfers before an untimed section
         self._interval = StepStatistics()
         self.totals = StepStatistics()
         self._scheduler_version_seen = -1
@@ -160,12 +162,17 @@ class StepMonitor:
 
     @contextlib.contextmanager
     def untimed(self):
-        """Leave the enclosed code (evaluation, checkpointing) out of step and training times.
+        """Leave the enclosed code (evaluation, checkpointing) out of step and training times, and
+        its transfers (a metric's average) out of the step's push and pull time.
 
         Nested sections count once: only the outermost one is subtracted.
         """
         self._untimed_depth += 1
         begin = time.perf_counter()
+        if self._untimed_depth == 1:
+            # The ring's span runs from the step's first transfer to its last: without this cut it
+            # would reach across the section.
+            self._comm_before_untimed += self.engine.timing.step_comm()
         try:
             yield
         finally:
@@ -175,6 +182,7 @@ class StepMonitor:
                 self._last_end += spent
                 self._stretched_until += spent
                 self._untimed_s += spent
+                self.engine.timing.step_comm()  # the section's own transfers
 
     def stretch(self) -> None:
         """Called before each gradient bucket leaves: the straggler emulation stretches the
@@ -200,7 +208,7 @@ class StepMonitor:
         self.plan = plan
         end = time.perf_counter()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
-        comm = timing.step_comm()
+        comm, self._comm_before_untimed = self._comm_before_untimed + self.engine.timing.step_comm(), timing.NO_COMM
         self._interval.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
         self.totals.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
         self._last_end = self._stretched_until = end
@@ -227,7 +235,7 @@ class StepMonitor:
             self._apply_newest_assignment()
             self._report(iv, loss, noise)
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
-        timing.step_comm()  # nor are their pushes and pulls part of the next step's
+        self.engine.timing.step_comm()  # nor are their pushes and pulls part of the next step's
 
     def _schedule(self):
         return None if self.plan is None else self.plan.schedule
