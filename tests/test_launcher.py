@@ -285,17 +285,23 @@ def test_signal_to_launcher_stops_the_whole_job(tmp_path, sig, code):
 
 
 @pytest.mark.timeout(60)
-def test_sigkilled_launcher_leaves_no_orphans(tmp_path):
+@pytest.mark.parametrize("policy", [[], ["--policy", "static", "--monitor", "off"]], ids=["no-policy", "scheduler"])
+def test_sigkilled_launcher_leaves_no_orphans_and_no_temporary_directory(tmp_path, policy):
     proc, pids = None, []
+    scratch = tmp_path / "tmp"  # the launcher's TMPDIR, so only its own directories are seen here
+    scratch.mkdir()
     try:
-        proc = start_launcher(
-            ["--num-workers", "2", "--grace-period", "2", "--", sys.executable, WORKER, "job", str(tmp_path)], tmp_path
-        )
+        proc = start_launcher(["--num-workers", "2", "--grace-period", "2", *policy, "--", sys.executable, WORKER, "job",
+                               str(tmp_path)], tmp_path, env=clean_env(TMPDIR=str(scratch)))
         pids = read_pids(tmp_path, 2)
+        expected = {"dynamix-started-", "dynamix-run-"} if policy else {"dynamix-started-"}
+        assert {p.name[:p.name.index("-", len("dynamix-")) + 1] for p in scratch.iterdir()} == expected
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=20)
-        # Workers die by PR_SET_PDEATHSIG; their `sleep` grandchildren by the guardian.
+        # Workers die by PR_SET_PDEATHSIG; their `sleep` grandchildren, and the launcher's
+        # temporary directories, by the guardian.
         assert_all_gone(pids)
+        assert wait_until(lambda: not any(scratch.iterdir()), timeout=20), list(scratch.iterdir())
     finally:
         kill_all(proc, pids)
 

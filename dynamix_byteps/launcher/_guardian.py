@@ -7,17 +7,21 @@ on stdin and writes one line per event:
 
 * ``<pgid>``: a worker process group to guard;
 * ``mailboxes <job>``: the job's workers keep mailboxes ``/dev/shm/dynamix.<job>.<rank>``;
+* ``scratch <dir>``: a temporary directory of the launcher's (an absolute path whose name starts
+  with ``dynamix-``);
 * ``exit``: the launcher is finishing normally and has cleaned up; stop guarding.
 
 End of file without ``exit`` means the launcher died (it was SIGKILLed or crashed): the
 guardian sends SIGTERM to every recorded group, waits ``argv[1]`` seconds (default 5) for
-them to empty, sends SIGKILL to what is left, removes the recorded jobs' mailboxes that
-belong to its user (a killed worker cannot remove its own), and exits. It is run by path, never imported,
+them to empty, sends SIGKILL to what is left, removes the recorded jobs' mailboxes and the
+recorded scratch directories that belong to its user (a killed process cannot remove its own), and exits. It is run by path, never imported,
 so it starts without importing the package.
 """
 
 import os
+import shutil
 import signal
+import stat
 import sys
 import time
 
@@ -75,11 +79,25 @@ def _remove_mailboxes(jobs) -> None:
                 pass
 
 
+def _valid_scratch(path: bytes) -> bool:
+    return os.path.isabs(path) and os.path.basename(path).startswith(b"dynamix-")
+
+
+def _remove_scratch(paths) -> None:
+    for path in paths:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     grace_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
-    pgids, jobs = [], set()
+    pgids, jobs, scratch = [], set(), set()
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
@@ -88,6 +106,8 @@ def main() -> int:
             pgids.append(int(line))
         elif line.startswith(b"mailboxes ") and _valid_job(line[len(b"mailboxes "):]):
             jobs.add(line[len(b"mailboxes "):].decode())
+        elif line.startswith(b"scratch ") and _valid_scratch(line[len(b"scratch "):]):
+            scratch.add(line[len(b"scratch "):])
     # The launcher is gone without saying goodbye: tear the job down.
     _signal_all(pgids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -98,6 +118,7 @@ def main() -> int:
     while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
         time.sleep(0.05)
     _remove_mailboxes(jobs)
+    _remove_scratch(scratch)
     return 0
 
 

@@ -240,20 +240,22 @@ def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Super
     specs = [spec if spec.service else dataclasses.replace(spec, env={**spec.env, STARTED_DIR_ENV: str(started)})
              for spec in specs]
     try:
-        code, supervisor = _supervise_once(config, specs)
+        # --log-dir is the user's; without it the run directory is the launcher's temporary one
+        scratch = [started] + ([config.run_dir] if config.log_dir is None and config.run_dir is not None else [])
+        code, supervisor = _supervise_once(config, specs, scratch)
         return code, supervisor, any(started.iterdir())
     finally:
         shutil.rmtree(started, ignore_errors=True)
         remove_job_mailboxes(config.job_id)
 
 
-def _supervise_once(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor]:
+def _supervise_once(config: LaunchConfig, specs: list[ChildSpec], scratch: list[Path]) -> tuple[int, Supervisor]:
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
-        supervisor = Supervisor(specs, grace_s=config.grace_period)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, scratch_dirs=scratch)
         return supervisor.run(), supervisor
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(config.run_dir / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
-        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard, scratch_dirs=scratch)
         return supervisor.run(), supervisor

@@ -125,6 +125,9 @@ class Supervisor:
         poll_s: seconds between checks of the children's state.
         write_guard: returns a context manager held around each write to ``stdout``/``stderr``
             (the console progress bar clears and redraws itself there); default none.
+        scratch_dirs: the caller's temporary directories (absolute paths named ``dynamix-*``),
+            removed by the guardian if the launcher dies without cleaning up; the caller removes
+            them itself otherwise.
 
     After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
     the job (None when all succeeded, or a signal or a service ended it), ``failed_at`` the wall-clock
@@ -142,15 +145,20 @@ class Supervisor:
         stderr: BinaryIO | None = None,
         poll_s: float = 0.05,
         write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
+        scratch_dirs: Sequence[Path] = (),
     ):
         if not specs:
             raise ValueError("Supervisor needs at least one ChildSpec")
         if grace_s <= 0:
             raise ValueError(f"grace_s={grace_s} must be > 0 seconds")
+        for folder in scratch_dirs:
+            if not (Path(folder).is_absolute() and Path(folder).name.startswith("dynamix-") and "\n" not in str(folder)):
+                raise ValueError(f"scratch directory {str(folder)!r} must be an absolute path named dynamix-*")
         self.specs = list(specs)
         self.grace_s = grace_s
         self.poll_s = poll_s
         self.output = Output(stdout, stderr, write_guard)
+        self.scratch_dirs = list(scratch_dirs)
         self._children: list[_Child] = []
         self._pumps: list[threading.Thread] = []
         self._guardian: subprocess.Popen | None = None
@@ -251,6 +259,8 @@ class Supervisor:
         previous = self._install_handlers()
         try:
             self._start_guardian()
+            for folder in self.scratch_dirs:
+                self._tell_guardian(f"scratch {folder}")
             try:
                 for spec in self.specs:
                     if self._signum is not None:
