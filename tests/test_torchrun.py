@@ -30,11 +30,13 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(argv: list, timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``argv`` in its own session; returns (exit code, stdout+stderr). Whatever it started is
+def run(argv: list, timeout: float, tmp_path: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``argv`` in its own session with TMPDIR in ``tmp_path`` (torchrun leaves its
+    ``torchelastic_*`` log folders there); returns (exit code, stdout+stderr). Whatever it started is
     SIGKILLed afterwards: torchrun starts each worker in a session of its own, so the workers are
     collected as descendants before the kill, not reached through torchrun's process group."""
-    job = subprocess.Popen([str(a) for a in argv], env=env or clean_env(), stdout=subprocess.PIPE,
+    env = {**(env or clean_env()), "TMPDIR": str(tmp_path)}
+    job = subprocess.Popen([str(a) for a in argv], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = job.communicate(timeout=timeout)
@@ -66,7 +68,7 @@ def results(out: Path) -> list[dict]:
 @pytest.mark.parametrize("rendezvous", ["master-port", "standalone"])
 def test_torchrun_workers_get_their_ranks_and_sum_exactly(tmp_path, rendezvous):
     flags = ["--standalone"] if rendezvous == "standalone" else ["--master-port", free_port()]
-    code, output = run(torchrun(*flags, WORKER, tmp_path), timeout=50)
+    code, output = run(torchrun(*flags, WORKER, tmp_path), timeout=50, tmp_path=tmp_path)
     assert code == 0, output
     ranks = results(tmp_path)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2], output
@@ -80,7 +82,7 @@ def test_torchrun_workers_get_their_ranks_and_sum_exactly(tmp_path, rendezvous):
 def test_the_example_trains_under_torchrun(tmp_path):
     metrics_file = tmp_path / "metrics.json"
     code, output = run(torchrun("--master-port", free_port(), EXAMPLE, "--epochs", "1", "--limit-train", "384",
-                                "--batch-size", "32", "--output", metrics_file), timeout=80)
+                                "--batch-size", "32", "--output", metrics_file), timeout=80, tmp_path=tmp_path)
     assert code == 0, output
     metrics = json.loads(metrics_file.read_text())
     assert metrics["workers"] == 3
@@ -91,7 +93,7 @@ def test_the_example_trains_under_torchrun(tmp_path):
 @pytest.mark.timeout(40)
 def test_a_hand_made_partial_torchrun_environment_fails_naming_what_is_missing(tmp_path):
     env = clean_env(WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1")
-    code, output = run([sys.executable, WORKER, tmp_path], timeout=30, env=env)
+    code, output = run([sys.executable, WORKER, tmp_path], timeout=30, tmp_path=tmp_path, env=env)
     assert code != 0
     assert "ConfigurationError: environment variable MASTER_PORT is not set" in output, output
     assert not list(tmp_path.glob("rank*.json"))
