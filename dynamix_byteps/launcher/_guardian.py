@@ -79,8 +79,10 @@ def _remove_mailboxes(jobs) -> None:
                 pass
 
 
-def _valid_scratch(path: bytes) -> bool:
-    return os.path.isabs(path) and os.path.basename(path).startswith(b"dynamix-")
+def valid_scratch(path: bytes) -> bool:
+    """Whether ``path`` (file-system bytes) may be a scratch directory: absolute, named ``dynamix-*``,
+    on one line of the guardian's input."""
+    return os.path.isabs(path) and os.path.basename(path).startswith(b"dynamix-") and b"\n" not in path
 
 
 def _remove_scratch(paths) -> None:
@@ -106,7 +108,7 @@ def main() -> int:
             pgids.append(int(line))
         elif line.startswith(b"mailboxes ") and _valid_job(line[len(b"mailboxes "):]):
             jobs.add(line[len(b"mailboxes "):].decode())
-        elif line.startswith(b"scratch ") and _valid_scratch(line[len(b"scratch "):]):
+        elif line.startswith(b"scratch ") and valid_scratch(line[len(b"scratch "):]):
             scratch.add(line[len(b"scratch "):])
     # The launcher is gone without saying goodbye: tear the job down.
     _signal_all(pgids, signal.SIGTERM)

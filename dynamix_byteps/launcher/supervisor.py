@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
-from dynamix_byteps.launcher._guardian import group_alive
+from dynamix_byteps.launcher._guardian import group_alive, valid_scratch
 from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
@@ -152,7 +152,7 @@ class Supervisor:
         if grace_s <= 0:
             raise ValueError(f"grace_s={grace_s} must be > 0 seconds")
         for folder in scratch_dirs:
-            if not (Path(folder).is_absolute() and Path(folder).name.startswith("dynamix-") and "\n" not in str(folder)):
+            if not valid_scratch(os.fsencode(folder)):
                 raise ValueError(f"scratch directory {str(folder)!r} must be an absolute path named dynamix-*")
         self.specs = list(specs)
         self.grace_s = grace_s
