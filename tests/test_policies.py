@@ -333,6 +333,30 @@ def test_bounded_split_with_offsets_equalises_weighted_time_plus_offset():
     assert bounded_split(96, [1600.0] * 3, [8] * 3, [1024] * 3, [1.36, 0.02, 0.02]) == [8, 44, 44]
     # equal offsets change nothing: b ∝ w
     assert bounded_split(96, [1600.0, 800.0, 800.0], [1] * 3, [1024] * 3, [0.3] * 3) == [48, 24, 24]
+
+
+def test_bounded_split_stays_exact_and_quick_when_an_offset_dwarfs_the_step():
+    # λ ≈ 2e300 used to cancel against the offset into a share of ~1e288 samples, which the
+    # rounding then walked back one sample at a time (a CI run hung here for 40 minutes)
+    assert bounded_split(1770, [2943.5375954891156], [28], [math.inf], [2e300]) == [1770]
+    assert bounded_split(100, [0.5, 5000.0, 3.0], [1] * 3, [math.inf] * 3, [1e300, 1e300, 0.1]) == [1, 1, 98]
+
+
+EXTREME = st.sampled_from([5e-324, 1e-300, 0.5, 5000.0, 1e300, 1.7e308])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_bounded_split_answers_within_bounds_for_extreme_finite_inputs(data):
+    n = data.draw(st.integers(1, 8))
+    w = [data.draw(st.one_of(st.floats(0.5, 5000), EXTREME)) for _ in range(n)]
+    off = [data.draw(st.one_of(st.floats(0.0, 4.0), EXTREME, st.just(0.0))) for _ in range(n)]
+    lo = [data.draw(st.integers(1, 64)) for _ in range(n)]
+    hi = [low + data.draw(st.integers(0, 512)) if data.draw(st.booleans()) else math.inf for low in lo]
+    total = data.draw(st.integers(sum(lo) + 1, sum(lo) + 3000))
+    b = bounded_split(total, w, lo, hi, off)
+    assert all(low <= x <= h for x, low, h in zip(b, lo, hi))
+    assert sum(b) == min(total, sum(hi))
     with pytest.raises(ValueError, match="offsets must be finite"):
         bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0, math.nan])
     with pytest.raises(ValueError, match="same length"):

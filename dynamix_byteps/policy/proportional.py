@@ -133,41 +133,50 @@ def bounded_split(
     k = k_lo
     lam_lo = breaks[k - 1]
     lam_hi = breaks[k] if k < len(breaks) else math.inf
-    fixed = 0.0
-    free_w = 0.0
-    free_wo = 0.0
-    for wi, oi, li, hi_i in zip(w, off, lo, hi):
+    x = [0.0] * n
+    free = []
+    for i, (wi, oi, li, hi_i) in enumerate(zip(w, off, lo, hi)):
         if oi + li / wi >= lam_hi:
-            fixed += li
+            x[i] = li
         elif oi + hi_i / wi <= lam_lo:
-            fixed += hi_i
+            x[i] = hi_i
         else:
-            free_w += wi
-            free_wo += wi * oi
-    lam = (total - fixed + free_wo) / free_w if free_w > 0 else lam_lo
-    x = [min(max(wi * (lam - oi), li), hi_i) for wi, oi, li, hi_i in zip(w, off, lo, hi)]
+            free.append(i)
+    # A free worker's share w_i·(λ − o_i) with λ = (total − fixed + Σw_j·o_j) / Σw_j, written with
+    # offset differences: a huge λ (a worker reporting seconds like 1e300) would otherwise cancel
+    # catastrophically against o_i.
+    free_w = sum(w[j] for j in free)
+    rest = total - sum(x)
+    for i in free:
+        x[i] = w[i] * (rest + sum(w[j] * (off[j] - off[i]) for j in free)) / free_w
+    # Whatever floating point did with extreme inputs (overflow to inf or nan), every share stays
+    # within its bounds and within what the others' lower bounds leave; rounding then fixes the sum.
+    room = total - sum(lo)
+    x = [min(max(xi, li), hi_i, li + room) if math.isfinite(xi) else li for xi, li, hi_i in zip(x, lo, hi)]
+    return _round_to_total(x, lo, hi, total)
 
-    out = []
-    for xi, li, hi_i in zip(x, lo, hi):
-        b = max(li, math.floor(xi))
-        out.append(min(b, int(hi_i)) if math.isfinite(hi_i) else b)
-    order = sorted(range(n), key=lambda i: (-(x[i] - out[i]), i))
+
+def _round_to_total(x: list[float], lo: list[int], hi: list[float], total: int) -> list[int]:
+    """Largest-remainder rounding of ``x`` (each within its bounds) to integers summing to
+    ``total`` (``Σlo < total < Σhi``); any larger float slack is moved in bulk, so the cost is O(n)."""
+    out = [max(li, math.floor(xi)) for xi, li in zip(x, lo)]
+    out = [min(b, int(h)) if math.isfinite(h) else b for b, h in zip(out, hi)]
+    order = sorted(range(len(x)), key=lambda i: (-(x[i] - out[i]), i))
     deficit = total - sum(out)
-    while deficit > 0:  # give +1 to the largest remainders that have room
-        moved = False
-        for i in order:
-            if deficit == 0:
-                break
-            if out[i] + 1 <= hi[i]:
-                out[i] += 1
-                deficit -= 1
-                moved = True
-        if not moved:  # pragma: no cover - impossible when Σhi > total
-            break
+    for i in order:  # one sample each to the largest remainders
+        if deficit > 0 and out[i] + 1 <= hi[i]:
+            out[i] += 1
+            deficit -= 1
+    for i in order:  # what float error left over, in bulk to whoever has room
+        if deficit > 0:
+            give = deficit if not math.isfinite(hi[i]) else min(deficit, int(hi[i]) - out[i])
+            out[i] += give
+            deficit -= give
     for i in reversed(order):  # float slack the other way: take from the smallest remainders
-        while deficit < 0 and out[i] - 1 >= lo[i]:
-            out[i] -= 1
-            deficit += 1
+        if deficit < 0:
+            take = min(-deficit, out[i] - lo[i])
+            out[i] -= take
+            deficit += take
     return out
 
 
