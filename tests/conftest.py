@@ -32,6 +32,31 @@ def pytest_collection_modifyitems(items):
         file = item.path.name
         group = next((name for name, files in SERIAL_GROUPS.items() if file in files), file)
         item.add_marker(pytest.mark.xdist_group(group))
+
+class TestTimedOut(BaseException):
+    """A test ran past its pytest-timeout limit. A BaseException, unlike pytest-timeout's own
+    ``Failed``: Hypothesis takes a ``Failed`` for a failing example and replays and shrinks it, so
+    an example that never ends ran on past the limit until CI's own limit killed the run."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    if settings.method != "signal":
+        return None
+
+    def on_alarm(signum, frame):
+        raise TestTimedOut(f"{item.nodeid} ran past its {settings.timeout:g} s limit (pytest-timeout)")
+
+    def cancel():
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    return True
+
+
 OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
