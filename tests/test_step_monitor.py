@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from one_worker import OneWorkerEngine
 
 from dynamix_byteps import batch_plan
 from dynamix_byteps.control.step_monitor import report_loss
@@ -37,20 +38,11 @@ def test_a_loss_reported_before_any_monitor_exists_is_dropped():
     assert _monitor()._take_mean_loss() is None
 
 
-class _OneWorker:
-    rank, size, name = 0, 1, "test"
-
-    def __init__(self):
-        from dynamix_byteps.timing import CommTiming
-
-        self.timing = CommTiming()
-
-
 def _monitor(slowdown="1", steps=0):
     from dynamix_byteps.control.step_monitor import StepMonitor
     from dynamix_byteps.env import WorkerEnv
 
-    monitor = StepMonitor(_OneWorker(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")
+    monitor = StepMonitor(OneWorkerEngine(), WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": slowdown}), "sgd")
     batch_plan.default().attach(monitor, None)  # what a frontend's TrainingStep does
     for _ in range(steps):
         monitor.stretch()

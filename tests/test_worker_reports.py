@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from one_worker import OneWorkerEngine
 
 from dynamix_byteps.assignment import Assignment, AssignmentSchedule, BatchBounds
 from dynamix_byteps.batch_plan import BatchPlan
@@ -13,19 +14,8 @@ from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import validate_report, validate_worker_info
 from dynamix_byteps.control.step_monitor import StepMonitor
 from dynamix_byteps.env import WorkerEnv
-from dynamix_byteps.timing import CommTiming
 
 K = 5
-
-
-class _OneWorker:
-    rank, size, name = 0, 1, "test"
-
-    def __init__(self):
-        self.timing = CommTiming()
-
-    def broadcast(self, tensor, root, name):
-        pass
 
 
 class _RecordingClient:
@@ -51,7 +41,7 @@ class _NoNoise:
 
 def _monitor(client) -> StepMonitor:
     env = WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": "127.0.0.1:1", "DYNAMIX_DECISION_INTERVAL": str(K)})
-    monitor = StepMonitor(_OneWorker(), env, "sgd")
+    monitor = StepMonitor(OneWorkerEngine(), env, "sgd")
     monitor._client = client
     return monitor
 
