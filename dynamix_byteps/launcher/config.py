@@ -78,6 +78,11 @@ class LaunchConfig:
         return self.num_workers is not None or self.hosts is not None
 
     @property
+    def temporary_run_dir(self) -> Path | None:
+        """``run_dir`` when it is the entry point's temporary folder (no ``--log-dir``), else None."""
+        return self.run_dir if self.log_dir is None else None
+
+    @property
     def multi_host_elastic(self) -> bool:
         """Restarts agreed by the launchers of several hosts (:mod:`.elastic`)."""
         return bool(self.restart_on_failure) and self.hosts is not None and len(self.hosts) > 1

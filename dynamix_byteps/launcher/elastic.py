@@ -240,8 +240,7 @@ def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Super
     specs = [spec if spec.service else dataclasses.replace(spec, env={**spec.env, STARTED_DIR_ENV: str(started)})
              for spec in specs]
     try:
-        # --log-dir is the user's; without it the run directory is the launcher's temporary one
-        scratch = [started] + ([config.run_dir] if config.log_dir is None and config.run_dir is not None else [])
+        scratch = [started] + ([config.temporary_run_dir] if config.temporary_run_dir is not None else [])
         code, supervisor = _supervise_once(config, specs, scratch)
         return code, supervisor, any(started.iterdir())
     finally:
