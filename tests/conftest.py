@@ -1,9 +1,11 @@
 """Shared fixtures."""
 
+import faulthandler
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +35,7 @@ def pytest_collection_modifyitems(items):
         group = next((name for name, files in SERIAL_GROUPS.items() if file in files), file)
         item.add_marker(pytest.mark.xdist_group(group))
 
+
 class TestTimedOut(BaseException):
     """A test ran past its pytest-timeout limit. A BaseException, unlike pytest-timeout's own
     ``Failed``: Hypothesis takes a ``Failed`` for a failing example and replays and shrinks it, so
@@ -41,10 +44,11 @@ class TestTimedOut(BaseException):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
-    if settings.method != "signal":
-        return None
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None  # pytest-timeout's own timer
 
     def on_alarm(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)  # into the test's captured stderr
         raise TestTimedOut(f"{item.nodeid} ran past its {settings.timeout:g} s limit (pytest-timeout)")
 
     def cancel():
