@@ -333,6 +333,10 @@ def test_bounded_split_with_offsets_equalises_weighted_time_plus_offset():
     assert bounded_split(96, [1600.0] * 3, [8] * 3, [1024] * 3, [1.36, 0.02, 0.02]) == [8, 44, 44]
     # equal offsets change nothing: b ∝ w
     assert bounded_split(96, [1600.0, 800.0, 800.0], [1] * 3, [1024] * 3, [0.3] * 3) == [48, 24, 24]
+    with pytest.raises(ValueError, match="offsets must be finite"):
+        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0, math.nan])
+    with pytest.raises(ValueError, match="same length"):
+        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0])
 
 
 def test_bounded_split_stays_exact_and_quick_when_an_offset_dwarfs_the_step():
@@ -357,10 +361,6 @@ def test_bounded_split_answers_within_bounds_for_extreme_finite_inputs(data):
     b = bounded_split(total, w, lo, hi, off)
     assert all(low <= x <= h for x, low, h in zip(b, lo, hi))
     assert sum(b) == min(total, sum(hi))
-    with pytest.raises(ValueError, match="offsets must be finite"):
-        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0, math.nan])
-    with pytest.raises(ValueError, match="same length"):
-        bounded_split(96, [1.0, 1.0], [1, 1], [100, 100], [0.0])
 
 
 @given(st.lists(st.tuples(st.floats(10.0, 5000.0), st.floats(0.0, 0.5)), min_size=1, max_size=8),
