@@ -25,6 +25,8 @@ char LICENSE[] SEC("license") = "GPL";
 struct sock_stat {
     __u64 bytes_sent;    /* bytes returned by send calls on this socket, bytes */
     __u64 bytes_recv;    /* bytes returned by receive calls (MSG_PEEK excluded), bytes */
+    __u64 bytes_acked;   /* bytes the peer acknowledged (tcp_sock.bytes_acked, tcp_info's tcpi_bytes_acked) */
+    __u64 busy_us;       /* time with data queued or in flight as tcp_info's tcpi_busy_time, microseconds */
     __u64 delivery_rate; /* latest delivery-rate sample as tcp_info's tcpi_delivery_rate, bytes/s (0: none) */
     __u32 tgid;          /* process that first sent/received on it (global pid namespace) */
     __u32 srtt_us;       /* smoothed RTT, microseconds (tcp_sock.srtt_us >> 3) */
@@ -55,6 +57,9 @@ struct sockstat_cfg {
 /* The only .rodata variable: the loader writes it before load (offset 0). */
 const volatile struct sockstat_cfg cfg = {};
 
+/* Filled in by libbpf from the kernel's config; 0 where it cannot be read (busy_us stays 0). */
+extern unsigned int CONFIG_HZ __kconfig __weak;
+
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
     __uint(max_entries, 16384);
@@ -79,6 +84,15 @@ static __always_inline void refresh(struct sock_stat *st, struct tcp_sock *tp)
     __u64 delivered = tp->rate_delivered, interval_us = tp->rate_interval_us;
     if (delivered && interval_us)
         st->delivery_rate = delivered * tp->mss_cache * 1000000 / interval_us;
+    st->bytes_acked = tp->bytes_acked;
+    /* tcp_get_info_chrono_stats (net/ipv4/tcp.c): the busy, receive-window-limited and
+     * send-buffer-limited chronographs, plus the running one, in jiffies. chrono_type is a
+     * 2-bit field on older kernels, hence the probed bitfield read. */
+    __u64 jiffies = (__u64)tp->chrono_stat[0] + tp->chrono_stat[1] + tp->chrono_stat[2];
+    if (BPF_CORE_READ_BITFIELD_PROBED(tp, chrono_type))
+        jiffies += (__u32)((__u32)bpf_jiffies64() - tp->chrono_start);
+    if (CONFIG_HZ)
+        st->busy_us = jiffies * (1000000 / CONFIG_HZ);
 }
 
 static __always_inline struct sock_stat *get_stat(struct sock *sk, __u32 tgid)
@@ -161,28 +175,44 @@ int BPF_PROG(on_recv, struct sock *sk, int ret, int flags)
 }
 
 /* Softirq/timer context: the current task is unrelated, so only known sockets are updated. */
-static __always_inline void refresh_known(const struct sock *sk)
+static __always_inline struct sock_stat *refresh_known(const struct sock *sk, struct tcp_sock **tpp)
 {
     __u64 key = (__u64)sk;
     struct sock_stat *st = bpf_map_lookup_elem(&socks, &key);
     if (!st)
-        return;
+        return NULL;
     struct tcp_sock *tp = bpf_skc_to_tcp_sock((void *)sk);
-    if (tp)
-        refresh(st, tp);
+    if (!tp)
+        return NULL;
+    refresh(st, tp);
+    *tpp = tp;
+    return st;
 }
 
 SEC("tp_btf/tcp_retransmit_skb")
 int BPF_PROG(on_retrans, const struct sock *sk, const struct sk_buff *skb, int err)
 {
-    refresh_known(sk);
+    struct tcp_sock *tp;
+    refresh_known(sk, &tp);
     return 0;
 }
 
+/* tcp_probe fires in tcp_rcv_established before the segment is processed, with skb->data at
+ * its TCP header. Count what its ACK acknowledges now, as tcp_snd_una_update will: otherwise
+ * a sender's last ACK would only show at the socket's next event, in a later interval. */
 SEC("tp_btf/tcp_probe")
 int BPF_PROG(on_probe, struct sock *sk, const struct sk_buff *skb)
 {
-    refresh_known(sk);
+    struct tcp_sock *tp;
+    struct sock_stat *st = refresh_known(sk, &tp);
+    if (!st)
+        return 0;
+    struct tcphdr th;
+    if (bpf_probe_read_kernel(&th, sizeof(th), skb->data) || !th.ack)
+        return 0;
+    __u32 ack = bpf_ntohl(th.ack_seq), una = tp->snd_una, nxt = tp->snd_nxt;
+    if ((__s32)(ack - una) > 0 && (__s32)(nxt - ack) >= 0)
+        st->bytes_acked += ack - una;
     return 0;
 }
 

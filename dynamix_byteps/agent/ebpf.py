@@ -11,8 +11,9 @@ What the kernel keeps:
 * ``socks``: one entry per TCP socket that a process sent or received on, keyed by the kernel's
   ``struct sock`` address: owning tgid (the first process to use it), 4-tuple, bytes sent and
   received (sums of the send/recv call return values), srtt, cwnd, total retransmitted
-  segments, send-queue bytes and the kernel's delivery-rate estimate (computed from
-  ``tcp_sock`` as ``tcp_info`` does; tracepoints do not carry it). The fields are refreshed
+  segments, send-queue bytes, bytes acknowledged, busy time and the latest delivery-rate
+  sample (read from ``tcp_sock`` as
+  ``tcp_info`` does; tracepoints do not carry them). The fields are refreshed
   on each send, receive, retransmit and arriving segment (``tcp_probe``). The entry is deleted
   when the socket reaches TCP_CLOSE.
 * ``closed``: per tgid, the final counters of its sockets that closed, so cumulative totals
@@ -34,7 +35,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate
 
 OBJECT_PATH = Path(__file__).resolve().parent / "sockstat.bpf.o"
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
@@ -54,6 +55,8 @@ class SockStat(C.Structure):
     _fields_ = [
         ("bytes_sent", C.c_uint64),  # bytes
         ("bytes_recv", C.c_uint64),  # bytes
+        ("bytes_acked", C.c_uint64),  # bytes
+        ("busy_us", C.c_uint64),  # microseconds
         ("delivery_rate", C.c_uint64),  # bytes/s
         ("tgid", C.c_uint32),
         ("srtt_us", C.c_uint32),  # microseconds
@@ -87,8 +90,10 @@ class SocketEntry:
     """One open TCP socket as the kernel map holds it (``key`` is the kernel's socket address).
 
     Addresses are ``(host, port)``; bytes in bytes, ``srtt_s`` in seconds, ``cwnd`` in segments,
-    ``retransmits`` in segments, ``send_queue_bytes`` in bytes, ``delivery_rate_bytes_per_s``
-    the kernel's latest delivery-rate sample in bytes/s (0 before the first; kept while idle).
+    ``retransmits`` in segments, ``send_queue_bytes`` and ``bytes_acked`` in bytes, ``busy_s`` the time the socket had data
+    queued or in flight in seconds (whole kernel jiffies; 0 where the kernel config is
+    unreadable), ``delivery_rate_bytes_per_s`` the kernel's latest delivery-rate sample in
+    bytes/s (0 before the first; kept while idle).
     """
 
     key: int
@@ -102,6 +107,8 @@ class SocketEntry:
     cwnd: int
     retransmits: int
     send_queue_bytes: int
+    bytes_acked: int
+    busy_s: float
     delivery_rate_bytes_per_s: int
 
 
@@ -248,7 +255,7 @@ class EbpfCollector(NetworkCollector):
         self._obj = None
         self._links: list[int] = []
         self._last: dict[int, tuple[int, int, int]] = {}  # pid -> last reported (sent, recv, retrans)
-        self._sent: dict[int, int] = {}  # socket key -> bytes_sent at the previous sample
+        self._delivered: dict[int, tuple[int, float]] = {}  # socket key -> (bytes_acked, busy_s) at the previous sample
         lib, absent_optional = check_available(Path(object_path))
         self._lib = lib
         _libbpf_messages.clear()
@@ -349,7 +356,8 @@ class EbpfCollector(NetworkCollector):
             entries[key] = SocketEntry(
                 key=key, pid=s.tgid, comm=s.comm.decode(errors="replace"), local=local, remote=remote,
                 bytes_sent=s.bytes_sent, bytes_received=s.bytes_recv, srtt_s=s.srtt_us / 1e6, cwnd=s.snd_cwnd,
-                retransmits=s.total_retrans, send_queue_bytes=s.sndq, delivery_rate_bytes_per_s=s.delivery_rate,
+                retransmits=s.total_retrans, send_queue_bytes=s.sndq,
+                bytes_acked=s.bytes_acked, busy_s=s.busy_us / 1e6, delivery_rate_bytes_per_s=s.delivery_rate,
             )
         return entries
 
@@ -358,18 +366,20 @@ class EbpfCollector(NetworkCollector):
 
         Units: bytes, segments (retransmits, cwnd), seconds (srtt), bytes/s (delivery rate). Byte
         and retransmit counts never go backwards between calls, even when a socket closes while
-        the maps are read. ``delivery_rate_bytes_per_s`` covers the sockets that sent data since
-        the previous call (of any pid; a socket new to the map counts from its first send).
+        the maps are read. ``delivery_rate_bytes_per_s`` covers what the sockets delivered since
+        the previous call (of any pid; a socket new to the map counts from its start).
         """
         closed = self._dump(self._closed_fd, C.c_uint32, ClosedStat)  # before socks: a race under-counts
         socks = self.socket_entries()
         self._prune(closed)
-        sent_now = {}  # socket key -> bytes sent since the previous call
+        delivered_now = {}  # socket key -> what it delivered since the previous call
         for key, s in socks.items():
-            before = self._sent.get(key, 0)
+            acked, busy = self._delivered.get(key, (0, 0.0))
             # a count that went down is a new socket at a freed address: it counts from zero
-            sent_now[key] = s.bytes_sent - before if before <= s.bytes_sent else s.bytes_sent
-        self._sent = {key: s.bytes_sent for key, s in socks.items()}
+            if acked > s.bytes_acked or busy > s.busy_s:
+                acked, busy = 0, 0.0
+            delivered_now[key] = SocketDelivery(s.bytes_acked - acked, s.busy_s - busy, s.delivery_rate_bytes_per_s)
+        self._delivered = {key: (s.bytes_acked, s.busy_s) for key, s in socks.items()}
         out: dict[int, ProcessNetStats] = {}
         for pid in pids:
             if not os.path.exists(f"/proc/{pid}"):
@@ -389,7 +399,7 @@ class EbpfCollector(NetworkCollector):
                 srtt_s=sum(s.srtt_s for s in mine) / len(mine) if mine else None,
                 cwnd=sum(s.cwnd for s in mine) / len(mine) if mine else None,
                 send_queue_bytes=sum(s.send_queue_bytes for s in mine), sockets=len(mine),
-                delivery_rate_bytes_per_s=delivery_rate((sent_now[s.key], s.delivery_rate_bytes_per_s) for s in mine),
+                delivery_rate_bytes_per_s=delivery_rate(delivered_now[s.key] for s in mine),
             )
         return out
 

@@ -44,7 +44,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ _TCPI_BYTES_RECEIVED = 128
 _TCPI_NOTSENT_BYTES = 144
 _TCPI_DATA_SEGS_OUT = 156
 _TCPI_DELIVERY_RATE = 160  # __u64, Linux >= 4.9
+_TCPI_BUSY_TIME = 168  # __u64, Linux >= 4.10
 _TCPI_BYTES_SENT = 200
 _TCPI_BYTES_RETRANS = 208
 _TCPI_LEN_WANTED = 232  # through tcpi_snd_wnd; older kernels return less, missing fields -> None
@@ -96,8 +97,9 @@ class TcpInfo:
         data_segs_out: segments sent that carried data.
         bytes_sent: data bytes sent, retransmissions included (RFC 4898 HCDataOctetsOut).
         bytes_retrans: data bytes retransmitted.
-        delivery_rate: the kernel's latest delivery-rate sample, bytes/s (0: no sample yet); it
-            stays after the socket goes idle (see :func:`.base.delivery_rate`).
+        delivery_rate: the kernel's latest delivery-rate sample, bytes/s (0: no sample yet).
+        busy_time_us: time the socket had data queued or in flight, microseconds in whole
+            kernel jiffies (see :class:`.base.SocketDelivery`).
     """
 
     state: int
@@ -112,6 +114,7 @@ class TcpInfo:
     bytes_sent: int | None = None
     bytes_retrans: int | None = None
     delivery_rate: int | None = None
+    busy_time_us: int | None = None
 
 
 def _u32(buf: bytes, off: int) -> int | None:
@@ -144,6 +147,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo:
             _U64(buf, _TCPI_BYTES_SENT)[0],
             _U64(buf, _TCPI_BYTES_RETRANS)[0],
             _U64(buf, _TCPI_DELIVERY_RATE)[0],
+            _U64(buf, _TCPI_BUSY_TIME)[0],
         )
     return TcpInfo(
         state=buf[_TCPI_STATE],
@@ -158,6 +162,7 @@ def parse_tcp_info(buf: bytes) -> TcpInfo:
         bytes_sent=_u64(buf, _TCPI_BYTES_SENT),
         bytes_retrans=_u64(buf, _TCPI_BYTES_RETRANS),
         delivery_rate=_u64(buf, _TCPI_DELIVERY_RATE),
+        busy_time_us=_u64(buf, _TCPI_BUSY_TIME),
     )
 
 
@@ -254,6 +259,8 @@ class _Counters:
 class _Socket:
     base: _Counters  # kernel counters when first seen (zero for sockets born after the pid was first seen)
     last: _Counters  # last counters seen, less base, never decreasing
+    acked: int  # tcpi_bytes_acked at the previous sample, bytes
+    busy_us: int  # tcpi_busy_time at the previous sample, microseconds
 
 
 @dataclass
@@ -388,7 +395,7 @@ class ProcCollector(NetworkCollector):
         srtts: list[float] = []
         cwnds: list[int] = []
         sendq = 0
-        rates: list[tuple[int, int]] = []  # (bytes sent since the previous sample, delivery rate)
+        deliveries: list[SocketDelivery] = []  # since the previous sample
         still_not_tcp: set[int] = set()
         for fd, inode in links:
             if inode in proc.not_tcp:
@@ -417,11 +424,13 @@ class ProcCollector(NetworkCollector):
             real_inode, info, outq, inq = got
             sent, received = self._app_bytes(info, outq, inq)
             retrans = info.total_retrans or 0
+            acked, busy_us = info.bytes_acked or 0, info.busy_time_us or 0
             old = proc.sockets.get(real_inode)
             if old is None:
-                base = _Counters(sent, received, retrans) if not proc.seen else _Counters()
-                old = _Socket(base=base, last=_Counters())
-            sent_before = old.last.bytes_sent
+                if proc.seen:  # born since the last sample: counts from its start
+                    old = _Socket(base=_Counters(), last=_Counters(), acked=0, busy_us=0)
+                else:
+                    old = _Socket(base=_Counters(sent, received, retrans), last=_Counters(), acked=acked, busy_us=busy_us)
             old.last = _Counters(
                 max(old.last.bytes_sent, sent - old.base.bytes_sent),
                 max(old.last.bytes_received, received - old.base.bytes_received),
@@ -435,8 +444,9 @@ class ProcCollector(NetworkCollector):
                 if info.snd_cwnd is not None:
                     cwnds.append(info.snd_cwnd)
                 sendq += outq
-                if info.delivery_rate is not None:
-                    rates.append((old.last.bytes_sent - sent_before, info.delivery_rate))
+                deliveries.append(SocketDelivery(max(0, acked - old.acked), max(0, busy_us - old.busy_us) / 1e6,
+                                                 info.delivery_rate or 0))
+            old.acked, old.busy_us = acked, busy_us
 
         for inode, sock in proc.sockets.items():
             if inode not in current:
@@ -459,14 +469,14 @@ class ProcCollector(NetworkCollector):
             cwnd=sum(cwnds) / len(cwnds) if cwnds else None,
             send_queue_bytes=sendq,
             sockets=len(srtts),
-            delivery_rate_bytes_per_s=delivery_rate(rates),
+            delivery_rate_bytes_per_s=delivery_rate(deliveries),
         )
 
     def sample(self, pids: set[int]) -> dict[int, ProcessNetStats]:
         """Cumulative counters for each live pid in ``pids``.
 
         ``sockets``, ``srtt_s``, ``cwnd`` and ``send_queue_bytes`` cover connection sockets
-        (listening sockets are left out); ``delivery_rate_bytes_per_s`` those that sent data
+        (listening sockets are left out); ``delivery_rate_bytes_per_s`` those that were busy
         since the previous call (a socket first seen now counts from zero if the pid was seen
         before, else from now, as the byte counters do). Raises :class:`CollectorUnavailable`
         when a pid's sockets cannot be duplicated (no ptrace rights over it).
