@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
-from dynamix_byteps import engine as _engine
+# Before any module of this package imports grpc: processes that use gRPC here fork children
+# that never use it (the launcher's workers, DataLoader workers beside the worker's scheduler
+# client thread), and gRPC's fork handlers would log "skipping fork() handlers" on each fork and
+# can crash a child forked while a gRPC thread is busy. Users who need them set it themselves.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from dynamix_byteps import engine as _engine  # noqa: E402
 from dynamix_byteps import tensorboard_scalars as _scalars
 from dynamix_byteps.errors import (
     CommunicationError,

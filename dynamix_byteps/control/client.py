@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from typing import Callable
 
-# DataLoader workers fork while this client's thread may be inside gRPC; gRPC's fork handlers
-# then log "skipping fork() handlers" and can crash the child, which never uses gRPC anyway.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-import grpc  # noqa: E402
+import grpc
 
-from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc  # noqa: E402
-from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY, open_channel  # noqa: E402
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
+from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY, open_channel
 
 log = logging.getLogger(__name__)
 

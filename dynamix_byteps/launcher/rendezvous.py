@@ -23,21 +23,17 @@ being unreachable.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
-# The launcher forks its children while node 0 serves: gRPC's fork handlers would only log
-# "skipping fork() handlers" on each fork (the children exec at once and never use gRPC).
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-import grpc  # noqa: E402
-from google.protobuf.message import DecodeError  # noqa: E402
+import grpc
+from google.protobuf.message import DecodeError
 
-from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc  # noqa: E402
-from dynamix_byteps.control.client import CHANNEL_OPTIONS  # noqa: E402
-from dynamix_byteps.control.security import (  # noqa: E402
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
+from dynamix_byteps.control.client import CHANNEL_OPTIONS
+from dynamix_byteps.control.security import (
     SERVER_OPTIONS,
     TOKEN_METADATA_KEY,
     TokenInterceptor,
