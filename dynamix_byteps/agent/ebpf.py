@@ -12,10 +12,9 @@ What the kernel keeps:
   ``struct sock`` address: owning tgid (the first process to use it), 4-tuple, bytes sent and
   received (sums of the send/recv call return values), srtt, cwnd, total retransmitted
   segments, send-queue bytes, bytes acknowledged, busy time and the latest delivery-rate
-  sample (read from ``tcp_sock`` as
-  ``tcp_info`` does; tracepoints do not carry them). The fields are refreshed
-  on each send, receive, retransmit and arriving segment (``tcp_probe``). The entry is deleted
-  when the socket reaches TCP_CLOSE.
+  sample (read from ``tcp_sock`` as ``tcp_info`` does; tracepoints do not carry them). The
+  fields are refreshed on each send, receive, retransmit and arriving segment (``tcp_probe``).
+  The entry is deleted when the socket reaches TCP_CLOSE.
 * ``closed``: per tgid, the final counters of its sockets that closed, so cumulative totals
   (``closed`` + open sockets) never lose a closed connection's bytes.
 
@@ -90,10 +89,11 @@ class SocketEntry:
     """One open TCP socket as the kernel map holds it (``key`` is the kernel's socket address).
 
     Addresses are ``(host, port)``; bytes in bytes, ``srtt_s`` in seconds, ``cwnd`` in segments,
-    ``retransmits`` in segments, ``send_queue_bytes`` and ``bytes_acked`` in bytes, ``busy_s`` the time the socket had data
-    queued or in flight in seconds (whole kernel jiffies; 0 where the kernel config is
-    unreadable), ``delivery_rate_bytes_per_s`` the kernel's latest delivery-rate sample in
-    bytes/s (0 before the first; kept while idle).
+    ``retransmits`` in segments, ``send_queue_bytes`` and ``bytes_acked`` in bytes, ``busy_s``
+    the time the socket had data queued or in flight in seconds (whole kernel jiffies; 0 where
+    the kernel config is unreadable, and then the rate falls back to the kernel's sample),
+    ``delivery_rate_bytes_per_s`` the kernel's latest delivery-rate sample in bytes/s (0
+    before the first; kept while idle).
     """
 
     key: int
