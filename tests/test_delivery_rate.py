@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from tcp_peers import Peer, connect_peers, ebpf_collector_or_skip, move_bytes
 
-from dynamix_byteps.agent.base import MIN_BUSY_S, NetworkCollector, SocketDelivery, delivery_rate
+from dynamix_byteps.agent.base import MIN_BUSY_S, NetworkCollector, SocketDelivery, delivery_rate, delivery_since
 from dynamix_byteps.testing import netns
 
 MB = 1_000_000
@@ -41,6 +41,12 @@ def test_the_rate_of_a_process_is_its_bytes_over_the_time_they_took():
     assert delivery_rate([SocketDelivery(MB, MIN_BUSY_S, 1)]) == pytest.approx(MB / MIN_BUSY_S)
     assert delivery_rate([SocketDelivery(0, 0.5, 5), SocketDelivery(1, 0.004, 7)]) is None
     assert delivery_rate([]) is None
+
+
+def test_what_a_socket_delivered_is_its_counters_growth_and_a_reused_key_counts_from_zero():
+    assert delivery_since((MB, 0.5), 3 * MB, 0.75, 9.0) == SocketDelivery(2 * MB, 0.25, 9.0)
+    assert delivery_since((3 * MB, 0.5), MB, 0.75, 9.0) == SocketDelivery(MB, 0.75, 9.0)  # bytes went down
+    assert delivery_since((MB, 0.5), 3 * MB, 0.25, 9.0) == SocketDelivery(3 * MB, 0.25, 9.0)  # busy time went down
 
 
 @pytest.mark.timeout(60)

@@ -67,6 +67,20 @@ class SocketDelivery(NamedTuple):
     sample_bytes_per_s: float
 
 
+def delivery_since(previous: tuple[int, float], acked_bytes: int, busy_s: float,
+                   sample_bytes_per_s: float) -> SocketDelivery:
+    """What a socket delivered since a collector's previous sample.
+
+    ``previous`` is its ``(acked bytes, busy seconds)`` then, ``acked_bytes`` and ``busy_s`` the
+    same counters now (bytes, seconds), ``sample_bytes_per_s`` the kernel's latest sample. A
+    counter that went down belongs to a new socket under a reused key: it counts from zero.
+    """
+    acked_before, busy_before = previous
+    if acked_before > acked_bytes or busy_before > busy_s:
+        acked_before, busy_before = 0, 0.0
+    return SocketDelivery(acked_bytes - acked_before, busy_s - busy_before, sample_bytes_per_s)
+
+
 def delivery_rate(sockets: Iterable[SocketDelivery]) -> float | None:
     """One process's delivery rate over an interval: its sockets' bytes over the time they took, bytes/s.
 

@@ -34,7 +34,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate, delivery_since
 
 OBJECT_PATH = Path(__file__).resolve().parent / "sockstat.bpf.o"
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
@@ -372,13 +372,10 @@ class EbpfCollector(NetworkCollector):
         closed = self._dump(self._closed_fd, C.c_uint32, ClosedStat)  # before socks: a race under-counts
         socks = self.socket_entries()
         self._prune(closed)
-        delivered_now = {}  # socket key -> what it delivered since the previous call
-        for key, s in socks.items():
-            acked, busy = self._delivered.get(key, (0, 0.0))
-            # a count that went down is a new socket at a freed address: it counts from zero
-            if acked > s.bytes_acked or busy > s.busy_s:
-                acked, busy = 0, 0.0
-            delivered_now[key] = SocketDelivery(s.bytes_acked - acked, s.busy_s - busy, s.delivery_rate_bytes_per_s)
+        delivered_now = {  # socket key -> what it delivered since the previous call
+            key: delivery_since(self._delivered.get(key, (0, 0.0)), s.bytes_acked, s.busy_s, s.delivery_rate_bytes_per_s)
+            for key, s in socks.items()
+        }
         self._delivered = {key: (s.bytes_acked, s.busy_s) for key, s in socks.items()}
         out: dict[int, ProcessNetStats] = {}
         for pid in pids:

@@ -44,7 +44,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate, delivery_since
 
 log = logging.getLogger(__name__)
 
@@ -259,8 +259,7 @@ class _Counters:
 class _Socket:
     base: _Counters  # kernel counters when first seen (zero for sockets born after the pid was first seen)
     last: _Counters  # last counters seen, less base, never decreasing
-    acked: int  # tcpi_bytes_acked at the previous sample, bytes
-    busy_us: int  # tcpi_busy_time at the previous sample, microseconds
+    delivered: tuple[int, float]  # (tcpi_bytes_acked in bytes, tcpi_busy_time in s) at the previous sample
 
 
 @dataclass
@@ -424,13 +423,13 @@ class ProcCollector(NetworkCollector):
             real_inode, info, outq, inq = got
             sent, received = self._app_bytes(info, outq, inq)
             retrans = info.total_retrans or 0
-            acked, busy_us = info.bytes_acked or 0, info.busy_time_us or 0
+            delivered = (info.bytes_acked or 0, (info.busy_time_us or 0) / 1e6)
             old = proc.sockets.get(real_inode)
             if old is None:
                 if proc.seen:  # born since the last sample: counts from its start
-                    old = _Socket(base=_Counters(), last=_Counters(), acked=0, busy_us=0)
+                    old = _Socket(base=_Counters(), last=_Counters(), delivered=(0, 0.0))
                 else:
-                    old = _Socket(base=_Counters(sent, received, retrans), last=_Counters(), acked=acked, busy_us=busy_us)
+                    old = _Socket(base=_Counters(sent, received, retrans), last=_Counters(), delivered=delivered)
             old.last = _Counters(
                 max(old.last.bytes_sent, sent - old.base.bytes_sent),
                 max(old.last.bytes_received, received - old.base.bytes_received),
@@ -444,9 +443,8 @@ class ProcCollector(NetworkCollector):
                 if info.snd_cwnd is not None:
                     cwnds.append(info.snd_cwnd)
                 sendq += outq
-                deliveries.append(SocketDelivery(max(0, acked - old.acked), max(0, busy_us - old.busy_us) / 1e6,
-                                                 info.delivery_rate or 0))
-            old.acked, old.busy_us = acked, busy_us
+                deliveries.append(delivery_since(old.delivered, *delivered, info.delivery_rate or 0))
+            old.delivered = delivered
 
         for inode, sock in proc.sockets.items():
             if inode not in current:
