@@ -362,3 +362,16 @@ def test_a_ps_run_fits_each_workers_own_link(tmp_path, engine):
     assert params.engine == "ps"
     assert links[2] == pytest.approx(2.5e6, rel=0.1)  # 20 Mbit/s
     assert min(links[:2]) > 20 * links[2]  # the others' 1 Gbit/s links, give or take the latency split
+
+
+@pytest.mark.parametrize("ended_at", [0.3, 0.6])
+def test_the_target_loss_is_where_the_runs_ended(tmp_path, ended_at):
+    from dynamix_byteps.policy.sim.params import reference
+
+    # The simulated run stops at its own target; the fit ends its episodes there, not at the reference's 0.4.
+    truth = replace(reference(2).stats, target_loss=ended_at, loss_noise=0.0, noise_scale_noise=0.0)
+    run = _simulated_static_run(tmp_path / "run", 512, truth)
+    lines = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
+    last_losses = [line["state"]["workers"]["loss"][0] for line in lines[-5:]]
+    assert min(last_losses) < ended_at * 1.2
+    assert fit_run(run).stats.target_loss == pytest.approx(np.mean(last_losses), rel=0.02)

@@ -41,7 +41,11 @@ What is fitted (units: seconds, samples):
 * job: initial batches, the bounds common to all workers (largest minimum, smallest maximum;
   unbounded: the reference maximum), K (median step gap between decisions), dataset size,
   whether node-agent metrics were present;
-* statistics, with ``L0``, ``L_min``, the target and the accuracy proxy at reference values
+* the target loss, where an episode ends: where the runs ended (:func:`end_loss`), so a policy
+  trained on the fit sees the whole horizon it will serve (a target above the runs' last losses
+  ends episodes early: fitted to 50-s runs, the example's target 0.4 came 21 s into a 150-s run,
+  whose remaining 130 s the policy had never been trained on); without losses, the reference's;
+* statistics, with ``L0``, ``L_min`` and the accuracy proxy at reference values
   (widened only if the run's losses fall outside them): ``B_noise(L) = B0·x^γ``,
   ``x = (L0 − L_min)/(L − L_min)``, by least squares on ``ln B_noise`` (``noise_scale``, ``noise_growth``;
   ``noise_scale_noise`` from the residuals), and the loss curve ``ln x = −ln remaining(E)``
@@ -108,6 +112,8 @@ NOISE_SCALE_FACTORS = np.geomspace(1 / 16, 64.0, 41)
 NOISE_GROWTHS = np.linspace(0.0, 3.0, 13)
 #: Candidate loss tails α (:class:`~dynamix_byteps.policy.sim.params.StatParams`); None = exponential.
 LOSS_TAILS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, None)
+#: The target loss is where the runs ended: each run's mean over this many last intervals, median over runs.
+END_INTERVALS = 5
 _REF = reference(1)
 
 
@@ -374,6 +380,13 @@ def global_batch_spread(logs: Sequence[RunLog]) -> float:
     return max(medians) / min(medians)
 
 
+def end_loss(losses: Sequence[np.ndarray]) -> float:
+    """Where runs ended: each run's mean loss over its last :data:`END_INTERVALS` finite interval
+    losses, median over the runs (NaN when no run has a loss). ``losses``: one array per run."""
+    ends = [float(np.mean(loss[np.isfinite(loss)][-END_INTERVALS:])) for loss in losses if np.isfinite(loss).any()]
+    return float(np.median(ends)) if ends else math.nan
+
+
 def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     ref = _REF.stats
     losses = [np.where(log.loss > 0, log.loss, np.nan) for log in logs]  # the simulator's loss is positive
@@ -382,6 +395,7 @@ def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     if loss_seen.size:
         l0 = max(l0, float(loss_seen.max()) * 1.05)
         lmin = min(lmin, float(loss_seen.min()) * 0.5)
+        target = end_loss(losses)
         if not l0 > target > lmin:
             target = lmin + 0.2 * (l0 - lmin)
     stats = replace(ref, initial_loss=l0, min_loss=lmin, target_loss=target)
