@@ -365,7 +365,7 @@ def test_a_ps_run_fits_each_workers_own_link(tmp_path, engine):
 
 
 @pytest.mark.parametrize("ended_at", [0.3, 0.6])
-def test_the_target_loss_is_where_the_runs_ended(tmp_path, ended_at):
+def test_the_target_loss_is_where_the_runs_ended(tmp_path, capsys, ended_at):
     from dynamix_byteps.policy.sim.params import reference
 
     # The simulated run stops at its own target; the fit ends its episodes there, not at the reference's 0.4.
@@ -374,4 +374,7 @@ def test_the_target_loss_is_where_the_runs_ended(tmp_path, ended_at):
     lines = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
     last_losses = [line["state"]["workers"]["loss"][0] for line in lines[-5:]]
     assert min(last_losses) < ended_at * 1.2
-    assert fit_run(run).stats.target_loss == pytest.approx(np.mean(last_losses), rel=0.02)
+    target = fit_run(run).stats.target_loss
+    assert target == pytest.approx(np.mean(last_losses), rel=0.02)
+    assert main(["sim", "fit", str(run), "--out", str(tmp_path / "p.json")]) == 0
+    assert f"episodes end at loss {target:.3f}" in capsys.readouterr().out

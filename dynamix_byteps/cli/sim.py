@@ -77,6 +77,8 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "
           f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps, loss tail "
           f"{'exponential' if s.loss_tail is None else f'α {s.loss_tail:g}'}; K {params.decision_interval}")
+    print(f"episodes end at loss {s.target_loss:.3f}, where the runs ended (record runs as long as the jobs the "
+          "policy will drive)")
     if calibration:
         spread = global_batch_spread([log, *calibration])
         print(f"noise scale calibrated with {len(calibration)} more run(s): progress uses B_noise {s.noise_scale:.1f} "
