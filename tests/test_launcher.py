@@ -438,3 +438,19 @@ def test_env_mode_server_roles_need_no_process_with_nccl(engine):
     notes: list[str] = []
     assert env_mode(parse_args(["--engine", engine]), {"DMLC_ROLE": "server"}, notes) == []
     assert "needs no server process; nothing to start" in notes[0]
+
+
+def test_free_ports_lie_below_the_range_outgoing_connections_draw_from():
+    """A port from the ephemeral range can be taken by any connect() before the listener binds it."""
+    import socket
+
+    from dynamix_byteps.launcher.topology import LISTEN_PORTS, _ephemeral_start
+
+    high = min(LISTEN_PORTS[1], _ephemeral_start())
+    if high <= LISTEN_PORTS[0]:
+        pytest.skip(f"the ephemeral range starts at {high}, below {LISTEN_PORTS[0]}")
+    ports = {free_port() for _ in range(20)}
+    assert all(LISTEN_PORTS[0] <= port < high for port in ports), ports
+    assert len(ports) > 1  # drawn at random, so concurrent callers rarely meet
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))  # and free

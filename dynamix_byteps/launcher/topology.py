@@ -4,6 +4,7 @@ the rendezvous host, free and available TCP ports, and the GPUs a node shows."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -95,9 +96,38 @@ def interface_towards(host: str) -> str:
                      f"{host}; set GLOO_SOCKET_IFNAME to the interface that reaches it")
 
 
+#: Where :func:`free_port` looks first: below the kernel's ephemeral range.
+LISTEN_PORTS = (20000, 32768)
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (what ``connect`` and ``bind(0)`` draw from)."""
+    try:
+        with open(_EPHEMERAL_RANGE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LISTEN_PORTS[1]
+
+
 def free_port(host: str = LOCAL_HOST) -> int:
-    """A TCP port the kernel gives for ``host`` (IPv4) now; free until someone else takes it."""
+    """A TCP port that ``host`` (IPv4) can listen on now, free until someone else binds it.
+
+    Chosen at random below the kernel's ephemeral range (:data:`LISTEN_PORTS`, cut at
+    ``ip_local_port_range``), because a port from that range can be taken by any outgoing connection
+    between this call and the listener's ``bind`` (seen as EADDRINUSE in a gloo rendezvous while
+    other jobs ran); the kernel's own pick (``bind(0)``) when none of 64 tries is free.
+    """
+    low, high = LISTEN_PORTS[0], min(LISTEN_PORTS[1], _ephemeral_start())
+    rng = random.SystemRandom()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        for _ in range(64 if high > low else 0):
+            port = rng.randrange(low, high)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
