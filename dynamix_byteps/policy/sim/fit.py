@@ -395,9 +395,7 @@ def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     if loss_seen.size:
         l0 = max(l0, float(loss_seen.max()) * 1.05)
         lmin = min(lmin, float(loss_seen.min()) * 0.5)
-        target = end_loss(losses)
-        if not l0 > target > lmin:
-            target = lmin + 0.2 * (l0 - lmin)
+        target = end_loss(losses)  # within (lmin, l0): a mean of losses seen, inside the margins above
     stats = replace(ref, initial_loss=l0, min_loss=lmin, target_loss=target)
     xs = [np.log((l0 - lmin) / (loss - lmin)) for loss in losses]  # NaN where no loss
     x, noise = np.concatenate(xs), np.concatenate([log.noise_scale for log in logs])
