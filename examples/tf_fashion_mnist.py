@@ -5,6 +5,8 @@
     python examples/tf_fashion_mnist.py --limit-train 5000                      # one worker
 
     bpslaunch -n 4 --policy proportional --slowdown 3=3.0 -- python examples/tf_fashion_mnist.py --fit
+    bpslaunch -n 4 --policy goodput -- python examples/tf_fashion_mnist.py --fit --epochs 100 \
+        --time-budget 120 --eval-every 15 --output run.json     # accuracy against training time
     bpslaunch -n 4 -- python examples/tf_fashion_mnist.py --batch-size 32,48,80,96 --batch-schedule "100:64"
 
 Porting a byteps.tensorflow script means changing one import. ``DynamicBatchSampler`` with
@@ -16,6 +18,7 @@ and callbacks. Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fas
 """
 import argparse
 import json
+import math
 import os
 import time
 
@@ -37,6 +40,7 @@ from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.data import load_fashion_mnist
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
+TEST_IMAGES = 10_000  # Fashion-MNIST's test set
 
 
 def build_model() -> keras.Model:
@@ -58,7 +62,14 @@ def build_model() -> keras.Model:
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="train with model.fit instead of the custom loop")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1, help="epochs to train (with --time-budget: at most)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop after this many seconds of training (evaluation not counted)")
+    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
+                   help="also evaluate on the test set every this many seconds of training")
+    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+                   help="evaluate on a fixed subset of N test images, the same for every seed and run "
+                        "(default: all 10,000)")
     add_batch_arguments(p)
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
@@ -66,15 +77,73 @@ def parse_args():
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
     p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.eval_subset is not None and not 1 <= args.eval_subset <= TEST_IMAGES:
+        p.error(f"--eval-subset {args.eval_subset}: choose 1..{TEST_IMAGES}, the test set's size")
+    return args
 
 
 def loss_fn(labels, logits):
     return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True))
 
 
-def train_custom_loop(args, model, dataset, lr, log) -> int:
-    """DistributedGradientTape in a tf.function; returns the samples this worker trained on."""
+class TrainingClock:
+    """Seconds of training, the same number on every worker: rank 0's time since :meth:`start`
+    less the pauses to read the clock and evaluate. After each step :meth:`out_of_time` reads it,
+    evaluates every ``eval_every`` s (``curve``: (seconds, global samples, test accuracy, test
+    loss)) and says whether ``budget`` s are spent. Without either, it does nothing per step."""
+
+    def __init__(self, rank, budget, eval_every, evaluate, log):
+        self.rank, self.evaluate, self.log = rank, evaluate, log
+        self.budget = math.inf if budget is None else budget
+        self.eval_every = eval_every or math.inf
+        self.next_eval = self.eval_every
+        self.curve, self.seconds = [], 0.0
+        self.start()
+
+    def start(self):
+        self.started, self.untimed_s = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        """This worker's seconds of training so far."""
+        return time.perf_counter() - self.started - self.untimed_s
+
+    def out_of_time(self) -> bool:
+        if self.budget == math.inf and self.eval_every == math.inf:
+            return False
+        pause = time.perf_counter()
+        with bps.untimed():  # the clock and evaluation are not training
+            mine = tf.constant([self.elapsed() if self.rank == 0 else 0.0], tf.float64)
+            self.seconds = float(bps.push_pull(mine, average=False, name="training_clock").numpy()[0])
+            if self.seconds >= min(self.next_eval, self.budget):
+                seen = bps.push_pull(tf.constant(float(bps.step_statistics().samples), tf.float64), average=False,
+                                     name="seen").numpy()
+                accuracy, test_loss, _ = self.evaluate()
+                self.curve.append((self.seconds, int(seen), accuracy, test_loss))
+                self.log(f"t={self.seconds:.1f}s samples={int(seen)} test_accuracy={accuracy:.4f}")
+                self.next_eval += self.eval_every
+        self.untimed_s += time.perf_counter() - pause
+        return self.seconds >= self.budget
+
+
+class TimeBudgetCallback(keras.callbacks.Callback):
+    """A :class:`TrainingClock` during ``model.fit``: it starts with training, and training stops
+    after the step that spends the budget."""
+
+    def __init__(self, clock: TrainingClock):
+        super().__init__()
+        self.clock = clock
+
+    def on_train_begin(self, logs=None):
+        self.clock.start()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.clock.out_of_time():
+            self.model.stop_training = True
+
+
+def train_custom_loop(args, model, dataset, lr, clock, log) -> None:
+    """DistributedGradientTape in a tf.function, until ``args.epochs`` or the clock's budget."""
     optimizer = keras.optimizers.SGD(lr, momentum=0.9)
     optimizer.build(model.trainable_variables)
     bps.broadcast_variables(model.variables + optimizer.variables, root_rank=0)
@@ -90,31 +159,35 @@ def train_custom_loop(args, model, dataset, lr, log) -> int:
         bps.report_loss(loss)  # the loss trend the batch-size policy watches
         return loss
 
-    trained = 0
+    clock.start()
     for epoch in range(args.epochs):
         stats = np.zeros(3)  # [sum of losses, samples, steps] on this worker
-        start = time.time()
+        start, out_of_time = time.time(), False
         for x, y in dataset:
             stats += [float(train_step(x, y)) * len(y), len(y), 1]
+            if clock.out_of_time():
+                out_of_time = True
+                break
         totals = bps.push_pull(tf.constant(stats), average=False, name="train_stats").numpy()
-        elapsed, trained = time.time() - start, trained + int(stats[1])
+        elapsed = time.time() - start
         noise = bps.gradient_noise_scale()
-        log(f"epoch {epoch + 1}/{args.epochs} train_loss={totals[0] / totals[1]:.4f} "
-            f"samples/s={totals[1] / elapsed:.0f} time={elapsed:.1f}s mean_global_batch={totals[1] / stats[2]:.0f} "
+        log(f"epoch {epoch + 1}/{args.epochs} train_loss={totals[0] / max(totals[1], 1):.4f} "
+            f"samples/s={totals[1] / elapsed:.0f} time={elapsed:.1f}s mean_global_batch={totals[1] / max(stats[2], 1):.0f} "
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}")
-    return trained
+        if out_of_time:
+            break
 
 
-def train_fit(args, model, dataset, lr, rank) -> int:
-    """model.fit with the Keras DistributedOptimizer and callbacks; returns the samples trained on."""
+def train_fit(args, model, dataset, lr, clock, rank) -> None:
+    """model.fit with the Keras DistributedOptimizer and callbacks, until ``args.epochs`` or the clock's budget."""
     optimizer = bps_keras.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9), lr_scaling=args.lr_scaling)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks = [bps_keras.callbacks.BroadcastGlobalVariablesCallback(0),
                  bps_keras.callbacks.MetricAverageCallback(),
-                 bps_keras.callbacks.BatchSizeCallback(args.batch_schedule)]
+                 bps_keras.callbacks.BatchSizeCallback(args.batch_schedule),
+                 TimeBudgetCallback(clock)]
     model.fit(dataset, epochs=args.epochs, shuffle=False, callbacks=callbacks, verbose=2 if rank == 0 else 0)
-    return bps.step_statistics().samples
 
 
 def evaluate(model, images, labels, rank, size) -> tuple[float, float, int]:
@@ -128,6 +201,24 @@ def evaluate(model, images, labels, rank, size) -> tuple[float, float, int]:
     return total[1] / total[2], total[0] / total[2], int(total[2])
 
 
+def eval_subset(images, labels, n):
+    """``n`` (1..len(labels)) test images drawn by a permutation seeded with 0, independent of
+    ``--seed``, so that every run and configuration scores the same images."""
+    chosen = np.random.default_rng(0).permutation(len(labels))[:n]
+    return images[chosen], labels[chosen]
+
+
+def worker_statistics(rank, size):
+    """Every worker's step statistics (steps, samples, compute_s, push_pull_s), one row per rank."""
+    rows = np.zeros((size, 4))
+    stats = bps.step_statistics()
+    rows[rank] = [stats.steps, stats.samples, stats.compute_s, stats.push_pull_s]
+    rows = bps.push_pull(tf.constant(rows), average=False, name="worker_statistics").numpy()
+    return [{"rank": r, "steps": int(steps), "samples": int(samples), "compute_s": compute_s, "push_pull_s": push_pull_s,
+             "samples_per_s": samples / compute_s if compute_s > 0 else 0.0}
+            for r, (steps, samples, compute_s, push_pull_s) in enumerate(rows.tolist())]
+
+
 def main():
     args = parse_args()
     bps.init()
@@ -139,6 +230,8 @@ def main():
 
     train_x, train_y = load_fashion_mnist("train", root=args.data_dir)
     test_x, test_y = load_fashion_mnist("test", root=args.data_dir)
+    if args.eval_subset is not None:
+        test_x, test_y = eval_subset(test_x, test_y, args.eval_subset)
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
     # One shared permutation per epoch, cut by each worker's batch size: every sample once.
@@ -153,17 +246,29 @@ def main():
         f"mode={'fit' if args.fit else 'custom loop'}")
 
     start = time.time()
-    trained = train_fit(args, model, dataset, lr, rank) if args.fit else train_custom_loop(args, model, dataset, lr, log)
-    train_s = time.time() - start
-    with bps.untimed():
-        accuracy, test_loss, test_samples = evaluate(model, test_x, test_y, rank, size)
-    samples = bps.push_pull(tf.constant(float(trained), tf.float64), average=False, name="trained").numpy()
+    clock = TrainingClock(rank, args.time_budget, args.eval_every,
+                          lambda: evaluate(model, test_x, test_y, rank, size), log)
+    if args.fit:
+        train_fit(args, model, dataset, lr, clock, rank)
+    else:
+        train_custom_loop(args, model, dataset, lr, clock, log)
+    train_s = max(clock.elapsed(), clock.seconds)  # rank 0's clock, at least the last reading all workers shared
+    workers = worker_statistics(rank, size)
+    if clock.curve and clock.seconds >= clock.budget:  # evaluated at the budget's last step already
+        accuracy, test_loss = clock.curve[-1][2:]
+    else:
+        with bps.untimed():
+            accuracy, test_loss, _ = evaluate(model, test_x, test_y, rank, size)
+    samples = sum(w["samples"] for w in workers)
     if rank == 0:
         metrics = {"test_accuracy": float(accuracy), "test_loss": float(test_loss), "epochs": args.epochs,
-                   "wall_s": time.time() - start, "train_s": train_s, "samples_per_s": float(samples) / train_s,
+                   "model": "cnn", "wall_s": time.time() - start, "train_s": train_s, "samples": samples,
+                   "samples_per_s": samples / train_s if train_s else 0.0,
                    "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
                    "lr": lr, "lr_scaling": args.lr_scaling, "mode": "fit" if args.fit else "loop",
-                   "test_samples": test_samples}
+                   "test_samples": len(test_y),
+                   "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in clock.curve],
+                   "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
             write_atomic(args.output, json.dumps(metrics, indent=2))
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)

@@ -27,9 +27,10 @@ def train(tmp_path: Path, *flags: str, launcher_flags: tuple = ()) -> tuple[dict
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_custom_loop_trains_four_workers_to_80_percent(tmp_path):
-    metrics, stdout = train(tmp_path, "--limit-train", "30000")  # 0.848 measured: half an epoch is enough
+    metrics, stdout = train(tmp_path, "--limit-train", "30000", "--eval-every", "5")  # 0.848 measured: half an epoch
     assert metrics["workers"] == 4 and metrics["mode"] == "loop"
-    assert metrics["test_samples"] == 10_000
+    assert metrics["test_samples"] == 10_000 and metrics["samples"] == 30_000
+    assert metrics["curve"] and all(p["train_s"] >= 5 for p in metrics["curve"])
     assert metrics["test_accuracy"] >= 0.80, metrics
     assert "[0] test_accuracy=" in stdout
 
@@ -44,3 +45,18 @@ def test_model_fit_under_the_proportional_policy_reaches_80_percent(tmp_path):
     assert metrics["test_accuracy"] >= 0.80, metrics
     decisions = (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()
     assert decisions, "the scheduler made no decision for the TensorFlow job"
+
+
+@pytest.mark.timeout(600)
+def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_path):
+    """Keras epochs of 1,000 samples (4 steps), many of them in 6 s: the budget, not the epochs, ends training."""
+    metrics, _ = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "6",
+                       "--eval-every", "1", "--eval-subset", "500")
+    curve = metrics["curve"]
+    assert metrics["test_samples"] == 500 and len(curve) >= 3
+    times = [p["train_s"] for p in curve]
+    assert times == sorted(times) and times[-1] >= 6.0 and metrics["train_s"] >= 6.0
+    assert metrics["test_accuracy"] == curve[-1]["test_accuracy"]  # the budget's last evaluation is the result
+    assert metrics["samples"] > 1000 and metrics["samples"] == curve[-1]["samples"]  # past the first Keras epoch
+    assert sum(w["samples"] for w in metrics["worker_statistics"]) == metrics["samples"]
+    assert metrics["steps"] == metrics["worker_statistics"][3]["steps"] > 4

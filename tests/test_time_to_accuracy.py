@@ -16,7 +16,17 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import readme_results
 from common import LoadSampler, paired_ratio_interval
-from time_to_accuracy import STYLES, accuracy_area, configurations, read_report, straggler_efficiency, summarise, time_to_target
+from time_to_accuracy import (
+    STYLES,
+    accuracy_area,
+    configurations,
+    example_command,
+    parse_args,
+    read_report,
+    straggler_efficiency,
+    summarise,
+    time_to_target,
+)
 
 
 def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
@@ -137,6 +147,24 @@ def test_every_configuration_has_one_fixed_style():
     assert len({style for style in STYLES.values()}) == len(STYLES)
 
 
+def test_each_framework_runs_its_own_example_for_the_budget(tmp_path):
+    torch_args = parse_args(["--model", "resnet8", "--budget", "90", "--out", str(tmp_path / "t.json")])
+    command = example_command(torch_args, 64, 43, tmp_path / "r.json")
+    assert command[1].endswith("torch_fashion_mnist.py") and command[command.index("--model") + 1] == "resnet8"
+    tf_args = parse_args(["--framework", "tensorflow", "--budget", "90", "--out", str(tmp_path / "t.json")])
+    command = example_command(tf_args, 32, 42, tmp_path / "r.json")
+    assert command[1].endswith("tf_fashion_mnist.py") and "--fit" in command and "--model" not in command
+    for flag, value in (("--batch-size", "32"), ("--seed", "42"), ("--time-budget", "90.0"), ("--eval-every", "4.0"),
+                        ("--eval-subset", "2000"), ("--output", str(tmp_path / "r.json"))):
+        assert command[command.index(flag) + 1] == value, flag
+
+
+def test_the_tensorflow_example_has_no_resnet8(capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--framework", "tensorflow", "--model", "resnet8"])
+    assert stop.value.code == 2 and "trains the CNN only" in capsys.readouterr().err
+
+
 def test_an_old_schema_report_is_named_as_such(tmp_path):
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"benchmark": "time_to_accuracy", "scenario": "straggler", "rows": []}))
@@ -162,6 +190,7 @@ def test_quick_benchmark_fills_every_column_and_the_table_comes_back_from_the_js
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["schema"] == 2 and report["complete"] and report["quick"] and report["budget_s"] == 10.0
+    assert report["framework"] == "torch" and report["model"] == "cnn"
     assert [(r["config"], r["seed"]) for r in report["runs"]] == [
         ("static32", 42), ("proportional", 42), ("static32", 43), ("proportional", 43)]  # round-robin
     for run in report["runs"]:
