@@ -35,6 +35,7 @@ import keras
 
 import dynamix_byteps.tensorflow as bps
 import dynamix_byteps.tensorflow.keras as bps_keras
+from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.data import load_fashion_mnist
@@ -63,11 +64,11 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="train with model.fit instead of the custom loop")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train (with --time-budget: at most)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--time-budget", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
                    help="stop after this many seconds of training (evaluation not counted)")
-    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--eval-every", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
                    help="also evaluate on the test set every this many seconds of training")
-    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+    p.add_argument("--eval-subset", type=int_in(1, TEST_IMAGES), default=None, metavar="N",
                    help="evaluate on a fixed subset of N test images, the same for every seed and run "
                         "(default: all 10,000)")
     add_batch_arguments(p)
@@ -77,10 +78,7 @@ def parse_args():
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
     p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
-    args = p.parse_args()
-    if args.eval_subset is not None and not 1 <= args.eval_subset <= TEST_IMAGES:
-        p.error(f"--eval-subset {args.eval_subset}: choose 1..{TEST_IMAGES}, the test set's size")
-    return args
+    return p.parse_args()
 
 
 def loss_fn(labels, logits):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
+from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.data import load_fashion_mnist
@@ -92,11 +93,11 @@ def to_tensors(images, labels):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2, help="epochs to train (with --time-budget: at most)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--time-budget", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
                    help="stop after this many seconds of training (evaluation not counted)")
-    p.add_argument("--eval-every", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--eval-every", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
                    help="also evaluate on the test set every this many seconds of training")
-    p.add_argument("--eval-subset", type=int, default=None, metavar="N",
+    p.add_argument("--eval-subset", type=int_in(1, TEST_IMAGES), default=None, metavar="N",
                    help="evaluate on a fixed subset of N test images, the same for every seed and run "
                         "(default: all 10,000)")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
@@ -109,10 +110,7 @@ def parse_args():
     p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
     p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
-    args = p.parse_args()
-    if args.eval_subset is not None and not 1 <= args.eval_subset <= TEST_IMAGES:
-        p.error(f"--eval-subset {args.eval_subset}: choose 1..{TEST_IMAGES}, the test set's size")
-    return args
+    return p.parse_args()
 
 
 def evaluate(model, test_x, test_y, rank, size):

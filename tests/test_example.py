@@ -47,3 +47,18 @@ def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(stat
     assert dynamic["test_accuracy"] >= 0.80, dynamic
     assert abs(dynamic["test_accuracy"] - static["test_accuracy"]) <= 0.02, (static, dynamic)
     assert "noise_scale=" in stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example, flag, value, message", [
+    ("torch_fashion_mnist.py", "--time-budget", "-3", "--time-budget: -3 must be a finite number > 0 s"),
+    ("torch_fashion_mnist.py", "--eval-every", "0", "--eval-every: 0 must be a finite number > 0 s"),
+    ("torch_fashion_mnist.py", "--eval-subset", "10001", "--eval-subset: value 10001 must be between 1 and 10000"),
+    ("tf_fashion_mnist.py", "--time-budget", "nan", "--time-budget: nan must be a finite number > 0 s"),
+])
+def test_the_examples_refuse_a_bad_budget_or_evaluation_flag_before_starting(example, flag, value, message):
+    if example.startswith("tf"):
+        pytest.importorskip("tensorflow")
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / example), flag, value],
+                          capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
