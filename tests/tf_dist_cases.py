@@ -190,8 +190,8 @@ class _RecordingSampler(bps.DynamicBatchSampler):
 
 def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epochs: int) -> dict:
     """model.fit over a DynamicBatchSampler with BatchSizeCallback(change) and all dynamix
-    callbacks; returns per trained step (global step, local samples, global batch) and the
-    indices trained on, by epoch."""
+    callbacks; returns per trained step (global step, local samples, global batch), the
+    indices trained on, by epoch, and whether the dataset runs tf.data autotuning."""
     x, y = _data(dataset_size, seed=3)
     sampler = _RecordingSampler(dataset_size, sizes, seed=11)
     model = _tiny_model(100 + bps.rank())  # different initial weights: the callback broadcasts rank 0's
@@ -212,7 +212,8 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
         def on_epoch_end(self, epoch, logs=None):
             epoch_logs.append(dict(logs))
 
-    history = model.fit(bps.dynamic_batch_dataset(sampler, (x, y)), epochs=epochs, verbose=0, shuffle=False,
+    dataset = bps.dynamic_batch_dataset(sampler, (x, y))
+    history = model.fit(dataset, epochs=epochs, verbose=0, shuffle=False,
                         callbacks=[bps_keras.callbacks.BroadcastGlobalVariablesCallback(0),
                                    bps_keras.callbacks.MetricAverageCallback(),
                                    bps_keras.callbacks.BatchSizeCallback(change), Record()])
@@ -220,4 +221,5 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
     for step, epoch in epoch_of_step.items():
         trained[epoch] += sampler.drawn[step]
     return {"steps": steps, "trained": trained, "weights": float(sum(np.sum(v) for v in model.get_weights())),
-            "logs": epoch_logs, "history_epochs": len(history.history["loss"])}
+            "logs": epoch_logs, "history_epochs": len(history.history["loss"]),
+            "autotune": dataset.options().autotune.enabled}
