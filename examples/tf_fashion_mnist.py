@@ -116,7 +116,7 @@ class TrainingClock:
             if self.seconds >= min(self.next_eval, self.budget):
                 seen = bps.push_pull(tf.constant(float(bps.step_statistics().samples), tf.float64), average=False,
                                      name="seen").numpy()
-                accuracy, test_loss, _ = self.evaluate()
+                accuracy, test_loss = self.evaluate()
                 self.curve.append((self.seconds, int(seen), accuracy, test_loss))
                 self.log(f"t={self.seconds:.1f}s samples={int(seen)} test_accuracy={accuracy:.4f}")
                 self.next_eval += self.eval_every
@@ -188,15 +188,15 @@ def train_fit(args, model, dataset, lr, clock, rank) -> None:
     model.fit(dataset, epochs=args.epochs, shuffle=False, callbacks=callbacks, verbose=2 if rank == 0 else 0)
 
 
-def evaluate(model, images, labels, rank, size) -> tuple[float, float, int]:
-    """Each worker scores every size-th test image; the sums cover the test set exactly once."""
+def evaluate(model, images, labels, rank, size) -> tuple[float, float]:
+    """Test accuracy and loss: each worker scores every size-th image, the sums cover all once."""
     stats = np.zeros(3)  # [sum of losses, correct, samples]
     for start in range(rank, len(images), 1000 * size):
         x, y = images[start:start + 1000 * size:size], labels[start:start + 1000 * size:size]
         logits = model(x, training=False)
         stats += [float(loss_fn(y, logits)) * len(y), int(np.sum(np.argmax(logits, 1) == y)), len(y)]
     total = bps.push_pull(tf.constant(stats), average=False, name="test_stats").numpy()
-    return total[1] / total[2], total[0] / total[2], int(total[2])
+    return total[1] / total[2], total[0] / total[2]
 
 
 def eval_subset(images, labels, n):
@@ -256,7 +256,7 @@ def main():
         accuracy, test_loss = clock.curve[-1][2:]
     else:
         with bps.untimed():
-            accuracy, test_loss, _ = evaluate(model, test_x, test_y, rank, size)
+            accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples = sum(w["samples"] for w in workers)
     if rank == 0:
         metrics = {"test_accuracy": float(accuracy), "test_loss": float(test_loss), "epochs": args.epochs,
