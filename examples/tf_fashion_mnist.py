@@ -17,7 +17,6 @@ and callbacks. Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fas
 ``--data-dir``.
 """
 import argparse
-import json
 import math
 import os
 import time
@@ -35,10 +34,9 @@ import keras
 
 import dynamix_byteps.tensorflow as bps
 import dynamix_byteps.tensorflow.keras as bps_keras
-from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
-from dynamix_byteps.atomic import write_atomic
-from dynamix_byteps.data import load_fashion_mnist
+from dynamix_byteps.data import add_dataset_arguments, load_fashion_mnist
+from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
 TEST_IMAGES = 10_000  # Fashion-MNIST's test set
@@ -64,20 +62,12 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="train with model.fit instead of the custom loop")
     p.add_argument("--epochs", type=int, default=1, help="epochs to train (with --time-budget: at most)")
-    p.add_argument("--time-budget", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
-                   help="stop after this many seconds of training (evaluation not counted)")
-    p.add_argument("--eval-every", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
-                   help="also evaluate on the test set every this many seconds of training")
-    p.add_argument("--eval-subset", type=int_in(1, TEST_IMAGES), default=None, metavar="N",
-                   help="evaluate on a fixed subset of N test images, the same for every seed and run "
-                        "(default: all 10,000)")
+    add_run_arguments(p, TEST_IMAGES)
     add_batch_arguments(p)
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
-    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
-    p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
+    add_dataset_arguments(p)
     return p.parse_args()
 
 
@@ -259,16 +249,12 @@ def main():
             accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples = sum(w["samples"] for w in workers)
     if rank == 0:
-        metrics = {"test_accuracy": float(accuracy), "test_loss": float(test_loss), "epochs": args.epochs,
-                   "model": "cnn", "wall_s": time.time() - start, "train_s": train_s, "samples": samples,
-                   "samples_per_s": samples / train_s if train_s else 0.0,
-                   "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
-                   "lr": lr, "lr_scaling": args.lr_scaling, "mode": "fit" if args.fit else "loop",
-                   "test_samples": len(test_y),
-                   "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in clock.curve],
-                   "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
-            write_atomic(args.output, json.dumps(metrics, indent=2))
+            RunMetrics(test_accuracy=float(accuracy), test_loss=float(test_loss), epochs=args.epochs, model="cnn",
+                       wall_s=time.time() - start, train_s=train_s, samples=samples, workers=size,
+                       batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
+                       lr_scaling=args.lr_scaling, test_samples=len(test_y), curve=clock.curve,
+                       worker_statistics=workers, mode="fit" if args.fit else "loop").write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

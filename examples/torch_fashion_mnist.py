@@ -14,7 +14,6 @@ averaged weighted by batch size and the learning rate follows the global batch.
 Data: Fashion-MNIST (MIT, Zalando), ``apt-get install dataset-fashion-mnist`` or ``--data-dir``.
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,10 +24,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
-from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
-from dynamix_byteps.atomic import write_atomic
-from dynamix_byteps.data import load_fashion_mnist
+from dynamix_byteps.data import add_dataset_arguments, load_fashion_mnist
+from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
 TEST_IMAGES = 10_000  # Fashion-MNIST's test set
@@ -93,23 +91,15 @@ def to_tensors(images, labels):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2, help="epochs to train (with --time-budget: at most)")
-    p.add_argument("--time-budget", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
-                   help="stop after this many seconds of training (evaluation not counted)")
-    p.add_argument("--eval-every", type=float_in(0, low_open=True, unit=" s"), default=None, metavar="SECONDS",
-                   help="also evaluate on the test set every this many seconds of training")
-    p.add_argument("--eval-subset", type=int_in(1, TEST_IMAGES), default=None, metavar="N",
-                   help="evaluate on a fixed subset of N test images, the same for every seed and run "
-                        "(default: all 10,000)")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")
-    add_batch_arguments(p)
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
-    p.add_argument("--limit-train", type=int, default=None, metavar="N", help="use only the first N training samples")
-    p.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
+    add_batch_arguments(p)
+    add_run_arguments(p, TEST_IMAGES)
+    add_dataset_arguments(p)
     return p.parse_args()
 
 
@@ -157,12 +147,12 @@ def worker_statistics(rank, size):
 
 def main():
     args = parse_args()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # several workers share this machine's cores
     bps.init()
     rank, size = bps.rank(), bps.size()
     batch_sizes = parse_batch_sizes(args.batch_size, size)  # before the data loads: a typo fails at once
     schedule = parse_batch_schedule(args.batch_schedule, size)
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # several workers share this machine's cores
     torch.manual_seed(args.seed)
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -251,15 +241,12 @@ def main():
     wall = time.perf_counter() - started
     if rank == 0:
         train_clock = trained_s if not curve else max(clock, curve[-1][0])
-        metrics = {"test_accuracy": accuracy, "test_loss": test_loss, "epochs": args.epochs, "model": args.model,
-                   "wall_s": wall, "train_s": train_clock, "samples": samples_seen,
-                   "samples_per_s": samples_seen / train_clock if train_clock else 0.0,
-                   "workers": size, "batch_sizes": list(batch_sizes), "batch_schedule": args.batch_schedule,
-                   "lr": lr, "lr_scaling": args.lr_scaling, "test_samples": len(test_y),
-                   "curve": [dict(zip(("train_s", "samples", "test_accuracy", "test_loss"), p)) for p in curve],
-                   "worker_statistics": workers, "steps": workers[0]["steps"]}
         if args.output:
-            write_atomic(args.output, json.dumps(metrics, indent=2))
+            RunMetrics(test_accuracy=accuracy, test_loss=test_loss, epochs=args.epochs, model=args.model,
+                       wall_s=wall, train_s=train_clock, samples=samples_seen, workers=size,
+                       batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
+                       lr_scaling=args.lr_scaling, test_samples=len(test_y), curve=curve,
+                       worker_statistics=workers).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

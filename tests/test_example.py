@@ -55,8 +55,10 @@ def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(stat
     ("torch_fashion_mnist.py", "--eval-every", "0", "--eval-every: 0 must be a finite number > 0 s"),
     ("torch_fashion_mnist.py", "--eval-subset", "10001", "--eval-subset: value 10001 must be between 1 and 10000"),
     ("tf_fashion_mnist.py", "--time-budget", "nan", "--time-budget: nan must be a finite number > 0 s"),
+    ("torch_fashion_mnist.py", "--limit-train", "-5", "--limit-train: value -5 must be >= 1"),
+    ("tf_fashion_mnist.py", "--limit-train", "0", "--limit-train: value 0 must be >= 1"),
 ])
-def test_the_examples_refuse_a_bad_budget_or_evaluation_flag_before_starting(example, flag, value, message):
+def test_the_examples_refuse_a_bad_budget_evaluation_or_data_flag_before_starting(example, flag, value, message):
     if example.startswith("tf"):
         pytest.importorskip("tensorflow")
     proc = subprocess.run([sys.executable, str(REPO / "examples" / example), flag, value],

@@ -35,6 +35,7 @@ Sources and licenses:
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import importlib.util
@@ -46,10 +47,11 @@ from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
+from dynamix_byteps.argtypes import int_in
 from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import DatasetNotFoundError
 
-__all__ = ["load_fashion_mnist", "load_mnist"]
+__all__ = ["add_dataset_arguments", "load_fashion_mnist", "load_mnist"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 Arrays = Tuple[np.ndarray, np.ndarray]
@@ -401,3 +403,11 @@ def load_mnist(split: str = "train", root: Optional[PathLike] = None) -> Arrays:
             number, malformed CSV or npz, counts that disagree); the message names the file.
     """
     return _load("mnist", split, root)
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--data-dir`` (the ``root`` of the loaders above) and ``--limit-train N`` (N >= 1:
+    train on the first N samples) to ``parser``."""
+    parser.add_argument("--data-dir", default=None, help="folder with the dataset's files (default: the standard places)")
+    parser.add_argument("--limit-train", type=int_in(1), default=None, metavar="N",
+                        help="use only the first N training samples")

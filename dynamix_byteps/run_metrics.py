@@ -1,0 +1,97 @@
+"""The metrics file a training script writes with ``--output``, and the flags that ask for it.
+
+Both examples write it and ``benchmarks/time_to_accuracy`` reads it: accuracy against seconds of
+training under a time budget. One schema for both frameworks:
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser, test_images=10_000)   # --time-budget --eval-every --eval-subset --output
+    ...
+    RunMetrics(test_accuracy=0.89, ...).write(args.output)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from .argtypes import float_in, int_in
+from .atomic import write_atomic
+
+__all__ = ["CURVE_FIELDS", "RunMetrics", "add_run_arguments"]
+
+CURVE_FIELDS = ("train_s", "samples", "test_accuracy", "test_loss")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, test_images: int) -> None:
+    """Add ``--time-budget``, ``--eval-every`` (seconds, > 0), ``--eval-subset`` (1..``test_images``)
+    and ``--output`` to ``parser``; out-of-range values are refused at parse time."""
+    seconds = float_in(0, low_open=True, unit=" s")
+    parser.add_argument("--time-budget", type=seconds, default=None, metavar="SECONDS",
+                        help="stop after this many seconds of training (evaluation not counted)")
+    parser.add_argument("--eval-every", type=seconds, default=None, metavar="SECONDS",
+                        help="also evaluate on the test set every this many seconds of training")
+    parser.add_argument("--eval-subset", type=int_in(1, test_images), default=None, metavar="N",
+                        help="evaluate on a fixed subset of N test images, the same for every seed and run "
+                             f"(default: all {test_images:,})")
+    parser.add_argument("--output", default=None, metavar="FILE.json", help="rank 0 writes the final metrics here")
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """What one training run measured, as rank 0 writes it.
+
+    Attributes:
+        test_accuracy: final accuracy on the (subset of the) test set, in [0, 1].
+        test_loss: final mean cross-entropy on it, nats.
+        epochs: epochs asked for (``--epochs``; a time budget may end training sooner).
+        model: the model's name (``cnn``, ``resnet8``).
+        wall_s: seconds from the start of training to the end of the final evaluation.
+        train_s: seconds of training, evaluation and clock reads not counted (rank 0's clock).
+        samples: training samples all workers consumed.
+        workers: number of workers.
+        batch_sizes: each worker's first batch size.
+        batch_schedule: the ``--batch-schedule`` text, or None.
+        lr: learning rate for the first step's global batch.
+        lr_scaling: the learning-rate scaling rule's name.
+        test_samples: test images scored at each evaluation.
+        curve: (seconds of training, global samples, test accuracy, test loss) at each evaluation.
+        worker_statistics: one dict per rank: ``rank``, ``steps``, ``samples``, ``compute_s``,
+            ``push_pull_s``, ``samples_per_s`` (samples over compute seconds).
+        mode: how the TensorFlow example trained (``fit`` or ``loop``); None for PyTorch.
+    """
+
+    test_accuracy: float
+    test_loss: float
+    epochs: int
+    model: str
+    wall_s: float
+    train_s: float
+    samples: int
+    workers: int
+    batch_sizes: list[int]
+    batch_schedule: str | None
+    lr: float
+    lr_scaling: str
+    test_samples: int
+    curve: list[tuple[float, int, float, float]] = field(default_factory=list)
+    worker_statistics: list[dict] = field(default_factory=list)
+    mode: str | None = None
+
+    def to_json(self) -> dict:
+        """The JSON object: every attribute (``mode`` only when set), each curve point as a dict of
+        :data:`CURVE_FIELDS`, plus ``samples_per_s`` (samples over ``train_s``; 0 without training)
+        and ``steps`` (rank 0's optimizer steps)."""
+        record = dataclasses.asdict(self)
+        if self.mode is None:
+            del record["mode"]
+        record["curve"] = [dict(zip(CURVE_FIELDS, point)) for point in self.curve]
+        record["samples_per_s"] = self.samples / self.train_s if self.train_s else 0.0
+        record["steps"] = self.worker_statistics[0]["steps"] if self.worker_statistics else 0
+        return record
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Replace ``path`` with :meth:`to_json`'s object, atomically (readers never see half a file)."""
+        write_atomic(path, json.dumps(self.to_json(), indent=2))
