@@ -64,20 +64,17 @@ _FIN_SENT = frozenset({TCP_FIN_WAIT1, TCP_FIN_WAIT2, TCP_CLOSING, TCP_TIME_WAIT,
 # States in which the peer's FIN was received (it occupies one sequence number in rcv_nxt)
 _FIN_RECEIVED = frozenset({TCP_CLOSE_WAIT, TCP_LAST_ACK, TCP_CLOSING, TCP_TIME_WAIT})
 
-# struct tcp_info offsets (include/uapi/linux/tcp.h; checked against this kernel's BTF).
-_TCPI_STATE = 0
-_TCPI_UNACKED = 24
-_TCPI_RTT = 68
-_TCPI_SND_CWND = 80
-_TCPI_TOTAL_RETRANS = 100
-_TCPI_BYTES_ACKED = 120
-_TCPI_BYTES_RECEIVED = 128
-_TCPI_NOTSENT_BYTES = 144
-_TCPI_DATA_SEGS_OUT = 156
-_TCPI_DELIVERY_RATE = 160  # __u64, Linux >= 4.9
-_TCPI_BUSY_TIME = 168  # __u64, Linux >= 4.10
-_TCPI_BYTES_SENT = 200
-_TCPI_BYTES_RETRANS = 208
+# struct tcp_info: (TcpInfo field, byte offset, struct code), from include/uapi/linux/tcp.h and
+# checked against this kernel's BTF. An older kernel's shorter struct leaves the later fields None.
+_TCP_INFO_LAYOUT = (
+    ("state", 0, "B"), ("unacked", 24, "I"), ("rtt_us", 68, "I"), ("snd_cwnd", 80, "I"),
+    ("total_retrans", 100, "I"), ("bytes_acked", 120, "Q"), ("bytes_received", 128, "Q"),
+    ("notsent_bytes", 144, "I"), ("data_segs_out", 156, "I"),
+    ("delivery_rate", 160, "Q"),  # Linux >= 4.9
+    ("busy_time_us", 168, "Q"),  # Linux >= 4.10
+    ("bytes_sent", 200, "Q"), ("bytes_retrans", 208, "Q"),  # Linux >= 4.19
+)
+_TCP_INFO_FIELDS = tuple((name, offset, struct.Struct("=" + code)) for name, offset, code in _TCP_INFO_LAYOUT)
 _TCPI_LEN_WANTED = 232  # through tcpi_snd_wnd; older kernels return less, missing fields -> None
 
 
@@ -117,53 +114,17 @@ class TcpInfo:
     busy_time_us: int | None = None
 
 
-def _u32(buf: bytes, off: int) -> int | None:
-    return struct.unpack_from("=I", buf, off)[0] if len(buf) >= off + 4 else None
-
-
-def _u64(buf: bytes, off: int) -> int | None:
-    return struct.unpack_from("=Q", buf, off)[0] if len(buf) >= off + 8 else None
-
-
-_U32 = struct.Struct("=I").unpack_from
-_U64 = struct.Struct("=Q").unpack_from
-
-
 def parse_tcp_info(buf: bytes) -> TcpInfo:
-    """Parse the bytes ``getsockopt(SOL_TCP, TCP_INFO)`` returned (native byte order)."""
+    """Parse the bytes ``getsockopt(SOL_TCP, TCP_INFO)`` returned (native byte order); a field
+    past the end of ``buf`` (an older kernel's shorter struct) is None.
+
+    Raises:
+        ValueError: ``buf`` is empty.
+    """
     if not buf:
         raise ValueError("empty tcp_info")
-    if len(buf) >= _TCPI_BYTES_RETRANS + 8:  # Linux >= 4.19: every field present
-        return TcpInfo(
-            buf[_TCPI_STATE],
-            _U32(buf, _TCPI_RTT)[0],
-            _U32(buf, _TCPI_SND_CWND)[0],
-            _U32(buf, _TCPI_TOTAL_RETRANS)[0],
-            _U32(buf, _TCPI_UNACKED)[0],
-            _U64(buf, _TCPI_BYTES_ACKED)[0],
-            _U64(buf, _TCPI_BYTES_RECEIVED)[0],
-            _U32(buf, _TCPI_NOTSENT_BYTES)[0],
-            _U32(buf, _TCPI_DATA_SEGS_OUT)[0],
-            _U64(buf, _TCPI_BYTES_SENT)[0],
-            _U64(buf, _TCPI_BYTES_RETRANS)[0],
-            _U64(buf, _TCPI_DELIVERY_RATE)[0],
-            _U64(buf, _TCPI_BUSY_TIME)[0],
-        )
-    return TcpInfo(
-        state=buf[_TCPI_STATE],
-        rtt_us=_u32(buf, _TCPI_RTT),
-        snd_cwnd=_u32(buf, _TCPI_SND_CWND),
-        total_retrans=_u32(buf, _TCPI_TOTAL_RETRANS),
-        unacked=_u32(buf, _TCPI_UNACKED),
-        bytes_acked=_u64(buf, _TCPI_BYTES_ACKED),
-        bytes_received=_u64(buf, _TCPI_BYTES_RECEIVED),
-        notsent_bytes=_u32(buf, _TCPI_NOTSENT_BYTES),
-        data_segs_out=_u32(buf, _TCPI_DATA_SEGS_OUT),
-        bytes_sent=_u64(buf, _TCPI_BYTES_SENT),
-        bytes_retrans=_u64(buf, _TCPI_BYTES_RETRANS),
-        delivery_rate=_u64(buf, _TCPI_DELIVERY_RATE),
-        busy_time_us=_u64(buf, _TCPI_BUSY_TIME),
-    )
+    return TcpInfo(**{name: fmt.unpack_from(buf, offset)[0] if len(buf) >= offset + fmt.size else None
+                      for name, offset, fmt in _TCP_INFO_FIELDS})
 
 
 def tcp_info(sock: socket.socket) -> TcpInfo:
