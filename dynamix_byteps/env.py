@@ -93,9 +93,9 @@ def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int |
 
 
 def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, ...],
-             needed: list[tuple[str, bool]]) -> None:
-    """Raise one ConfigurationError naming every variable of ``needed`` whose condition holds and that is unset."""
-    missing = [name for name, condition in needed if condition and not _is_set(env, name)]
+             needed: dict[str, bool]) -> None:
+    """Raise one ConfigurationError naming every variable ``needed`` maps to True that is unset."""
+    missing = [name for name, condition in needed.items() if condition and not _is_set(env, name)]
     if not missing:
         return
     given = [name for name in rank_variables if _is_set(env, name)]
@@ -233,16 +233,10 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
         size = world_size
     else:
         size = None if num_nodes is None else num_nodes * (local_size or 1)
-    _require(env, "bpslaunch", BYTEPS_RANK_VARIABLES, [
-        ("DMLC_NUM_WORKER", True),
-        ("DMLC_WORKER_ID", num_nodes != 1),
-        ("BYTEPS_LOCAL_SIZE", local_rank is not None),
-        ("BYTEPS_LOCAL_RANK", (local_size or 1) > 1),
-        ("DYNAMIX_RANK_OFFSET", world_size is not None),
-        ("DYNAMIX_SIZE", rank_offset is not None),
-        ("DMLC_PS_ROOT_URI", size != 1),
-        ("DMLC_PS_ROOT_PORT", size != 1),
-    ])
+    _require(env, "bpslaunch", BYTEPS_RANK_VARIABLES, {
+        "DMLC_NUM_WORKER": True, "DMLC_WORKER_ID": num_nodes != 1, "BYTEPS_LOCAL_SIZE": local_rank is not None,
+        "BYTEPS_LOCAL_RANK": (local_size or 1) > 1, "DYNAMIX_RANK_OFFSET": world_size is not None,
+        "DYNAMIX_SIZE": rank_offset is not None, "DMLC_PS_ROOT_URI": size != 1, "DMLC_PS_ROOT_PORT": size != 1})
     node_rank, local_size, local_rank = node_rank or 0, local_size or 1, local_rank or 0
     if node_rank >= num_nodes:
         raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
@@ -266,14 +260,9 @@ def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1)
     local_rank = optional_int(env, "LOCAL_RANK", 0)
     root_port = optional_int(env, "MASTER_PORT", 1, 65535)
-    _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, [
-        ("WORLD_SIZE", True),
-        ("RANK", world_size != 1),
-        ("LOCAL_WORLD_SIZE", local_rank is not None),
-        ("LOCAL_RANK", (local_size or 1) > 1),
-        ("MASTER_ADDR", world_size != 1),
-        ("MASTER_PORT", world_size != 1),
-    ])
+    _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, {
+        "WORLD_SIZE": True, "RANK": world_size != 1, "LOCAL_WORLD_SIZE": local_rank is not None,
+        "LOCAL_RANK": (local_size or 1) > 1, "MASTER_ADDR": world_size != 1, "MASTER_PORT": world_size != 1})
     rank, local_size, local_rank = rank or 0, local_size or 1, local_rank or 0
     if rank >= world_size:
         raise ConfigurationError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
