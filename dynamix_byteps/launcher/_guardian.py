@@ -14,16 +14,54 @@ on stdin and writes one line per event:
 End of file without ``exit`` means the launcher died (it was SIGKILLed or crashed): the
 guardian sends SIGTERM to every recorded group, waits ``argv[1]`` seconds (default 5) for
 them to empty, sends SIGKILL to what is left, removes the recorded jobs' mailboxes and the
-recorded scratch directories that belong to its user (a killed process cannot remove its own), and exits. It is run by path, never imported,
-so it starts without importing the package.
+recorded scratch directories that belong to its user (a killed process cannot remove its own),
+and exits. It runs by path, so it starts without importing the package; the launcher imports
+:class:`Guardian`, its end of the pipe, and the two checks both sides share.
 """
 
 import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import time
+
+
+class Guardian:
+    """The launcher's handle on a guardian process: :meth:`start` it, :meth:`tell` it each event
+    line of the module docstring, :meth:`stop` it once the launcher has cleaned up. Writes to a
+    guardian that could not start, or has died, are dropped."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self._proc = None
+
+    def start(self) -> None:
+        """Start the guardian in its own session; raises OSError when Python cannot start."""
+        self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(self.grace_s)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def tell(self, message: str) -> None:
+        if self._proc is None or self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(message.encode() + b"\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def stop(self) -> None:
+        """Say ``exit`` and wait for the guardian to end (SIGKILL after ``grace_s`` + 5 s)."""
+        if self._proc is None:
+            return
+        self.tell("exit")
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=self.grace_s + 5)
+        except (OSError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait()
 
 
 def group_alive(pgid: int) -> bool:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
-from dynamix_byteps.launcher._guardian import group_alive, valid_scratch
+from dynamix_byteps.launcher._guardian import Guardian, group_alive, valid_scratch
 from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
-_GUARDIAN = Path(__file__).with_name("_guardian.py")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
 
@@ -161,7 +160,7 @@ class Supervisor:
         self.scratch_dirs = list(scratch_dirs)
         self._children: list[_Child] = []
         self._pumps: list[threading.Thread] = []
-        self._guardian: subprocess.Popen | None = None
+        self._guardian = Guardian(grace_s)
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
@@ -190,37 +189,6 @@ class Supervisor:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def _start_guardian(self) -> None:
-        try:
-            self._guardian = subprocess.Popen(
-                [sys.executable, "-I", str(_GUARDIAN), str(self.grace_s)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        except OSError as error:  # pragma: no cover - python itself cannot start
-            self.output.note(f"warning: guardian process not started ({error}); a SIGKILLed launcher may leave grandchildren")
-
-    def _tell_guardian(self, message: str) -> None:
-        if self._guardian is None or self._guardian.stdin is None:
-            return
-        try:
-            self._guardian.stdin.write(message.encode() + b"\n")
-            self._guardian.stdin.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _stop_guardian(self) -> None:
-        if self._guardian is None:
-            return
-        self._tell_guardian("exit")
-        try:
-            self._guardian.stdin.close()
-            self._guardian.wait(timeout=self.grace_s + 5)
-        except (OSError, subprocess.TimeoutExpired):
-            self._guardian.kill()
-            self._guardian.wait()
-
     def _spawn(self, spec: ChildSpec) -> _Child:
         log = None
         if spec.log_path is not None:
@@ -241,9 +209,9 @@ class Supervisor:
                 log.close()
             raise SpawnError(spec.argv[0], error) from error
         child = _Child(spec, proc, log)
-        self._tell_guardian(str(child.pgid))
+        self._guardian.tell(str(child.pgid))
         if spec.env.get(JOB_ID_ENV):
-            self._tell_guardian(f"mailboxes {spec.env[JOB_ID_ENV]}")
+            self._guardian.tell(f"mailboxes {spec.env[JOB_ID_ENV]}")
         return child
 
     # ---- the job ------------------------------------------------------------------------
@@ -258,9 +226,13 @@ class Supervisor:
         """
         previous = self._install_handlers()
         try:
-            self._start_guardian()
+            try:
+                self._guardian.start()
+            except OSError as error:  # pragma: no cover - python itself cannot start
+                self.output.note(f"warning: guardian process not started ({error}); "
+                                 "a SIGKILLed launcher may leave grandchildren")
             for folder in self.scratch_dirs:
-                self._tell_guardian(f"scratch {folder}")
+                self._guardian.tell(f"scratch {folder}")
             try:
                 for spec in self.specs:
                     if self._signum is not None:
@@ -399,4 +371,4 @@ class Supervisor:
             if child.log is not None:
                 with self.output.lock, contextlib.suppress(OSError):  # a full disk: what it could not write is lost
                     child.log.close()
-        self._stop_guardian()
+        self._guardian.stop()
