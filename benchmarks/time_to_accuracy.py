@@ -221,6 +221,7 @@ def example_command(args: argparse.Namespace, batch: int, seed: int, output: Pat
     for ``args.budget`` s (epochs unbounded), metrics to ``output``."""
     example, flags = EXAMPLES[args.framework]
     flags = [*flags, "--model", args.model] if args.framework == "torch" else flags
+    flags = [*flags, "--fp16-pushpull"] if args.compression == "fp16" else flags
     return [sys.executable, str(example), *flags, "--batch-size", str(batch), "--epochs", "1000", "--seed", str(seed),
             "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
             "--eval-subset", str(args.eval_subset), "--output", str(output)]
@@ -461,7 +462,8 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
     crossings.set(xlabel="training s to target (runs; large: median; hollow: not reached)",
                   yticks=range(len(targets)), yticklabels=[f"{100 * t:g}%" for t in targets], xlim=(0, budget * 1.03))
     crossings.grid(alpha=0.3, axis="x")
-    fig.suptitle(f"Fashion-MNIST {report['model']} ({report['framework']}), {report['workers']} workers, {report['engine']}: scenario "
+    fig.suptitle(f"Fashion-MNIST {report['model']} ({report['framework']}), {report['workers']} workers, {report['engine']}"
+                 f"{' fp16' if report.get('compression') == 'fp16' else ''}: scenario "
                  f"{report['scenario']} ({report['description']}), {report['measured_at'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -497,6 +499,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the example to train: torch (default) or tensorflow (Keras model.fit; --model cnn only)")
     p.add_argument("--engine", choices=("gloo", "ps"), default="gloo", help="bpslaunch --engine (default gloo)")
     p.add_argument("--num-servers", type=int_in(1, 64), default=1, help="bpslaunch --num-servers with --engine ps")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none",
+                   help="gradient compression on the wire: fp16 runs the example with --fp16-pushpull (torch only)")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
                    "policy: a directory or a library name (`dynamix policy list`)")
@@ -523,6 +527,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.scenario = scenarios[args.scenario]
     if args.engine != "ps" and args.num_servers != 1:
         p.error("--num-servers needs --engine ps")
+    if args.framework == "tensorflow" and args.compression != "none":
+        p.error("--compression fp16: the TensorFlow example has no --fp16-pushpull; use --framework torch")
     if args.framework == "tensorflow" and args.model != "cnn":
         p.error(f"--model {args.model}: the TensorFlow example trains the CNN only; use --framework torch")
     if args.ppo_policy and args.ppo_policy.startswith("ppo:"):
@@ -573,7 +579,7 @@ def experiment(args: argparse.Namespace) -> dict:
     """What makes runs comparable: runs with other values cannot share one table."""
     return {"scenario": args.scenario.name, "quick": args.quick, "framework": args.framework, "model": args.model,
             "budget_s": args.budget, "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
-            "num_servers": args.num_servers if args.engine == "ps" else None,
+            "num_servers": args.num_servers if args.engine == "ps" else None, "compression": args.compression,
             "decision_interval": args.decision_interval}
 
 

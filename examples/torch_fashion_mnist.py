@@ -97,6 +97,8 @@ def parse_args():
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--fp16-pushpull", action="store_true",
+                   help="send gradients as float16 (half the bytes; for slow links)")
     add_batch_arguments(p)
     add_run_arguments(p, TEST_IMAGES)
     add_dataset_arguments(p)
@@ -176,8 +178,9 @@ def main():
     else:
         lr = args.lr if args.lr is not None else 0.01 * sum(batch_sizes) / 64
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    compression = bps.Compression.fp16 if args.fp16_pushpull else bps.Compression.none
     optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         lr_scaling=args.lr_scaling)
+                                         compression=compression, lr_scaling=args.lr_scaling)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -21,6 +21,7 @@ from time_to_accuracy import (
     accuracy_area,
     configurations,
     example_command,
+    experiment,
     parse_args,
     read_report,
     straggler_efficiency,
@@ -157,6 +158,17 @@ def test_each_framework_runs_its_own_example_for_the_budget(tmp_path):
     for flag, value in (("--batch-size", "32"), ("--seed", "42"), ("--time-budget", "90.0"), ("--eval-every", "4.0"),
                         ("--eval-subset", "2000"), ("--output", str(tmp_path / "r.json"))):
         assert command[command.index(flag) + 1] == value, flag
+
+
+def test_fp16_compression_runs_the_example_with_fp16_pushpull_and_is_part_of_the_experiment(tmp_path, capsys):
+    plain = parse_args(["--out", str(tmp_path / "t.json")])
+    fp16 = parse_args(["--compression", "fp16", "--out", str(tmp_path / "t.json")])
+    assert "--fp16-pushpull" not in example_command(plain, 64, 42, tmp_path / "r.json")
+    assert "--fp16-pushpull" in example_command(fp16, 64, 42, tmp_path / "r.json")
+    assert (experiment(plain)["compression"], experiment(fp16)["compression"]) == ("none", "fp16")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--framework", "tensorflow", "--compression", "fp16"])
+    assert stop.value.code == 2 and "no --fp16-pushpull" in capsys.readouterr().err
 
 
 def test_the_tensorflow_example_has_no_resnet8(capsys):
