@@ -200,7 +200,7 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
     started = time.perf_counter()
     with open(run_dir / "launcher.log", "wb") as log, LoadSampler(share=own_share(args), tail=tail) as load:
         if scenario.links:
-            returncode = run_behind_links(scenario, launch, command, timeout, log)
+            returncode = run_behind_links(scenario, launch, command, timeout, log, args.host_cpus)
         else:
             argv = [sys.executable, "-m", "dynamix_byteps.launcher", "-n", str(scenario.workers), *launch, "--", *command]
             returncode = run_launcher(argv, timeout, log)
@@ -250,15 +250,18 @@ def own_share(args: argparse.Namespace) -> float:
     return args.scenario.workers + (args.num_servers if args.engine == "ps" else 0)
 
 
-def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], timeout: float, log) -> int:
-    """Run the job with the linked workers in network namespaces behind their rate limits."""
+def run_behind_links(scenario: Scenario, launch: list[str], command: list[str], timeout: float, log,
+                     host_cpus: str = "shared") -> int:
+    """Run the job with the linked workers in network namespaces behind their rate limits; with
+    ``host_cpus="split"`` each emulated host may use only its workers' share of this machine's cores."""
     from dynamix_byteps.testing import netns
 
     reason = netns.available()
     if reason:
         raise RuntimeError(f"scenario {scenario.name!r} needs network namespaces: {reason}")
     slots, rates = scenario.host_layout()
-    with netns.Testbed(len(slots), rates) as bed:
+    cpus = {host: os.cpu_count() * n / scenario.workers for host, n in enumerate(slots)} if host_cpus == "split" else None
+    with netns.Testbed(len(slots), rates, cpus) as bed:
         job = netns.run_job(bed, slots, command, launch, timeout_s=timeout, cwd=REPO)
     for host, output in enumerate(job.outputs):
         log.write(f"---- host {host} ----\n{output}".encode())
@@ -463,7 +466,8 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
                   yticks=range(len(targets)), yticklabels=[f"{100 * t:g}%" for t in targets], xlim=(0, budget * 1.03))
     crossings.grid(alpha=0.3, axis="x")
     fig.suptitle(f"Fashion-MNIST {report['model']} ({report['framework']}), {report['workers']} workers, {report['engine']}"
-                 f"{' fp16' if report.get('compression') == 'fp16' else ''}: scenario "
+                 f"{' fp16' if report.get('compression') == 'fp16' else ''}"
+                 f"{', a CPU quota per host' if report.get('host_cpus') == 'split' else ''}: scenario "
                  f"{report['scenario']} ({report['description']}), {report['measured_at'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -499,6 +503,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the example to train: torch (default) or tensorflow (Keras model.fit; --model cnn only)")
     p.add_argument("--engine", choices=("gloo", "ps"), default="gloo", help="bpslaunch --engine (default gloo)")
     p.add_argument("--num-servers", type=int_in(1, 64), default=1, help="bpslaunch --num-servers with --engine ps")
+    p.add_argument("--host-cpus", choices=("shared", "split"), default="shared",
+                   help="with a scenario's links: split gives each emulated host its workers' share of the cores "
+                   "(a CPU quota), as separate machines would have; shared (default) lets them all use every core")
     p.add_argument("--compression", choices=("none", "fp16"), default="none",
                    help="gradient compression on the wire: fp16 runs the example with --fp16-pushpull (torch only)")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
@@ -527,6 +534,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.scenario = scenarios[args.scenario]
     if args.engine != "ps" and args.num_servers != 1:
         p.error("--num-servers needs --engine ps")
+    if args.host_cpus == "split" and not args.scenario.links:
+        p.error(f"--host-cpus split: scenario {args.scenario.name!r} has no emulated hosts (no links); "
+                "choose a scenario with links, e.g. network")
     if args.framework == "tensorflow" and args.compression != "none":
         p.error("--compression fp16: the TensorFlow example has no --fp16-pushpull; use --framework torch")
     if args.framework == "tensorflow" and args.model != "cnn":
@@ -580,7 +590,7 @@ def experiment(args: argparse.Namespace) -> dict:
     return {"scenario": args.scenario.name, "quick": args.quick, "framework": args.framework, "model": args.model,
             "budget_s": args.budget, "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
             "num_servers": args.num_servers if args.engine == "ps" else None, "compression": args.compression,
-            "decision_interval": args.decision_interval}
+            "host_cpus": args.host_cpus, "decision_interval": args.decision_interval}
 
 
 def read_report(path: Path) -> dict:

@@ -171,6 +171,15 @@ def test_fp16_compression_runs_the_example_with_fp16_pushpull_and_is_part_of_the
     assert stop.value.code == 2 and "no --fp16-pushpull" in capsys.readouterr().err
 
 
+def test_split_host_cpus_needs_emulated_hosts_and_is_part_of_the_experiment(tmp_path, capsys):
+    split = parse_args(["--scenario", "network", "--host-cpus", "split", "--out", str(tmp_path / "t.json")])
+    assert experiment(split)["host_cpus"] == "split"
+    assert experiment(parse_args(["--out", str(tmp_path / "t.json")]))["host_cpus"] == "shared"
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--scenario", "straggler", "--host-cpus", "split"])
+    assert stop.value.code == 2 and "has no emulated hosts" in capsys.readouterr().err
+
+
 def test_the_tensorflow_example_has_no_resnet8(capsys):
     with pytest.raises(SystemExit) as stop:
         parse_args(["--framework", "tensorflow", "--model", "resnet8"])

@@ -13,7 +13,9 @@ A host given a rate has a tbf qdisc of that rate on both ends of its veth, so wh
 what it receives are each limited to the rate (netem is not available on every kernel, so tc
 adds no delay or loss here; queueing behind tbf does raise the RTT). :meth:`Testbed.set_loss`
 drops a random share of what a host receives (an nft rule in its namespace), and
-:mod:`.delay_proxy` adds latency to one TCP service. Processes run
+:mod:`.delay_proxy` adds latency to one TCP service. ``Testbed(..., cpus={host: cores})`` gives
+hosts their own CPU share (:mod:`.cpu_quota`), so that one host's idle time is not the others' gain
+as it would be on one machine. Processes run
 on a host with :meth:`Testbed.popen`; on a namespaced host they get a private ``/dev/shm`` (a
 new tmpfs per call), so node agents see only their own host's workers, as on separate machines.
 
@@ -58,6 +60,7 @@ from typing import Self
 
 from dynamix_byteps.errors import DynamixError
 from dynamix_byteps.launcher.topology import free_port as _free_port
+from dynamix_byteps.testing import cpu_quota
 
 __all__ = ["PREFIX", "Host", "JobResult", "Testbed", "TestbedError", "available", "cleanup_stale", "nft",
            "owned_objects", "run_job", "stop"]
@@ -164,7 +167,8 @@ def owned_objects() -> list[tuple[str, str, int]]:
 
 
 def cleanup_stale() -> list[str]:
-    """Delete the namespaces and root-namespace links of test beds whose owner process is gone.
+    """Delete the namespaces, root-namespace links and CPU-quota cgroups of test beds whose owner
+    process is gone.
 
     Objects of a live owner (another test running in parallel) are left alone. Returns the
     names deleted.
@@ -174,7 +178,7 @@ def cleanup_stale() -> list[str]:
         if not _pid_alive(pid):
             _run(*(("ip", "netns", "delete") if kind == "netns" else ("ip", "link", "delete")), name, check=False)
             deleted.append(name)
-    return deleted
+    return deleted + cpu_quota.cleanup_stale(_pid_alive)
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -221,16 +225,20 @@ class Testbed:
         hosts: number of hosts, 2..250 (host 0 is the root namespace).
         rates_mbit: ``{host index: Mbit/s}`` for the hosts behind a rate-limited link
             (index >= 1; host 0 is the caller's own namespace and is never shaped).
+        cpus: ``{host index: cores}`` for the hosts whose processes together may use only that
+            many CPUs (any index, host 0 too; :mod:`.cpu_quota`), so that a host's idle time is
+            not the others' gain, as on separate machines; the other hosts share what is left.
 
     Raises:
-        ValueError: a bad host count or rate.
+        ValueError: a bad host count, rate or CPU count.
         TestbedError: on entry, when :func:`available` gives a reason or a setup command fails
             (everything built so far is deleted first).
     """
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, hosts: int, rates_mbit: Mapping[int, float] | None = None):
+    def __init__(self, hosts: int, rates_mbit: Mapping[int, float] | None = None,
+                 cpus: Mapping[int, float] | None = None):
         if not 2 <= hosts <= MAX_HOSTS:
             raise ValueError(f"a test bed has 2..{MAX_HOSTS} hosts, not {hosts}")
         rates = dict(rates_mbit or {})
@@ -240,9 +248,14 @@ class Testbed:
                                  "root namespace and cannot be shaped, put the slow workers on another host")
             if not 0 < rate < float("inf"):
                 raise ValueError(f"rates_mbit: host {index} needs a rate > 0 Mbit/s, not {rate}")
+        for index, cores in (cpus or {}).items():
+            if not 0 <= index < hosts or not 0 < cores < float("inf"):
+                raise ValueError(f"cpus: host {index} needs an index in 0..{hosts - 1} and cores > 0, not {cores}")
         self.tag = secrets.token_hex(3)
         self._owner = os.getpid()
         self._rates = rates
+        self._cpus = dict(cpus or {})
+        self._quotas: dict[int, cpu_quota.CpuQuota] = {}
         self._count = hosts
         self.hosts: tuple[Host, ...] = ()
         self.bridge = f"{PREFIX}{self.tag}b"
@@ -256,6 +269,9 @@ class Testbed:
         reason = available()
         if reason is not None:
             raise TestbedError(f"cannot build a network test bed: {reason}")
+        reason = cpu_quota.available() if self._cpus else None
+        if reason is not None:
+            raise TestbedError(f"cannot give the test bed's hosts CPU quotas: {reason}")
         self._catch_signals()
         try:
             cleanup_stale()
@@ -296,6 +312,8 @@ class Testbed:
                 for netns_args, device in (((), outer), (("-n", namespace), inner)):
                     _run("tc", *netns_args, "qdisc", "add", "dev", device, "root", *_tbf(rate))
             hosts.append(Host(index, addresses[index], namespace, inner, rate))
+        for index, cores in self._cpus.items():
+            self._quotas[index] = cpu_quota.CpuQuota(f"{PREFIX}_{self.tag}_{self._owner}_h{index}", cores)
         self.hosts = tuple(hosts)
 
     def close(self) -> None:
@@ -312,8 +330,10 @@ class Testbed:
             _run("ip", "link", "delete", outer, check=False)  # takes the peer in the namespace with it
             _run("ip", "netns", "delete", namespace, check=False)
         _run("ip", "link", "delete", self.bridge, check=False)
+        quotas, self._quotas = self._quotas, {}
+        left_quotas = [str(q.path) for q in quotas.values() if not q.close()]
         self._restore_signals()
-        left = self.leftovers()
+        left = self.leftovers() + left_quotas
         if left:
             warnings.warn(f"test bed {self.tag}: could not delete {', '.join(left)}", RuntimeWarning, stacklevel=2)
 
@@ -380,7 +400,8 @@ class Testbed:
               **kwargs) -> subprocess.Popen:
         """Start ``argv`` on host ``host`` in a new session (its own process group).
 
-        On a namespaced host it runs through ``ip netns exec`` with a private ``/dev/shm``;
+        On a namespaced host it runs through ``ip netns exec`` with a private ``/dev/shm``; on a
+        host with a CPU quota it joins the host's cgroup first (its children inherit it);
         ``env`` is its complete environment (default: this process's). Other keyword arguments
         go to :class:`subprocess.Popen`. The process is stopped by :meth:`close` if still
         running; stop it earlier with :func:`stop`.
@@ -393,6 +414,8 @@ class Testbed:
         command = list(argv)
         if namespace is not None:
             command = ["ip", "netns", "exec", namespace, "sh", "-c", _PRIVATE_SHM, "sh", *command]
+        if host in self._quotas:
+            command = self._quotas[host].command(command)
         proc = subprocess.Popen(command, env=dict(os.environ if env is None else env), start_new_session=True,
                                 **kwargs)
         with self._lock:
