@@ -227,7 +227,7 @@ class Testbed:
             (index >= 1; host 0 is the caller's own namespace and is never shaped).
         cpus: ``{host index: cores}`` for the hosts whose processes together may use only that
             many CPUs (any index, host 0 too; :mod:`.cpu_quota`), so that a host's idle time is
-            not the others' gain, as on separate machines; the other hosts share what is left.
+            not the others' gain, as on separate machines; a host without one is not limited.
 
     Raises:
         ValueError: a bad host count, rate or CPU count.
@@ -313,7 +313,10 @@ class Testbed:
                     _run("tc", *netns_args, "qdisc", "add", "dev", device, "root", *_tbf(rate))
             hosts.append(Host(index, addresses[index], namespace, inner, rate))
         for index, cores in self._cpus.items():
-            self._quotas[index] = cpu_quota.CpuQuota(f"{PREFIX}_{self.tag}_{self._owner}_h{index}", cores)
+            try:
+                self._quotas[index] = cpu_quota.CpuQuota(f"{PREFIX}_{self.tag}_{self._owner}_h{index}", cores)
+            except OSError as error:
+                raise TestbedError(f"cannot give host {index} a quota of {cores:g} CPUs: {error}") from None
         self.hosts = tuple(hosts)
 
     def close(self) -> None:
