@@ -10,10 +10,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def train(tmp_path: Path, name: str, *flags: str) -> tuple[dict, str]:
+def train(tmp_path: Path, name: str, *flags: str, launcher_flags=("--num-workers", "4")) -> tuple[dict, str]:
     metrics_file = tmp_path / f"{name}.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "dynamix_byteps.launcher", "--num-workers", "4", "--",
+        [sys.executable, "-m", "dynamix_byteps.launcher", *launcher_flags, "--",
          sys.executable, str(REPO / "examples/torch_fashion_mnist.py"), "--epochs", "1",
          "--output", str(metrics_file), *flags],
         cwd=tmp_path, capture_output=True, text=True, timeout=800,
@@ -68,15 +68,10 @@ def test_the_examples_refuse_a_bad_budget_evaluation_or_data_flag_before_startin
 
 @pytest.mark.timeout(300)
 def test_fp16_pushpull_under_parameter_servers_learns_as_float32_does(tmp_path):
-    def run(name, *flags):
-        metrics_file = tmp_path / f"{name}.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--engine", "ps", "--",
-             sys.executable, str(REPO / "examples/torch_fashion_mnist.py"), "--epochs", "1", "--limit-train", "6000",
-             "--eval-subset", "2000", "--output", str(metrics_file), *flags],
-            cwd=tmp_path, capture_output=True, text=True, timeout=250)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return json.loads(metrics_file.read_text())["test_accuracy"]
+    def accuracy(name, *flags):
+        metrics, _ = train(tmp_path, name, "--limit-train", "6000", "--eval-subset", "2000", *flags,
+                           launcher_flags=("-n", "2", "--engine", "ps"))
+        return metrics["test_accuracy"]
 
-    full, half = run("fp32"), run("fp16", "--fp16-pushpull")
+    full, half = accuracy("fp32"), accuracy("fp16", "--fp16-pushpull")
     assert half >= 0.70 and abs(half - full) <= 0.03, (full, half)
