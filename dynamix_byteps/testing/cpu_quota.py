@@ -7,16 +7,16 @@ kernel's ``Documentation/scheduler/sched-bwc.rst``): cgroup v1's ``cpu.cfs_quota
 ``/sys/fs/cgroup/cpu``, or cgroup v2's ``cpu.max`` where the ``cpu`` controller is enabled.
 
 A process joins a quota when it starts (:meth:`CpuQuota.command` wraps its argv so that it moves
-itself before it runs anything), and its children inherit it. Each cgroup is named
-``dxtb_<tag>_<owner pid>_h<host>`` like the test bed's namespaces; :meth:`CpuQuota.close` removes it
-once its processes have ended, and :func:`cleanup_stale` removes those whose owner is gone.
+itself before it runs anything), and its children inherit it. :meth:`CpuQuota.close` removes the
+cgroup once its processes have ended; :func:`cleanup_stale` removes those its caller calls stale
+(the test bed names them like its namespaces, after their owner's pid).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +25,6 @@ __all__ = ["PERIOD_US", "CpuQuota", "available", "cleanup_stale"]
 PERIOD_US = 100_000
 _V1 = Path("/sys/fs/cgroup/cpu")
 _V2 = Path("/sys/fs/cgroup")
-_NAME = re.compile(r"^dxtb_[0-9a-f]+_(\d+)_h\d+$")
 _ENTER = 'echo $$ > "$0" && exec "$@"'  # sh -c: move this shell into the cgroup, then become argv
 
 
@@ -55,17 +54,17 @@ class CpuQuota:
     """A cgroup whose processes together use at most ``cores`` CPUs.
 
     Args:
-        name: the cgroup's name, ``dxtb_<tag>_<owner pid>_h<host>``.
+        name: the cgroup's name, one path component.
         cores: CPUs, > 0 (0.5: half of one core's time; 1.5: one and a half cores).
 
     Raises:
-        ValueError: a name of another form, or ``cores`` not > 0.
+        ValueError: an empty name or one with ``/``, or ``cores`` not > 0.
         OSError: the cgroup cannot be made (see :func:`available`).
     """
 
     def __init__(self, name: str, cores: float):
-        if not _NAME.match(name):
-            raise ValueError(f"CPU quota name {name!r} must look like dxtb_<hex tag>_<pid>_h<host>")
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"CPU quota name {name!r} must be one path component")
         if not 0 < cores < float("inf"):
             raise ValueError(f"a CPU quota needs cores > 0, not {cores}")
         reason = available()
@@ -102,15 +101,14 @@ class CpuQuota:
                 time.sleep(0.05)
 
 
-def cleanup_stale(owner_alive) -> list[str]:
-    """Remove the empty quota cgroups whose owner (``owner_alive(pid)`` False) is gone; their names."""
+def cleanup_stale(stale: Callable[[str], bool]) -> list[str]:
+    """Remove the empty cgroups of the quota root whose name ``stale`` accepts; their names."""
     root = _root()
     if root is None:
         return []
     removed = []
     for entry in root[0].iterdir():
-        match = _NAME.match(entry.name)
-        if match and not owner_alive(int(match.group(1))):
+        if entry.is_dir() and stale(entry.name):
             try:
                 entry.rmdir()
             except OSError:

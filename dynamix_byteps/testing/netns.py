@@ -178,7 +178,13 @@ def cleanup_stale() -> list[str]:
         if not _pid_alive(pid):
             _run(*(("ip", "netns", "delete") if kind == "netns" else ("ip", "link", "delete")), name, check=False)
             deleted.append(name)
-    return deleted + cpu_quota.cleanup_stale(_pid_alive)
+    return deleted + cpu_quota.cleanup_stale(_owner_gone)
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether ``name`` is a test-bed object's (``dxtb_<tag>_<pid>_h<host>``) whose owner has exited."""
+    match = _NETNS_NAME.match(name)
+    return match is not None and not _pid_alive(int(match.group(2)))
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
