@@ -32,7 +32,6 @@ The names, shapes and dtypes behind a plan are negotiated once, when the plan is
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +44,7 @@ from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
 from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 from dynamix_byteps.scaling.lr_scaling import get_rule
+from dynamix_byteps.timing import now_ns
 
 DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
@@ -65,19 +65,21 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2
 
 
-def _timed_wait(device: torch.device, wait) -> float:
-    """Seconds ``wait()`` holds up this worker's work: host time on the CPU, CUDA events on the
-    current stream on a GPU (where waiting makes the stream, not the host, wait)."""
+def _timed_wait(device: torch.device, wait) -> tuple[float, tuple[int, int]]:
+    """Seconds ``wait()`` holds up this worker's work (host time on the CPU, CUDA events on the
+    current stream on a GPU, where waiting makes the stream, not the host, wait) and the host's
+    ``(begin, end)`` of the call in :func:`~dynamix_byteps.timing.now_ns` nanoseconds."""
+    begin_ns = now_ns()
     if device.type != "cuda":
-        begin = time.perf_counter()
         wait()
-        return time.perf_counter() - begin
+        end_ns = now_ns()
+        return (end_ns - begin_ns) * 1e-9, (begin_ns, end_ns)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     wait()
     end.record()
     end.synchronize()
-    return begin.elapsed_time(end) / 1e3
+    return begin.elapsed_time(end) / 1e3, (begin_ns, now_ns())
 
 
 def noise_every() -> int:
@@ -200,6 +202,7 @@ class GradientAggregator:
         global_batch_size: Σ b_i of the last step, None when batch sizes were not known.
         lr_scale: the learning-rate factor of the last step.
         wait_s: seconds the last :meth:`finish` blocked on communication (the exposed push_pull time).
+        wait_ns: ``(begin, end)`` of that wait on the host, :func:`~dynamix_byteps.timing.now_ns` nanoseconds.
 
     Raises:
         ValueError: an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1.
@@ -222,6 +225,7 @@ class GradientAggregator:
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
         self.wait_s = 0.0
+        self.wait_ns = (0, 0)
         self.before_send = before_send or (lambda: None)
         self._reference = 1.0
 
@@ -301,7 +305,7 @@ class GradientAggregator:
             CommunicationError: a peer failed.
         """
         trailer = step.trailer[0]
-        self.wait_s = _timed_wait(self.engine.device, lambda: self.drain(step))
+        self.wait_s, self.wait_ns = _timed_wait(self.engine.device, lambda: self.drain(step))
         values = trailer.cpu().numpy()
         table, step.counts = values[:self.engine.size * 3].reshape(self.engine.size, 3), values[self.engine.size * 3:]
         digests = table[:, _DIGEST]

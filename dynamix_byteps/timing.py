@@ -14,7 +14,9 @@ running engine's, so nothing here is module state.
 Every event has a kind (:data:`KINDS`): :data:`PUSH_PULL`, a whole collective of the gloo, nccl
 or byteps engine; :data:`PUSH` and :data:`PULL`, the two halves of a ``ps`` engine transfer.
 The ring keeps each step's aggregates per kind, so :func:`step_comm` gives a worker's own push
-and pull time of the step apart.
+and pull time of the step apart. Given the step's exposed wait (the time the worker blocked on its
+gradients after backward), it also measures how much of that wait this worker's own pushes and
+pulls were in flight: the communication backward did not hide, without the wait for other workers.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from dynamix_byteps._core import TIMING_KINDS, TimingRing, now_ns
 from dynamix_byteps.env import optional_int
 
-__all__ = ["KINDS", "NO_COMM", "PULL", "PUSH", "PUSH_PULL", "CommTiming", "Span", "StepComm", "TimingRing", "current",
-           "name_id", "names", "now_ns", "record", "ring", "step_comm"]
+__all__ = ["KINDS", "NO_COMM", "PULL", "PUSH", "PUSH_PULL", "CommTiming", "Span", "StepComm", "TimingRing", "covered_ns",
+           "current", "name_id", "names", "now_ns", "record", "ring", "step_comm"]
 
 #: Names of the kinds, by value: ``KINDS[PUSH] == "push"``.
 KINDS: tuple[str, ...] = TIMING_KINDS
@@ -49,18 +53,40 @@ class StepComm:
         push_pull_s: collectives of a ring engine.
         push_s: ``ps`` pushes, from issue until the server acknowledged them.
         pull_s: ``ps`` pulls, the sums' transfer (the server's wait for the other workers excluded).
+        exposed_s: ``ps``: seconds of the step's exposed wait (given to :meth:`CommTiming.step_comm`)
+            during which at least one of this worker's pushes or pulls was in flight: its own
+            communication that backward did not hide. Pushes and pulls overlap backward and each
+            other, so ``push_s + pull_s`` can exceed the whole step while ``exposed_s`` cannot
+            exceed the wait. 0.0 without a wait or without ``ps`` transfers.
     """
 
     push_pull_s: float
     push_s: float
     pull_s: float
+    exposed_s: float = 0.0
 
     def __add__(self, other: StepComm) -> StepComm:
         """Kind by kind sum: the spans of two parts of one step (an untimed section between them)."""
-        return StepComm(self.push_pull_s + other.push_pull_s, self.push_s + other.push_s, self.pull_s + other.pull_s)
+        return StepComm(self.push_pull_s + other.push_pull_s, self.push_s + other.push_s, self.pull_s + other.pull_s,
+                        self.exposed_s + other.exposed_s)
 
 
 NO_COMM = StepComm(0.0, 0.0, 0.0)
+
+
+def covered_ns(start_ns: np.ndarray, end_ns: np.ndarray, window: tuple[int, int]) -> int:
+    """Nanoseconds of ``window = (begin, end)`` covered by at least one interval ``[start_ns[k], end_ns[k]]``
+    (int64 arrays of equal length; overlapping intervals count once)."""
+    begin, end = window
+    s = np.clip(start_ns, begin, end)
+    e = np.clip(end_ns, begin, end)
+    keep = e > s
+    if not keep.any():
+        return 0
+    order = np.argsort(s[keep], kind="stable")
+    s, e = s[keep][order], e[keep][order]
+    reached = np.concatenate(([begin], np.maximum.accumulate(e)[:-1]))
+    return int(np.clip(e - np.maximum(s, reached), 0, None).sum())
 
 
 class CommTiming:
@@ -117,14 +143,24 @@ class CommTiming:
         """A :class:`Span` of ``nbytes`` bytes on ``name`` starting now."""
         return Span(self, name, nbytes, now_ns())
 
-    def step_comm(self) -> StepComm:
+    def step_comm(self, wait_ns: tuple[int, int] | None = None) -> StepComm:
         """Close the ring's step (``ring.end_step()``) and return its spans per kind.
 
-        One consumer per engine calls it once per training step (the step monitor does); another
-        caller would split the steps' aggregates between them.
+        Args:
+            wait_ns: the step's exposed wait, ``(begin, end)`` in :func:`now_ns` nanoseconds; the
+                result's ``exposed_s`` is the part of it covered by this worker's push and pull
+                events (:func:`covered_ns`). None: ``exposed_s`` is 0.
+
+        Drains the ring: one consumer per engine calls it once per training step (the step monitor
+        does); another caller would split the steps' aggregates and events between them.
         """
         kinds = self.ring.end_step()["kinds"]
-        return StepComm(*(kinds[k]["span_ns"] * 1e-9 for k in ("push_pull", "push", "pull")))
+        events = self.ring.drain()
+        exposed = 0.0
+        if wait_ns is not None:
+            own = (events["kind"] == PUSH) | (events["kind"] == PULL)
+            exposed = covered_ns(events["start_ns"][own], events["end_ns"][own], wait_ns) * 1e-9
+        return StepComm(*(kinds[k]["span_ns"] * 1e-9 for k in ("push_pull", "push", "pull")), exposed)
 
 
 @dataclass(slots=True)
@@ -179,7 +215,7 @@ def record(name: str, nbytes: int, start_ns: int, end_ns: int, kind: int = PUSH_
     current().record(name, nbytes, start_ns, end_ns, kind)
 
 
-def step_comm() -> StepComm:
+def step_comm(wait_ns: tuple[int, int] | None = None) -> StepComm:
     """Close the running engine's step and return its spans per kind (:meth:`CommTiming.step_comm`);
     :data:`NO_COMM` when no engine runs (nothing was communicated)."""
     from dynamix_byteps.errors import NotInitializedError
@@ -188,4 +224,4 @@ def step_comm() -> StepComm:
         owner = current()
     except NotInitializedError:
         return NO_COMM
-    return owner.step_comm()
+    return owner.step_comm(wait_ns)

@@ -84,7 +84,7 @@ class TrainingStep:
         aggregator = self.aggregator
         lr_scale = aggregator.update_lr_scale()
         self.monitor.after_step(None if samples == UNSET else samples, aggregator.gradient_noise, lr_scale,
-                                self.next_step, aggregator.wait_s, self._plan)
+                                self.next_step, aggregator.wait_s, self._plan, aggregator.wait_ns)
         return lr_scale
 
     def state_dict(self) -> dict:

@@ -60,24 +60,27 @@ def sums(rounds: int, in_flight: int) -> dict:
 
 def pull_without_wait(rounds: int, delay_s: float) -> dict:
     """Rank 0 sleeps ``delay_s`` before each round's push, so the others wait for it at the server.
-    Returns per round this worker's push and pull spans from the timing ring and the seconds its
-    ``wait`` took: the others' pulls must not contain the wait."""
+    Returns per round this worker's push and pull spans from the timing ring, the seconds its
+    ``wait`` took and the part of them its own transfers covered: the others' pulls and exposed
+    communication must not contain the wait."""
     engine, rank = engines.current(), bps.rank()
     engine.all_reduce_async(torch.ones(1000), "wait").wait()  # connections are set up here
     timing.ring().end_step()
-    pushes, pulls, waits = [], [], []
+    pushes, pulls, waits, exposed = [], [], [], []
     for _ in range(rounds):
         engine.barrier()
-        timing.ring().end_step()  # the barrier's own push and pull are not this round's
+        timing.step_comm()  # the barrier's own push and pull are not this round's
         if rank == 0:
             time.sleep(delay_s)
-        begin = time.perf_counter()
+        begin = timing.now_ns()
         engine.all_reduce_async(torch.ones(1000), "wait").wait()
-        waits.append(time.perf_counter() - begin)
-        comm = timing.step_comm()
+        end = timing.now_ns()
+        waits.append((end - begin) * 1e-9)
+        comm = timing.step_comm((begin, end))
         pushes.append(comm.push_s)
         pulls.append(comm.pull_s)
-    return {"push_s": pushes, "pull_s": pulls, "wait_s": waits}
+        exposed.append(comm.exposed_s)
+    return {"push_s": pushes, "pull_s": pulls, "wait_s": waits, "exposed_s": exposed}
 
 
 def averages(rounds: int) -> dict:

@@ -1,4 +1,4 @@
-"""Hostile ``--engine ps`` states for the policies: push_s/pull_s NaN, negative, infinite or
+"""Hostile ``--engine ps`` states for the policies: push_s/pull_s/exposed_comm_s NaN, negative, infinite or
 missing, zero or non-finite throughput. ``decide()`` must answer a valid allocation every time."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def ps_states(draw):
     hi = [draw(st.one_of(st.none(), st.integers(low, low + 512))) for low in lo]
     sizes = [draw(st.integers(low, h if h is not None else low + 512)) for low, h in zip(lo, hi)]
     base = make_state(thetas, sizes, min_batch=lo, max_batch=hi, push_pull=draw(SECONDS))
-    workers = tuple(WorkerState(**{**w.__dict__, "push_s": draw(SECONDS), "pull_s": draw(SECONDS)})
+    workers = tuple(WorkerState(**{**w.__dict__, "push_s": draw(SECONDS), "pull_s": draw(SECONDS),
+                                   "exposed_comm_s": draw(SECONDS)})
                     for w in base.workers)
     return dataclasses.replace(base, workers=workers, engine="ps", grad_sq=draw(st.floats(0.0, 10.0)),
                                trace_cov=draw(st.one_of(st.floats(0.0, 1e7), ODD)))

@@ -241,7 +241,7 @@ def test_under_ps_proportional_gives_the_slow_link_host_smaller_batches(tmp_path
     Each worker pushes its 311 KB of gradients to the server on host 0 over its own link, so rank 2's
     push and pull take about 0.125 s each while the others' take milliseconds; compute is stretched
     to about 0.1 s per step for every rank (``--slowdown``), so that its batch matters. ``proportional``
-    equalises compute plus each worker's own communication: rank 2 gets the smaller batch.
+    equalises compute plus each worker's exposed communication: rank 2 gets the smaller batch.
     """
     out = tmp_path / "out"
     out.mkdir()
@@ -258,6 +258,10 @@ def test_under_ps_proportional_gives_the_slow_link_host_smaller_batches(tmp_path
     later = [d["state"]["workers"] for d in decisions[len(decisions) // 2:]]
     push, pull = ([statistics.mean(w[kind][r] for w in later) for r in range(3)] for kind in ("push_s", "pull_s"))
     assert push[2] > 2 * max(push[:2]) and pull[2] > 2 * max(pull[:2]), (push, pull)  # each worker's own link
+    exposed, waited = ([statistics.mean(w[kind][r] for w in later) for r in range(3)]
+                       for kind in ("exposed_comm_s", "push_pull_s"))
+    assert exposed[2] > 2 * max(exposed[:2]), exposed  # what the policy balances: the part backward did not hide
+    assert all(e <= p * 1.001 for e, p in zip(exposed, waited)), (exposed, waited)
     sizes = decisions[-1]["batch_sizes"]
     assert sum(sizes) == 96 and sizes[2] < min(sizes[:2]), [d["batch_sizes"] for d in decisions]
     assert all(d["batch_sizes"][2] == min(d["batch_sizes"]) for d in decisions[len(decisions) // 2:]), \

@@ -319,10 +319,14 @@ def test_a_library_name_given_as_an_option_is_looked_up_in_the_library(name):
 
 # -- proportional under the ps engine: compute plus each worker's own communication -----------------
 
-def ps_state(thetas, sizes, comm, *, engine="ps", **kw):
-    """A state whose workers report ``comm[i] = (push_s, pull_s)``."""
+def ps_state(thetas, sizes, comm, *, engine="ps", exposed=None, **kw):
+    """A state whose workers report ``comm[i] = (push_s, pull_s)`` and ``exposed[i]`` as their
+    exposed communication (None: ``push_s + pull_s``, nothing hidden behind backward)."""
     base = make_state(thetas, sizes, **kw)
-    workers = tuple(WorkerState(**{**w.__dict__, "push_s": c[0], "pull_s": c[1]}) for w, c in zip(base.workers, comm))
+    if exposed is None:
+        exposed = [None if None in c else c[0] + c[1] for c in comm]
+    workers = tuple(WorkerState(**{**w.__dict__, "push_s": c[0], "pull_s": c[1], "exposed_comm_s": e})
+                    for w, c, e in zip(base.workers, comm, exposed))
     return dataclasses.replace(base, workers=workers, engine=engine)
 
 
@@ -397,6 +401,19 @@ def test_proportional_under_ps_gives_the_slow_link_worker_a_smaller_batch():
     assert far.batch_sizes[2] == 1 and sorted(far.batch_sizes[:2]) == [47, 48]
 
 
+def test_proportional_under_ps_balances_the_exposed_communication_not_the_whole_transfer():
+    """Measured on the test bed: a 100 Mbit/s worker's push + pull spanned 97 ms of a 123-ms step, 42 ms
+    of it exposed; the rest overlapped its backward. Balancing the whole transfer put that worker on
+    a batch of ~24 of 64 and made the step slower than static batches; the exposed part calls for a trim."""
+    thetas, sizes = [640.0, 640.0, 640.0, 790.0], [64] * 4
+    comm = [(0.004, 0.004)] * 3 + [(0.055, 0.042)]
+    d = ProportionalPolicy().decide(ps_state(thetas, sizes, comm, exposed=[0.005] * 3 + [0.042]))
+    assert d.terms["own_comm_s"] == pytest.approx([0.005] * 3 + [0.042])
+    assert sum(d.batch_sizes) == 256 and 50 <= d.batch_sizes[3] < 64
+    whole = ProportionalPolicy().decide(ps_state(thetas, sizes, comm))  # what the old model did
+    assert whole.batch_sizes[3] < 30
+
+
 @pytest.mark.parametrize("engine, comm", [
     ("gloo", [(0.005, 0.005), (0.005, 0.005), (0.125, 0.125)]),  # a ring: communication is common
     ("ps", [(0.05, 0.02)] * 3),  # equal own communication
@@ -410,7 +427,7 @@ def test_proportional_stays_throughput_proportional_without_per_worker_differenc
     assert d.terms["own_comm_s"] is None or engine == "ps"
 
 
-def test_the_cluster_carries_each_workers_push_and_pull_to_the_policy():
+def test_the_cluster_carries_each_workers_push_pull_and_exposed_communication_to_the_policy():
     from dynamix_byteps.control import dynamix_pb2
     from dynamix_byteps.control.cluster import Cluster, Rejected, cluster_state
 
@@ -421,23 +438,27 @@ def test_the_cluster_carries_each_workers_push_and_pull_to_the_policy():
                 cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=3, host="h", engine=engine,
                                                                batch_size=32, min_batch=1))
             snap = None
-            for rank, (push, pull) in enumerate(comm):
+            for rank, (push, pull, *exposed) in enumerate(comm):  # exposed: (push + pull) / 2 unless given
                 report = dynamix_pb2.Report(rank=rank, step=10, local_batch_size=32, compute_s=0.1, push_pull_s=0.3,
                                             samples_per_s=320.0)
                 if push is not None:
                     report.push_s, report.pull_s = push, pull
+                    report.exposed_comm_s = exposed[0] if exposed else (push + pull) / 2
                 _, snap = cluster.report_locked(report)
         return cluster_state(snap)
 
     state = run(["ps"] * 3, [(0.005, 0.004), (0.006, 0.005), (0.125, 0.12)])
     assert state.engine == "ps"
     assert [(w.push_s, w.pull_s) for w in state.workers] == [(0.005, 0.004), (0.006, 0.005), (0.125, 0.12)]
+    assert [w.exposed_comm_s for w in state.workers] == pytest.approx([0.0045, 0.0055, 0.1225])
     assert ProportionalPolicy().decide(state).batch_sizes[2] < 32
     ring = run(["gloo"] * 3, [(None, None)] * 3)
-    assert ring.engine == "gloo" and all(w.push_s is None and w.pull_s is None for w in ring.workers)
+    assert ring.engine == "gloo" and all(w.push_s is None and w.exposed_comm_s is None for w in ring.workers)
     assert run(["ps", "gloo", "ps"], [(None, None)] * 3).engine == ""  # mixed: no engine to go by
     with pytest.raises(Rejected, match="push_s"):
         run(["ps"] * 3, [(-1.0, 0.0)] * 3)
+    with pytest.raises(Rejected, match="exposed_comm_s"):
+        run(["ps"] * 3, [(0.1, 0.1, -0.1)] * 3)
 
 
 def test_goodput_under_ps_models_each_workers_own_link_and_shrinks_the_slow_link_worker():

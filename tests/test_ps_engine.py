@@ -111,14 +111,19 @@ def test_back_to_back_rounds_give_exact_sums_and_averages(single, five, limit):
 @pytest.mark.timeout(180)
 def test_a_workers_pull_time_leaves_out_the_wait_for_a_slower_worker():
     """Rank 0 pushes 0.5 s late every round: the others wait that long for their sums, yet their
-    pull spans in the timing ring are the transfer only (without the server's hold they would be >= 0.5 s)."""
+    pull spans in the timing ring are the transfer only (without the server's hold they would be >= 0.5 s),
+    and so is their exposed communication; rank 0, which waits for nobody, is exposed for its round trip."""
     delay = 0.5
     results = ok(run_workers(3, "ps_cases:pull_without_wait", 5, delay, servers=1, timeout=160))
     for rank, result in enumerate(results):
         assert all(p > 0 for p in result["push_s"]) and all(p >= 0 for p in result["pull_s"]), result
+        assert all(0 <= e <= w for e, w in zip(result["exposed_s"], result["wait_s"])), result
         if rank > 0:
             assert min(result["wait_s"]) > delay / 2, result  # they did wait for rank 0
             assert max(result["pull_s"]) < delay / 4, result
+            assert max(result["exposed_s"]) < delay / 4, result
+        else:
+            assert min(result["exposed_s"]) > 0, result
 
 
 @pytest.mark.timeout(180)

@@ -353,6 +353,7 @@ def test_under_ps_each_worker_moves_its_gradient_over_its_own_link():
     own = [job.comm.latency_s / 2 + job.comm.model_bytes / bw for bw in (1.25e8, 1.25e8, 2.5e6)]
     assert [w.push_s for w in state.workers] == pytest.approx(own, rel=0.2)  # comm jitter 5 %
     assert [w.pull_s for w in state.workers] == [w.push_s for w in state.workers]
+    assert [w.exposed_comm_s for w in state.workers] == pytest.approx([2 * w.push_s for w in state.workers])
     ring = Simulator(_slow_link_job("ring"), rng=np.random.default_rng(0)).reset()
     assert ring.engine == "" and all(w.push_s is None and w.pull_s is None for w in ring.workers)
 

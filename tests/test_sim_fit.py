@@ -328,7 +328,7 @@ def test_a_loss_curve_with_a_slow_tail_is_fitted_with_it_and_keeps_the_noise_law
 
 def _simulated_run(path: Path, params: SimParams, decisions: int = 12) -> Path:
     """The decision log of ``params`` simulated at its initial batches, with the state's ``engine``
-    and each worker's ``push_s``/``pull_s`` logged as the scheduler logs them."""
+    and each worker's ``push_s``/``pull_s``/``exposed_comm_s`` logged as the scheduler logs them."""
     from dynamix_byteps.policy.sim.dynamics import Simulator
 
     sim = Simulator(params, rng=np.random.default_rng(1))
@@ -339,6 +339,7 @@ def _simulated_run(path: Path, params: SimParams, decisions: int = 12) -> Path:
             "workers": {"batch_size": list(state.batch_sizes), "compute_s": [x.compute_s for x in w],
                         "push_pull_s": [x.push_pull_s for x in w], "samples_per_s": [x.samples_per_s for x in w],
                         "push_s": [x.push_s for x in w], "pull_s": [x.pull_s for x in w],
+                        "exposed_comm_s": [x.exposed_comm_s for x in w],
                         "loss": [state.loss_history[-1]] * len(w), "reports": [1] * len(w)},
             "engine": state.engine, "noise_scale": state.noise_scale}}))
         sim.step(state.batch_sizes)

@@ -121,3 +121,20 @@ def test_transfers_inside_an_untimed_section_and_the_pause_itself_are_not_push_t
     push(0.02)  # the step's last bucket
     monitor.after_step(8, None)
     assert 0.04 <= monitor.totals.push_s < 0.2  # both buckets, not the 0.4 s pause nor the metric
+
+
+def test_a_steps_exposed_communication_is_its_own_transfers_inside_the_wait():
+    """The wait the frontend measured, given as (begin, end): only the part of it this worker's own
+    pushes and pulls covered is exposed communication; the rest was waiting for the others."""
+    from dynamix_byteps import timing
+
+    monitor = _monitor()
+    ring = monitor.engine.timing
+    ms = 1_000_000
+    w0 = timing.now_ns()
+    ring.record("grad", 4, w0 - 30 * ms, w0 + 10 * ms, timing.PUSH)  # mostly hidden behind backward
+    ring.record("grad", 4, w0 + 40 * ms, w0 + 50 * ms, timing.PULL)  # after a 30-ms hold
+    monitor.after_step(8, None, push_pull_s=0.05, wait_ns=(w0, w0 + 50 * ms))
+    assert monitor.totals.exposed_comm_s == pytest.approx(0.02)
+    assert monitor.totals.push_s + monitor.totals.pull_s == pytest.approx(0.05)
+    assert monitor.totals.push_pull_s == pytest.approx(0.05)

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynamix_byteps import _core, timing
 
@@ -301,6 +303,36 @@ def test_step_comm_gives_each_kinds_wall_clock_span_in_seconds():
     assert span.start_ns >= t0
     span.end()
     assert owner.step_comm().push_pull_s >= 0.0 and owner.names()[-1] == "test_timing.p2"
+
+
+def test_exposed_communication_is_the_part_of_the_wait_own_pushes_and_pulls_covered():
+    """A push that began during backward and a pull after a gap (the server waiting for another
+    worker): only their time inside the wait counts, overlaps once, gaps and ring collectives never."""
+    owner = timing.CommTiming()
+    ms = 1_000_000
+    owner.record("b1", 8, 0, 30 * ms, timing.PUSH)  # issued 10 ms before the wait
+    owner.record("b2", 8, 15 * ms, 25 * ms, timing.PUSH)  # inside the first: counts once
+    owner.record("b1", 8, 40 * ms, 45 * ms, timing.PULL)  # after a 10-ms hold
+    owner.record("b2", 8, 44 * ms, 48 * ms, timing.PULL)
+    owner.record("metric", 8, 10 * ms, 60 * ms, timing.PUSH_PULL)  # a ring collective is not ps traffic
+    comm = owner.step_comm((10 * ms, 60 * ms))
+    assert comm.exposed_s == pytest.approx((20 + 8) * 1e-3)
+    assert comm.push_s + comm.pull_s == pytest.approx((30 + 8) * 1e-3)  # the whole spans, overlap included
+    owner.record("b1", 8, 0, 5 * ms, timing.PUSH)
+    assert owner.step_comm((10 * ms, 20 * ms)).exposed_s == 0.0  # hidden entirely behind backward
+    assert owner.step_comm((10 * ms, 20 * ms)).exposed_s == 0.0  # the step drained its events
+    owner.record("b1", 8, 0, 5 * ms, timing.PUSH)
+    assert owner.step_comm().exposed_s == 0.0  # no wait given: nothing measured
+
+
+@given(st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 200)), max_size=12),
+       st.integers(0, 1000), st.integers(0, 400))
+@settings(max_examples=200, deadline=None)
+def test_covered_ns_matches_counting_covered_nanoseconds(spans, begin, length):
+    starts = np.array([s for s, _ in spans], dtype=np.int64)
+    ends = np.array([s + d for s, d in spans], dtype=np.int64)
+    covered = {t for s, e in zip(starts.tolist(), ends.tolist()) for t in range(max(s, begin), min(e, begin + length))}
+    assert timing.covered_ns(starts, ends, (begin, begin + length)) == len(covered)
 
 
 @pytest.mark.timeout(60)

@@ -142,6 +142,7 @@ class ReportRecord:
     node: dict
     push_s: float | None = None  # ps engine only: the worker's own push and pull seconds per step
     pull_s: float | None = None
+    exposed_comm_s: float | None = None  # ps engine only: the part of push_pull_s its own transfers took
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,8 @@ def validate_report(report, worker: WorkerRecord) -> ReportRecord:
         node=node,
         push_s=_check_amount(report.push_s, "push_s", MAX_SECONDS) if report.HasField("push_s") else None,
         pull_s=_check_amount(report.pull_s, "pull_s", MAX_SECONDS) if report.HasField("pull_s") else None,
+        exposed_comm_s=(_check_amount(report.exposed_comm_s, "exposed_comm_s", MAX_SECONDS)
+                        if report.HasField("exposed_comm_s") else None),
     )
 
 
@@ -251,6 +254,8 @@ class _Interval:
     push_s: float = 0.0
     pull_s: float = 0.0
     comm_count: int = 0  # reports that carried push_s and pull_s
+    exposed_comm_s: float = 0.0
+    exposed_count: int = 0  # reports that carried exposed_comm_s
     last: ReportRecord | None = None
 
     def add(self, r: ReportRecord) -> None:
@@ -262,6 +267,9 @@ class _Interval:
             self.push_s += r.push_s
             self.pull_s += r.pull_s
             self.comm_count += 1
+        if r.exposed_comm_s is not None:
+            self.exposed_comm_s += r.exposed_comm_s
+            self.exposed_count += 1
         if r.loss is not None:
             self.loss += r.loss  # NaN/inf propagate: the interval diverged
             self.loss_count += 1
@@ -533,6 +541,7 @@ def cluster_state(snap: Snapshot) -> ClusterState:
                 batch_size_ran=last.batch_size,
                 push_s=iv.push_s / iv.comm_count if iv.comm_count else None,
                 pull_s=iv.pull_s / iv.comm_count if iv.comm_count else None,
+                exposed_comm_s=iv.exposed_comm_s / iv.exposed_count if iv.exposed_count else None,
             )
         )
         if last.grad_sq is not None:

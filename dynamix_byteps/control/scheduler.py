@@ -609,6 +609,7 @@ class SchedulerServer:
             "push_pull_s": [w.push_pull_s for w in ws],
             "push_s": [w.push_s for w in ws],
             "pull_s": [w.pull_s for w in ws],
+            "exposed_comm_s": [w.exposed_comm_s for w in ws],
             "samples_per_s": [w.samples_per_s for w in ws],
             "min_batch": [w.min_batch for w in ws],
             "max_batch": [w.max_batch for w in ws],

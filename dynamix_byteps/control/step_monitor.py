@@ -66,6 +66,8 @@ class StepStatistics:
         push_pull_s: seconds in gradient aggregation.
         samples: local samples trained on.
         push_s, pull_s: seconds of this worker's own pushes and pulls (``ps`` engine; timing ring).
+        exposed_comm_s: seconds of push_pull during which this worker's own pushes or pulls were in
+            flight (``ps`` engine; :attr:`~dynamix_byteps.timing.StepComm.exposed_s`).
     """
 
     steps: int = 0
@@ -74,14 +76,16 @@ class StepStatistics:
     samples: int = 0
     push_s: float = 0.0
     pull_s: float = 0.0
+    exposed_comm_s: float = 0.0
 
-    def add(self, compute_s: float, push_pull_s: float, samples: int, push_s: float = 0.0, pull_s: float = 0.0) -> None:
+    def add(self, compute_s: float, push_pull_s: float, samples: int, comm: timing.StepComm = timing.NO_COMM) -> None:
         self.steps += 1
         self.compute_s += compute_s
         self.push_pull_s += push_pull_s
         self.samples += samples
-        self.push_s += push_s
-        self.pull_s += pull_s
+        self.push_s += comm.push_s
+        self.pull_s += comm.pull_s
+        self.exposed_comm_s += comm.exposed_s
 
     @property
     def samples_per_s(self) -> float:
@@ -199,18 +203,22 @@ class StepMonitor:
             self._client.close()
 
     def after_step(self, samples: int | None, noise, lr_scale: float = 1.0, step: int | None = None,
-                   push_pull_s: float = 0.0, plan: batch_plan.BatchPlan | None = None) -> None:
+                   push_pull_s: float = 0.0, plan: batch_plan.BatchPlan | None = None,
+                   wait_ns: tuple[int, int] | None = None) -> None:
         """Called when a step ends, on every worker, with this step's local samples, the
         gradient noise statistics, the learning-rate factor of the step, the global step completed
         (None: this monitor's count of steps), the seconds spent waiting for the gradients'
-        communication (the rest of the step counts as compute) and the batch plan it trained on
-        (None: unknown, treated as a plan without a sampler)."""
+        communication (the rest of the step counts as compute), the batch plan it trained on
+        (None: unknown, treated as a plan without a sampler) and when that wait began and ended
+        (:func:`~dynamix_byteps.timing.now_ns` nanoseconds; None: unknown, no exposed
+        communication is measured)."""
         self.plan = plan
         end = time.perf_counter()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
-        comm, self._comm_before_untimed = self._comm_before_untimed + self.engine.timing.step_comm(), timing.NO_COMM
-        self._interval.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
-        self.totals.add(compute_s, push_pull_s, samples or 0, comm.push_s, comm.pull_s)
+        comm = self._comm_before_untimed + self.engine.timing.step_comm(wait_ns)
+        self._comm_before_untimed = timing.NO_COMM
+        self._interval.add(compute_s, push_pull_s, samples or 0, comm)
+        self.totals.add(compute_s, push_pull_s, samples or 0, comm)
         self._last_end = self._stretched_until = end
         self.steps += 1
         self.global_step = self.steps if step is None else step
@@ -271,6 +279,7 @@ class StepMonitor:
         )
         if self.engine.name == "ps":
             report.push_s, report.pull_s = iv.push_s / iv.steps, iv.pull_s / iv.steps
+            report.exposed_comm_s = iv.exposed_comm_s / iv.steps
         if self._client is None:
             from dynamix_byteps.control.client import SchedulerClient
 

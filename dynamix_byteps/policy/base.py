@@ -38,6 +38,10 @@ class WorkerState:
         push_s, pull_s: ``ps`` engine only, seconds per step of this worker's own pushes and pulls
             over its own link (the pull without the wait for the other workers); None with a ring
             engine, whose every rank moves the same bytes, or when not reported.
+        exposed_comm_s: ``ps`` engine only, seconds per step of ``push_pull_s`` during which this
+            worker's own pushes or pulls were in flight: the part of its communication backward did
+            not hide, without its wait for the other workers (never more than ``push_pull_s``,
+            often much less than ``push_s + pull_s``, which overlap backward and each other).
     """
 
     rank: int
@@ -51,6 +55,7 @@ class WorkerState:
     batch_size_ran: int | None = None
     push_s: float | None = None
     pull_s: float | None = None
+    exposed_comm_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,8 @@ class ClusterState:
         dataset_size: samples per epoch, None when unknown.
         engine: the workers' communication engine (``gloo``, ``nccl``, ``ps``, ``byteps``; empty
             when unknown or mixed). Under ``ps`` each worker's communication is its own
-            (``WorkerState.push_s``/``pull_s``), under a ring it is the same for every worker.
+            (``WorkerState.push_s``, ``pull_s``, ``exposed_comm_s``), under a ring it is the same for
+            every worker.
     """
 
     step: int

@@ -21,7 +21,8 @@ Sources:
 * The throughput model is this package's, not Pollux's fitted one: ``THROUGHPUT(M) = M / T(b(M))``
   where ``b(M)`` is the throughput-proportional split of ``M`` (LB-BSP, see :mod:`.proportional`)
   and ``T(b) = max_i b_i/θ_i + T_comm``, or under the ``ps`` engine ``T(b) = max_i (b_i/θ_i + m_i)``
-  with ``m_i`` worker i's own push + pull seconds (the split then equalises ``b_i/θ_i + m_i``). Pollux models compute as ``α_c + β_c·b`` and overlap of
+  with ``m_i`` worker i's exposed communication, ``exposed_comm_s`` (the split then equalises
+  ``b_i/θ_i + m_i``). Pollux models compute as ``α_c + β_c·b`` and overlap of
   compute with communication (``γ``); here there is one measurement per worker, so compute is
   ``b/θ`` and the push_pull time is the fixed per-step cost. Consequence: with ``T_comm ≈ 0``
   throughput is flat in ``M`` and the efficiency term drives ``M`` to the lower end of the range.

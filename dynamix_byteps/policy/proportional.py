@@ -19,19 +19,25 @@ barrier for the straggler, so only the last worker to arrive (the straggler, sma
 measures the network alone. ``comm="mean"`` uses the mean instead, which double counts the wait
 the policy is trying to remove (pessimistic predicted gains).
 
-**Parameter servers** (``state.engine == "ps"``, every worker reporting ``push_s`` and
-``pull_s``): each worker moves its own gradient over its own link, and the round ends when the
-last push arrives, so a worker's share of the step is its compute plus its own communication
-``m_i = push_s_i + pull_s_i``::
+**Parameter servers** (``state.engine == "ps"``, every worker reporting ``exposed_comm_s``): each
+worker moves its own gradient over its own link and the round ends when the last push arrives, so
+a worker's share of the step is its compute plus the part of its own communication that backward
+did not hide, ``m_i = exposed_comm_s_i`` (the seconds of its wait during which its own pushes or
+pulls were in flight, which leaves out its wait for the others)::
 
     T(b) = max_i (c_i(b_i) + m_i)
 
 and the policy equalises ``b_i/θ_i + m_i`` instead of ``b_i/θ_i``: ``b_i = θ_i·(T − m_i)``
 (clamped to the bounds) with ``T`` such that ``Σ b_i`` is the global batch (LB-BSP's equal
 finishing time with the communication of each worker added, Chen et al. 2020, §4). A worker
-behind a slow link gets a smaller batch, so its transfer starts earlier. Under a ring every
-rank moves the same bytes at the slowest link's pace, so communication is a common term and
-the split stays ``b_i ∝ θ_i``; equal ``m_i`` under ``ps`` give that split too.
+behind a slow link gets a smaller batch, so its transfer starts earlier. Pushes start from the
+backward hooks, so the whole transfer ``push_s + pull_s`` is the wrong offset: a slow-link
+worker's can exceed its whole step, and balancing on it gives that worker far too small a batch
+(measured: a 100 Mbit/s worker's push + pull was 97 ms of a 123-ms step, of which 42 ms were
+exposed). A smaller batch hides less of the transfer, so ``m_i`` grows after a cut and the next
+decision, measured again, corrects for it. Under a ring every rank moves the same bytes at the
+slowest link's pace, so communication is a common term and the split stays ``b_i ∝ θ_i``; equal
+``m_i`` under ``ps`` give that split too.
 """
 
 from __future__ import annotations
@@ -195,17 +201,14 @@ def comm_time(state: ClusterState, mode: str = "min") -> float:
 
 
 def own_comm_times(state: ClusterState) -> list[float] | None:
-    """Each worker's own communication ``push_s + pull_s`` (seconds per step) when the state is of
-    a ``ps`` job and every worker reported both as finite numbers >= 0; None otherwise (a ring
+    """Each worker's exposed communication ``exposed_comm_s`` (seconds per step) when the state is
+    of a ``ps`` job and every worker reported it as a finite number >= 0; None otherwise (a ring
     engine, whose communication is common to all workers, or a measurement missing)."""
     if state.engine != "ps" or not state.workers:
         return None
-    out = []
-    for w in state.workers:
-        parts = [float_or_nan(w.push_s), float_or_nan(w.pull_s)]
-        if not all(math.isfinite(x) and x >= 0 for x in parts):
-            return None
-        out.append(sum(parts))
+    out = [float_or_nan(w.exposed_comm_s) for w in state.workers]
+    if not all(math.isfinite(x) and x >= 0 for x in out):
+        return None
     return out
 
 
@@ -230,7 +233,7 @@ def step_time(state: ClusterState, sizes: Sequence[int], comm_s: float, own_comm
 
 def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list[int]]:
     """Split ``total`` over the workers ∝ θ_i within bounds, or, in a ``ps`` job whose workers
-    reported their own communication (:func:`own_comm_times`), so that ``b_i/θ_i + m_i`` is equal.
+    reported their exposed communication (:func:`own_comm_times`), so that ``b_i/θ_i + m_i`` is equal.
 
     Workers without a valid θ keep their current size (clamped to their bounds); the rest of
     ``total`` goes to the others. Returns ``(sizes, ranks_kept)``; when no worker has a valid θ
@@ -258,7 +261,7 @@ def proportional_sizes(state: ClusterState, total: int) -> tuple[list[int], list
 
 class ProportionalPolicy(Policy):
     """Keep the global batch B, give each worker ``b_i ∝ θ_i`` so compute times equalise (LB-BSP);
-    under ``ps``, so that compute plus each worker's own communication equalises (module docstring).
+    under ``ps``, so that compute plus each worker's exposed communication equalises (module docstring).
 
     Args:
         comm: how to estimate the pure push_pull time, ``"min"`` (default) or ``"mean"`` of the
@@ -309,7 +312,7 @@ class ProportionalPolicy(Policy):
         }
         if len(kept) == len(state.workers):
             return Decision(tuple(sizes), "proportional: no valid throughput measurement; keeping sizes", 0.0, terms)
-        rule = "b_i/θ_i + own push+pull equal (ps)" if own is not None else "b_i ∝ θ_i"
+        rule = "b_i/θ_i + exposed comm equal (ps)" if own is not None else "b_i ∝ θ_i"
         reason = f"proportional: {rule} at global batch {sum(sizes)} (step {t_now:.4g}s → {t_new:.4g}s)"
         if kept:
             reason += f"; ranks {kept} keep their size (no throughput)"

@@ -12,7 +12,8 @@ Under a ring every rank moves the same bytes at the slowest link's pace. Under p
 overlapped with the others' compute; the round ends when the last push arrives, and a worker
 starts its next step once it has pulled the sum over its own link, so its cycle is
 ``pull_i + c_i + push_i`` with ``push_i = pull_i = m_i``. The state then carries each worker's
-``push_s`` and ``pull_s`` (``m_i``) and ``engine="ps"``, as the scheduler's would.
+``push_s`` and ``pull_s`` (``m_i``), ``exposed_comm_s`` (``2·m_i``: nothing is hidden behind
+backward here) and ``engine="ps"``, as the scheduler's would.
 
 Progress follows the gradient-noise-scale model of McCandlish, Kaplan, Amodei et al., *An
 Empirical Model of Large-Batch Training* (arXiv 1812.06162, eq. 2.11 ``S = S_min(1 + B_noise/B)``):
@@ -262,6 +263,7 @@ class Simulator:
                 node=last["node"][i],
                 push_s=None if last["own_comm_s"] is None else float(last["own_comm_s"][i]),
                 pull_s=None if last["own_comm_s"] is None else float(last["own_comm_s"][i]),
+                exposed_comm_s=None if last["own_comm_s"] is None else 2.0 * float(last["own_comm_s"][i]),
             )
             for i in range(p.num_workers)
         )

@@ -34,10 +34,12 @@ What is fitted (units: seconds, samples):
   ``latency_s`` keep their reference values (latency at most ``C̄/2``) and the bandwidth is the
   effective one, ``2·model_bytes/(C̄ − latency)``; comm jitter = sd of ``ln(C_t/C̄)``;
 * **per-worker links**, for a run of the ``ps`` engine (``state.engine == "ps"`` and every worker's
-  ``push_s`` and ``pull_s`` logged in the fitted intervals): each worker's own communication
-  ``m̄_i`` = mean of ``push_s + pull_s``, its link ``bandwidth_i = 2·model_bytes/(m̄_i − latency)``
+  ``exposed_comm_s`` logged in the fitted intervals): each worker's own communication
+  ``m̄_i`` = mean of ``exposed_comm_s``, its link ``bandwidth_i = 2·model_bytes/(m̄_i − latency)``
   (latency at most ``min_i m̄_i/2``), comm jitter = sd of ``ln(m_ti/m̄_i)`` over workers and
-  intervals, and ``engine="ps"``;
+  intervals, and ``engine="ps"``. The simulator puts the whole transfer after the compute, so the
+  fitted link is the effective one of the part backward did not hide, not the wire's rate
+  (``push_s + pull_s`` overlap backward and would count the hidden part too);
 * job: initial batches, the bounds common to all workers (largest minimum, smallest maximum;
   unbounded: the reference maximum), K (median step gap between decisions), dataset size,
   whether node-agent metrics were present;
@@ -132,8 +134,8 @@ class RunLog:
         min_batch, max_batch: bounds common to all workers (max None: unbounded).
         dataset_size: samples per epoch, None when not reported.
         node_metrics: whether a node agent reported cpu_util or rtt_s.
-        push_s, pull_s: (T, N) each worker's own push and pull seconds per step (``ps`` engine),
-            NaN where not logged.
+        exposed_comm_s: (T, N) each worker's exposed communication per step (``ps`` engine:
+            ``WorkerState.exposed_comm_s``, seconds), NaN where not logged.
         engine: the run's engine as logged (``state.engine``; empty when not logged).
     """
 
@@ -149,8 +151,7 @@ class RunLog:
     max_batch: int | None
     dataset_size: int | None
     node_metrics: bool
-    push_s: np.ndarray | None = None
-    pull_s: np.ndarray | None = None
+    exposed_comm_s: np.ndarray | None = None
     engine: str = ""
 
     @property
@@ -224,13 +225,12 @@ def load_log(run_dir) -> RunLog:
             reports = [int(x) for x in w.get("reports") or [1] * len(sizes)]
             step, decision = record.step, record.decision
             losses = [_finite(x) for x in w.get("loss") or [] if x is not None]
-            push = [_finite(x) for x in w.get("push_s") or [None] * len(sizes)]
-            pull = [_finite(x) for x in w.get("pull_s") or [None] * len(sizes)]
+            exposed = [_finite(x) for x in w.get("exposed_comm_s") or [None] * len(sizes)]
             nodes = any(isinstance(node, dict) and ("cpu_util" in node or "rtt_s" in node) for node in w.get("node") or [])
         except (KeyError, TypeError, ValueError, OverflowError) as error:
             raise _corrupt(path, number, f"missing or malformed field {error}") from None
         n = len(sizes)
-        if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == len(push) == len(pull) == n:
+        if n == 0 or not len(compute) == len(push_pull) == len(smoothed) == len(reports) == len(exposed) == n:
             raise _corrupt(path, number, "the per-worker lists are empty or of different lengths")
         if (beyond := _beyond_range(compute, push_pull, smoothed)) is not None:
             raise _corrupt(path, number, beyond)
@@ -248,7 +248,7 @@ def load_log(run_dir) -> RunLog:
             continue  # an interval without real timings (a worker that did not compute)
         losses = [x for x in losses if math.isfinite(x)]
         rows.append({"n": n, "line": number, "step": step, "batch": batch, "compute": compute, "push_pull": push_pull,
-                     "push": push, "pull": pull, "engine": state.get("engine") or "",
+                     "exposed": exposed, "engine": state.get("engine") or "",
                      "loss": sum(losses) / len(losses) if losses else math.nan,
                      "noise": _finite(state.get("noise_scale")), "nodes": nodes, "record": record})
     if len(rows) < MIN_INTERVALS:
@@ -280,8 +280,7 @@ def load_log(run_dir) -> RunLog:
         max_batch=min(maxes) if maxes else None,
         dataset_size=max(datasets) if datasets else None,
         node_metrics=any(r["nodes"] for r in rows),
-        push_s=np.array([r["push"] for r in rows], dtype=np.float64),
-        pull_s=np.array([r["pull"] for r in rows], dtype=np.float64),
+        exposed_comm_s=np.array([r["exposed"] for r in rows], dtype=np.float64),
         engine=rows[-1]["engine"] if len({r["engine"] for r in rows}) == 1 else "",
     )
 
@@ -345,11 +344,11 @@ def _fit_workers(log: RunLog, rows: slice) -> list[WorkerFit]:
 
 
 def own_links(log: RunLog, rows: slice) -> np.ndarray | None:
-    """(T, N) each worker's own ``push_s + pull_s`` over ``rows`` when ``log`` is of a ``ps`` run
-    that logged them all (finite, >= 0, not all zero), else None (module docstring)."""
-    if log.engine != "ps" or log.push_s is None or log.pull_s is None:
+    """(T, N) each worker's ``exposed_comm_s`` over ``rows`` when ``log`` is of a ``ps`` run that
+    logged them all (finite, >= 0, not all zero), else None (module docstring)."""
+    if log.engine != "ps" or log.exposed_comm_s is None:
         return None
-    own = log.push_s[rows] + log.pull_s[rows]
+    own = log.exposed_comm_s[rows]
     if own.size == 0 or not np.all(np.isfinite(own) & (own >= 0)) or not np.all(own.mean(axis=0) > 0):
         return None
     return own
