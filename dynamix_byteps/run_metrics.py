@@ -49,7 +49,9 @@ class RunMetrics:
         epochs: epochs asked for (``--epochs``; a time budget may end training sooner).
         model: the model's name (``cnn``, ``resnet8``).
         wall_s: seconds from the start of training to the end of the final evaluation.
-        train_s: seconds of training, evaluation and clock reads not counted (rank 0's clock).
+        train_s: seconds of training, evaluation and clock reads not counted, by the job's clock: the
+            largest of the workers' own (a worker that finishes a step early waits for the others
+            inside those pauses, so its own clock leaves part of the job's time out).
         samples: training samples all workers consumed.
         workers: number of workers.
         batch_sizes: each worker's first batch size.

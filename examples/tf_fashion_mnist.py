@@ -76,13 +76,15 @@ def loss_fn(labels, logits):
 
 
 class TrainingClock:
-    """Seconds of training, the same number on every worker: rank 0's time since :meth:`start`
-    less the pauses to read the clock and evaluate. After each step :meth:`out_of_time` reads it,
+    """Seconds of training, the same number on every worker: the largest of the workers' times since
+    :meth:`start` less the pauses to read the clock and evaluate (a worker that finishes a step early
+    waits for the others inside those pauses; the last to arrive waited least, so its clock is the
+    job's). After each step :meth:`out_of_time` reads it,
     evaluates every ``eval_every`` s (``curve``: (seconds, global samples, test accuracy, test
     loss)) and says whether ``budget`` s are spent. Without either, it does nothing per step."""
 
-    def __init__(self, rank, budget, eval_every, evaluate, log):
-        self.rank, self.evaluate, self.log = rank, evaluate, log
+    def __init__(self, rank, size, budget, eval_every, evaluate, log):
+        self.rank, self.size, self.evaluate, self.log = rank, size, evaluate, log
         self.budget = math.inf if budget is None else budget
         self.eval_every = eval_every or math.inf
         self.next_eval = self.eval_every
@@ -96,13 +98,18 @@ class TrainingClock:
         """This worker's seconds of training so far."""
         return time.perf_counter() - self.started - self.untimed_s
 
+    def read(self) -> float:
+        """The job's seconds of training (a collective: every worker calls it at the same point)."""
+        mine = np.zeros(self.size)
+        mine[self.rank] = self.elapsed()
+        return float(bps.push_pull(tf.constant(mine), average=False, name="training_clock").numpy().max())
+
     def out_of_time(self) -> bool:
         if self.budget == math.inf and self.eval_every == math.inf:
             return False
         pause = time.perf_counter()
         with bps.untimed():  # the clock and evaluation are not training
-            mine = tf.constant([self.elapsed() if self.rank == 0 else 0.0], tf.float64)
-            self.seconds = float(bps.push_pull(mine, average=False, name="training_clock").numpy()[0])
+            self.seconds = self.read()
             if self.seconds >= min(self.next_eval, self.budget):
                 seen = bps.push_pull(tf.constant(float(bps.step_statistics().samples), tf.float64), average=False,
                                      name="seen").numpy()
@@ -234,13 +241,13 @@ def main():
         f"mode={'fit' if args.fit else 'custom loop'}")
 
     start = time.time()
-    clock = TrainingClock(rank, args.time_budget, args.eval_every,
+    clock = TrainingClock(rank, size, args.time_budget, args.eval_every,
                           lambda: evaluate(model, test_x, test_y, rank, size), log)
     if args.fit:
         train_fit(args, model, dataset, lr, clock, rank)
     else:
         train_custom_loop(args, model, dataset, lr, clock, log)
-    train_s = max(clock.elapsed(), clock.seconds)  # rank 0's clock, at least the last reading all workers shared
+    train_s = max(clock.read(), clock.seconds)  # the job's clock, at least the last reading all workers shared
     workers = worker_statistics(rank, size)
     if clock.curve and clock.seconds >= clock.budget:  # evaluated at the budget's last step already
         accuracy, test_loss = clock.curve[-1][2:]

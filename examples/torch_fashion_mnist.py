@@ -130,10 +130,14 @@ def eval_subset(test_x, test_y, n):
     return test_x[chosen], test_y[chosen]
 
 
-def training_clock(rank, seconds):
-    """Rank 0's ``seconds``, the same number on every worker (a collective)."""
-    mine = torch.tensor([seconds if rank == 0 else 0.0], dtype=torch.float64)
-    return bps.push_pull(mine, average=False, name="training_clock").item()
+def training_clock(rank, size, seconds):
+    """The job's seconds of training, the same number on every worker (a collective): the largest of
+    the workers' own ``seconds``. Workers that finish a step early wait for the others in this
+    collective, which is untimed; the worker that arrives last (under ``ps``, the one behind the slow
+    link, still pulling its sums) waited least, so its clock is the job's."""
+    mine = torch.zeros(size, dtype=torch.float64)
+    mine[rank] = seconds
+    return bps.push_pull(mine, average=False, name="training_clock").max().item()
 
 
 def worker_statistics(rank, size):
@@ -214,7 +218,7 @@ def main():
                 continue
             pause = time.perf_counter()
             with bps.untimed():  # the clock, evaluation and logging are not training
-                clock = training_clock(rank, pause - started - untimed_s)
+                clock = training_clock(rank, size, pause - started - untimed_s)
                 if clock >= next_eval or clock >= budget:
                     seen = samples_seen + int(bps.push_pull(stats[1:].clone(), average=False, name="seen"))
                     test_loss, accuracy = evaluate(model, test_x, test_y, rank, size)
@@ -234,7 +238,7 @@ def main():
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
         if out_of_time:
             break
-    trained_s = time.perf_counter() - started - untimed_s  # without the final evaluation below
+    trained_s = training_clock(rank, size, time.perf_counter() - started - untimed_s)  # without the evaluation below
 
     workers = worker_statistics(rank, size)
     if out_of_time:  # evaluated at the budget's last step already

@@ -75,3 +75,13 @@ def test_fp16_pushpull_under_parameter_servers_learns_as_float32_does(tmp_path):
 
     full, half = accuracy("fp32"), accuracy("fp16", "--fp16-pushpull")
     assert half >= 0.70 and abs(half - full) <= 0.03, (full, half)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("target", ["torch_clock", "tensorflow_clock"])
+def test_the_examples_training_clock_is_the_slowest_workers(target):
+    """Under ps a fast-link worker finishes its step first and waits for the slow-link worker inside the
+    untimed clock reading; rank 0's clock left that time out of every time to accuracy."""
+    from multiworker import ok, run_workers
+
+    assert ok(run_workers(3, f"example_clock_cases:{target}", timeout=150)) == [30.0] * 3
