@@ -21,6 +21,7 @@ pulls were in flight: the communication backward did not hide, without the wait 
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ KINDS: tuple[str, ...] = TIMING_KINDS
 PUSH_PULL, PUSH, PULL = (KINDS.index(k) for k in ("push_pull", "push", "pull"))
 
 DEFAULT_CAPACITY = 65536
+_TRANSFERS_PER_STEP = 65536  # push and pull spans one step keeps for its exposed time
 
 
 def _capacity_from_env() -> int:
@@ -105,6 +107,9 @@ class CommTiming:
 
     def __init__(self, capacity: int | None = None):
         self.ring = TimingRing(_capacity_from_env() if capacity is None else capacity)
+        # This step's push and pull spans, (start_ns, end_ns), for the exposed part of its wait; bounded
+        # for an owner whose steps nobody closes. deque appends and pops are atomic across threads.
+        self._transfers: collections.deque[tuple[int, int]] = collections.deque(maxlen=_TRANSFERS_PER_STEP)
         self._lock = threading.Lock()
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
@@ -138,6 +143,8 @@ class CommTiming:
         if i is None:
             i = self.name_id(name)
         self.ring.record(i, nbytes, start_ns, end_ns, kind)
+        if kind == PUSH or kind == PULL:
+            self._transfers.append((start_ns, end_ns))
 
     def start(self, name: str, nbytes: int) -> Span:
         """A :class:`Span` of ``nbytes`` bytes on ``name`` starting now."""
@@ -151,15 +158,17 @@ class CommTiming:
                 result's ``exposed_s`` is the part of it covered by this worker's push and pull
                 events (:func:`covered_ns`). None: ``exposed_s`` is 0.
 
-        Drains the ring: one consumer per engine calls it once per training step (the step monitor
-        does); another caller would split the steps' aggregates and events between them.
+        One consumer per engine calls it once per training step (the step monitor does); another
+        caller would split the steps' aggregates between them.
         """
         kinds = self.ring.end_step()["kinds"]
-        events = self.ring.drain()
+        spans = []
+        while self._transfers:
+            spans.append(self._transfers.popleft())
         exposed = 0.0
-        if wait_ns is not None:
-            own = (events["kind"] == PUSH) | (events["kind"] == PULL)
-            exposed = covered_ns(events["start_ns"][own], events["end_ns"][own], wait_ns) * 1e-9
+        if wait_ns is not None and spans:
+            starts, ends = np.array(spans, dtype=np.int64).T
+            exposed = covered_ns(starts, ends, wait_ns) * 1e-9
         return StepComm(*(kinds[k]["span_ns"] * 1e-9 for k in ("push_pull", "push", "pull")), exposed)
 
 

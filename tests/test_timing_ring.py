@@ -320,7 +320,7 @@ def test_exposed_communication_is_the_part_of_the_wait_own_pushes_and_pulls_cove
     assert comm.push_s + comm.pull_s == pytest.approx((30 + 8) * 1e-3)  # the whole spans, overlap included
     owner.record("b1", 8, 0, 5 * ms, timing.PUSH)
     assert owner.step_comm((10 * ms, 20 * ms)).exposed_s == 0.0  # hidden entirely behind backward
-    assert owner.step_comm((10 * ms, 20 * ms)).exposed_s == 0.0  # the step drained its events
+    assert owner.step_comm((10 * ms, 20 * ms)).exposed_s == 0.0  # the step used its spans up
     owner.record("b1", 8, 0, 5 * ms, timing.PUSH)
     assert owner.step_comm().exposed_s == 0.0  # no wait given: nothing measured
 
