@@ -402,9 +402,9 @@ def test_proportional_under_ps_gives_the_slow_link_worker_a_smaller_batch():
 
 
 def test_proportional_under_ps_balances_the_exposed_communication_not_the_whole_transfer():
-    """Measured on the test bed: a 100 Mbit/s worker's push + pull spanned 97 ms of a 123-ms step, 42 ms
-    of it exposed; the rest overlapped its backward. Balancing the whole transfer put that worker on
-    a batch of ~24 of 64 and made the step slower than static batches; the exposed part calls for a trim."""
+    """A worker behind a moderately slow link whose pushes mostly overlap its backward: 97 ms of push and
+    pull, 42 ms of it exposed. Balancing the whole transfer puts it on ~24 of 64; the exposed part calls
+    for a trim."""
     thetas, sizes = [640.0, 640.0, 640.0, 790.0], [64] * 4
     comm = [(0.004, 0.004)] * 3 + [(0.055, 0.042)]
     d = ProportionalPolicy().decide(ps_state(thetas, sizes, comm, exposed=[0.005] * 3 + [0.042]))

@@ -31,11 +31,11 @@ and the policy equalises ``b_i/θ_i + m_i`` instead of ``b_i/θ_i``: ``b_i = θ_
 (clamped to the bounds) with ``T`` such that ``Σ b_i`` is the global batch (LB-BSP's equal
 finishing time with the communication of each worker added, Chen et al. 2020, §4). A worker
 behind a slow link gets a smaller batch, so its transfer starts earlier. Pushes start from the
-backward hooks, so the whole transfer ``push_s + pull_s`` is the wrong offset: a slow-link
-worker's can exceed its whole step, and balancing on it gives that worker far too small a batch
-(measured: a 100 Mbit/s worker's push + pull was 97 ms of a 123-ms step, of which 42 ms were
-exposed). A smaller batch hides less of the transfer, so ``m_i`` grows after a cut and the next
-decision, measured again, corrects for it. Under a ring every rank moves the same bytes at the
+backward hooks, so the whole transfer ``push_s + pull_s`` is the wrong offset: it counts what
+backward hid, and can exceed the whole step (measured on a 100 Mbit/s link: 346 ms of push and
+pull in a 293-ms step, 256 ms of it exposed; 41 ms against 5 ms exposed on the fast links). A
+smaller batch hides less of the transfer, so ``m_i`` grows after a cut and the next decision,
+measured again, corrects for it. Under a ring every rank moves the same bytes at the
 slowest link's pace, so communication is a common term and the split stays ``b_i ∝ θ_i``; equal
 ``m_i`` under ``ps`` give that split too.
 """
