@@ -17,6 +17,8 @@ A generated table sits between two marker comments; everything between them is r
   efficiency and mean global batch;
 * ``ddp_comparison``: ``benchmarks/ddp_comparison.py``'s markdown table of the file's runs;
 * ``ps_engine``: ``benchmarks/ps_engine.py``'s markdown table;
+* ``slow_link_sweep``: ``benchmarks/slow_link_sweep.py``'s table (step times per link rate, the ratio
+  with its interval and verdict, the slow-link worker's batch and times, the link and CPU floors);
 * ``sim_scaling``: ``benchmarks/sim_scaling.py``'s cells (``table``) as policy x worker count:
   simulated seconds to the target loss and final accuracy proxy, in bold where the report marks a
   cell best (fastest, or within its ``tie`` of the fastest, among the policies within its
@@ -45,6 +47,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import ddp_comparison
 import ps_engine
+import slow_link_sweep
 import time_to_accuracy as time_to_accuracy_benchmark
 from common import RESULTS, bootstrap_medians, interval90, markdown_table, verdict
 
@@ -130,7 +133,7 @@ def sim_scaling(report: dict) -> str:
 
 
 RENDERERS = {"time_to_accuracy": time_to_accuracy, "ddp_comparison": ddp, "ps_engine": ps_engine.markdown,
-             "sim_scaling": sim_scaling}
+             "sim_scaling": sim_scaling, "slow_link_sweep": slow_link_sweep.markdown}
 
 
 def render(text: str, results: Path = RESULTS) -> str:

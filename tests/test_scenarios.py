@@ -8,7 +8,7 @@ from dynamix_byteps.scenarios import load_scenarios, scenario
 
 def test_shipped_scenarios_and_their_launch_flags():
     assert set(load_scenarios()) == {"homogeneous", "straggler", "two-speed", "interference", "network",
-                                     "swapping-stragglers"}
+                                     "network-200", "network-300", "swapping-stragglers"}
     assert scenario("straggler").speed_factors(0.5) == (1.0, 1.0, 1.0, 3.0)
     interference = scenario("interference")
     assert interference.speed_factors(0.1) == (1.0,) * 4 and interference.speed_factors(0.5)[1] == 3.0
