@@ -17,6 +17,8 @@ A generated table sits between two marker comments; everything between them is r
   efficiency and mean global batch;
 * ``ddp_comparison``: ``benchmarks/ddp_comparison.py``'s markdown table of the file's runs;
 * ``ps_engine``: ``benchmarks/ps_engine.py``'s markdown table;
+* ``critical_batch``: ``benchmarks/critical_batch.py``'s table (samples to each target per global
+  batch, their ratios to the reference batch beside the simulator's, the fitted critical batch);
 * ``slow_link_sweep``: ``benchmarks/slow_link_sweep.py``'s table (step times per link rate, the ratio
   with its interval and verdict, the slow-link worker's batch and times, the link and CPU floors);
 * ``sim_scaling``: ``benchmarks/sim_scaling.py``'s cells (``table``) as policy x worker count:
@@ -45,6 +47,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import critical_batch
 import ddp_comparison
 import ps_engine
 import slow_link_sweep
@@ -133,7 +136,8 @@ def sim_scaling(report: dict) -> str:
 
 
 RENDERERS = {"time_to_accuracy": time_to_accuracy, "ddp_comparison": ddp, "ps_engine": ps_engine.markdown,
-             "sim_scaling": sim_scaling, "slow_link_sweep": slow_link_sweep.markdown}
+             "sim_scaling": sim_scaling, "slow_link_sweep": slow_link_sweep.markdown,
+             "critical_batch": critical_batch.markdown}
 
 
 def render(text: str, results: Path = RESULTS) -> str:
