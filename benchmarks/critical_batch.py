@@ -40,14 +40,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, interval90, markdown_table, text_table, write_report
+from common import REPO, RESULTS, interval90, markdown_table, text_table, write_report
 from time_to_accuracy import time_to_target
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import SimParams
 
-LIBRARY_SIM = Path(__file__).resolve().parents[1] / "dynamix_byteps" / "policy" / "library" / "small-cnn-sgd" / "sim_params.json"
+LIBRARY_SIM = REPO / "dynamix_byteps" / "policy" / "library" / "small-cnn-sgd" / "sim_params.json"
 ROUNDS = 2000
 
 
@@ -177,6 +177,12 @@ def markdown(report: dict) -> str:
     return markdown_table(*table(report))
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it, else as given."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", type=Path, help="time_to_accuracy.py JSON reports")
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"critical_batch: {error}", file=sys.stderr)
         return 2
     print(text_table(*table(report)))
-    write_report(args.out, {**report, "inputs": [path.name for path in args.reports], "sim": str(args.sim.name)})
+    write_report(args.out, {**report, "inputs": [path.name for path in args.reports], "sim": _shown(args.sim)})
     return 0
 
 
