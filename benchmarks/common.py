@@ -93,6 +93,27 @@ def write_report(out: Path, report: dict) -> None:
     print(f"wrote {out}")
 
 
+def summarise_reports(name: str, paths: list[Path], build, table, out: Path, extra: dict | None = None) -> int:
+    """Read the ``benchmarks/time_to_accuracy.py`` reports at ``paths``, ``build`` one summary of them
+    (a callable of the list of reports), print ``table(summary)`` (header, rows) and write the summary,
+    the inputs' file names and ``extra`` to ``out``. Returns the exit status: 0, or 2 after a message
+    prefixed ``name`` when a file cannot be read, is not JSON, lacks a field, or ``build`` refuses
+    it (ConfigurationError, ValueError)."""
+    from dynamix_byteps.errors import ConfigurationError
+
+    try:
+        summary = build([json.loads(path.read_text()) for path in paths])
+    except KeyError as error:
+        print(f"{name}: a report lacks the field {error}; is it a time_to_accuracy.py report?", file=sys.stderr)
+        return 2
+    except (OSError, json.JSONDecodeError, ConfigurationError, ValueError) as error:
+        print(f"{name}: {error}", file=sys.stderr)
+        return 2
+    print(text_table(*table(summary)))
+    write_report(out, {**summary, "inputs": [path.name for path in paths], **(extra or {})})
+    return 0
+
+
 def worker_counts(parser, text: str) -> list[int]:
     """``--workers 4,32,256`` as a list of counts in 1..4096, or ``parser.error`` naming the flag."""
     try:

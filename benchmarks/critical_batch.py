@@ -33,14 +33,13 @@ Prints the table and writes JSON (``--out``, default ``benchmarks/results/critic
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from common import REPO, RESULTS, interval90, markdown_table, text_table, write_report
+from common import REPO, RESULTS, interval90, markdown_table, summarise_reports
 from time_to_accuracy import time_to_target
 
 from dynamix_byteps.errors import ConfigurationError
@@ -191,17 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "critical_batch.json")
     args = parser.parse_args(argv)
     try:
-        report = analyse([json.loads(path.read_text()) for path in args.reports], SimParams.from_json(args.sim), args.reference)
-    except KeyError as error:
-        print(f"critical_batch: a report lacks the field {error}; is it a time_to_accuracy.py report?", file=sys.stderr)
+        params = SimParams.from_json(args.sim)
+    except ConfigurationError as error:
+        print(f"critical_batch: --sim: {error}", file=sys.stderr)
         return 2
-    except (OSError, json.JSONDecodeError, ConfigurationError, ValueError) as error:
-        print(f"critical_batch: {error}", file=sys.stderr)
-        return 2
-    print(text_table(*table(report)))
-    write_report(args.out, {**report, "inputs": [path.name for path in args.reports], "sim": _shown(args.sim)})
-    return 0
-
+    return summarise_reports("critical_batch", args.reports, lambda reports: analyse(reports, params, args.reference),
+                             table, args.out, {"sim": _shown(args.sim)})
 
 if __name__ == "__main__":
     sys.exit(main())

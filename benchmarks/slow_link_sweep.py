@@ -35,14 +35,12 @@ Prints the table and writes JSON (``--out``, default ``benchmarks/results/slow_l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, markdown_table, paired_ratio_interval, text_table, verdict, write_report
+from common import RESULTS, markdown_table, paired_ratio_interval, summarise_reports, verdict
 
-from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import scenario
 
 STATIC, SPLIT = "static64", "proportional"
@@ -134,18 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", type=Path, help="time_to_accuracy.py JSON reports")
     parser.add_argument("--out", type=Path, default=RESULTS / "slow_link_sweep.json")
     args = parser.parse_args(argv)
-    try:
-        report = sweep([json.loads(path.read_text()) for path in args.reports])
-    except KeyError as error:
-        print(f"slow_link_sweep: a report lacks the field {error}; is it a time_to_accuracy.py report?", file=sys.stderr)
-        return 2
-    except (OSError, json.JSONDecodeError, ConfigurationError, ValueError) as error:
-        print(f"slow_link_sweep: {error}", file=sys.stderr)
-        return 2
-    print(text_table(*table(report)))
-    write_report(args.out, {**report, "inputs": [path.name for path in args.reports]})
-    return 0
-
+    return summarise_reports("slow_link_sweep", args.reports, sweep, table, args.out)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -85,3 +85,9 @@ def test_the_command_writes_json_and_names_a_foreign_file(tmp_path):
     refused = subprocess.run([sys.executable, str(SCRIPT), str(path), "--out", str(tmp_path / "x.json")],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "lacks the field 'runs'" in refused.stderr
+    bad_sim = tmp_path / "sim.json"
+    bad_sim.write_text("{not json")
+    refused = subprocess.run([sys.executable, str(SCRIPT), str(path), "--sim", str(bad_sim), "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--sim" in refused.stderr and "not JSON" in refused.stderr
+    assert not (tmp_path / "x.json").exists()
