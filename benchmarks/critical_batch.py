@@ -2,7 +2,7 @@
 
 McCandlish et al. (*An Empirical Model of Large-Batch Training*, arXiv 1812.06162, eq. 2.11–2.12)
 predict the samples a run at global batch ``M`` needs to reach a target as ``E(M) = E_min + S_min·M``
-(``S_min`` optimiser steps at an infinite batch, ``E_min`` samples at a batch of one), so the
+(``S_min`` optimiser steps at an infinite batch, ``E_min`` samples in the small-batch limit), so the
 critical batch ``B_crit = E_min / S_min`` is where doubling the batch stops halving the steps. The
 training simulator charges a larger batch through the same law with its ``B_noise(L)`` and learning
 curve; a ``B_noise`` that is too large late in training makes large batches look free.
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return summarise_reports("critical_batch", args.reports, lambda reports: analyse(reports, params, args.reference),
                              table, args.out, {"sim": _shown(args.sim)})
+
 
 if __name__ == "__main__":
     sys.exit(main())

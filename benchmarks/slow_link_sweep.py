@@ -17,8 +17,8 @@ target differ by their steps and the learning noise. Per link rate:
 * ``CPU floor``: the ``homogeneous`` report's ``static64`` step (the same global batch, no slow
   link) over ``static64``'s step: the machine's cores must still compute all 256 samples.
 
-A split helps only as far as both floors allow: ``proportional / static64 >= max(link floor, CPU
-floor)``.
+A split helps only as far as both floors allow: ``proportional / static64`` stays above about
+``max(link floor, CPU floor)``.
 
     for s in network network-200 network-300; do
         python benchmarks/time_to_accuracy.py --scenario $s --engine ps --num-servers 2 \\
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "slow_link_sweep.json")
     args = parser.parse_args(argv)
     return summarise_reports("slow_link_sweep", args.reports, sweep, table, args.out)
+
 
 if __name__ == "__main__":
     sys.exit(main())
