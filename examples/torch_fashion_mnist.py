@@ -7,6 +7,7 @@ r"""Data-parallel training of a small CNN on Fashion-MNIST with the BytePS API o
         --batch-size 32,48,80,96 --batch-schedule "100:64"      # per-worker batches
     bpslaunch -n 4 --policy proportional -- python examples/torch_fashion_mnist.py \
         --time-budget 120 --eval-every 15 --output run.json     # accuracy against training time
+    bpslaunch -n 2 --engine nccl -- python examples/torch_fashion_mnist.py --device cuda    # one GPU each
 
 Porting a byteps.torch script means changing one import. ``DynamicBatchSampler`` gives each
 worker its own batch size (changeable at any step with ``bps.set_batch_sizes``); gradients are
@@ -99,21 +100,28 @@ def parse_args():
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-pushpull", action="store_true",
                    help="send gradients as float16 (half the bytes; for slow links)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model trains: cuda is the GPU the nccl engine gave this worker "
+                        "(start the job with --engine nccl or auto); cpu goes with gloo and ps")
     add_batch_arguments(p)
     add_run_arguments(p, TEST_IMAGES)
     add_dataset_arguments(p)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device (CUDA build: {torch.version.cuda or 'no'}); "
+                "train on the CPU with --device cpu")
+    return args
 
 
 def evaluate(model, test_x, test_y, rank, size):
     """Test loss and accuracy: each worker scores every size-th image, the sums cover all once."""
     model.eval()
-    stats = torch.zeros(3, dtype=torch.float64)  # [sum of losses, correct, samples]
+    stats = torch.zeros(3, dtype=torch.float64, device=test_x.device)  # [sum of losses, correct, samples]
     with torch.no_grad():
         for x, y in zip(test_x[rank::size].split(1000), test_y[rank::size].split(1000)):
             out = model(x)
-            stats += torch.tensor([F.cross_entropy(out, y, reduction="sum").item(),
-                                   (out.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+            stats += torch.stack([F.cross_entropy(out, y, reduction="sum").double(),
+                                  (out.argmax(1) == y).sum().double(), torch.tensor(len(y), dtype=torch.float64, device=y.device)])
     model.train()
     stats = bps.push_pull(stats, average=False, name="test_stats")
     test_loss, accuracy = (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
@@ -130,22 +138,22 @@ def eval_subset(test_x, test_y, n):
     return test_x[chosen], test_y[chosen]
 
 
-def training_clock(rank, size, seconds):
+def training_clock(rank, size, seconds, device="cpu"):
     """The job's seconds of training, the same number on every worker (a collective): the largest of
     the workers' own ``seconds``. Workers that finish a step early wait for the others in this
     collective, which is untimed; the worker that arrives last (under ``ps``, the one behind the slow
     link, still pulling its sums) waited least, so its clock is the job's."""
-    mine = torch.zeros(size, dtype=torch.float64)
+    mine = torch.zeros(size, dtype=torch.float64, device=device)
     mine[rank] = seconds
     return bps.push_pull(mine, average=False, name="training_clock").max().item()
 
 
-def worker_statistics(rank, size):
+def worker_statistics(rank, size, device):
     """Every worker's step statistics (steps, samples, compute_s, push_pull_s), one row per rank."""
-    rows = torch.zeros(size, 4, dtype=torch.float64)
+    rows = torch.zeros(size, 4, dtype=torch.float64, device=device)
     stats = bps.step_statistics()
     rows[rank] = torch.tensor([stats.steps, stats.samples, stats.compute_s, stats.push_pull_s], dtype=torch.float64)
-    rows = bps.push_pull(rows, average=False, name="worker_statistics")
+    rows = bps.push_pull(rows, average=False, name="worker_statistics").cpu()
     return [{"rank": r, "steps": int(row[0]), "samples": int(row[1]), "compute_s": row[2].item(),
              "push_pull_s": row[3].item(), "samples_per_s": row[1].item() / row[2].item() if row[2] > 0 else 0.0}
             for r, row in enumerate(rows)]
@@ -157,6 +165,7 @@ def main():
         torch.set_num_threads(1)  # several workers share this machine's cores
     bps.init()
     rank, size = bps.rank(), bps.size()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     batch_sizes = parse_batch_sizes(args.batch_size, size)  # before the data loads: a typo fails at once
     schedule = parse_batch_schedule(args.batch_schedule, size)
     torch.manual_seed(args.seed)
@@ -166,6 +175,7 @@ def main():
     test_x, test_y = to_tensors(*load_fashion_mnist("test", root=args.data_dir))
     if args.eval_subset is not None:
         test_x, test_y = eval_subset(test_x, test_y, args.eval_subset)
+    test_x, test_y = test_x.to(device), test_y.to(device)
     if args.limit_train:
         train_x, train_y = train_x[:args.limit_train], train_y[:args.limit_train]
     train_set = TensorDataset(train_x, train_y)
@@ -175,7 +185,7 @@ def main():
         bps.set_batch_sizes(sizes, at_step=step)
     loader = DataLoader(train_set, batch_sampler=sampler)
 
-    model = MODELS[args.model]()
+    model = MODELS[args.model]().to(device)
     if args.optimizer == "adam":
         lr = args.lr if args.lr is not None else 1e-3
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -203,22 +213,23 @@ def main():
     clock, untimed_s, samples_seen, out_of_time = 0.0, 0.0, 0, False
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        stats = torch.zeros(2, dtype=torch.float64)  # [sum of losses, samples] on this worker
+        stats = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples] on this worker
         t0, steps = time.perf_counter(), 0
         batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False) if show_bar else loader
         for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             bps.report_loss(loss)  # the loss trend the batch-size policy watches
-            stats += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+            stats += torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), device=device)])
             steps += 1
             if budget == float("inf") and next_eval == float("inf"):
                 continue
             pause = time.perf_counter()
             with bps.untimed():  # the clock, evaluation and logging are not training
-                clock = training_clock(rank, size, pause - started - untimed_s)
+                clock = training_clock(rank, size, pause - started - untimed_s, device)
                 if clock >= next_eval or clock >= budget:
                     seen = samples_seen + int(bps.push_pull(stats[1:].clone(), average=False, name="seen"))
                     test_loss, accuracy = evaluate(model, test_x, test_y, rank, size)
@@ -229,7 +240,7 @@ def main():
             if clock >= budget:
                 out_of_time = True
                 break
-        stats = bps.push_pull(stats, average=False, name="train_stats")
+        stats = bps.push_pull(stats, average=False, name="train_stats").cpu()
         elapsed = time.perf_counter() - t0
         samples_seen += int(stats[1])
         noise = bps.gradient_noise_scale()
@@ -238,9 +249,9 @@ def main():
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
         if out_of_time:
             break
-    trained_s = training_clock(rank, size, time.perf_counter() - started - untimed_s)  # without the evaluation below
+    trained_s = training_clock(rank, size, time.perf_counter() - started - untimed_s, device)  # without the evaluation below
 
-    workers = worker_statistics(rank, size)
+    workers = worker_statistics(rank, size, device)
     if out_of_time:  # evaluated at the budget's last step already
         accuracy, test_loss = curve[-1][2:]
     else:

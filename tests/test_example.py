@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,10 +58,13 @@ def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(stat
     ("tf_fashion_mnist.py", "--time-budget", "nan", "--time-budget: nan must be a finite number > 0 s"),
     ("torch_fashion_mnist.py", "--limit-train", "-5", "--limit-train: value -5 must be >= 1"),
     ("tf_fashion_mnist.py", "--limit-train", "0", "--limit-train: value 0 must be >= 1"),
+    ("torch_fashion_mnist.py", "--device", "cuda", "--device cuda: torch 2"),
 ])
 def test_the_examples_refuse_a_bad_budget_evaluation_or_data_flag_before_starting(example, flag, value, message):
     if example.startswith("tf"):
         pytest.importorskip("tensorflow")
+    if value == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
     proc = subprocess.run([sys.executable, str(REPO / "examples" / example), flag, value],
                           capture_output=True, text=True, timeout=100, check=False)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
