@@ -23,10 +23,12 @@ REPO = Path(__file__).resolve().parent.parent
 def cnn_worker(batch_size: int):
     """Join the job as a worker with one torch thread, and return what the step-time benchmarks
     train: ``(bps, Net, x, y, loss_fn)``, the example's CNN class and one fixed synthetic batch
-    (``x`` float32 of shape (batch_size, 1, 28, 28), ``y`` int64 labels 0-9)."""
+    (``x`` float32 of shape (batch_size, 1, 28, 28), ``y`` int64 labels 0-9) on the device the
+    job's engine reduces on (the CPU for gloo and ps, this worker's GPU for nccl)."""
     import torch
 
     import dynamix_byteps.torch as bps
+    from dynamix_byteps import engine
 
     sys.path.insert(0, str(REPO / "examples"))
     from torch_fashion_mnist import Net
@@ -34,23 +36,27 @@ def cnn_worker(batch_size: int):
     torch.set_num_threads(1)
     bps.init()
     torch.manual_seed(0)
-    x = torch.randn(batch_size, 1, 28, 28)
-    y = torch.randint(0, 10, (batch_size,))
+    device = engine.current().device
+    x = torch.randn(batch_size, 1, 28, 28).to(device)
+    y = torch.randint(0, 10, (batch_size,)).to(device)
     return bps, Net, x, y, torch.nn.CrossEntropyLoss()
 
 
-def timed_steps(bps, step, steps: int) -> list[float]:
+def timed_steps(bps, step, steps: int, device=None) -> list[float]:
     """Seconds of each of ``steps`` calls of ``step()``, after a barrier so that every worker starts
-    timing together."""
+    timing together. On a CUDA ``device`` each step ends when the GPU has finished its work."""
     import time
 
     import torch
 
-    bps.push_pull(torch.zeros(1), name="bench.barrier")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    bps.push_pull(torch.zeros(1, device=device), name="bench.barrier")
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 

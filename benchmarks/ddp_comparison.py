@@ -2,8 +2,9 @@
 
 Three variants train the same model with the same SGD settings (lr 0.01, momentum 0.9, no LR
 scaling), the same fixed synthetic batch on every worker (64 float32 inputs of shape 1x28x28,
-labels 0-9) and the same number of steps, over the gloo process group that ``bps.init()``
-creates (torch.distributed's default group):
+labels 0-9) and the same number of steps, over the process group that ``bps.init()`` creates
+(torch.distributed's default group: gloo on the CPU, or nccl on one GPU per worker with
+``--engine nccl``, where every step is timed until the GPU has finished it):
 
 * ``DistributedOptimizer``: a plain torch model, ``bps.DistributedOptimizer(SGD(...))``; a step is
   zero_grad, forward, ``opt.set_local_batch_size(64)``, backward, ``opt.step()``;
@@ -33,6 +34,7 @@ whole interval is at or below the target, ``missed`` when it is entirely above, 
 
     python benchmarks/ddp_comparison.py --workers 2,4 --models cnn,mlp --repeats 5
     python benchmarks/ddp_comparison.py --table-only --markdown     # the README table, from --out
+    python benchmarks/ddp_comparison.py --engine nccl --workers 1 --out cuda.json    # one worker per GPU
 
 Prints a table and writes JSON (``--out``) with every repeat's per-step times (seconds).
 """
@@ -78,9 +80,16 @@ def _worker(args: argparse.Namespace) -> None:
 
     bps, Net, x, y, loss_fn = cnn_worker(args.batch_size)
     if not torch.distributed.is_initialized():
-        raise SystemExit("torch DDP needs the default process group that the gloo engine creates; "
-                         "launch with --engine gloo")
-    build = {"cnn": Net, "mlp": mlp}[args.model]
+        raise SystemExit("torch DDP needs the default process group that the gloo and nccl engines create; "
+                         "launch with --engine gloo or nccl")
+    device = x.device
+    device_ids = [device.index] if device.type == "cuda" else None
+    if device.type == "cuda":  # cuDNN's default kernels differ run to run, which the parity check would flag
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
+    def build():
+        return {"cnn": Net, "mlp": mlp}[args.model]().to(device)
 
     def distributed_optimizer():
         model = build()
@@ -97,7 +106,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     def wrapped(wrapper):
         def make():
-            model = wrapper(build())
+            model = wrapper(build(), device_ids=device_ids)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
             def step():
@@ -114,7 +123,7 @@ def _worker(args: argparse.Namespace) -> None:
     order = [name for name in VARIANTS if name in makers]
 
     def flat(model):
-        return torch.cat([p.detach().flatten() for p in model.parameters()])
+        return torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
 
     torch.manual_seed(args.seed)
     initial = flat(build())
@@ -128,9 +137,9 @@ def _worker(args: argparse.Namespace) -> None:
             model, step = makers[name]()
             for _ in range(args.warmup):
                 step()
-            step_s[name].append(timed_steps(bps, step, args.steps))
+            step_s[name].append(timed_steps(bps, step, args.steps, device))
             final[name] = flat(model)
-            same_on_every_rank[name].append(_same_on_every_rank(bps, final[name]))
+            same_on_every_rank[name].append(_same_on_every_rank(bps, final[name], device))
         moved = float((final[BASELINE] - initial).abs().max())
         for name in drift:
             drift[name].append(float((final[name] - final[BASELINE]).abs().max()) / moved)
@@ -141,14 +150,14 @@ def _worker(args: argparse.Namespace) -> None:
     bps.shutdown()
 
 
-def _same_on_every_rank(bps, params) -> bool:
+def _same_on_every_rank(bps, params, device) -> bool:
     """Whether every worker holds the same parameters as this one: four 31-bit pieces of a SHA-256
     of their bytes, summed over the workers (exact in float64), equal size x this worker's."""
     import torch
 
     digest = hashlib.sha256(params.numpy().tobytes()).digest()
     pieces = torch.tensor([int.from_bytes(digest[i:i + 4], "little") >> 1 for i in range(0, 16, 4)],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=device)
     return torch.equal(bps.push_pull(pieces, average=False, name="bench.digest"), pieces * bps.size())
 
 
@@ -156,7 +165,7 @@ def _launch(model: str, workers: int, args: argparse.Namespace) -> dict:
     """One bpslaunch job of every variant of ``model`` on ``workers`` workers; its worker result."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", "dynamix_byteps.launcher", "--engine", "gloo", "--num-workers", str(workers),
+        command = [sys.executable, "-m", "dynamix_byteps.launcher", "--engine", args.engine, "--num-workers", str(workers),
                    "--", sys.executable, __file__, "--worker", "--model", model, "--result", str(result),
                    "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--repeats", str(args.repeats), "--seed", str(args.seed)]
@@ -247,6 +256,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per variant, interleaved (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
+    parser.add_argument("--engine", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo: CPU tensors (default); nccl: one GPU per worker")
     parser.add_argument("--out", type=Path, default=RESULTS / "ddp_comparison.json")
     parser.add_argument("--table-only", action="store_true", help="run nothing: print the table of --out again")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (for README)")
@@ -286,7 +297,7 @@ def main(argv=None) -> int:
     for failure in failures:
         print(f"SANITY FAILURE: {failure}")
     if not args.table_only:
-        write_report(args.out, {"benchmark": "ddp_comparison", "batch_size": args.batch_size, "steps": args.steps,
+        write_report(args.out, {"benchmark": "ddp_comparison", "engine": args.engine, "batch_size": args.batch_size, "steps": args.steps,
                                 "warmup": args.warmup, "repeats": args.repeats, "seed": args.seed, "lr": LR,
                                 "momentum": MOMENTUM, "rows": rows, "sanity_failures": failures, "runs": runs})
     return 1 if failures else 0
