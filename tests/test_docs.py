@@ -85,7 +85,7 @@ def test_readme_is_short_and_its_links_resolve():
     missing = [t for t in targets if "://" not in t and not (REPO / t).exists()]
     assert missing == []
     assert "make demo" in text and "make test" in text
-    assert "CUDA path: unverified on hardware" in text
+    assert "CUDA path: checked on one GPU only" in text
 
 
 def test_no_docstring_points_outside_the_repository():
