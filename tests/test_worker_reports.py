@@ -19,11 +19,12 @@ K = 5
 
 
 class _RecordingClient:
-    """Stands in for SchedulerClient: keeps the reports, answers with ``latest``."""
+    """Stands in for SchedulerClient: keeps the reports, answers with ``latest``, joined at ``joined_version``."""
 
-    def __init__(self, latest=None):
+    def __init__(self, latest=None, joined_version=None):
         self.reports = []
         self._latest = latest
+        self.joined_version = joined_version if joined_version is not None else latest and latest.version
 
     def submit(self, report):
         self.reports.append(report)
@@ -85,6 +86,17 @@ def test_without_a_sampler_the_declared_batch_is_registered_and_reported(caplog)
         _train(monitor, [32] * (2 * K), plan, first_step=K)
     [said] = [r.getMessage() for r in caplog.records]
     assert "NOT applied" in said and "DynamicBatchSampler" in said
+
+
+def test_without_a_sampler_a_decision_made_before_the_first_answer_is_still_said_unapplied(caplog):
+    """The worker joined at version 0; on a loaded machine the first answer it reads may already carry
+    the policy's version 1 (CI saw it): that is a change the job cannot apply, and it is said."""
+    client = _RecordingClient(dynamix_pb2.Assignment(version=1, batch_sizes=[48]), joined_version=0)
+    monitor = _monitor(client)
+    with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.step_monitor"):
+        _train(monitor, [32] * (2 * K), BatchPlan())
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "NOT applied" in said and "[48]" in said
 
 
 def test_without_any_declared_batch_no_report_is_sent_and_the_fix_is_named(caplog):

@@ -40,6 +40,10 @@ class SchedulerClient:
         token: shared secret sent as ``x-dynamix-token`` metadata, or None.
         worker_info: called (on the client thread) whenever the worker must (re-)register.
         tls_ca: PEM CA file to verify a TLS scheduler with; None = plaintext.
+
+    Attributes:
+        joined_version: the version of the assignment in force when this worker first registered
+            (later registrations, after a scheduler restart, keep it); None before.
     """
 
     def __init__(self, address: str, token: str | None, worker_info: Callable[[], dynamix_pb2.WorkerInfo],
@@ -52,6 +56,7 @@ class SchedulerClient:
         self._cond = threading.Condition()
         self._pending: dynamix_pb2.Report | None = None
         self._latest: dynamix_pb2.Assignment | None = None
+        self.joined_version: int | None = None
         self._registered = False
         self._failing = False
         self._tls_failed = False
@@ -122,6 +127,8 @@ class SchedulerClient:
         if not self._registered:
             reply = self._stub.Register(self._worker_info(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
             self._registered = True
+            if self.joined_version is None:
+                self.joined_version = reply.assignment.version
             self._keep(reply.assignment)
         try:
             self._keep(self._stub.ReportMetrics(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata))

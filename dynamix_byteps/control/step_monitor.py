@@ -314,14 +314,11 @@ class StepMonitor:
             info.batch_size = self._declared_batch
         return info
 
-    def _say_unapplied(self, newest) -> None:
+    def _say_unapplied(self, newest, joined_version: int | None) -> None:
         """Without a sampler nothing can change the batch sizes: say so once, when the policy first
-        publishes a version newer than the one this worker joined with."""
-        if newest is None or self._said_unapplied:
-            return
-        if self._scheduler_version_seen < 0:
-            self._scheduler_version_seen = newest.version
-        if newest.version == self._scheduler_version_seen:
+        publishes a version newer than the one this worker joined with (its first registration's,
+        not the first it read: on a loaded machine that may already be the policy's)."""
+        if newest is None or joined_version is None or self._said_unapplied or newest.version == joined_version:
             return
         log.error("the scheduler's policy assigned batch sizes %s, but this job has no DynamicBatchSampler, so "
                   "they are NOT applied and every worker keeps its own; draw batches with "
@@ -337,7 +334,7 @@ class StepMonitor:
         proposal = torch.zeros(2 + size, dtype=torch.int64)
         schedule = self._schedule()
         if self.engine.rank == 0 and self._client is not None and schedule is None:
-            self._say_unapplied(self._client.latest())
+            self._say_unapplied(self._client.latest(), self._client.joined_version)
         if self.engine.rank == 0 and self._client is not None and schedule is not None:
             newest = self._client.latest()
             if (newest is not None and newest.version != self._scheduler_version_seen
