@@ -49,13 +49,14 @@ def test_model_fit_under_the_proportional_policy_reaches_80_percent(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_path):
-    """Keras epochs of 1,000 samples (4 steps), many of them in 6 s: the budget, not the epochs, ends training."""
-    metrics, _ = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "6",
+    """Keras epochs of 1,000 samples (4 steps), several of them in 10 s: the budget, not the epochs, ends
+    training. (With 6 s, a loaded CI machine spent all of it in the first epoch: 4.6 s tracing the first step.)"""
+    metrics, _ = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "10",
                        "--eval-every", "1", "--eval-subset", "500")
     curve = metrics["curve"]
     assert metrics["test_samples"] == 500 and len(curve) >= 3
     times = [p["train_s"] for p in curve]
-    assert times == sorted(times) and times[-1] >= 6.0 and metrics["train_s"] >= 6.0
+    assert times == sorted(times) and times[-1] >= 10.0 and metrics["train_s"] >= 10.0
     assert metrics["test_accuracy"] == curve[-1]["test_accuracy"]  # the budget's last evaluation is the result
     assert metrics["samples"] > 1000 and metrics["samples"] == curve[-1]["samples"]  # past the first Keras epoch
     assert sum(w["samples"] for w in metrics["worker_statistics"]) == metrics["samples"]
