@@ -120,8 +120,9 @@ def evaluate(model, test_x, test_y, rank, size):
     with torch.no_grad():
         for x, y in zip(test_x[rank::size].split(1000), test_y[rank::size].split(1000)):
             out = model(x)
-            stats += torch.stack([F.cross_entropy(out, y, reduction="sum").double(),
-                                  (out.argmax(1) == y).sum().double(), torch.tensor(len(y), dtype=torch.float64, device=y.device)])
+            stats[0] += F.cross_entropy(out, y, reduction="sum")
+            stats[1] += (out.argmax(1) == y).sum()
+            stats[2] += len(y)
     model.train()
     stats = bps.push_pull(stats, average=False, name="test_stats")
     test_loss, accuracy = (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
@@ -223,7 +224,8 @@ def main():
             loss.backward()
             optimizer.step()
             bps.report_loss(loss)  # the loss trend the batch-size policy watches
-            stats += torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), device=device)])
+            stats[0] += loss.detach().double() * len(y)  # in place on the device: no copy, no wait for the GPU
+            stats[1] += len(y)
             steps += 1
             if budget == float("inf") and next_eval == float("inf"):
                 continue
