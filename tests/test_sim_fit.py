@@ -227,25 +227,27 @@ def test_a_folder_without_permission_is_a_usage_error(tmp_path):
 # ---- noise-scale calibration from runs at several global batches ------------------------------
 
 
-def _simulated_static_run(path: Path, local_batch: int, stats) -> Path:
-    """A decision log of a simulated static run (2 workers) whose progress follows ``stats``."""
+def simulated_static_run(path: Path, local_batch: int, stats, decisions: int = 40, interval: int = 20, seed: int = 0) -> Path:
+    """A decision log of a simulated static run (2 workers, ``decisions`` decisions at most, one every
+    ``interval`` steps) whose progress follows ``stats``."""
     import numpy as np
 
     from dynamix_byteps.policy.sim.dynamics import Simulator
     from dynamix_byteps.policy.sim.params import reference
 
-    params = replace(reference(2), initial_batch=(local_batch,) * 2, stats=stats)
-    sim = Simulator(params, rng=np.random.default_rng(0))
+    params = replace(reference(2), initial_batch=(local_batch,) * 2, stats=stats, decision_interval=interval,
+                     max_decisions=decisions)
+    sim = Simulator(params, rng=np.random.default_rng(seed))
     sim.reset()
     lines = []
-    for decision in range(1, 40):
+    for decision in range(1, decisions):
         n = params.num_workers
         lines.append(json.dumps({"decision": decision, "step": sim.steps, "batch_sizes": [local_batch] * n, "state": {
             "workers": {"batch_size": [local_batch] * n, "compute_s": list(sim.last["compute_s"]),
                         "push_pull_s": list(sim.last["push_pull_s"]), "samples_per_s": [1.0] * n,
                         "loss": [sim.loss_history[-1]] * n, "reports": [2] * n},
             "noise_scale": sim.last["noise_scale"]}}))
-        if sim.step([local_batch] * n).terminated:
+        if sim.step([local_batch] * n).terminated or sim.done:
             break
     path.mkdir()
     (path / "decisions.jsonl").write_text("\n".join(lines) + "\n")
@@ -272,7 +274,7 @@ def test_runs_at_several_global_batches_calibrate_the_noise_scale_that_sets_prog
     # Progress set by a B_noise 8x (and growing faster than) the one the workers measure; no loss noise.
     truth = replace(reference(2).stats, noise_scale=400.0, noise_growth=growth, measured_noise_scale=50.0,
                     measured_noise_growth=1.0, loss_noise=0.0, noise_scale_noise=0.0)
-    runs = [_simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
+    runs = [simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
     single = fit_run(runs[1]).stats
     assert single.measured_noise_scale is None  # one run cannot tell the law from τ
     stats = fit_run(*runs).stats
@@ -315,12 +317,28 @@ def test_a_loss_curve_with_a_slow_tail_is_fitted_with_it_and_keeps_the_noise_law
 
     truth = replace(reference(2).stats, noise_scale=400.0, noise_growth=1.0, measured_noise_scale=50.0,
                     measured_noise_growth=1.0, loss_noise=0.0, noise_scale_noise=0.0, loss_tail=1.0)
-    runs = [_simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
+    runs = [simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
     stats = fit_run(*runs).stats
     assert stats.loss_tail in (0.75, 1.0, 1.5)
     assert stats.noise_scale == pytest.approx(400, rel=0.3) and stats.noise_growth == pytest.approx(1.0, abs=0.25)
     assert main(["sim", "fit", *map(str, runs), "--out", str(tmp_path / "p.json")]) == 0
     assert SimParams.from_json(tmp_path / "p.json").stats.loss_tail == stats.loss_tail
+
+
+def test_a_run_that_never_learned_is_left_out_of_the_calibration(tmp_path, capsys):
+    """A run at global 1024 of the example diverged and stayed at chance; among the calibration runs
+    it made the law's B0 3 instead of the truth's 400 (its flat curve laid on the others')."""
+    from dynamix_byteps.policy.sim.params import reference
+
+    truth = replace(reference(2).stats, noise_scale=400.0, noise_growth=1.0, measured_noise_scale=50.0,
+                    measured_noise_growth=1.0, loss_noise=0.0, noise_scale_noise=0.0)
+    learned = [simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
+    diverged = simulated_static_run(tmp_path / "b512", 512, replace(truth, steps_scale=1e9))
+    stats = fit_run(*learned, diverged).stats
+    assert stats.noise_scale == pytest.approx(400, rel=0.2) and stats.noise_growth == pytest.approx(1.0, abs=0.25)
+    assert main(["sim", "fit", str(learned[0]), str(diverged), "--out", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"left out of the loss model: {diverged / 'decisions.jsonl'}" in out and "noise scale not calibrated" in out
 
 
 # ---- per-worker links of a ps run ---------------------------------------------------------------
@@ -371,7 +389,7 @@ def test_the_target_loss_is_where_the_runs_ended(tmp_path, capsys, ended_at):
 
     # The simulated run stops at its own target; the fit ends its episodes there, not at the reference's 0.4.
     truth = replace(reference(2).stats, target_loss=ended_at, loss_noise=0.0, noise_scale_noise=0.0)
-    run = _simulated_static_run(tmp_path / "run", 512, truth)
+    run = simulated_static_run(tmp_path / "run", 512, truth)
     lines = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
     last_losses = [line["state"]["workers"]["loss"][0] for line in lines[-5:]]
     assert min(last_losses) < ended_at * 1.2

@@ -53,6 +53,7 @@ def run_fit(args: argparse.Namespace) -> int:
         MIN_GLOBAL_BATCH_SPREAD,
         fit_log,
         global_batch_spread,
+        learned,
         load_log,
         replay,
     )
@@ -80,7 +81,13 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"episodes end at loss {s.target_loss:.3f}, where the runs ended (record runs as long as the jobs the "
           "policy will drive)")
     if calibration:
-        spread = global_batch_spread([log, *calibration])
+        runs = [log, *calibration]
+        flags = learned(runs)
+        for run, ok in zip(runs, flags):
+            if not ok:
+                print(f"left out of the loss model: {run.path} (its loss never fell below where the other runs started; "
+                      "did it diverge?)")
+        spread = global_batch_spread([run for run, ok in zip(runs, flags) if ok] or runs)
         print(f"noise scale calibrated with {len(calibration)} more run(s): progress uses B_noise {s.noise_scale:.1f} "
               f"(growth {s.noise_growth:.2f}), the workers measure {s.measured_noise_scale:.1f} (growth "
               f"{s.measured_noise_growth:.2f})" if s.measured_noise_scale is not None else

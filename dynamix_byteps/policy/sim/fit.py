@@ -68,7 +68,8 @@ What is fitted (units: seconds, samples):
   kept as ``measured_noise_scale``/``measured_noise_growth``, what the scheduler is shown. One run,
   or runs whose median global batches differ by less than :data:`MIN_GLOBAL_BATCH_SPREAD`, cannot
   tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
-  timings, bounds and K come from ``RUN_DIR``.
+  timings, bounds and K come from ``RUN_DIR``. A run that never learned (:func:`learned`: one
+  that diverged) is left out of the statistics, target loss included.
 
 Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links of a
 ring run (every rank moves at the slowest link's pace, so they cannot be told apart), the
@@ -99,7 +100,7 @@ from dynamix_byteps.policy.sim.params import (
 )
 
 __all__ = ["LOSS_TAILS", "MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
-           "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "load_log",
+           "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "learned", "load_log",
            "replay"]
 
 #: A worker's batches must span at least this fraction of their mean for a_i and θ_i to be separated.
@@ -386,8 +387,22 @@ def end_loss(losses: Sequence[np.ndarray]) -> float:
     return float(np.median(ends)) if ends else math.nan
 
 
+def learned(logs: Sequence[RunLog]) -> list[bool]:
+    """Per run, whether its loss, averaged over :data:`END_INTERVALS` consecutive logged intervals,
+    ever fell below the lowest of the runs' first such averages (where the fastest start stood): a
+    run that did not (one that diverged, or logged too few losses) says nothing of the job's
+    learning curve. With fewer than two runs that logged enough losses, every run counts."""
+    window = np.ones(END_INTERVALS) / END_INTERVALS
+    smoothed = [np.convolve(log.loss[np.isfinite(log.loss)], window, mode="valid") for log in logs]
+    starts = [x[0] for x in smoothed if x.size]
+    if len(starts) < 2:
+        return [True] * len(logs)
+    return [bool(x.size) and bool(x.min() < min(starts)) for x in smoothed]
+
+
 def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     ref = _REF.stats
+    logs = [log for log, kept in zip(logs, learned(logs)) if kept] or list(logs)
     losses = [np.where(log.loss > 0, log.loss, np.nan) for log in logs]  # the simulator's loss is positive
     loss_seen = np.concatenate([loss[np.isfinite(loss)] for loss in losses])
     l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
