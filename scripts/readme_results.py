@@ -19,6 +19,8 @@ A generated table sits between two marker comments; everything between them is r
 * ``ps_engine``: ``benchmarks/ps_engine.py``'s markdown table;
 * ``critical_batch``: ``benchmarks/critical_batch.py``'s table (samples to each target per global
   batch, their ratios to the reference batch beside the simulator's, the fitted critical batch);
+* ``sim_calibration``: ``benchmarks/sim_calibration.py``'s table (samples to each training loss per
+  global batch, recorded and simulated, as ratios to the reference batch);
 * ``slow_link_sweep``: ``benchmarks/slow_link_sweep.py``'s table (step times per link rate, the ratio
   with its interval and verdict, the slow-link worker's batch and times, the link and CPU floors);
 * ``sim_scaling``: ``benchmarks/sim_scaling.py``'s cells (``table``) as policy x worker count:
@@ -50,6 +52,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import critical_batch
 import ddp_comparison
 import ps_engine
+import sim_calibration
 import slow_link_sweep
 import time_to_accuracy as time_to_accuracy_benchmark
 from common import RESULTS, bootstrap_medians, interval90, markdown_table, verdict
@@ -137,7 +140,7 @@ def sim_scaling(report: dict) -> str:
 
 RENDERERS = {"time_to_accuracy": time_to_accuracy, "ddp_comparison": ddp, "ps_engine": ps_engine.markdown,
              "sim_scaling": sim_scaling, "slow_link_sweep": slow_link_sweep.markdown,
-             "critical_batch": critical_batch.markdown}
+             "critical_batch": critical_batch.markdown, "sim_calibration": sim_calibration.markdown}
 
 
 def render(text: str, results: Path = RESULTS) -> str:
