@@ -15,6 +15,7 @@ directory after it, so the new content survives a power loss once the call retur
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from collections.abc import Iterator
@@ -50,13 +51,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
 
     Raises:
         ValueError: ``mode`` is not ``"w"`` or ``"wb"``.
-        OSError: the directory or temporary file cannot be created, writing, fsync or the rename
-            fails (``path`` unchanged), or the fsync of the directory after the rename fails
+        OSError: ``path`` exists and is not a regular file or a directory (``errno.EINVAL``;
+            a device node would otherwise be replaced by a file), the directory or temporary file
+            cannot be created, writing, fsync or the rename fails (``path`` unchanged), or the fsync of the directory after the rename fails
             (then the new content is in place but may not be durable).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', not {mode!r}")
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # a directory: os.replace refuses it below
+        raise OSError(errno.EINVAL, "exists and is not a regular file (a device, pipe or socket), which a "
+                      "replacement would destroy; name a file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)

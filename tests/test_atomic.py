@@ -44,3 +44,15 @@ def test_text_mode(tmp_path):
     assert path.read_text(encoding="utf-8") == "θ = 1\n"
     with pytest.raises(ValueError, match="mode"), atomic_write(path, "a"):
         pass
+
+
+def test_a_path_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_path):
+    """``sim fit --out /dev/full`` replaced the device node with a JSON file (as root)."""
+    import errno
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as error:
+        write_atomic(fifo, "{}")
+    assert error.value.errno == errno.EINVAL and error.value.filename == str(fifo)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
