@@ -107,6 +107,12 @@ def test_params_reject_bad_fields(mutate, needle):
         SimParams.from_dict(data)
 
 
+@pytest.mark.parametrize("data", [[1, 2], "x", None, 3])
+def test_params_that_are_not_a_json_object_are_refused(data):
+    with pytest.raises(ConfigurationError, match="must be a JSON object"):  # was a TypeError for a list
+        SimParams.from_dict(data)
+
+
 def test_scenarios_tile_to_more_workers():
     p = job("straggler", workers=8)
     slowed = [r for r, w in enumerate(p.workers) if w.slowdowns]

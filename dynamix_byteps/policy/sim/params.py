@@ -250,6 +250,8 @@ class SimParams:
     @classmethod
     def from_dict(cls, data: dict) -> SimParams:
         """Inverse of :meth:`to_dict`. Raises :class:`ConfigurationError` on unknown or bad fields."""
+        if not isinstance(data, dict):
+            raise ConfigurationError(f"simulator parameters must be a JSON object, not {type(data).__name__}")
         data = dict(data)
         version = data.pop("schema_version", SCHEMA_VERSION)
         _check(version == SCHEMA_VERSION, f"schema_version={version!r}; this version reads {SCHEMA_VERSION}")
