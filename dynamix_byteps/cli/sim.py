@@ -50,6 +50,8 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
 def run_fit(args: argparse.Namespace) -> int:
     """Fit, write and print; UsageError for an unusable log."""
     from dynamix_byteps.policy.sim.fit import (
+        END_INTERVALS,
+        LEARNED_DROP,
         MIN_GLOBAL_BATCH_SPREAD,
         fit_log,
         global_batch_spread,
@@ -71,6 +73,8 @@ def run_fit(args: argparse.Namespace) -> int:
     except ConfigurationError as error:
         raise UsageError(f"argument RUN_DIR: {error}") from None
     out = args.out or (log.path.parent / FITTED_FILE)
+    if any(out.resolve() == run.path.resolve() for run in (log, *calibration)):
+        raise UsageError(f"argument --out: {out} is one of the decision logs being fitted; name another file")
     params.to_json(out)
     print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")
     print(format_fit_table(replay(params, log), [f.method for f in fits]))
@@ -80,15 +84,18 @@ def run_fit(args: argparse.Namespace) -> int:
           f"{'exponential' if s.loss_tail is None else f'α {s.loss_tail:g}'}; K {params.decision_interval}")
     print(f"episodes end at loss {s.target_loss:.3f}, where the runs ended (record runs as long as the jobs the "
           "policy will drive)")
-    if calibration:
-        runs = [log, *calibration]
-        flags = learned(runs)
-        for run, ok in zip(runs, flags):
-            if not ok:
-                print(f"left out of the loss model: {run.path} (its loss never fell below where the other runs started; "
-                      "did it diverge?)")
-        spread = global_batch_spread([run for run, ok in zip(runs, flags) if ok] or runs)
-        print(f"noise scale calibrated with {len(calibration)} more run(s): progress uses B_noise {s.noise_scale:.1f} "
+    runs = [log, *calibration]
+    flags = learned(runs)
+    for run, ok in zip(runs, flags):
+        if not ok:
+            print(f"left out of the loss model: {run.path} (its loss, averaged over {END_INTERVALS} intervals, never fell "
+                  f"{LEARNED_DROP:.0%} below where it started, or it logged fewer than {END_INTERVALS} losses: did it "
+                  "diverge?)")
+    if not any(flags):
+        print("no run learned: the noise scale and the loss curve keep their reference values; record runs that learn")
+    elif calibration:
+        spread = global_batch_spread([run for run, ok in zip(runs, flags) if ok])
+        print(f"noise scale calibrated with {sum(flags[1:])} more run(s): progress uses B_noise {s.noise_scale:.1f} "
               f"(growth {s.noise_growth:.2f}), the workers measure {s.measured_noise_scale:.1f} (growth "
               f"{s.measured_noise_growth:.2f})" if s.measured_noise_scale is not None else
               f"noise scale not calibrated: the runs' median global batches differ by x{spread:.2f}, less than "

@@ -69,7 +69,8 @@ What is fitted (units: seconds, samples):
   or runs whose median global batches differ by less than :data:`MIN_GLOBAL_BATCH_SPREAD`, cannot
   tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
   timings, bounds and K come from ``RUN_DIR``. A run that never learned (:func:`learned`: one
-  that diverged) is left out of the statistics, target loss included.
+  that diverged or stalled) is left out of the statistics, target loss included; when none
+  learned, the statistics keep their reference values.
 
 Not fitted: slowdowns that vary in time (they widen the jitter instead), per-worker links of a
 ring run (every rank moves at the slowest link's pace, so they cannot be told apart), the
@@ -117,6 +118,8 @@ NOISE_GROWTHS = np.linspace(0.0, 3.0, 13)
 LOSS_TAILS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, None)
 #: The target loss is where the runs ended: each run's mean over this many last intervals, median over runs.
 END_INTERVALS = 5
+#: A run learned if its smoothed loss fell at least this fraction below where it started (:func:`learned`).
+LEARNED_DROP = 0.25
 _REF = reference(1)
 
 
@@ -388,21 +391,27 @@ def end_loss(losses: Sequence[np.ndarray]) -> float:
 
 
 def learned(logs: Sequence[RunLog]) -> list[bool]:
-    """Per run, whether its loss, averaged over :data:`END_INTERVALS` consecutive logged intervals,
-    ever fell below the lowest of the runs' first such averages (where the fastest start stood): a
-    run that did not (one that diverged, or logged too few losses) says nothing of the job's
-    learning curve. With fewer than two runs that logged enough losses, every run counts."""
-    window = np.ones(END_INTERVALS) / END_INTERVALS
-    smoothed = [np.convolve(log.loss[np.isfinite(log.loss)], window, mode="valid") for log in logs]
-    starts = [x[0] for x in smoothed if x.size]
-    if len(starts) < 2:
-        return [True] * len(logs)
-    return [bool(x.size) and bool(x.min() < min(starts)) for x in smoothed]
+    """Per run, whether it learned: its positive losses, averaged over :data:`END_INTERVALS`
+    consecutive logged intervals, fell at least :data:`LEARNED_DROP` below their first average.
+    A run that did not (one that diverged or stalled from the start, or that logged fewer than
+    ``END_INTERVALS`` positive losses) says nothing of the job's learning curve. Each run is judged
+    on its own losses, so one odd run cannot disqualify the others."""
+    out = []
+    for log in logs:
+        loss = log.loss[np.isfinite(log.loss) & (log.loss > 0)]
+        if loss.size < END_INTERVALS:
+            out.append(False)
+            continue
+        smoothed = np.convolve(loss, np.ones(END_INTERVALS) / END_INTERVALS, mode="valid")
+        out.append(bool(smoothed.min() <= (1.0 - LEARNED_DROP) * smoothed[0]))
+    return out
 
 
 def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     ref = _REF.stats
-    logs = [log for log, kept in zip(logs, learned(logs)) if kept] or list(logs)
+    logs = [log for log, kept in zip(logs, learned(logs)) if kept]
+    if not logs:
+        return ref
     losses = [np.where(log.loss > 0, log.loss, np.nan) for log in logs]  # the simulator's loss is positive
     loss_seen = np.concatenate([loss[np.isfinite(loss)] for loss in losses])
     l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
