@@ -28,6 +28,7 @@ Prints the table and writes JSON (``--out``, default ``benchmarks/results/sim_ca
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -46,10 +47,13 @@ LOSSES = (0.5, 0.4, 0.3, 0.25)
 def samples_to_loss(log: RunLog, loss: float) -> float | None:
     """Samples ``log``'s run had trained when its training loss, averaged over ``END_INTERVALS``
     consecutive logged intervals (placed at the mean of their middles), first fell to ``loss``;
-    linear between the two averages around the crossing. None: never, or already at the first."""
+    linear between the two averages around the crossing. None: never, already at the first, or
+    fewer than ``END_INTERVALS`` losses logged."""
     per_interval = np.diff(log.steps, prepend=0) * log.batch.sum(axis=1)
     middle = np.cumsum(per_interval) - per_interval / 2.0
     known = np.isfinite(log.loss)
+    if known.sum() < END_INTERVALS:
+        return None
     window = np.ones(END_INTERVALS) / END_INTERVALS
     losses = np.convolve(log.loss[known], window, mode="valid")
     samples = np.convolve(middle[known], window, mode="valid")
@@ -84,6 +88,8 @@ def analyse(logs: list[RunLog], sims: dict[str, SimParams], losses, reference: i
     of_run = [int(round(float(np.median(log.batch.sum(axis=1))))) for log in logs]
     batches = sorted(set(of_run))
     reference = of_run[0] if reference is None else reference
+    if len(batches) < 2:
+        raise ValueError(f"every run has global batch {batches[0]}; give runs at two or more global batches")
     if reference not in batches:
         raise ValueError(f"the runs have global batches {batches}; --reference {reference} must be one")
     rows = []
@@ -133,8 +139,8 @@ def _losses(text: str) -> list[float]:
         values = [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of losses, e.g. 0.4,0.3") from None
-    if not values or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every loss must be > 0")
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every loss must be a finite number > 0")
     return values
 
 
@@ -158,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim_calibration: {error}", file=sys.stderr)
         return 2
     print(text_table(*table(report)))
-    write_report(args.out, report)
+    try:
+        write_report(args.out, report)
+    except OSError as error:
+        print(f"sim_calibration: --out {args.out}: {error.strerror or error}", file=sys.stderr)
+        return 2
     return 0
 
 

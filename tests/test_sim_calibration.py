@@ -35,6 +35,8 @@ def test_samples_to_loss_crosses_the_smoothed_loss_and_says_never_or_before_the_
     assert samples_to_loss(log, 1.5) is None  # already below at the first mean
     noisy = _log([1.2, 1.1, np.nan, 1.0, 0.9, 0.8, 0.7])  # an interval without a loss is skipped
     assert samples_to_loss(noisy, 0.95) == pytest.approx(3700)  # middles 3100 and 4300
+    assert samples_to_loss(_log([1.0, 0.5, np.nan]), 0.4) is None  # too few losses to average (was 0.3 = 1.5/5)
+    assert samples_to_loss(_log([np.nan] * 6), 0.4) is None
 
 
 def test_the_fit_of_simulated_runs_reproduces_their_samples_ratios(tmp_path):
@@ -52,18 +54,25 @@ def test_the_fit_of_simulated_runs_reproduces_their_samples_ratios(tmp_path):
     assert row["one run"]["ratio"][3] > recorded[3] * 1.1  # the measured noise scale (50) overcharges
 
 
-def test_the_cli_refuses_one_run_a_bad_reference_and_a_missing_log(tmp_path, capsys):
-    run = simulated_static_run(tmp_path / "b64", 64, reference(2).stats)
+def test_the_cli_refuses_bad_runs_losses_reference_and_out(tmp_path, capsys):
+    run = simulated_static_run(tmp_path / "b64", 64, reference(2).stats)  # global 128
+    other = simulated_static_run(tmp_path / "b32", 32, reference(2).stats)  # global 64
     with pytest.raises(SystemExit) as exit_:
         main([str(run)])
     assert exit_.value.code == 2 and "at least two runs" in capsys.readouterr().err
-    assert main([str(run), str(run), "--reference", "256", "--out", str(tmp_path / "out.json")]) == 2
-    assert "global batches [128]; --reference 256 must be one" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main([str(run), str(run), "--losses", "0.3,x"])
-    assert "comma-separated list of losses" in capsys.readouterr().err
-    assert main([str(run), str(tmp_path / "missing"), "--out", str(tmp_path / "out.json")]) == 2
-    assert "sim_calibration:" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+    for losses, message in (("0.3,x", "comma-separated list of losses"), ("0.3,inf", "finite number > 0")):
+        with pytest.raises(SystemExit):
+            main([str(run), str(other), "--losses", losses])
+        assert message in capsys.readouterr().err
+    out = tmp_path / "out.json"
+    assert main([str(run), str(run), "--out", str(out)]) == 2
+    assert "every run has global batch 128; give runs at two or more" in capsys.readouterr().err
+    assert main([str(run), str(other), "--reference", "256", "--out", str(out)]) == 2
+    assert "global batches [64, 128]; --reference 256 must be one" in capsys.readouterr().err
+    assert main([str(run), str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "sim_calibration:" in capsys.readouterr().err and not out.exists()
+    assert main([str(run), str(other), "--out", str(tmp_path)]) == 2  # was an IsADirectoryError traceback
+    assert f"--out {tmp_path}:" in capsys.readouterr().err
 
 
 def test_runs_at_one_global_batch_pool_by_their_median():
