@@ -341,9 +341,9 @@ def test_a_run_that_never_learned_is_left_out_of_the_calibration(tmp_path, capsy
     assert f"left out of the loss model: {diverged / 'decisions.jsonl'}" in out and "noise scale not calibrated" in out
 
 
-def _with_losses(run: Path, losses) -> Path:
-    """A copy of ``run`` beside it whose i-th decision logs ``losses(i)`` on every worker (None: no loss)."""
-    copy = run.with_name(run.name + "-edited")
+def _with_losses(run: Path, name: str, losses) -> Path:
+    """A copy ``name`` of ``run`` beside it whose i-th decision logs ``losses(i)`` on every worker (None: no loss)."""
+    copy = run.with_name(name)
     copy.mkdir()
     lines = [json.loads(line) for line in (run / "decisions.jsonl").read_text().splitlines()]
     for i, line in enumerate(lines):
@@ -360,15 +360,17 @@ def test_each_run_is_judged_on_its_own_losses(tmp_path, capsys):
     truth = replace(reference(2).stats, noise_scale=400.0, noise_growth=1.0, measured_noise_scale=50.0,
                     measured_noise_growth=1.0, loss_noise=0.0, noise_scale_noise=0.0)
     good = [simulated_static_run(tmp_path / f"b{b}", b, truth) for b in (64, 128, 256)]
-    rising = _with_losses(good[1], lambda i: 0.2 + 0.05 * i)
-    no_losses = _with_losses(good[2], lambda i: None)
-    few = _with_losses(good[0], lambda i: 1.0 if i < 3 else None)
-    stats = fit_run(*good, rising, no_losses, few).stats
+    rising = _with_losses(good[1], "rising", lambda i: 0.2 + 0.05 * i)
+    no_losses = _with_losses(good[2], "no-losses", lambda i: None)
+    few = _with_losses(good[0], "few", lambda i: 1.0 if i < 3 else None)
+    blew_up = _with_losses(good[0], "blew-up", lambda i: 2.0 / (1 + i) if i < 20 else 1.5 ** (i - 20))  # then diverged
+    odd = (rising, no_losses, few, blew_up)
+    stats = fit_run(*good, *odd).stats
     assert stats == fit_run(*good).stats
-    assert main(["sim", "fit", *map(str, (*good, rising, no_losses, few)), "--out", str(tmp_path / "p.json")]) == 0
+    assert main(["sim", "fit", *map(str, (*good, *odd)), "--out", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     left_out = [line.split(": ")[1].split(" (")[0] for line in out.splitlines() if line.startswith("left out")]
-    assert left_out == [str(d / "decisions.jsonl") for d in (rising, no_losses, few)]
+    assert left_out == [str(d / "decisions.jsonl") for d in odd]
     assert "calibrated with 2 more run(s)" in out
     assert main(["sim", "fit", str(no_losses), str(rising), "--out", str(tmp_path / "q.json")]) == 0
     assert "no run learned: the noise scale and the loss curve keep their reference values" in capsys.readouterr().out
