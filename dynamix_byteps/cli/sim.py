@@ -88,7 +88,7 @@ def run_fit(args: argparse.Namespace) -> int:
     flags = learned(runs)
     for run, ok in zip(runs, flags):
         if not ok:
-            print(f"left out of the loss model: {run.path} (its loss, averaged over {END_INTERVALS} intervals, never fell "
+            print(f"left out of the loss model: {run.path} (its loss, averaged over {END_INTERVALS} intervals, did not end "
                   f"{LEARNED_DROP:.0%} below where it started, or it logged fewer than {END_INTERVALS} losses: did it "
                   "diverge?)")
     if not any(flags):

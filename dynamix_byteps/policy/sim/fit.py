@@ -118,7 +118,7 @@ NOISE_GROWTHS = np.linspace(0.0, 3.0, 13)
 LOSS_TAILS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, None)
 #: The target loss is where the runs ended: each run's mean over this many last intervals, median over runs.
 END_INTERVALS = 5
-#: A run learned if its smoothed loss fell, and ended, at least this fraction below its start (:func:`learned`).
+#: A run learned if its smoothed loss ended at least this fraction below where it started (:func:`learned`).
 LEARNED_DROP = 0.25
 _REF = reference(1)
 
@@ -392,8 +392,7 @@ def end_loss(losses: Sequence[np.ndarray]) -> float:
 
 def learned(logs: Sequence[RunLog]) -> list[bool]:
     """Per run, whether it learned: its positive losses, averaged over :data:`END_INTERVALS`
-    consecutive logged intervals, fell at least :data:`LEARNED_DROP` below their first average and
-    ended there. A run that did not (one that stalled or diverged, from the start or after
+    consecutive logged intervals, ended at least :data:`LEARNED_DROP` below their first average. A run that did not (one that stalled or diverged, from the start or after
     learning for a while, or that logged fewer than ``END_INTERVALS`` positive losses) says nothing
     of the job's learning curve. Each run is judged on its own losses, so one odd run cannot
     disqualify the others."""
@@ -404,7 +403,7 @@ def learned(logs: Sequence[RunLog]) -> list[bool]:
             out.append(False)
             continue
         smoothed = np.convolve(loss, np.ones(END_INTERVALS) / END_INTERVALS, mode="valid")
-        out.append(bool(max(smoothed.min(), smoothed[-1]) <= (1.0 - LEARNED_DROP) * smoothed[0]))
+        out.append(bool(smoothed[-1] <= (1.0 - LEARNED_DROP) * smoothed[0]))
     return out
 
 
