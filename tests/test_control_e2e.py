@@ -155,7 +155,7 @@ def test_multi_host_policy_without_a_token_is_refused():
 def test_normal_training_never_gets_a_report_refused(tmp_path, mode, extra):
     """Epochs ending in a partial step under --min-batch (the step's mean batch fell below the bound)
     and the minimal port without a DynamicBatchSampler (it registered batch_size=0): every report
-    is accepted and every interval decided."""
+    is accepted and decisions go on to the end."""
     job = bpslaunch("-n", 2, "--policy", "proportional", "--decision-interval", 4, *extra, "--log-dir", tmp_path,
                     "--", sys.executable, REPO / "tests/scripts/partial_epoch_worker.py", mode)
     try:
@@ -165,8 +165,13 @@ def test_normal_training_never_gets_a_report_refused(tmp_path, mode, extra):
     assert job.returncode == 0, output
     assert "refused" not in output and "INVALID_ARGUMENT" not in output, output
     steps = [json.loads(line)["step"] for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
-    # 3 epochs of 32 steps, one decision every 4. How soon the first comes depends on the start-up of
-    # processes on a loaded machine, and the last interval's may race the job's end; none between.
+    # 3 epochs of 32 steps, one report every 4. A refused report is logged ("refused a report", asserted
+    # absent above) and that rank's intervals then go undecided to the end. Decisions may skip intervals:
+    # a worker's client replaces an unsent report with the newer one (it never blocks training), so on a
+    # loaded machine one slow call coalesces several (CI: [8, 40, 44, ...]).
     assert steps and steps[0] <= 48 and steps[-1] >= 92, steps
-    assert all(later - earlier == 4 for earlier, later in zip(steps, steps[1:])), steps
-    assert ("NOT applied" in output) == (mode == "declared")
+    assert all(later > earlier for earlier, later in zip(steps, steps[1:])), steps
+    # Whether proportional changes two equal workers' sizes at all (past its hysteresis) depends on the
+    # machine's load, so the "NOT applied" warning of the declared port is tested in test_worker_reports;
+    # with a sampler the assignment is applied and never warned about.
+    assert mode == "declared" or "NOT applied" not in output
