@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least two runs, at different global batches")
     try:
         logs = [load_log(run) for run in args.runs]
-        sims = {"fit": fit_log(logs[0], logs[1:])[0], "one run": fit_log(logs[0])[0], args.sim.stem if args.sim.stem !=
-                "sim_params" else args.sim.parent.name: SimParams.from_json(args.sim)}
+        named = args.sim.parent.name if args.sim.stem == "sim_params" else args.sim.stem  # a library policy's folder
+        sims = {"fit": fit_log(logs[0], logs[1:])[0], "one run": fit_log(logs[0])[0], named: SimParams.from_json(args.sim)}
         report = analyse(logs, sims, args.losses, args.reference)
     except (ConfigurationError, ValueError) as error:
         print(f"sim_calibration: {error}", file=sys.stderr)

@@ -53,8 +53,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
         ValueError: ``mode`` is not ``"w"`` or ``"wb"``.
         OSError: ``path`` exists and is not a regular file or a directory (``errno.EINVAL``;
             a device node would otherwise be replaced by a file), the directory or temporary file
-            cannot be created, writing, fsync or the rename fails (``path`` unchanged), or the fsync of the directory after the rename fails
-            (then the new content is in place but may not be durable).
+            cannot be created, writing, fsync or the rename fails (``path`` unchanged), or the
+            fsync of the directory after the rename fails (then the new content is in place but
+            may not be durable).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', not {mode!r}")

@@ -392,10 +392,11 @@ def end_loss(losses: Sequence[np.ndarray]) -> float:
 
 def learned(logs: Sequence[RunLog]) -> list[bool]:
     """Per run, whether it learned: its positive losses, averaged over :data:`END_INTERVALS`
-    consecutive logged intervals, ended at least :data:`LEARNED_DROP` below their first average. A run that did not (one that stalled or diverged, from the start or after
-    learning for a while, or that logged fewer than ``END_INTERVALS`` positive losses) says nothing
-    of the job's learning curve. Each run is judged on its own losses, so one odd run cannot
-    disqualify the others."""
+    consecutive logged intervals, ended at least :data:`LEARNED_DROP` below their first average.
+    A run that did not (one that stalled or diverged, from the start or after learning for a
+    while, or that logged fewer than ``END_INTERVALS`` positive losses) says nothing of the job's
+    learning curve. Each run is judged on its own losses, so one odd run cannot disqualify the
+    others."""
     out = []
     for log in logs:
         loss = log.loss[np.isfinite(log.loss) & (log.loss > 0)]
