@@ -65,7 +65,10 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
                       "replacement would destroy; name a file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    except OSError as error:  # name the file the caller asked for, not the temporary one
+        raise OSError(error.errno, f"{error.strerror} (cannot create a file in {path.parent})", str(path)) from error
     try:
         with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f

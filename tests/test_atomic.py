@@ -56,3 +56,10 @@ def test_a_path_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_pat
         write_atomic(fifo, "{}")
     assert error.value.errno == errno.EINVAL and error.value.filename == str(fifo)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
+
+
+def test_a_directory_that_refuses_new_files_is_reported_under_the_callers_name(tmp_path):
+    """``sim fit --out /proc/x.json`` named the hidden temporary file in its error."""
+    with pytest.raises(OSError) as error:
+        write_atomic("/proc/x.json", "{}")
+    assert error.value.filename == "/proc/x.json" and "cannot create a file in /proc" in str(error.value)
