@@ -232,7 +232,9 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
     cli = [sys.executable, "-m", "dynamix_byteps.cli", "policy", "train", "--out", str(tmp_path / "p")]
     for args, needle in [(["--scenario", "nope"], "unknown scenario"),
                          (["--scenario", "straggler", "--reward", "speed=1"], "unknown reward weight"),
-                         (["--scenario", "straggler", "--iterations", "0"], "--iterations")]:
+                         (["--scenario", "straggler", "--iterations", "0"], "--iterations"),
+                         (["--scenario", "straggler", "--imitate", "static"], "invalid choice: 'static'"),
+                         (["--scenario", "straggler", "--imitate", "goodput", "--init", "x"], "not allowed with")]:
         result = subprocess.run(cli + args, capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and needle in result.stderr, result.stderr
     assert not (tmp_path / "p").exists()
@@ -247,6 +249,38 @@ def test_bpslaunch_checks_the_policy_before_starting_anything(args, needle):
     result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", *args, "--", "true"],
                             capture_output=True, text=True, timeout=100, check=False)
     assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+# ---- imitation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(900)
+def test_a_policy_cloned_from_proportional_starts_ppo_at_proportional(tmp_path):
+    """``imitate``: after two tiny PPO iterations the greedy policy drives the straggler job as
+    proportional does, far ahead of static; without the clone it is a near-uniform network."""
+    summary = train_policy(tmp_path / "p", imitate="proportional", imitation_episodes=6, **TINY)
+    cloned = summary["imitation"]
+    assert cloned["teacher"] == "proportional" and cloned["episodes"] == 6 and cloned["agreement"] > 0.9
+    training = json.loads((tmp_path / "p" / "features.json").read_text())["training"]
+    assert training["imitation"]["teacher"] == "proportional" and training["ppo"]["lr"] == 1.5e-4
+    assert not list(tmp_path.glob("p/.*"))  # the clone's scratch directory is gone
+    policies = {"ppo": PPOPolicy(path=tmp_path / "p"), "proportional": make_policy("proportional"),
+                "static": make_policy("static")}
+    rows = compare(policies, [from_scenario(scenario("straggler"))], episodes=3, seed=50)
+    seconds = {r["policy"]: r["mean_time_to_target_s"] for r in rows}
+    assert seconds["ppo"] <= 1.1 * seconds["proportional"] and 1.1 * seconds["proportional"] < seconds["static"], seconds
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options, needle", [({"imitate": "static"}, "cannot imitate 'static'; choose one of proportional, goodput"),
+                                             ({"imitate": "goodput", "init": "x"}, "not both"),
+                                             ({"imitate": "goodput", "imitation_episodes": 0}, "imitation episodes must be >= 1")])
+def test_imitation_is_checked_before_ray_starts(tmp_path, options, needle):
+    from dynamix_byteps.policy.ppo.train import train
+
+    with pytest.raises(ConfigurationError, match=needle):
+        train(tmp_path / "p", ["straggler"], progress=False, **options)
+    assert not (tmp_path / "p").exists()
 
 
 # ---- determinism -------------------------------------------------------------------------------

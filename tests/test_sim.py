@@ -20,6 +20,7 @@ from dynamix_byteps.policy.ppo.mdp import (
     apply_ladder,
     check_ladder,
     keep_index,
+    ladder_actions,
     ladder_factors,
 )
 from dynamix_byteps.policy.sim import (
@@ -279,6 +280,27 @@ def test_the_fine_ladder_reaches_sizes_between_the_coarse_rungs():
     assert apply_actions(_state(), [3, 3, 3], fine) == (38, 38, 76)
     with pytest.raises(ConfigurationError, match="unknown action ladder 'odd'; known: coarse, fine, full"):
         ladder_factors("odd")
+
+
+def test_ladder_actions_invert_the_ladder_and_keep_inside_the_dead_band():
+    full = ladder_factors("full")
+    b = np.array([64, 64, 64, 64, 64, 64, 20])
+    low, high = np.full(7, 16.0), np.full(7, 512.0)
+    wanted = np.array([32, 45, 54, 64, 76, 90, 8])
+    actions = ladder_actions(b, wanted, low, high, full)
+    assert actions.tolist() == [0, 1, 2, 3, 4, 5, 1]  # 8 is below the bound: 16 (÷1.4 of 20) is nearest
+    assert apply_ladder(b, actions, low, high, full)[:6].tolist() == [32, 46, 54, 64, 76, 90]
+    one = (b[:1], low[:1], high[:1])
+    results = [apply_ladder(one[0], np.array([a]), *one[1:], full)[0] for a in range(len(full))]
+    for target in (17.0, 40.0, 70.0, 100.0, 300.0):  # always the rung whose result is nearest
+        got = apply_ladder(one[0], ladder_actions(one[0], np.array([target]), *one[1:], full), *one[1:], full)[0]
+        assert abs(math.log(got / target)) == pytest.approx(min(abs(math.log(r / target)) for r in results))
+    assert ladder_actions(b[:2], np.array([70, 59]), low[:2], high[:2], full, deadband=0.2).tolist() == [3, 3]
+    assert ladder_actions(b[:2], np.array([80, 50]), low[:2], high[:2], full, deadband=0.2).tolist() == [4, 2]
+    with pytest.raises(ValueError, match="must be equal 1-d shapes"):
+        ladder_actions(b, wanted[:3], low, high, full)
+    with pytest.raises(ValueError, match="sizes must be >= 1"):
+        ladder_actions(b, np.zeros(7), low, high, full)
 
 
 @pytest.mark.parametrize("factors", [[0.5, 1.0], [0.5, 0.7, 1.0, 1.4, 3.0], [0.5, 1.0, 0.7, 1.4, 2.0], [1.0],

@@ -19,6 +19,7 @@ from dynamix_byteps.argtypes import float_in, int_in, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
+from dynamix_byteps.policy.ppo.imitate import TEACHERS
 from dynamix_byteps.policy.ppo.mdp import LADDERS
 from dynamix_byteps.policy.ppo.policy_format import read_metadata
 from dynamix_byteps.policy.ppo.served import prepare_served
@@ -85,8 +86,12 @@ def add_parser(sub) -> None:
     t.add_argument("--no-randomise", action="store_true", help="train on the scenarios exactly (no domain randomisation)")
     t.add_argument("--reward", type=_weight, action="append", default=[], metavar="KEY=VALUE",
                    help="reward weight: progress, step_time, batch_change or accuracy (repeatable)")
-    t.add_argument("--init", type=Path, metavar="CHECKPOINT",
-                   help="start from this checkpoint's network (DIR/checkpoint of an earlier training): fine-tuning")
+    start = t.add_mutually_exclusive_group()
+    start.add_argument("--init", type=Path, metavar="CHECKPOINT",
+                       help="start from this checkpoint's network (DIR/checkpoint of an earlier training): fine-tuning")
+    start.add_argument("--imitate", choices=TEACHERS, metavar="HEURISTIC",
+                       help=f"start from a network cloned from this heuristic ({', '.join(TEACHERS)}) in the training "
+                            "simulator, so PPO starts at its return and looks for where to differ")
     t.add_argument("--ladder", choices=list(LADDERS), default="coarse",
                    help="action ladder: coarse (÷2, ÷1.4, keep, ×1.4, ×2; default), fine (÷1.4, ÷1.18, keep, ×1.18, "
                         "×1.4) or full (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2) for jobs whose balanced batches fall "
@@ -222,10 +227,14 @@ def run_train(args: argparse.Namespace) -> int:
         summary = train(args.out, args.scenario or [], iterations=args.iterations, seed=args.seed, workers=args.workers,
                         reward=weights, scenario_file=args.scenario_file, params=params,
                         randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder,
-                        profiles=profiles, held_out=held_out)
+                        profiles=profiles, held_out=held_out, imitate=args.imitate)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     final = summary["final_return"]
+    if summary["imitation"]:
+        cloned = summary["imitation"]
+        print(f"started from a clone of {cloned['teacher']}: {cloned['agreement']:.0%} of its decisions "
+              f"({cloned['decisions']} in {cloned['episodes']} episodes, mean return {cloned['teacher_mean_return']:.3f})")
     print(f"trained {summary['iterations']} iterations in {summary['seconds']:.0f} s; mean episode return "
           f"{'n/a' if final is None else f'{final:.3f}'} (last iteration)")
     print(f"policy: {args.out} (policy.onnx, features.json); checkpoint: {summary['checkpoint']}")

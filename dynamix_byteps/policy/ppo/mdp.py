@@ -48,7 +48,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState
 
 __all__ = ["KEEP", "LADDER", "LADDERS", "LADDER_LENGTHS", "MAX_FACTOR", "RewardWeights", "apply_actions", "apply_ladder", "check_ladder",
-           "keep_index", "ladder_factors", "reward"]
+           "keep_index", "ladder_actions", "ladder_factors", "reward"]
 
 #: Batch-size factors an action index selects (index :data:`KEEP` = no change): the default ladder.
 LADDER = (0.5, 1.0 / 1.4, 1.0, 1.4, 2.0)
@@ -161,6 +161,43 @@ def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: 
     new = np.clip(new, np.ceil(b / MAX_FACTOR - 1e-9), np.floor(b * MAX_FACTOR + 1e-9))
     new = np.minimum(np.maximum(new, np.asarray(low, dtype=np.float64)), np.asarray(high, dtype=np.float64))
     return np.maximum(new, 1).astype(np.int64)
+
+
+def ladder_actions(batch: np.ndarray, target: np.ndarray, low: np.ndarray, high: np.ndarray,
+                   ladder: tuple[float, ...] = LADDER, deadband: float = 0.0) -> np.ndarray:
+    """The ladder indices that bring ``batch`` nearest to ``target``: the inverse of :func:`apply_ladder`.
+
+    Per worker, the index whose :func:`apply_ladder` result is closest to the target in
+    ``|log(result / target)|`` (ties go to the index nearer "keep"); "keep" outright when the
+    target is within ``deadband`` of the current size (``|target / b − 1|`` below it in either
+    direction, i.e. ``|log(target / b)| < log(1 + deadband)``).
+
+    Args:
+        batch, target: current and wanted local sizes, arrays (N,), each >= 1.
+        low, high: inclusive bounds, arrays (N,) (``high`` may hold ``inf``).
+        ladder: the factors (:func:`check_ladder`).
+        deadband: relative change, >= 0, below which "keep" is chosen.
+
+    Returns:
+        int64 array (N,) of indices into ``ladder``.
+
+    Raises:
+        ValueError: mismatched shapes, a size below 1 or a negative dead band.
+    """
+    batch = np.asarray(batch, dtype=np.int64)
+    target = np.asarray(target, dtype=np.float64)
+    if batch.shape != target.shape or batch.ndim != 1:
+        raise ValueError(f"batch {batch.shape} and target {target.shape} must be equal 1-d shapes")
+    if batch.size and (batch.min() < 1 or target.min() < 1):
+        raise ValueError(f"sizes must be >= 1, got batch {batch.tolist()} and target {target.tolist()}")
+    if not deadband >= 0:
+        raise ValueError(f"deadband {deadband!r} must be >= 0")
+    keep = keep_index(len(ladder))
+    results = np.stack([apply_ladder(batch, np.full(batch.shape, a), low, high, ladder) for a in range(len(ladder))])
+    distance = np.abs(np.log(results / target)) + 1e-9 * np.abs(np.arange(len(ladder)) - keep)[:, None]
+    actions = distance.argmin(axis=0)
+    actions[np.abs(np.log(target / batch)) < math.log1p(deadband)] = keep
+    return actions.astype(np.int64)
 
 
 def apply_actions(state: ClusterState, actions, ladder: tuple[float, ...] = LADDER) -> tuple[int, ...]:
