@@ -16,7 +16,7 @@ scenario but the one held aside for evaluation (:data:`HELD_OUT`)::
     python scripts/build_policy_library.py fit                     # -> library/small-cnn-sgd/profiles.json
     dynamix policy train --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json \
         --workers 4,8,16,32 --ladder full --reward step_time=0.08 --reward batch_change=0.03 \
-        --reward accuracy=30 --imitate proportional --seed 12 --out runs/lib/small-cnn-sgd
+        --reward accuracy=30 --seed 12 --out runs/lib/small-cnn-sgd
     python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd \
         --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json
 
