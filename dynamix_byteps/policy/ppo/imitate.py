@@ -32,7 +32,7 @@ import numpy as np
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.mdp import keep_index, ladder_actions
 
-__all__ = ["DEADBAND", "TEACHERS", "Demonstrations", "clone", "demonstrations"]
+__all__ = ["DEADBAND", "TEACHERS", "Demonstrations", "check_imitation", "clone", "demonstrations"]
 
 #: Relative size change below which a teacher's decision is cloned as "keep" (module docstring).
 DEADBAND = 0.2
@@ -57,6 +57,14 @@ class Demonstrations:
     episode_returns: tuple[float, ...]
 
 
+def check_imitation(teacher: str, episodes: int) -> None:
+    """Raise :class:`ConfigurationError` unless ``teacher`` is in :data:`TEACHERS` and ``episodes`` >= 1."""
+    if teacher not in TEACHERS:
+        raise ConfigurationError(f"cannot imitate {teacher!r}; choose one of {', '.join(TEACHERS)}")
+    if episodes < 1:
+        raise ConfigurationError(f"imitation episodes must be >= 1, got {episodes}")
+
+
 def demonstrations(env, teacher: str, episodes: int, seed: int, gamma: float,
                    deadband: float = DEADBAND) -> Demonstrations:
     """Run ``teacher`` through ``episodes`` episodes of ``env`` (module docstring).
@@ -74,10 +82,7 @@ def demonstrations(env, teacher: str, episodes: int, seed: int, gamma: float,
     from dynamix_byteps.policy import make_policy
     from dynamix_byteps.policy.guardrails import Guarded
 
-    if teacher not in TEACHERS:
-        raise ConfigurationError(f"cannot imitate {teacher!r}; choose one of {', '.join(TEACHERS)}")
-    if episodes < 1:
-        raise ConfigurationError(f"imitation episodes must be >= 1, got {episodes}")
+    check_imitation(teacher, episodes)
     keep = keep_index(len(env.ladder))
     observations, actions, returns, totals = [], [], [], []
     for episode in range(episodes):

@@ -183,14 +183,11 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
                       "scenario_file": str(scenario_file) if scenario_file else None}
     padded = env_class(env_config).padded  # also validates the configuration before Ray starts
     if imitate is not None:
-        from dynamix_byteps.policy.ppo.imitate import TEACHERS
+        from dynamix_byteps.policy.ppo.imitate import check_imitation
 
-        if imitate not in TEACHERS:
-            raise ConfigurationError(f"cannot imitate {imitate!r}; choose one of {', '.join(TEACHERS)}")
+        check_imitation(imitate, imitation_episodes)
         if init is not None:
             raise ConfigurationError("start from a checkpoint (init) or from a cloned heuristic (imitate), not both")
-        if imitation_episodes < 1:
-            raise ConfigurationError(f"imitation episodes must be >= 1, got {imitation_episodes}")
     init_dir = module_dir(init).resolve() if init is not None else None
     steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
     ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
