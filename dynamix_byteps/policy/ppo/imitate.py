@@ -134,7 +134,7 @@ def clone(module, demos: Demonstrations, *, epochs: int = 200, lr: float = 1e-3,
     weight = weight / weight.mean()
 
     def logits_of(batch):
-        return module._forward({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS].reshape(len(batch), -1, num_actions)
+        return module.forward_train({Columns.OBS: batch})[Columns.ACTION_DIST_INPUTS].reshape(len(batch), -1, num_actions)
 
     generator = torch.Generator().manual_seed(seed)
     optimiser = torch.optim.Adam(module.parameters(), lr=lr)

@@ -250,7 +250,7 @@ def _cloned_teacher(module_path: Path, env, teacher: str, episodes: int, seed: i
 
     from dynamix_byteps.policy.ppo.imitate import DEADBAND, clone, demonstrations
 
-    demos = demonstrations(env, teacher, episodes, seed, gamma)
+    demos = demonstrations(env, teacher, episodes, seed, gamma, DEADBAND)
     torch.manual_seed(seed)
     module = PerWorkerPPOModule(observation_space=env.observation_space, action_space=env.action_space,
                                 model_config=model_config)
