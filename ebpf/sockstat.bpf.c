@@ -26,7 +26,7 @@ struct sock_stat {
     __u64 bytes_sent;    /* bytes returned by send calls on this socket, bytes */
     __u64 bytes_recv;    /* bytes returned by receive calls (MSG_PEEK excluded), bytes */
     __u64 bytes_acked;   /* bytes the peer acknowledged (tcp_sock.bytes_acked, tcp_info's tcpi_bytes_acked) */
-    __u64 busy_us;       /* time with data queued or in flight as tcp_info's tcpi_busy_time, microseconds */
+    __u64 busy_us;       /* tcp_info's tcpi_busy_time - tcpi_rwnd_limited: data queued or in flight, not held back by the peer's window, microseconds */
     __u64 delivery_rate; /* latest delivery-rate sample as tcp_info's tcpi_delivery_rate, bytes/s (0: none) */
     __u32 tgid;          /* process that first sent/received on it (global pid namespace) */
     __u32 srtt_us;       /* smoothed RTT, microseconds (tcp_sock.srtt_us >> 3) */
@@ -85,11 +85,13 @@ static __always_inline void refresh(struct sock_stat *st, struct tcp_sock *tp)
     if (delivered && interval_us)
         st->delivery_rate = delivered * tp->mss_cache * 1000000 / interval_us;
     st->bytes_acked = tp->bytes_acked;
-    /* tcp_get_info_chrono_stats (net/ipv4/tcp.c): the busy, receive-window-limited and
-     * send-buffer-limited chronographs, plus the running one, in jiffies. chrono_type is a
-     * 2-bit field on older kernels, hence the probed bitfield read. */
-    __u64 jiffies = (__u64)tp->chrono_stat[0] + tp->chrono_stat[1] + tp->chrono_stat[2];
-    if (BPF_CORE_READ_BITFIELD_PROBED(tp, chrono_type))
+    /* tcp_get_info_chrono_stats (net/ipv4/tcp.c) less the receive-window-limited chronograph
+     * (tcpi_busy_time - tcpi_rwnd_limited): the busy and send-buffer-limited chronographs, plus
+     * the running one unless it is the receive-window one, in jiffies. chrono_type is a 2-bit
+     * field on older kernels, hence the probed bitfield read. */
+    __u64 jiffies = (__u64)tp->chrono_stat[TCP_CHRONO_BUSY - 1] + tp->chrono_stat[TCP_CHRONO_SNDBUF_LIMITED - 1];
+    __u32 running = BPF_CORE_READ_BITFIELD_PROBED(tp, chrono_type);
+    if (running && running != TCP_CHRONO_RWND_LIMITED)
         jiffies += (__u32)((__u32)bpf_jiffies64() - tp->chrono_start);
     if (CONFIG_HZ)
         st->busy_us = jiffies * (1000000 / CONFIG_HZ);

@@ -54,8 +54,10 @@ class SocketDelivery(NamedTuple):
 
     Attributes:
         acked_bytes: growth of ``tcpi_bytes_acked`` (RFC 4898 ThruOctetsAcked), bytes.
-        busy_s: growth of ``tcpi_busy_time`` (Linux >= 4.10): time with data queued or in
-            flight, receive-window- and send-buffer-limited time included, counted in whole
+        busy_s: growth of ``tcpi_busy_time - tcpi_rwnd_limited`` (Linux >= 4.10): time with
+            data queued or in flight, less the time the peer's receive window held sending back
+            (a receiver that does not read is not the path's fault: a reader stopped for 0.5 s
+            during 2 MB on an unshaped link took its rate from 45 to 4 MB/s), counted in whole
             kernel jiffies (1-10 ms), seconds.
         sample_bytes_per_s: the kernel's latest delivery-rate sample (``tcpi_delivery_rate``,
             Linux >= 4.9: one flight's delivered bytes over its send-or-ack interval), bytes/s;

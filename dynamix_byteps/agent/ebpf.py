@@ -90,7 +90,8 @@ class SocketEntry:
 
     Addresses are ``(host, port)``; bytes in bytes, ``srtt_s`` in seconds, ``cwnd`` in segments,
     ``retransmits`` in segments, ``send_queue_bytes`` and ``bytes_acked`` in bytes, ``busy_s``
-    the time the socket had data queued or in flight in seconds (whole kernel jiffies; 0 where
+    the time the socket had data queued or in flight and the peer's receive window did not hold
+    it back, in seconds (whole kernel jiffies; 0 where
     the kernel config is unreadable, and then the rate falls back to the kernel's sample),
     ``delivery_rate_bytes_per_s`` the kernel's latest delivery-rate sample in bytes/s (0
     before the first; kept while idle).

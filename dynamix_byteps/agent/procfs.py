@@ -71,7 +71,7 @@ _TCP_INFO_LAYOUT = (
     ("total_retrans", 100, "I"), ("bytes_acked", 120, "Q"), ("bytes_received", 128, "Q"),
     ("notsent_bytes", 144, "I"), ("data_segs_out", 156, "I"),
     ("delivery_rate", 160, "Q"),  # Linux >= 4.9
-    ("busy_time_us", 168, "Q"),  # Linux >= 4.10
+    ("busy_time_us", 168, "Q"), ("rwnd_limited_us", 176, "Q"),  # Linux >= 4.10
     ("bytes_sent", 200, "Q"), ("bytes_retrans", 208, "Q"),  # Linux >= 4.19
 )
 _TCP_INFO_FIELDS = tuple((name, offset, struct.Struct("=" + code)) for name, offset, code in _TCP_INFO_LAYOUT)
@@ -97,6 +97,8 @@ class TcpInfo:
         delivery_rate: the kernel's latest delivery-rate sample, bytes/s (0: no sample yet).
         busy_time_us: time the socket had data queued or in flight, microseconds in whole
             kernel jiffies (see :class:`.base.SocketDelivery`).
+        rwnd_limited_us: the part of ``busy_time_us`` in which the peer's receive window held
+            sending back, microseconds in whole kernel jiffies.
     """
 
     state: int
@@ -112,6 +114,7 @@ class TcpInfo:
     bytes_retrans: int | None = None
     delivery_rate: int | None = None
     busy_time_us: int | None = None
+    rwnd_limited_us: int | None = None
 
 
 def parse_tcp_info(buf: bytes) -> TcpInfo:
@@ -220,7 +223,7 @@ class _Counters:
 class _Socket:
     base: _Counters  # kernel counters when first seen (zero for sockets born after the pid was first seen)
     last: _Counters  # last counters seen, less base, never decreasing
-    delivered: tuple[int, float]  # (tcpi_bytes_acked in bytes, tcpi_busy_time in s) at the previous sample
+    delivered: tuple[int, float]  # (tcpi_bytes_acked in bytes, tcpi_busy_time - tcpi_rwnd_limited in s) at the previous sample
 
 
 @dataclass
@@ -384,7 +387,7 @@ class ProcCollector(NetworkCollector):
             real_inode, info, outq, inq = got
             sent, received = self._app_bytes(info, outq, inq)
             retrans = info.total_retrans or 0
-            delivered = (info.bytes_acked or 0, (info.busy_time_us or 0) / 1e6)
+            delivered = (info.bytes_acked or 0, ((info.busy_time_us or 0) - (info.rwnd_limited_us or 0)) / 1e6)
             old = proc.sockets.get(real_inode)
             if old is None:
                 if proc.seen:  # born since the last sample: counts from its start
