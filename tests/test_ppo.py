@@ -234,7 +234,9 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
                          (["--scenario", "straggler", "--reward", "speed=1"], "unknown reward weight"),
                          (["--scenario", "straggler", "--iterations", "0"], "--iterations"),
                          (["--scenario", "straggler", "--imitate", "static"], "invalid choice: 'static'"),
-                         (["--scenario", "straggler", "--imitate", "goodput", "--init", "x"], "not allowed with")]:
+                         (["--scenario", "straggler", "--imitate", "goodput", "--init", "x"], "not allowed with"),
+                         (["--scenario", "straggler", "--imitate", "goodput", "--imitation-deadband", "1.5"],
+                          "imitation dead band must be in [0, 1)")]:
         result = subprocess.run(cli + args, capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and needle in result.stderr, result.stderr
     assert not (tmp_path / "p").exists()
@@ -263,6 +265,7 @@ def test_a_policy_cloned_from_proportional_starts_ppo_at_proportional(tmp_path):
     assert cloned["teacher"] == "proportional" and cloned["episodes"] == 6 and cloned["agreement"] > 0.9
     training = json.loads((tmp_path / "p" / "features.json").read_text())["training"]
     assert training["imitation"]["teacher"] == "proportional" and training["ppo"]["lr"] == 1.5e-4
+    assert training["imitation"]["deadband"] == 0.1
     assert not list(tmp_path.glob("p/.*"))  # the clone's scratch directory is gone
     policies = {"ppo": PPOPolicy(path=tmp_path / "p"), "proportional": make_policy("proportional"),
                 "static": make_policy("static")}
@@ -274,7 +277,8 @@ def test_a_policy_cloned_from_proportional_starts_ppo_at_proportional(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("options, needle", [({"imitate": "static"}, "cannot imitate 'static'; choose one of proportional, goodput"),
                                              ({"imitate": "goodput", "init": "x"}, "not both"),
-                                             ({"imitate": "goodput", "imitation_episodes": 0}, "imitation episodes must be >= 1")])
+                                             ({"imitate": "goodput", "imitation_episodes": 0}, "imitation episodes must be >= 1"),
+                                             ({"imitate": "goodput", "imitation_deadband": -0.1}, r"dead band must be in \[0, 1\)")])
 def test_imitation_is_checked_before_ray_starts(tmp_path, options, needle):
     from dynamix_byteps.policy.ppo.train import train
 

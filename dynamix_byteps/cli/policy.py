@@ -19,7 +19,7 @@ from dynamix_byteps.argtypes import float_in, int_in, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
-from dynamix_byteps.policy.ppo.imitate import TEACHERS
+from dynamix_byteps.policy.ppo.imitate import DEADBAND, TEACHERS
 from dynamix_byteps.policy.ppo.mdp import LADDERS
 from dynamix_byteps.policy.ppo.policy_format import read_metadata
 from dynamix_byteps.policy.ppo.served import prepare_served
@@ -92,6 +92,9 @@ def add_parser(sub) -> None:
     start.add_argument("--imitate", choices=TEACHERS, metavar="HEURISTIC",
                        help=f"start from a network cloned from this heuristic ({', '.join(TEACHERS)}) in the training "
                             "simulator, so PPO starts at its return and looks for where to differ")
+    t.add_argument("--imitation-deadband", type=float, default=DEADBAND, metavar="FRACTION",
+                   help=f"with --imitate: a size change of the heuristic under this fraction is cloned as 'keep' "
+                        f"(default {DEADBAND}; keep it under the ladder's smallest rung, 0.18)")
     t.add_argument("--ladder", choices=list(LADDERS), default="coarse",
                    help="action ladder: coarse (÷2, ÷1.4, keep, ×1.4, ×2; default), fine (÷1.4, ÷1.18, keep, ×1.18, "
                         "×1.4) or full (÷2, ÷1.4, ÷1.18, keep, ×1.18, ×1.4, ×2) for jobs whose balanced batches fall "
@@ -227,7 +230,8 @@ def run_train(args: argparse.Namespace) -> int:
         summary = train(args.out, args.scenario or [], iterations=args.iterations, seed=args.seed, workers=args.workers,
                         reward=weights, scenario_file=args.scenario_file, params=params,
                         randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder,
-                        profiles=profiles, held_out=held_out, imitate=args.imitate)
+                        profiles=profiles, held_out=held_out, imitate=args.imitate,
+                        imitation_deadband=args.imitation_deadband)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     final = summary["final_return"]

@@ -11,11 +11,12 @@ the kickstarting idea of Schmitt et al., *Kickstarting Deep Reinforcement Learni
 (:class:`~dynamix_byteps.policy.guardrails.Guarded`), decides every interval of episodes of the
 training environment; each decision becomes the ladder actions nearest to it
 (:func:`~dynamix_byteps.policy.ppo.mdp.ladder_actions`) and those actions drive the episode, so the
-states are the ones the cloned policy will meet. Below a dead band (default 20%) a change counts
+states are the ones the cloned policy will meet. Below a dead band (default 10%) a change counts
 as "keep": a heuristic re-balances on every noisy measurement, and those small moves carry no
-signal the network could learn from the observation. The band is coarse: on a fitted straggler job
-``proportional`` moves fast workers from 64 to 74–76, which it clones as "keep" (``deadband``
-narrows it).
+signal the network could learn from the observation. The band must stay under the ladder's
+smallest rung (×1.18): at 20%, ``proportional``'s 64 → 74–76 moves of a fitted straggler job's
+fast workers were cloned as "keep", and the clone left two of three fast workers at 64 on the
+real job.
 
 **Fit** (:func:`clone`): cross-entropy on the actions, each action class weighted by the inverse
 square root of its frequency ("keep" is >90% of the actions; unweighted, the network learns
@@ -35,7 +36,7 @@ from dynamix_byteps.policy.ppo.mdp import keep_index, ladder_actions
 __all__ = ["DEADBAND", "TEACHERS", "Demonstrations", "check_imitation", "clone", "demonstrations"]
 
 #: Relative size change below which a teacher's decision is cloned as "keep" (module docstring).
-DEADBAND = 0.2
+DEADBAND = 0.1
 #: Policies a network can be cloned from (``dynamix policy train --imitate NAME``).
 TEACHERS = ("proportional", "goodput")
 
@@ -57,12 +58,15 @@ class Demonstrations:
     episode_returns: tuple[float, ...]
 
 
-def check_imitation(teacher: str, episodes: int) -> None:
-    """Raise :class:`ConfigurationError` unless ``teacher`` is in :data:`TEACHERS` and ``episodes`` >= 1."""
+def check_imitation(teacher: str, episodes: int, deadband: float = DEADBAND) -> None:
+    """Raise :class:`ConfigurationError` unless ``teacher`` is in :data:`TEACHERS`, ``episodes`` >= 1
+    and ``deadband`` (a relative size change) is in [0, 1)."""
     if teacher not in TEACHERS:
         raise ConfigurationError(f"cannot imitate {teacher!r}; choose one of {', '.join(TEACHERS)}")
     if episodes < 1:
         raise ConfigurationError(f"imitation episodes must be >= 1, got {episodes}")
+    if not 0 <= deadband < 1:
+        raise ConfigurationError(f"imitation dead band must be in [0, 1) (a relative change; 0.1 is 10%), got {deadband}")
 
 
 def demonstrations(env, teacher: str, episodes: int, seed: int, gamma: float,
@@ -77,12 +81,12 @@ def demonstrations(env, teacher: str, episodes: int, seed: int, gamma: float,
         gamma: the discount of the returns, in (0, 1].
 
     Raises:
-        ConfigurationError: an unknown teacher or episodes < 1.
+        ConfigurationError: an unknown teacher, episodes < 1 or a dead band outside [0, 1).
     """
     from dynamix_byteps.policy import make_policy
     from dynamix_byteps.policy.guardrails import Guarded
 
-    check_imitation(teacher, episodes)
+    check_imitation(teacher, episodes, deadband)
     keep = keep_index(len(env.ladder))
     observations, actions, returns, totals = [], [], [], []
     for episode in range(episodes):

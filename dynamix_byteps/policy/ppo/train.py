@@ -33,6 +33,7 @@ import numpy as np
 
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.policy.ppo.imitate import DEADBAND, check_imitation, clone, demonstrations
 from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
@@ -108,7 +109,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
           reward: RewardWeights | None = None, scenario_file=None, params: dict | None = None,
           randomise: bool = True, hidden: int = 64, progress: bool = True, init=None, ladder: str = "coarse",
           profiles=None, held_out=(), imitate: str | None = None, imitation_episodes: int = 40,
-          **ppo_overrides) -> dict:
+          imitation_deadband: float = DEADBAND, **ppo_overrides) -> dict:
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
 
     Args:
@@ -139,6 +140,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
             of the training environment instead of random weights
             (:mod:`~dynamix_byteps.policy.ppo.imitate`); the training record keeps the teacher,
             its mean return and the clone's agreement with it. Not with ``init``.
+        imitation_deadband: relative size change, in [0, 1), below which a teacher's decision
+            is cloned as "keep" (:mod:`~dynamix_byteps.policy.ppo.imitate`).
         ppo_overrides: replace entries of :data:`PPO_SETTINGS`.
 
     Returns:
@@ -147,8 +150,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
 
     Raises:
         ConfigurationError: a bad scenario, worker count, reward weight or ladder name, a profile
-            fitted to a held-out scenario, an unknown teacher, or ``imitate`` with ``init`` (before
-            Ray starts).
+            fitted to a held-out scenario, an unknown teacher, a dead band outside [0, 1), or
+            ``imitate`` with ``init`` (before Ray starts).
     """
     import torch
     from tqdm import tqdm
@@ -183,9 +186,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
                       "scenario_file": str(scenario_file) if scenario_file else None}
     padded = env_class(env_config).padded  # also validates the configuration before Ray starts
     if imitate is not None:
-        from dynamix_byteps.policy.ppo.imitate import check_imitation
-
-        check_imitation(imitate, imitation_episodes)
+        check_imitation(imitate, imitation_episodes, imitation_deadband)
         if init is not None:
             raise ConfigurationError("start from a checkpoint (init) or from a cloned heuristic (imitate), not both")
     init_dir = module_dir(init).resolve() if init is not None else None
@@ -205,7 +206,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
         warnings.simplefilter("ignore", DeprecationWarning)
         if imitate is not None:
             init_dir = Path(scratch)
-            metadata["imitation"] = _cloned_teacher(init_dir, env_class(env_config), imitate, imitation_episodes, seed,
+            metadata["imitation"] = _cloned_teacher(init_dir, env_class(env_config), imitate, imitation_episodes,
+                                                    imitation_deadband, seed,
                                                     {"hidden": hidden, "padded": padded, "dynamix": metadata},
                                                     float(ppo_overrides.get("gamma", PPO_SETTINGS["gamma"])))
         algo = ppo_config(env_config, seed, hidden=hidden, metadata=metadata, padded=padded, env=env_class,
@@ -242,19 +244,17 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     return summary
 
 
-def _cloned_teacher(module_path: Path, env, teacher: str, episodes: int, seed: int, model_config: dict,
+def _cloned_teacher(module_path: Path, env, teacher: str, episodes: int, deadband: float, seed: int, model_config: dict,
                     gamma: float) -> dict:
     """Clone ``teacher`` into a fresh network saved at ``module_path`` (an RLModule directory, what
     ``init`` restores); return the record of it for the training metadata."""
     import torch
 
-    from dynamix_byteps.policy.ppo.imitate import DEADBAND, clone, demonstrations
-
-    demos = demonstrations(env, teacher, episodes, seed, gamma, DEADBAND)
+    demos = demonstrations(env, teacher, episodes, seed, gamma, deadband)
     torch.manual_seed(seed)
     module = PerWorkerPPOModule(observation_space=env.observation_space, action_space=env.action_space,
                                 model_config=model_config)
     fit = clone(module, demos, seed=seed)
     module.save_to_path(str(module_path))
-    return {"teacher": teacher, "episodes": episodes, "decisions": len(demos.actions), "deadband": DEADBAND,
+    return {"teacher": teacher, "episodes": episodes, "decisions": len(demos.actions), "deadband": deadband,
             "teacher_mean_return": float(np.mean(demos.episode_returns)), **fit}
