@@ -99,8 +99,9 @@ def params(name: str) -> SimParams:
 
 
 #: Real runs recorded per scenario for its fitted profile (``record``): (policy, local batch). The
-#: proportional run moves the batches (its timings separate a_i from θ_i) at global batch 256; the
-#: static ones at global 128 and 512 calibrate how much a smaller and a larger batch cost in progress
+#: proportional run moves the batches at global batch 256; the static ones at global 128 and 512 widen
+#: the span of batches each worker's compute is fitted over (a_i apart from θ_i) and calibrate how
+#: much a smaller and a larger batch cost in progress
 #: (``dynamix sim fit`` needs median global batches x1.5 apart). Calibrated on 128 and 256 only, the
 #: law charged nothing for batches past 256 late in training, and policies trained on it grew the
 #: global batch to 860-1010 and were slower on the real job; calibrated on 128-1024 runs, a policy
@@ -154,8 +155,9 @@ def record(scenario_name: str, runs_dir: Path, budget_s: float, seed: int, again
 def fit_profiles(runs_dir: Path, scenarios: list[str], out: Path) -> list[Profile]:
     """Fit one profile per scenario and write the profiles file ``out`` with :data:`HELD_OUT`.
 
-    A scenario's timings come from its first :data:`RECORDINGS` run (``dynamix sim fit RUN_DIR``);
-    the statistics (noise scale, loss curve) from the losses of every run recorded under
+    A scenario's timings come from all its runs: its first :data:`RECORDINGS` run (``dynamix sim
+    fit RUN_DIR``, which also gives the initial batches, bounds and K) and the others recorded under
+    ``runs_dir/<scenario>`` (``--timings-from``); the statistics (noise scale, loss curve) from the losses of every run recorded under
     ``runs_dir`` (``MORE_RUN_DIRS``): they are the model's and the data's, whatever the scenario, and
     runs at other global batches calibrate them. K is set to :data:`SERVED_INTERVAL`.
 
@@ -176,10 +178,11 @@ def fit_profiles(runs_dir: Path, scenarios: list[str], out: Path) -> list[Profil
     for name in scenarios:
         timing = runs_dir / name / f"{policy}{batch}"
         others = [d for d in recorded if d != timing]
-        fitted, _ = fit_log(load_log(timing), [load_log(d) for d in others])
+        same_job = [load_log(d) for d in others if d.parent.name == name]
+        fitted, _ = fit_log(load_log(timing), [load_log(d) for d in others], same_job)
         fitted = replace(fitted, decision_interval=SERVED_INTERVAL)
         source = (f"`dynamix sim fit` of 4-worker runs of examples/torch_fashion_mnist.py --model cnn (SGD) on a shared "
-                  f"2-core machine: timings of {name}/{policy}{batch}, losses of it and of "
+                  f"2-core machine: timings of the {name} runs, losses of {name}/{policy}{batch} and of "
                   f"{', '.join(f'{d.parent.name}/{d.name}' for d in others)}")
         profiles.append(profile_from_fit(fitted, scenario(name), source=source))
     write_profiles(out, profiles, list(HELD_OUT))

@@ -443,3 +443,28 @@ def test_the_target_loss_is_where_the_runs_ended(tmp_path, capsys, ended_at):
     assert target == pytest.approx(np.mean(last_losses), rel=0.02)
     assert main(["sim", "fit", str(run), "--out", str(tmp_path / "p.json")]) == 0
     assert f"episodes end at loss {target:.3f}" in capsys.readouterr().out
+
+
+# ---- timings pooled over runs of the same job ---------------------------------------------------
+
+
+def test_runs_of_the_same_job_at_other_batches_separate_the_fixed_cost_from_the_rate(tmp_path, capsys):
+    from dynamix_byteps.policy.sim.params import WorkerParams
+
+    def job(batch: int, workers: int = 2) -> SimParams:
+        return SimParams(workers=(WorkerParams(fixed_s=0.03, samples_per_s=600.0),) * workers, initial_batch=(batch,) * workers)
+
+    runs = {b: _simulated_run(tmp_path / f"static{b}", job(b)) for b in (16, 64, 256)}
+    alone = fit_log(load_log(runs[64]))[1]
+    assert {f.method for f in alone} == {"shared-fraction"} and alone[0].fixed_s == 0.0  # one batch: a and θ inseparable
+    pooled = fit_log(load_log(runs[64]), timings=[load_log(runs[16]), load_log(runs[256])])[1]
+    for f in pooled:
+        assert f.method == "least-squares" and f.fixed_s == pytest.approx(0.03, rel=0.3), f
+        assert f.samples_per_s == pytest.approx(600, rel=0.15), f
+
+    assert main(["sim", "fit", str(runs[64]), "--timings-from", str(runs[16]), "--timings-from", str(runs[256]),
+                 "--out", str(tmp_path / "fit.json")]) == 0
+    assert f"and 12 of {runs[256] / 'decisions.jsonl'}" in capsys.readouterr().out
+    other = _simulated_run(tmp_path / "three", job(64, workers=3))
+    assert main(["sim", "fit", str(runs[64]), "--timings-from", str(other), "--out", str(tmp_path / "x.json")]) == 2
+    assert "timings of another job" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
     f.add_argument("calibration_dirs", type=Path, nargs="*", metavar="MORE_RUN_DIRS",
                    help="runs of the same model and data at other global batches (e.g. --policy static at 2x and "
                         "1/2x the batch): their losses calibrate how much larger batches cost in progress")
+    f.add_argument("--timings-from", type=Path, action="append", default=[], metavar="DIR",
+                   help="a run of the same job (workers, scenario) at other batches, repeatable: its intervals join "
+                        "RUN_DIR's in each worker's compute fit (a wider span of batches separates a_i from θ_i)")
     f.add_argument("--out", type=output_path("file", FITTED_FILE), metavar="FILE", help=f"where the parameters go (default RUN_DIR/{FITTED_FILE})")
     f.set_defaults(run=run_fit)
 
@@ -69,14 +72,19 @@ def run_fit(args: argparse.Namespace) -> int:
     except ConfigurationError as error:
         raise UsageError(f"argument MORE_RUN_DIRS: {error}") from None
     try:
-        params, fits = fit_log(log, calibration)
+        timings = [load_log(d) for d in args.timings_from]
+    except ConfigurationError as error:
+        raise UsageError(f"argument --timings-from: {error}") from None
+    try:
+        params, fits = fit_log(log, calibration, timings)
     except ConfigurationError as error:
         raise UsageError(f"argument RUN_DIR: {error}") from None
     out = args.out or (log.path.parent / FITTED_FILE)
-    if any(out.resolve() == run.path.resolve() for run in (log, *calibration)):
+    if any(out.resolve() == run.path.resolve() for run in (log, *calibration, *timings)):
         raise UsageError(f"argument --out: {out} is one of the decision logs being fitted; name another file")
     params.to_json(out)
-    print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}")
+    print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}"
+          + "".join(f" and {len(t.steps)} of {t.path}" for t in timings))
     print(format_fit_table(replay(params, log), [f.method for f in fits]))
     c, s = params.comm, params.stats
     print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "

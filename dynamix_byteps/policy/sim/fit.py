@@ -19,7 +19,8 @@ logged assignment is used instead.
 What is fitted (units: seconds, samples):
 
 * per worker, compute ``c = a_i + b/θ_i`` by least squares over the intervals' ``(b̂, compute_s)``
-  (the first interval, warm-up, left out when enough remain). When a worker's batch hardly
+  (the first interval, warm-up, left out when enough remain), pooled with those of runs of the
+  same job at other batches where given (``dynamix sim fit RUN_DIR --timings-from DIR``). When a worker's batch hardly
   varied (spread < :data:`MIN_BATCH_SPREAD` of its mean) or the slope is not clearly positive
   (below twice its standard error), ``a_i``
   and ``θ_i`` cannot be told apart; such a worker takes the fixed share ``φ = median_j a_j/c̄_j``
@@ -68,7 +69,7 @@ What is fitted (units: seconds, samples):
   kept as ``measured_noise_scale``/``measured_noise_growth``, what the scheduler is shown. One run,
   or runs whose median global batches differ by less than :data:`MIN_GLOBAL_BATCH_SPREAD`, cannot
   tell the law from τ: progress uses the measured law. Only the extra runs' losses are used;
-  timings, bounds and K come from ``RUN_DIR``. A run that never learned (:func:`learned`: one
+  timings (with ``--timings-from``'s), bounds and K come from ``RUN_DIR``. A run that never learned (:func:`learned`: one
   that diverged or stalled) is left out of the statistics, target loss included; when none
   learned, the statistics keep their reference values.
 
@@ -331,8 +332,9 @@ def fit_compute(batch, compute_s) -> WorkerFit | None:
     return WorkerFit(float(intercept), float(1.0 / slope), jitter, method)
 
 
-def _fit_workers(log: RunLog, rows: slice) -> list[WorkerFit]:
-    b, c = log.batch[rows], log.compute_s[rows]
+def _fit_workers(logs: Sequence[RunLog]) -> list[WorkerFit]:
+    b = np.concatenate([log.batch[fitted_rows(log)] for log in logs])
+    c = np.concatenate([log.compute_s[fitted_rows(log)] for log in logs])
     fits = [fit_compute(b[:, i], c[:, i]) for i in range(b.shape[1])]
     shares = [f.fixed_s / c[:, i].mean() for i, f in enumerate(fits) if f is not None]
     share = float(np.median(shares)) if shares else 0.0
@@ -493,14 +495,25 @@ def fitted_rows(log: RunLog) -> slice:
     return slice(1, None) if len(log.steps) >= 4 else slice(None)
 
 
-def fit_log(log: RunLog, calibration: Sequence[RunLog] = ()) -> tuple[SimParams, list[WorkerFit]]:
+def fit_log(log: RunLog, calibration: Sequence[RunLog] = (),
+            timings: Sequence[RunLog] = ()) -> tuple[SimParams, list[WorkerFit]]:
     """The fitted :class:`SimParams` of ``log`` and the per-worker fits (module docstring).
 
     ``calibration``: decision logs of the same model and data at other global batches; their losses
     join ``log``'s in the noise-scale and loss model (the timings come from ``log`` alone).
+    ``timings``: decision logs of the same job (workers, scenario) at other batches; their
+    intervals join ``log``'s in each worker's compute fit, so batches that span more separate
+    ``a_i`` from ``θ_i`` (a ``proportional`` run alone moved a fast worker only between 56 and 74).
+
+    Raises:
+        ConfigurationError: a ``timings`` log with another worker count than ``log``'s.
     """
     rows = fitted_rows(log)
-    workers = _fit_workers(log, rows)
+    wrong = [str(t.path) for t in timings if t.batch.shape[1] != log.batch.shape[1]]
+    if wrong:
+        raise ConfigurationError(f"timings of another job: {', '.join(wrong)} ran other than the "
+                                 f"{log.batch.shape[1]} workers of {log.path}; give runs of the same job")
+    workers = _fit_workers([log, *timings])
     ref = _REF
     min_batch = max(1, min(log.min_batch, *log.initial_batch))  # per-worker bounds may not hold every start
     max_batch = max(log.max_batch or ref.max_batch, *log.initial_batch)
