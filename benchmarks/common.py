@@ -3,6 +3,7 @@ JSON file, and the statistics of repeated runs (bootstrap intervals, ahead/tie/b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -59,6 +60,18 @@ def timed_steps(bps, step, steps: int, device=None) -> list[float]:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     return times
+
+
+def policy_identity(name_or_dir: str) -> dict | None:
+    """Which PPO policy a benchmark ran: ``{"source", "sha256"}`` of the ``policy.onnx`` of a policy
+    directory or of a library policy by name, or None when there is no such file."""
+    from dynamix_byteps.policy.ppo import library
+
+    root = Path(name_or_dir) if Path(name_or_dir).is_dir() else library.library_root() / name_or_dir
+    onnx = root / "policy.onnx"
+    if not onnx.is_file():
+        return None
+    return {"source": str(name_or_dir), "sha256": hashlib.sha256(onnx.read_bytes()).hexdigest()}
 
 
 def machine() -> dict:

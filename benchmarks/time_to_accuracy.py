@@ -91,6 +91,7 @@ from common import (
     machine,
     markdown_table,
     paired_ratio_interval,
+    policy_identity,
     text_table,
     verdict,
     write_report,
@@ -131,7 +132,7 @@ def configurations(ppo_policy: str | None, decision_interval: int) -> dict[str, 
     if ppo_policy:
         chosen = ["--policy", "ppo", "--policy-path", str(ppo_policy)] if Path(ppo_policy).is_dir() \
             else ["--policy", f"ppo:{ppo_policy}"]  # a policy of the library
-        configs["ppo"] = {"batch": POLICY_START, "launch": [*chosen, *policy_flags]}
+        configs["ppo"] = {"batch": POLICY_START, "launch": [*chosen, *policy_flags], "policy": policy_identity(ppo_policy)}
     return configs
 
 
@@ -209,7 +210,7 @@ def run_config(name: str, config: dict, scenario: Scenario, args: argparse.Names
     result = json.loads(output.read_text())
     other = load.other_load()
     times = run_metrics(result, args.targets, args.budget)["times"]
-    return {"config": name, "seed": seed, "started_at": started_at, **result,
+    return {"config": name, "seed": seed, "started_at": started_at, **result, "policy": config.get("policy"),
             "run_wall_s": time.perf_counter() - started, "run_dir": str(run_dir),
             "times_to_target_s": {target_key(t): None if s == math.inf else s for t, s in zip(args.targets, times)},
             "load": {"share": load.share, "tail": tail, "samples": load.samples, "other_load": other,

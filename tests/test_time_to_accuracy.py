@@ -1,6 +1,7 @@
 """benchmarks/time_to_accuracy.py: its statistics and verdict rule on synthetic runs, and a --quick
 run end to end (slow, in CI)."""
 
+import hashlib
 import json
 import math
 import subprocess
@@ -240,3 +241,13 @@ def test_quick_benchmark_fills_every_column_and_the_table_comes_back_from_the_js
                             "--configs",
                             "goodput", "--out", str(out)], check=False, capture_output=True, text=True, timeout=120)
     assert other.returncode == 2 and "budget_s 10.0 there, 20.0 now" in other.stderr
+
+
+def test_the_ppo_configuration_names_its_policy_by_source_and_hash(tmp_path):
+    from dynamix_byteps.policy.ppo import library
+
+    shipped = library.library_root() / "small-cnn-sgd" / "policy.onnx"
+    policy = configurations("small-cnn-sgd", 10)["ppo"]["policy"]
+    assert policy == {"source": "small-cnn-sgd", "sha256": hashlib.sha256(shipped.read_bytes()).hexdigest()}
+    (tmp_path / "policy.onnx").write_bytes(b"onnx")
+    assert configurations(str(tmp_path), 10)["ppo"]["policy"]["sha256"] == hashlib.sha256(b"onnx").hexdigest()
