@@ -23,6 +23,8 @@ A generated table sits between two marker comments; everything between them is r
   global batch, recorded and simulated, as ratios to the reference batch);
 * ``slow_link_sweep``: ``benchmarks/slow_link_sweep.py``'s table (step times per link rate, the ratio
   with its interval and verdict, the slow-link worker's batch and times, the link and CPU floors);
+* ``policy_headroom``: ``benchmarks/policy_headroom.py``'s table (per profile, every policy's and
+  the best schedules' seconds to the target, and the headroom);
 * ``sim_scaling``: ``benchmarks/sim_scaling.py``'s cells (``table``) as policy x worker count:
   simulated seconds to the target loss and final accuracy proxy, in bold where the report marks a
   cell best (fastest, or within its ``tie`` of the fastest, among the policies within its
@@ -51,6 +53,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import critical_batch
 import ddp_comparison
+import policy_headroom
 import ps_engine
 import sim_calibration
 import slow_link_sweep
@@ -140,7 +143,8 @@ def sim_scaling(report: dict) -> str:
 
 RENDERERS = {"time_to_accuracy": time_to_accuracy, "ddp_comparison": ddp, "ps_engine": ps_engine.markdown,
              "sim_scaling": sim_scaling, "slow_link_sweep": slow_link_sweep.markdown,
-             "critical_batch": critical_batch.markdown, "sim_calibration": sim_calibration.markdown}
+             "critical_batch": critical_batch.markdown, "sim_calibration": sim_calibration.markdown,
+             "policy_headroom": policy_headroom.markdown}
 
 
 def render(text: str, results: Path = RESULTS) -> str:
