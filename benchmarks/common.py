@@ -106,10 +106,28 @@ def markdown_table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(line) + " |" for line in [header, ["---"] * len(header), *lines])
 
 
-def write_report(out: Path, report: dict) -> None:
-    """Write ``report`` plus :func:`machine` as indented JSON to ``out`` (atomically)."""
+def save_report(out: Path, report: dict) -> None:
+    """Write ``report`` plus :func:`machine` as indented JSON to ``out`` (atomically); raises OSError."""
     write_atomic(out, json.dumps({**report, "machine": machine()}, indent=2) + "\n")
+
+
+def write_report(out: Path, report: dict) -> None:
+    """:func:`save_report`, then say so on stdout."""
+    save_report(out, report)
     print(f"wrote {out}")
+
+
+def run_main(main) -> None:
+    """``sys.exit(main())``, except that a reader of stdout that has gone (``| head``) ends the
+    script with status 1 and no traceback (the handling Python's ``signal`` documentation gives
+    for SIGPIPE): scripts write their report before printing, so it is not lost."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        code = 1
+    sys.exit(code)
 
 
 def summarise_reports(name: str, paths: list[Path], build, table, out: Path, extra: dict | None = None) -> int:

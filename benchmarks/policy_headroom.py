@@ -31,11 +31,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, interval90, markdown_table, policy_identity, text_table, verdict, write_report
+from common import REPO, RESULTS, interval90, markdown_table, policy_identity, run_main, save_report, text_table, verdict
 
+from dynamix_byteps.argtypes import int_in, output_path
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.ppo.library import library_root
@@ -54,12 +56,12 @@ SEED = 100
 
 def balanced(params: SimParams, global_batch: int) -> np.ndarray:
     """Local batches (int64, shape (N,)) that sum to about ``global_batch`` samples and end every
-    worker's compute together under the profile's fitted ``a_i + b/θ_i`` (seconds); none below the
-    job's minimum batch."""
+    worker's compute together under the profile's fitted ``a_i + b/θ_i`` (seconds), clipped to the
+    job's bounds as the simulator clips them (then the sum differs: what runs is what is returned)."""
     fixed = np.array([w.fixed_s for w in params.workers])
     rate = np.array([w.samples_per_s for w in params.workers])
     compute_s = (global_batch + (fixed * rate).sum()) / rate.sum()
-    return np.maximum(params.min_batch, np.round(rate * (compute_s - fixed))).astype(np.int64)
+    return np.clip(np.round(rate * (compute_s - fixed)), params.min_batch, params.max_batch).astype(np.int64)
 
 
 def schedule_times(params: SimParams, first: int, then: int, switch: float, seeds) -> list[float]:
@@ -88,19 +90,24 @@ def headroom(params: SimParams, ppo, grid, switch, episodes: int, seed: int = SE
     if ppo is not None:
         policies["ppo"] = ppo
     times = {name: _policy_times(policy, params, evaluation) for name, policy in policies.items()}
-    candidates = [(g, g, 1.0) for g in grid] + [(a, b, f) for a, b in itertools.permutations(grid, 2) for f in switch]
+    runnable = sorted({int(balanced(params, g).sum()) for g in grid})  # the global batches that run: bounds clip
+    candidates = [(g, g, 1.0) for g in runnable] + [(a, b, f) for a, b in itertools.permutations(runnable, 2)
+                                                     for f in sorted(set(switch))]
     tuned = {c: float(np.mean(schedule_times(params, *c, tuning))) for c in candidates}
     constant = min((c for c in candidates if c[0] == c[1]), key=tuned.get)
     best = min(candidates, key=tuned.get)
     times["best constant"] = schedule_times(params, *constant, evaluation)
     times["best schedule"] = schedule_times(params, *best, evaluation)
     heuristic = min(HEURISTICS, key=lambda name: np.mean(times[name]))
-    ratio = float(np.mean(times["best schedule"]) / np.mean(times[heuristic]))
+    row = {"times": {name: [_json_seconds(t) for t in ts] for name, ts in times.items()},
+           "best_constant": list(constant[:1]), "best_schedule": list(best), "best_heuristic": heuristic,
+           "headroom": None, "headroom_interval": [None, None], "candidates": len(candidates)}
+    missed = [name for name in ("best schedule", heuristic) if not np.all(np.isfinite(times[name]))]
+    if missed:  # a mean over an episode that never reached the target is no time: nothing to compare
+        return {**row, "verdict": f"n/a: {' and '.join(missed)} missed the target in some episode"}
     ratios = _paired_mean_ratios(times["best schedule"], times[heuristic])
-    return {"times": {name: [_json_seconds(t) for t in ts] for name, ts in times.items()},
-            "best_constant": list(constant[:1]), "best_schedule": list(best), "best_heuristic": heuristic,
-            "headroom": _json_seconds(ratio), "headroom_interval": [_json_seconds(r) for r in ratios],
-            "verdict": verdict(ratios), "candidates": len(candidates)}
+    return {**row, "headroom": float(np.mean(times["best schedule"]) / np.mean(times[heuristic])),
+            "headroom_interval": ratios, "verdict": verdict(ratios)}
 
 
 def _json_seconds(value: float) -> float | None:
@@ -108,6 +115,8 @@ def _json_seconds(value: float) -> float | None:
 
 
 def _paired_mean_ratios(values, reference, rounds: int = 2000, seed: int = 0) -> list[float]:
+    """90% bootstrap interval of mean(``values``) / mean(``reference``), resampling the episodes in
+    pairs (both finite, 1-D, of equal length)."""
     values, reference = np.asarray(values, dtype=float), np.asarray(reference, dtype=float)
     draws = np.random.default_rng(seed).integers(len(values), size=(rounds, len(values)))
     return interval90(values[draws].mean(axis=1) / reference[draws].mean(axis=1))
@@ -128,11 +137,14 @@ def table(report: dict) -> tuple[list[str], list[list[str]]]:
         t = row["times"]
         first, then, switch = row["best_schedule"]
         plan = f"{first}" if first == then else f"{first} -> {then} at {switch:g}"
-        low, high = ("-" if r is None else f"{r:.3f}" for r in row["headroom_interval"])
-        ratio = "-" if row["headroom"] is None else f"{row['headroom']:.3f}"
+        if row["headroom"] is None:
+            compared = row["verdict"]
+        else:
+            low, high = row["headroom_interval"]
+            compared = f"{row['headroom']:.3f} [{low:.3f}, {high:.3f}] {row['verdict']} vs {row['best_heuristic']}"
         lines.append([row["profile"], *(_seconds(t[name]) for name in names),
                       f"{_seconds(t['best constant'])} ({row['best_constant'][0]})", f"{_seconds(t['best schedule'])} ({plan})",
-                      f"{ratio} [{low}, {high}] {row['verdict']} vs {row['best_heuristic']}"])
+                      compared])
     return header, lines
 
 
@@ -161,6 +173,12 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (reports stay valid in any clone)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", type=Path, default=library_root() / LIBRARY_POLICY / "profiles.json",
@@ -169,16 +187,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="library name or policy directory ('none' to leave ppo out)")
     parser.add_argument("--grid", type=_global_batches, default=None, help=f"global batches (default {','.join(map(str, GRID))})")
     parser.add_argument("--switch", type=_fractions, default=None, help="progress fractions of the two-phase switch")
-    parser.add_argument("--episodes", type=int, default=None, help="tuning episodes, and as many evaluation ones (default 8)")
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--episodes", type=int_in(1, 1000, "episodes"), default=None,
+                        help="tuning episodes, and as many evaluation ones (default 8)")
+    parser.add_argument("--seed", type=int_in(0, what="seed"), default=SEED, help="first episode seed, >= 0")
     parser.add_argument("--quick", action="store_true", help="a small grid and 2 episodes (a smoke test)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "policy_headroom.json")
+    parser.add_argument("--out", type=output_path("file", "policy_headroom.json"), default=None,
+                        help="report file (default benchmarks/results/policy_headroom.json; with --quick, "
+                             "policy_headroom_quick.json in the temporary directory)")
     args = parser.parse_args(argv)
     grid = args.grid or (QUICK["grid"] if args.quick else GRID)
     switch = args.switch or (QUICK["switch"] if args.quick else SWITCH)
-    episodes = args.episodes if args.episodes is not None else QUICK["episodes"] if args.quick else 8
-    if episodes < 1:
-        parser.error(f"--episodes must be >= 1, got {episodes}")
+    episodes = args.episodes or (QUICK["episodes"] if args.quick else 8)
+    out = args.out or (Path(tempfile.gettempdir()) / "policy_headroom_quick.json" if args.quick
+                       else RESULTS / "policy_headroom.json")
     try:
         profiles, held_out = load_profiles(args.profiles)
         ppo = None
@@ -194,19 +215,20 @@ def main(argv: list[str] | None = None) -> int:
     for profile in profiles:
         row = headroom(profile.params, ppo, grid, switch, episodes, args.seed)
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
-        print(f"{profile.name}: headroom {row['headroom']} ({row['verdict']} vs {row['best_heuristic']})", flush=True)
-    report = {"benchmark": "policy_headroom", "profiles_file": str(args.profiles), "held_out": held_out,
-              "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "grid": list(grid), "switch": list(switch), "episodes": episodes,
+        print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)
+    report = {"benchmark": "policy_headroom", "profiles_file": _shown(args.profiles), "held_out": held_out,
+              "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "quick": args.quick, "grid": list(grid), "switch": list(switch), "episodes": episodes,
               "seed": args.seed, "policies": ["static", *HEURISTICS, *(["ppo"] if ppo is not None else [])],
               "rows": rows}
-    print(text_table(*table(report)))
     try:
-        write_report(args.out, report)
+        save_report(out, report)
     except OSError as error:
-        print(f"policy_headroom: --out {args.out}: {error.strerror or error}", file=sys.stderr)
+        print(f"policy_headroom: --out {out}: {error.strerror or error}", file=sys.stderr)
         return 2
+    print(text_table(*table(report)))
+    print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -1,6 +1,7 @@
 """benchmarks/policy_headroom.py: balanced schedules against the heuristics in the fitted simulator."""
 
 import json
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -51,11 +52,44 @@ def test_quick_run_fills_every_column_and_the_best_schedule_beats_static_on_a_st
 
 @pytest.mark.parametrize("args, needle", [(["--grid", "128,x"], "not a comma-separated list of global batches"),
                                           (["--switch", "0.5,1.5"], "must be in (0, 1)"),
-                                          (["--episodes", "0"], "--episodes must be >= 1")])
+                                          (["--episodes", "0"], "episodes 0 must be between 1 and 1000"),
+                                          (["--seed", "-1"], "seed -1 must be >= 0")])
 def test_bad_flags_are_refused_naming_the_flag(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def _profiles(tmp_path: Path, params: SimParams) -> Path:
+    path = tmp_path / "profiles.json"
+    write_profiles(path, [Profile("straggler", "straggler", "test", params)], [])
+    return path
+
+
+def test_the_table_names_the_global_batches_that_ran_not_those_asked_for(tmp_path):
+    # the simulator clips every worker to [16, 512]: asked 1 and 10^9, the job ran 64 and 2048
+    out = tmp_path / "headroom.json"
+    assert main(["--grid", "1,1000000000", "--switch", "0.5", "--episodes", "1", "--ppo-policy", "none",
+                 "--profiles", str(_profiles(tmp_path, replace(_straggler(), max_batch=512))), "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["candidates"] == 4 and row["best_constant"][0] in (64, 2048) and row["best_schedule"][0] in (64, 2048)
+
+
+def test_no_headroom_is_claimed_when_an_episode_misses_the_target(tmp_path):
+    out = tmp_path / "headroom.json"
+    short = replace(_straggler(), max_decisions=2)  # episodes end long before the target loss
+    assert main(["--quick", "--ppo-policy", "none", "--profiles", str(_profiles(tmp_path, short)), "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["headroom"] is None and row["verdict"].startswith("n/a: best schedule"), row["verdict"]
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_that_goes_away_neither_loses_the_report_nor_shows_a_traceback(tmp_path):
+    out = tmp_path / "headroom.json"
+    result = subprocess.run(f"{sys.executable} {REPO / 'benchmarks' / 'policy_headroom.py'} --quick --ppo-policy none "
+                            f"--profiles {_profiles(tmp_path, _straggler())} --out {out} | head -c 1",
+                            shell=True, capture_output=True, text=True, timeout=100, check=False)
+    assert out.is_file() and "Traceback" not in result.stderr, result.stderr
 
 
 def test_a_missing_profiles_file_is_refused_and_writes_nothing(tmp_path, capsys):

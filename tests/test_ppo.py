@@ -236,7 +236,8 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
                          (["--scenario", "straggler", "--imitate", "static"], "invalid choice: 'static'"),
                          (["--scenario", "straggler", "--imitate", "goodput", "--init", "x"], "not allowed with"),
                          (["--scenario", "straggler", "--imitate", "goodput", "--imitation-deadband", "1.5"],
-                          "imitation dead band must be in [0, 1)")]:
+                          "imitation dead band must be in [0, 1)"),
+                         (["--scenario", "straggler", "--imitation-deadband", "0.1"], "give --imitate HEURISTIC too")]:
         result = subprocess.run(cli + args, capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and needle in result.stderr, result.stderr
     assert not (tmp_path / "p").exists()

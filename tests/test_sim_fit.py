@@ -465,6 +465,13 @@ def test_runs_of_the_same_job_at_other_batches_separate_the_fixed_cost_from_the_
     assert main(["sim", "fit", str(runs[64]), "--timings-from", str(runs[16]), "--timings-from", str(runs[256]),
                  "--out", str(tmp_path / "fit.json")]) == 0
     assert f"and 12 of {runs[256] / 'decisions.jsonl'}" in capsys.readouterr().out
-    other = _simulated_run(tmp_path / "three", job(64, workers=3))
-    assert main(["sim", "fit", str(runs[64]), "--timings-from", str(other), "--out", str(tmp_path / "x.json")]) == 2
-    assert "timings of another job" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    three = _simulated_run(tmp_path / "three", job(64, workers=3))
+    ps = _simulated_run(tmp_path / "ps", replace(job(64), engine="ps"))
+    for refused, needle in [([three], "is a run of another job (3 workers"),
+                            ([ps], "is a run of another job (2 workers, engine ps"),
+                            ([runs[64]], "is given twice (or is RUN_DIR's own log)"),
+                            ([runs[16], runs[16]], "is given twice")]:
+        argv = ["sim", "fit", str(runs[64]), *[f for d in refused for f in ("--timings-from", str(d))]]
+        assert main([*argv, "--out", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err
+        assert "argument --timings-from:" in err and needle in err and not (tmp_path / "x.json").exists(), err

@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
     start.add_argument("--imitate", choices=TEACHERS, metavar="HEURISTIC",
                        help=f"start from a network cloned from this heuristic ({', '.join(TEACHERS)}) in the training "
                             "simulator, so PPO starts at its return and looks for where to differ")
-    t.add_argument("--imitation-deadband", type=float, default=DEADBAND, metavar="FRACTION",
+    t.add_argument("--imitation-deadband", type=float, default=None, metavar="FRACTION",
                    help=f"with --imitate: a size change of the heuristic under this fraction is cloned as 'keep' "
                         f"(default {DEADBAND}; keep it under the ladder's smallest rung, 0.18)")
     t.add_argument("--ladder", choices=list(LADDERS), default="coarse",
@@ -222,6 +222,9 @@ def run_train(args: argparse.Namespace) -> int:
         profiles, held_out = _profiles(args.profiles)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
+    if args.imitation_deadband is not None and args.imitate is None:
+        raise UsageError("argument --imitation-deadband: it sets what a clone of a heuristic counts as 'keep'; "
+                         "give --imitate HEURISTIC too, or leave it out")
     try:
         from dynamix_byteps.policy.ppo.train import train
     except ImportError as error:
@@ -231,7 +234,7 @@ def run_train(args: argparse.Namespace) -> int:
                         reward=weights, scenario_file=args.scenario_file, params=params,
                         randomise=not args.no_randomise, progress=not args.quiet, init=args.init, ladder=args.ladder,
                         profiles=profiles, held_out=held_out, imitate=args.imitate,
-                        imitation_deadband=args.imitation_deadband)
+                        imitation_deadband=DEADBAND if args.imitation_deadband is None else args.imitation_deadband)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     final = summary["final_return"]

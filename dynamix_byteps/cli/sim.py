@@ -56,6 +56,7 @@ def run_fit(args: argparse.Namespace) -> int:
         END_INTERVALS,
         LEARNED_DROP,
         MIN_GLOBAL_BATCH_SPREAD,
+        check_same_job,
         fit_log,
         global_batch_spread,
         learned,
@@ -73,6 +74,7 @@ def run_fit(args: argparse.Namespace) -> int:
         raise UsageError(f"argument MORE_RUN_DIRS: {error}") from None
     try:
         timings = [load_log(d) for d in args.timings_from]
+        check_same_job(log, timings)
     except ConfigurationError as error:
         raise UsageError(f"argument --timings-from: {error}") from None
     try:

@@ -495,6 +495,22 @@ def fitted_rows(log: RunLog) -> slice:
     return slice(1, None) if len(log.steps) >= 4 else slice(None)
 
 
+def check_same_job(log: RunLog, timings: Sequence[RunLog]) -> None:
+    """Raise :class:`ConfigurationError` unless every log of ``timings`` is another run of ``log``'s
+    job: the same worker count and engine, and neither ``log`` itself nor a log given twice (its
+    intervals would count twice in the compute fit)."""
+    seen = {log.path.resolve()}
+    for other in timings:
+        if other.path.resolve() in seen:
+            raise ConfigurationError(f"{other.path} is given twice (or is RUN_DIR's own log); give each other run once")
+        seen.add(other.path.resolve())
+        workers, engine = other.batch.shape[1], other.engine
+        if workers != log.batch.shape[1] or engine != log.engine:
+            raise ConfigurationError(f"{other.path} is a run of another job ({workers} workers, engine "
+                                     f"{engine or 'not logged'}; {log.path}: {log.batch.shape[1]} workers, engine "
+                                     f"{log.engine or 'not logged'}); give runs of the same job")
+
+
 def fit_log(log: RunLog, calibration: Sequence[RunLog] = (),
             timings: Sequence[RunLog] = ()) -> tuple[SimParams, list[WorkerFit]]:
     """The fitted :class:`SimParams` of ``log`` and the per-worker fits (module docstring).
@@ -506,13 +522,10 @@ def fit_log(log: RunLog, calibration: Sequence[RunLog] = (),
     ``a_i`` from ``θ_i`` (a ``proportional`` run alone moved a fast worker only between 56 and 74).
 
     Raises:
-        ConfigurationError: a ``timings`` log with another worker count than ``log``'s.
+        ConfigurationError: ``timings`` that :func:`check_same_job` refuses.
     """
+    check_same_job(log, timings)
     rows = fitted_rows(log)
-    wrong = [str(t.path) for t in timings if t.batch.shape[1] != log.batch.shape[1]]
-    if wrong:
-        raise ConfigurationError(f"timings of another job: {', '.join(wrong)} ran other than the "
-                                 f"{log.batch.shape[1]} workers of {log.path}; give runs of the same job")
     workers = _fit_workers([log, *timings])
     ref = _REF
     min_batch = max(1, min(log.min_batch, *log.initial_batch))  # per-worker bounds may not hold every start
