@@ -475,3 +475,19 @@ def test_runs_of_the_same_job_at_other_batches_separate_the_fixed_cost_from_the_
         assert main([*argv, "--out", str(tmp_path / "x.json")]) == 2
         err = capsys.readouterr().err
         assert "argument --timings-from:" in err and needle in err and not (tmp_path / "x.json").exists(), err
+
+
+def test_a_spike_in_the_losses_is_left_out_of_the_loss_model_and_named(tmp_path, capsys):
+    from dynamix_byteps.policy.sim.params import reference
+
+    run = simulated_static_run(tmp_path / "run", 64, reference(2).stats)
+    lines = (run / "decisions.jsonl").read_text().splitlines()
+    record = json.loads(lines[5])
+    record["state"]["workers"]["loss"] = [1e30, 1e30]  # one interval: before, the fit's initial loss was 1.05e30
+    lines[5] = json.dumps(record)
+    (run / "decisions.jsonl").write_text("\n".join(lines) + "\n")
+    clean = fit_run(simulated_static_run(tmp_path / "clean", 64, reference(2).stats)).stats
+    assert main(["sim", "fit", str(run), "--out", str(tmp_path / "fit.json")]) == 0
+    stats = SimParams.from_json(tmp_path / "fit.json").stats
+    assert stats.initial_loss == pytest.approx(clean.initial_loss) and stats.steps_scale == pytest.approx(clean.steps_scale, rel=0.2)
+    assert "left out of the loss model: 1 interval loss(es)" in capsys.readouterr().out

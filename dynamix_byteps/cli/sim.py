@@ -52,16 +52,20 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
 
 def run_fit(args: argparse.Namespace) -> int:
     """Fit, write and print; UsageError for an unusable log."""
+    import numpy as np
+
     from dynamix_byteps.policy.sim.fit import (
         END_INTERVALS,
         LEARNED_DROP,
         MIN_GLOBAL_BATCH_SPREAD,
+        SPIKE_FACTOR,
         check_same_job,
         fit_log,
         global_batch_spread,
         learned,
         load_log,
         replay,
+        usable_losses,
     )
 
     try:
@@ -95,6 +99,11 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"episodes end at loss {s.target_loss:.3f}, where the runs ended (record runs as long as the jobs the "
           "policy will drive)")
     runs = [log, *calibration]
+    for run in runs:
+        spikes = int(np.sum(np.isnan(usable_losses(run)) & np.isfinite(run.loss) & (run.loss > 0)))
+        if spikes:
+            print(f"left out of the loss model: {spikes} interval loss(es) of {run.path}, each over {SPIKE_FACTOR:g}x "
+                  f"the median of the {END_INTERVALS} around it (a diverging step or a corrupted record?)")
     flags = learned(runs)
     for run, ok in zip(runs, flags):
         if not ok:

@@ -59,7 +59,8 @@ What is fitted (units: seconds, samples):
   for real curves, and a calibration (below) then makes B_noise grow too fast to slow it down
   (on ten of the example's runs γ' 3.0 with the exponential against 2.0 with α 1.5, whose error
   is 35% lower; on four, 2.75 against 1.25 with α 1). Too few usable points keep the reference
-  value; losses <= 0 (a loss this positive, cross-entropy-like model cannot hold) are left out;
+  value; losses <= 0 (a loss this positive, cross-entropy-like model cannot hold) and spikes (more
+  than :data:`SPIKE_FACTOR` × the median of the losses around them) are left out;
 * **noise-scale calibration**, from several runs of the same model and data (``dynamix sim fit
   RUN_DIR MORE_RUN_DIRS...``, e.g. static runs at 2× and ½× the global batch): the measured
   B_noise (B_simple of arXiv 1812.06162, an estimate from gradient norms) need not be the batch
@@ -82,6 +83,7 @@ homogeneous --sim-params FILE`` (other scenarios add their slowdowns on top of t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -121,6 +123,9 @@ LOSS_TAILS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, None)
 END_INTERVALS = 5
 #: A run learned if its smoothed loss ended at least this fraction below where it started (:func:`learned`).
 LEARNED_DROP = 0.25
+#: An interval's loss more than this many times the median of its :data:`END_INTERVALS` neighbours
+#: is a spike (a diverging step, a corrupted record), not the learning curve (:func:`usable_losses`).
+SPIKE_FACTOR = 10.0
 _REF = reference(1)
 
 
@@ -392,6 +397,21 @@ def end_loss(losses: Sequence[np.ndarray]) -> float:
     return float(np.median(ends)) if ends else math.nan
 
 
+def usable_losses(log: RunLog) -> np.ndarray:
+    """``log.loss`` (T,) with NaN where a loss cannot be a point of the learning curve: not finite,
+    <= 0 (this positive, cross-entropy-like model cannot hold it), or a spike, more than
+    :data:`SPIKE_FACTOR` times the median of the :data:`END_INTERVALS` losses centred on it (one
+    record of 1e30 would otherwise set the initial loss of the fit to 1e30)."""
+    loss = np.where(np.isfinite(log.loss) & (log.loss > 0), log.loss, np.nan)
+    half = END_INTERVALS // 2
+    padded = np.pad(loss, half, constant_values=np.nan)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, END_INTERVALS)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN window: no neighbours, no spike
+        local = np.nanmedian(windows, axis=1)
+        return np.where(loss > SPIKE_FACTOR * local, np.nan, loss)
+
+
 def learned(logs: Sequence[RunLog]) -> list[bool]:
     """Per run, whether it learned: its positive losses, averaged over :data:`END_INTERVALS`
     consecutive logged intervals, ended at least :data:`LEARNED_DROP` below their first average.
@@ -401,7 +421,8 @@ def learned(logs: Sequence[RunLog]) -> list[bool]:
     others."""
     out = []
     for log in logs:
-        loss = log.loss[np.isfinite(log.loss) & (log.loss > 0)]
+        loss = usable_losses(log)
+        loss = loss[np.isfinite(loss)]
         if loss.size < END_INTERVALS:
             out.append(False)
             continue
@@ -415,7 +436,7 @@ def _fit_stats(logs: Sequence[RunLog]) -> StatParams:
     logs = [log for log, kept in zip(logs, learned(logs)) if kept]
     if not logs:
         return ref
-    losses = [np.where(log.loss > 0, log.loss, np.nan) for log in logs]  # the simulator's loss is positive
+    losses = [usable_losses(log) for log in logs]
     loss_seen = np.concatenate([loss[np.isfinite(loss)] for loss in losses])
     l0, lmin, target = ref.initial_loss, ref.min_loss, ref.target_loss
     if loss_seen.size:
