@@ -117,6 +117,20 @@ def write_report(out: Path, report: dict) -> None:
     print(f"wrote {out}")
 
 
+def publish(name: str, out: Path, report: dict, text: str) -> int:
+    """Save ``report`` to ``out`` (:func:`save_report`), then print ``text`` (its table) and where it
+    went; the report is on disk before anything is printed. Returns 0, or 2 after a message
+    prefixed ``name`` when ``out`` cannot be written."""
+    try:
+        save_report(out, report)
+    except OSError as error:
+        print(f"{name}: --out {out}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    print(text)
+    print(f"wrote {out}")
+    return 0
+
+
 def run_main(main) -> None:
     """``sys.exit(main())``, except that a reader of stdout that has gone (``| head``) ends the
     script with status 1 and no traceback (the handling Python's ``signal`` documentation gives

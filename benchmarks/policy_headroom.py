@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import REPO, RESULTS, interval90, markdown_table, policy_identity, run_main, save_report, text_table, verdict
+from common import REPO, RESULTS, interval90, markdown_table, policy_identity, publish, run_main, text_table, verdict
 
 from dynamix_byteps.argtypes import int_in, output_path
 from dynamix_byteps.errors import ConfigurationError
@@ -217,17 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)
     report = {"benchmark": "policy_headroom", "profiles_file": _shown(args.profiles), "held_out": held_out,
-              "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "quick": args.quick, "grid": list(grid), "switch": list(switch), "episodes": episodes,
+              "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "quick": args.quick,
+              "grid": list(grid), "switch": list(switch), "episodes": episodes,
               "seed": args.seed, "policies": ["static", *HEURISTICS, *(["ppo"] if ppo is not None else [])],
               "rows": rows}
-    try:
-        save_report(out, report)
-    except OSError as error:
-        print(f"policy_headroom: --out {out}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    print(text_table(*table(report)))
-    print(f"wrote {out}")
-    return 0
+    return publish("policy_headroom", out, report, text_table(*table(report)))
 
 
 if __name__ == "__main__":

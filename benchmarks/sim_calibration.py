@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, markdown_table, run_main, save_report, text_table
+from common import RESULTS, markdown_table, publish, run_main, text_table
 from critical_batch import LIBRARY_SIM, simulated_samples
 
 from dynamix_byteps.errors import ConfigurationError
@@ -163,14 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigurationError, ValueError) as error:
         print(f"sim_calibration: {error}", file=sys.stderr)
         return 2
-    try:
-        save_report(args.out, report)
-    except OSError as error:
-        print(f"sim_calibration: --out {args.out}: {error.strerror or error}", file=sys.stderr)
-        return 2
-    print(text_table(*table(report)))
-    print(f"wrote {args.out}")
-    return 0
+    return publish("sim_calibration", args.out, report, text_table(*table(report)))
 
 
 if __name__ == "__main__":
