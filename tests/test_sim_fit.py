@@ -464,7 +464,11 @@ def test_runs_of_the_same_job_at_other_batches_separate_the_fixed_cost_from_the_
 
     assert main(["sim", "fit", str(runs[64]), "--timings-from", str(runs[16]), "--timings-from", str(runs[256]),
                  "--out", str(tmp_path / "fit.json")]) == 0
-    assert f"and 12 of {runs[256] / 'decisions.jsonl'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"and 12 of {runs[256] / 'decisions.jsonl'}" in out and "warning" not in out
+    fast = _simulated_run(tmp_path / "fast", replace(job(256), workers=(WorkerParams(samples_per_s=60000.0),) * 2))
+    assert main(["sim", "fit", str(runs[64]), "--timings-from", str(fast), "--out", str(tmp_path / "f.json")]) == 0
+    assert "warning: the fit replays" in capsys.readouterr().out  # another job's timings: accepted, not silently
     three = _simulated_run(tmp_path / "three", job(64, workers=3))
     ps = _simulated_run(tmp_path / "ps", replace(job(64), engine="ps"))
     for refused, needle in [([three], "is a run of another job (3 workers"),

@@ -50,6 +50,11 @@ def format_fit_table(rows: list[dict], methods: list[str]) -> str:
     return "\n".join(lines)
 
 
+#: A fit that pools --timings-from runs and replays RUN_DIR's own steps worse than this is suspect: a
+#: run of the same job replays the example within 1-6% per worker, one of a job 100x faster gave 61%.
+TIMINGS_REPLAY_ERROR = 0.25
+
+
 def run_fit(args: argparse.Namespace) -> int:
     """Fit, write and print; UsageError for an unusable log."""
     import numpy as np
@@ -91,7 +96,12 @@ def run_fit(args: argparse.Namespace) -> int:
     params.to_json(out)
     print(f"fitted {params.num_workers} workers from {len(log.steps)} decisions of {log.path}"
           + "".join(f" and {len(t.steps)} of {t.path}" for t in timings))
-    print(format_fit_table(replay(params, log), [f.method for f in fits]))
+    replayed = replay(params, log)
+    print(format_fit_table(replayed, [f.method for f in fits]))
+    worst = max(abs(r["step_error"]) for r in replayed)
+    if timings and worst > TIMINGS_REPLAY_ERROR:
+        print(f"warning: the fit replays {log.path}'s steps with an error of up to {worst:.0%}; are the --timings-from "
+              "runs of the same job (same model, data and slowdowns)?")
     c, s = params.comm, params.stats
     print(f"communication {c.latency_s + 2 * c.model_bytes / c.bandwidth_bytes_per_s:.4f} s/step; "
           f"B_noise {s.noise_scale:.1f} samples (growth {s.noise_growth:.2f}); τ {s.steps_scale:.1f} steps, loss tail "
