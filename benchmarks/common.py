@@ -66,9 +66,10 @@ def policy_identity(name_or_dir: str) -> dict | None:
     """Which PPO policy a benchmark ran: ``{"source", "sha256"}`` of the ``policy.onnx`` of a policy
     directory or of a library policy by name, or None when there is no such file."""
     from dynamix_byteps.policy.ppo import library
+    from dynamix_byteps.policy.ppo.policy_format import POLICY_FILE
 
     root = Path(name_or_dir) if Path(name_or_dir).is_dir() else library.library_root() / name_or_dir
-    onnx = root / "policy.onnx"
+    onnx = root / POLICY_FILE
     if not onnx.is_file():
         return None
     return {"source": str(name_or_dir), "sha256": hashlib.sha256(onnx.read_bytes()).hexdigest()}
@@ -202,8 +203,9 @@ def bootstrap_medians(values, rounds: int = 2000, seed: int = 0) -> np.ndarray:
     return np.median(values[draws], axis=1)
 
 
-def paired_ratio_interval(values, reference, rounds: int = 2000, seed: int = 0) -> list[float]:
-    """90% bootstrap interval of median(``values``) / median(``reference``), resampling the pairs
+def paired_ratio_interval(values, reference, rounds: int = 2000, seed: int = 0, statistic=np.median) -> list[float]:
+    """90% bootstrap interval of statistic(``values``) / statistic(``reference``) (the median unless
+    ``statistic`` is another numpy reduction taking ``axis``, e.g. ``np.mean``), resampling the pairs
     (``values[i]``, ``reference[i]``: the same seed or repeat) together.
 
     Both 1-D of equal length >= 1; ``inf`` allowed (a target never reached): a ratio inf/inf
@@ -215,7 +217,7 @@ def paired_ratio_interval(values, reference, rounds: int = 2000, seed: int = 0) 
         raise ValueError(f"paired samples must be non-empty and of equal length, got {len(values)} and {len(reference)}")
     draws = np.random.default_rng(seed).integers(len(values), size=(rounds, len(values)))
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.median(values[draws], axis=1) / np.median(reference[draws], axis=1)
+        ratios = statistic(values[draws], axis=1) / statistic(reference[draws], axis=1)
     return interval90(np.where(np.isnan(ratios), 1.0, ratios), method="inverted_cdf")
 
 

@@ -35,7 +35,17 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from common import REPO, RESULTS, interval90, markdown_table, policy_identity, publish, run_main, text_table, verdict
+from common import (
+    REPO,
+    RESULTS,
+    markdown_table,
+    paired_ratio_interval,
+    policy_identity,
+    publish,
+    run_main,
+    text_table,
+    verdict,
+)
 
 from dynamix_byteps.argtypes import int_in, output_path
 from dynamix_byteps.errors import ConfigurationError
@@ -105,21 +115,13 @@ def headroom(params: SimParams, ppo, grid, switch, episodes: int, seed: int = SE
     missed = [name for name in ("best schedule", heuristic) if not np.all(np.isfinite(times[name]))]
     if missed:  # a mean over an episode that never reached the target is no time: nothing to compare
         return {**row, "verdict": f"n/a: {' and '.join(missed)} missed the target in some episode"}
-    ratios = _paired_mean_ratios(times["best schedule"], times[heuristic])
+    ratios = paired_ratio_interval(times["best schedule"], times[heuristic], statistic=np.mean)
     return {**row, "headroom": float(np.mean(times["best schedule"]) / np.mean(times[heuristic])),
             "headroom_interval": ratios, "verdict": verdict(ratios)}
 
 
 def _json_seconds(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None  # JSON has no infinity: None is "never reached"
-
-
-def _paired_mean_ratios(values, reference, rounds: int = 2000, seed: int = 0) -> list[float]:
-    """90% bootstrap interval of mean(``values``) / mean(``reference``), resampling the episodes in
-    pairs (both finite, 1-D, of equal length)."""
-    values, reference = np.asarray(values, dtype=float), np.asarray(reference, dtype=float)
-    draws = np.random.default_rng(seed).integers(len(values), size=(rounds, len(values)))
-    return interval90(values[draws].mean(axis=1) / reference[draws].mean(axis=1))
 
 
 def _seconds(times: list[float | None]) -> str:

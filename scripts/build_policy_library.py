@@ -157,9 +157,9 @@ def fit_profiles(runs_dir: Path, scenarios: list[str], out: Path) -> list[Profil
 
     A scenario's timings come from all its runs: its first :data:`RECORDINGS` run (``dynamix sim
     fit RUN_DIR``, which also gives the initial batches, bounds and K) and the others recorded under
-    ``runs_dir/<scenario>`` (``--timings-from``); the statistics (noise scale, loss curve) from the losses of every run recorded under
-    ``runs_dir`` (``MORE_RUN_DIRS``): they are the model's and the data's, whatever the scenario, and
-    runs at other global batches calibrate them. K is set to :data:`SERVED_INTERVAL`.
+    ``runs_dir/<scenario>`` (``--timings-from``); the statistics (noise scale, loss curve) from the
+    losses of every run recorded under ``runs_dir`` (``MORE_RUN_DIRS``): they are the model's and the
+    data's, whatever the scenario, and runs at other global batches calibrate them. K is set to :data:`SERVED_INTERVAL`.
 
     Raises:
         ConfigurationError: a run's decision log is missing or unusable, or a scenario is held out.
@@ -177,9 +177,9 @@ def fit_profiles(runs_dir: Path, scenarios: list[str], out: Path) -> list[Profil
     profiles = []
     for name in scenarios:
         timing = runs_dir / name / f"{policy}{batch}"
-        others = [d for d in recorded if d != timing]
-        same_job = [load_log(d) for d in others if d.parent.name == name]
-        fitted, _ = fit_log(load_log(timing), [load_log(d) for d in others], same_job)
+        others = {d: load_log(d) for d in recorded if d != timing}
+        same_job = [log for d, log in others.items() if d.parent.name == name]
+        fitted, _ = fit_log(load_log(timing), list(others.values()), same_job)
         fitted = replace(fitted, decision_interval=SERVED_INTERVAL)
         source = (f"`dynamix sim fit` of 4-worker runs of examples/torch_fashion_mnist.py --model cnn (SGD) on a shared "
                   f"2-core machine: timings of the {name} runs, losses of {name}/{policy}{batch} and of "
