@@ -273,6 +273,38 @@ def test_a_worker_leaving_with_collectives_in_flight_and_no_shutdown_exits_clean
     assert "terminate called" not in proc.stdout + proc.stderr
 
 
+GLOO_THREADS_AFTER_SHUTDOWN = """
+import os
+import torch
+import dynamix_byteps.torch as bps
+from dynamix_byteps import engine
+torch.set_num_threads(1)
+bps.init()
+model = torch.nn.Linear(4, 2)
+opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+model(torch.randn(8, 4)).sum().backward()
+opt.step()
+import torch._dynamo  # imports torch.distributed.nn.functional, whose defaults bind group.WORLD
+kept = engine.current().all_reduce_async(torch.ones(4), "kept.past.shutdown")
+kept.wait()
+bps.shutdown()
+names = sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+print("torch threads after shutdown:", [n for n in names if "gloo" in n or "tcpstore" in n])
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from /proc/self/task")
+def test_shutdown_stops_the_process_groups_threads_however_the_group_was_referenced():
+    # A group kept alive past shutdown (torch._dynamo imported after init bound it as a default
+    # argument; handles held torch's Work) ran its gloo threads into the interpreter's finalization,
+    # where one that needed the GIL aborted the finished worker (exit 134; three CI runs failed so).
+    proc = subprocess.run(LAUNCH + ["-n", "2", "--", sys.executable, "-c", GLOO_THREADS_AFTER_SHUTDOWN],
+                          env=clean_env(), capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("torch threads after shutdown: []") == 2, proc.stdout
+
+
 def test_a_gloo_collective_is_timed_when_the_worker_sees_it_complete():
     import torch
 

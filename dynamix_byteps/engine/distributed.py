@@ -32,6 +32,14 @@ from dynamix_byteps.timing import CommTiming, Span
 try:
     import torch
     import torch.distributed as dist
+
+    # Imported before any process group exists, because this module binds ``group.WORLD`` as a
+    # default argument when first imported (torch._dynamo imports it, and constructing any
+    # torch.optim optimizer imports torch._dynamo): bound to a live group, it kept the group and its
+    # gloo threads running after destroy_process_group, into the interpreter's finalization, where a
+    # gloo thread that needed the GIL to free a tensor aborted the finished worker ("terminate
+    # called without an active exception", exit code 134).
+    import torch.distributed.nn.functional  # noqa: F401
 except ImportError as exc:  # pragma: no cover - torch is an install requirement
     raise EngineUnavailableError(
         f"the gloo and nccl engines need PyTorch ({exc}); install it with: pip install torch==2.13.0"
@@ -73,7 +81,13 @@ class _CudaTimings:
 
 class _DistributedHandle(Handle):
     """``span`` is recorded once this worker sees the collective complete (gloo: host time), or, with
-    ``timings`` and the CUDA event ``start`` given (nccl), once the GPU has passed the collective."""
+    ``timings`` and the CUDA event ``start`` given (nccl), once the GPU has passed the collective.
+
+    The handle lets go of torch's ``Work`` as soon as it has seen it complete: a ``Work`` keeps the
+    group's gloo connections (their I/O thread) and its store alive, so one still held at
+    :meth:`TorchDistributedEngine.shutdown` (a handle the caller kept, say) left those threads
+    running into the interpreter's finalization.
+    """
 
     def __init__(self, work, what: str, span: Span, timings: _CudaTimings | None = None, start=None):
         self._work = work
@@ -82,10 +96,12 @@ class _DistributedHandle(Handle):
         self._cuda = (timings, start) if timings is not None else None
 
     def done(self) -> bool:
-        finished = self._work.is_completed()
-        if finished:
-            self._record_host_time()
-        return finished
+        if self._work is not None:
+            if not self._work.is_completed():
+                return False
+            self._work = None
+        self._record_host_time()
+        return True
 
     def _record_host_time(self) -> None:
         if self._span is not None and self._cuda is None:
@@ -93,10 +109,12 @@ class _DistributedHandle(Handle):
             span.end()
 
     def wait(self) -> None:
-        try:
-            self._work.wait()
-        except RuntimeError as exc:
-            raise _communication_error(exc, self._what) from exc
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise _communication_error(exc, self._what) from exc
+            self._work = None
         self._record_host_time()
         if self._span is not None:  # nccl: timed on the GPU once it has passed the end event
             timings, start = self._cuda
