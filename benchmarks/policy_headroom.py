@@ -21,7 +21,13 @@ interval that resamples the evaluation episodes in pairs, and the verdict of
 heuristic on the job by much: a benchmark of real runs could not tell a better policy apart from
 it within its run-to-run spread.
 
-    python benchmarks/policy_headroom.py [--profiles FILE] [--ppo-policy NAME|DIR] [--episodes 8] [--quick] [--out PATH]
+``--initial-batch B`` starts every worker at the local batch ``B`` instead of the fitted runs'
+batches: the job as a user who picked another batch size would start it. ``static`` keeps ``B``,
+the heuristics and PPO start from it, and the schedules do not depend on it. The simulator's
+references to the initial global batch (the batch free of a generalisation gap, the loss noise
+at M0) stay the fitted job's, so only the start moves.
+
+    python benchmarks/policy_headroom.py [--profiles FILE] [--ppo-policy NAME|DIR] [--initial-batch B] [--episodes 8] [--quick] [--out PATH]
 
 Prints the table and writes JSON (default ``benchmarks/results/policy_headroom.json``).
 """
@@ -30,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +80,17 @@ def balanced(params: SimParams, global_batch: int) -> np.ndarray:
     rate = np.array([w.samples_per_s for w in params.workers])
     compute_s = (global_batch + (fixed * rate).sum()) / rate.sum()
     return np.clip(np.round(rate * (compute_s - fixed)), params.min_batch, params.max_batch).astype(np.int64)
+
+
+def starting_at(params: SimParams, local_batch: int) -> SimParams:
+    """``params`` with every worker starting at ``local_batch`` samples (clipped to the bounds).
+    The simulator's references to the initial global batch M0 are kept at the fitted job's: the
+    gap-free global batch ``gap_free_ratio·M0`` and the loss noise ``loss_noise·√(M0/M)``."""
+    start = int(np.clip(local_batch, params.min_batch, params.max_batch))
+    ratio = sum(params.initial_batch) / (start * len(params.workers))  # M0 fitted / M0 new
+    stats = replace(params.stats, gap_free_ratio=params.stats.gap_free_ratio * ratio,
+                    loss_noise=params.stats.loss_noise * math.sqrt(ratio))
+    return replace(params, initial_batch=(start,) * len(params.workers), stats=stats)
 
 
 def schedule_times(params: SimParams, first: int, then: int, switch: float, seeds) -> list[float]:
@@ -192,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int_in(1, 1000, "episodes"), default=None,
                         help="tuning episodes, and as many evaluation ones (default 8)")
     parser.add_argument("--seed", type=int_in(0, what="seed"), default=SEED, help="first episode seed, >= 0")
+    parser.add_argument("--initial-batch", type=int_in(1, what="initial batch"), default=None, metavar="B",
+                        help="every worker's starting local batch (default: the fitted runs')")
     parser.add_argument("--quick", action="store_true", help="a small grid and 2 episodes (a smoke test)")
     parser.add_argument("--out", type=output_path("file", "policy_headroom.json"), default=None,
                         help="report file (default benchmarks/results/policy_headroom.json; with --quick, "
@@ -215,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for profile in profiles:
-        row = headroom(profile.params, ppo, grid, switch, episodes, args.seed)
+        params = profile.params if args.initial_batch is None else starting_at(profile.params, args.initial_batch)
+        row = headroom(params, ppo, grid, switch, episodes, args.seed)
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)
     report = {"benchmark": "policy_headroom", "profiles_file": _shown(args.profiles), "held_out": held_out,
               "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "quick": args.quick,
-              "grid": list(grid), "switch": list(switch), "episodes": episodes,
+              "initial_batch": args.initial_batch, "grid": list(grid), "switch": list(switch), "episodes": episodes,
               "seed": args.seed, "policies": ["static", *HEURISTICS, *(["ppo"] if ppo is not None else [])],
               "rows": rows}
     return publish("policy_headroom", out, report, text_table(*table(report)))

@@ -12,9 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from policy_headroom import balanced, main  # noqa: E402
+from policy_headroom import balanced, main, starting_at  # noqa: E402
 
 from dynamix_byteps.policy.ppo.mixture import Profile, write_profiles  # noqa: E402
+from dynamix_byteps.policy.sim.dynamics import Simulator  # noqa: E402
 from dynamix_byteps.policy.sim.params import SimParams, WorkerParams  # noqa: E402
 
 
@@ -50,10 +51,40 @@ def test_quick_run_fills_every_column_and_the_best_schedule_beats_static_on_a_st
     assert "best / best heuristic [90%]" in capsys.readouterr().out
 
 
+def test_another_initial_batch_moves_only_the_start_not_the_jobs_gap_or_loss_noise():
+    params = _straggler()
+    started = starting_at(params, 256)
+    assert started.initial_batch == (256,) * 4 and starting_at(params, 1).initial_batch == (16,) * 4  # clipped
+    runs = []
+    for p in (params, started):
+        sim = Simulator(p, rng=np.random.default_rng(3))
+        sim.reset_state()  # reset() would train the first interval at the initial batches
+        for _ in range(20):
+            sim.step(np.array([128, 128, 128, 32]))
+        runs.append((sim.fraction(), sim.accuracy()))
+    assert runs[0] == pytest.approx(runs[1])  # the same batches train the same, whatever the start
+
+
+@pytest.mark.timeout(120)
+def test_the_initial_batch_flag_starts_static_there_and_is_recorded(tmp_path):
+    out = tmp_path / "headroom.json"
+    assert main(["--quick", "--profiles", str(_profiles(tmp_path, _straggler())), "--ppo-policy", "none",
+                 "--initial-batch", "16", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    fitted = tmp_path / "fitted.json"
+    assert main(["--quick", "--profiles", str(_profiles(tmp_path, _straggler())), "--ppo-policy", "none",
+                 "--out", str(fitted)]) == 0
+    assert report["initial_batch"] == 16 and json.loads(fitted.read_text())["initial_batch"] is None
+    slow_start, fitted_start = ([np.inf if t is None else t for t in json.loads(path.read_text())["rows"][0]["times"]["static"]]
+                                for path in (out, fitted))
+    assert np.mean(slow_start) > np.mean(fitted_start)  # 64 samples a step, not 256
+
+
 @pytest.mark.parametrize("args, needle", [(["--grid", "128,x"], "not a comma-separated list of global batches"),
                                           (["--switch", "0.5,1.5"], "must be in (0, 1)"),
                                           (["--episodes", "0"], "episodes 0 must be between 1 and 1000"),
-                                          (["--seed", "-1"], "seed -1 must be >= 0")])
+                                          (["--seed", "-1"], "seed -1 must be >= 0"),
+                                          (["--initial-batch", "0"], "initial batch 0 must be >= 1")])
 def test_bad_flags_are_refused_naming_the_flag(args, needle, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
