@@ -5,7 +5,8 @@ configuration trains the example's model (``examples/torch_fashion_mnist.py`` th
 ``--engine gloo`` or ``ps``; with ``--framework tensorflow``, ``examples/tf_fashion_mnist.py --fit``:
 the Keras ``model.fit`` path, CNN only) for the same budget of training seconds. Configurations: static
 uniform batches (32, 64, 128, 256 per worker), ``proportional`` (LB-BSP), ``goodput`` (Pollux) and,
-with ``--ppo-policy``, ``ppo``. Every ``--eval-every`` seconds of training (default 4) the job
+with ``--ppo-policy``, ``ppo``; the dynamic policies start from the local batch ``--policy-start``
+(default 64, the example's default). Every ``--eval-every`` seconds of training (default 4) the job
 scores a fixed subset of the test set (``--eval-subset`` images, default 2000, the same images for
 every run; the pause is not training time), so a target crossing is placed within a few seconds.
 
@@ -107,7 +108,7 @@ EXAMPLES = {"torch": (REPO / "examples" / "torch_fashion_mnist.py", []),
             "tensorflow": (REPO / "examples" / "tf_fashion_mnist.py", ["--fit"])}
 STATIC_SIZES = (32, 64, 128, 256)
 HEURISTICS = ("proportional", "goodput")
-POLICY_START = 64  # every dynamic policy starts from the example's default local batch
+POLICY_START = 64  # the local batch every dynamic policy starts from: the example's default
 BOUNDS = ["--min-batch", "16", "--max-batch", "512"]
 #: Per model: the highest is reached late, if at all, by the best static batch in 150 s (measured, straggler).
 TARGETS = {"cnn": (0.86, 0.88, 0.89, 0.90), "resnet8": (0.75, 0.80, 0.83, 0.86)}
@@ -123,16 +124,17 @@ STYLES = {"static32": ("#56b4e9", "v"), "static64": ("#0072b2", "<"), "static128
           "ppo": ("#d55e00", "o")}
 
 
-def configurations(ppo_policy: str | None, decision_interval: int) -> dict[str, dict]:
-    """Every configuration by name: its local batch and its extra bpslaunch flags."""
+def configurations(ppo_policy: str | None, decision_interval: int, policy_start: int = POLICY_START) -> dict[str, dict]:
+    """Every configuration by name: its local batch (``policy_start`` for the dynamic policies) and
+    its extra bpslaunch flags."""
     configs = {f"static{b}": {"batch": b, "launch": []} for b in STATIC_SIZES}
     policy_flags = ["--decision-interval", str(decision_interval), *BOUNDS]
     for policy in HEURISTICS:
-        configs[policy] = {"batch": POLICY_START, "launch": ["--policy", policy, *policy_flags]}
+        configs[policy] = {"batch": policy_start, "launch": ["--policy", policy, *policy_flags]}
     if ppo_policy:
         chosen = ["--policy", "ppo", "--policy-path", str(ppo_policy)] if Path(ppo_policy).is_dir() \
             else ["--policy", f"ppo:{ppo_policy}"]  # a policy of the library
-        configs["ppo"] = {"batch": POLICY_START, "launch": [*chosen, *policy_flags], "policy": policy_identity(ppo_policy)}
+        configs["ppo"] = {"batch": policy_start, "launch": [*chosen, *policy_flags], "policy": policy_identity(ppo_policy)}
     return configs
 
 
@@ -510,6 +512,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compression", choices=("none", "fp16"), default="none",
                    help="gradient compression on the wire: fp16 runs the example with --fp16-pushpull (torch only)")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
+    p.add_argument("--policy-start", type=int_in(16, 512, "policy start"), default=POLICY_START, metavar="B",
+                   help=f"the local batch every dynamic policy starts from, within their bounds 16-512 (default "
+                        f"{POLICY_START}): a user's other choice of --batch-size")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
                    "policy: a directory or a library name (`dynamix policy list`)")
     p.add_argument("--repeats", type=int_in(1, 20), default=None, metavar="N",
@@ -565,7 +570,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.targets = args.targets or list(QUICK_TARGETS if quick else TARGETS[args.model])
     args.repeats = args.repeats or (2 if quick else 3)
     args.decision_interval = args.decision_interval or (5 if quick else 10)
-    known = configurations(args.ppo_policy, args.decision_interval)
+    known = configurations(args.ppo_policy, args.decision_interval, args.policy_start)
     default = [*QUICK_CONFIGS, *(["ppo"] if args.ppo_policy else [])] if args.quick else list(known)
     wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else default
     if args.table_only:
@@ -591,7 +596,7 @@ def experiment(args: argparse.Namespace) -> dict:
     return {"scenario": args.scenario.name, "quick": args.quick, "framework": args.framework, "model": args.model,
             "budget_s": args.budget, "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
             "num_servers": args.num_servers if args.engine == "ps" else None, "compression": args.compression,
-            "host_cpus": args.host_cpus, "decision_interval": args.decision_interval}
+            "host_cpus": args.host_cpus, "decision_interval": args.decision_interval, "policy_start": args.policy_start}
 
 
 def read_report(path: Path) -> dict:

@@ -172,6 +172,18 @@ def test_fp16_compression_runs_the_example_with_fp16_pushpull_and_is_part_of_the
     assert stop.value.code == 2 and "no --fp16-pushpull" in capsys.readouterr().err
 
 
+def test_the_dynamic_policies_start_from_policy_start_and_it_is_part_of_the_experiment(tmp_path, capsys):
+    started = parse_args(["--policy-start", "256", "--ppo-policy", "small-cnn-sgd", "--out", str(tmp_path / "t.json")])
+    assert {name: c["batch"] for name, c in started.configs.items() if not name.startswith("static")} == \
+        {"proportional": 256, "goodput": 256, "ppo": 256}
+    assert started.configs["static64"]["batch"] == 64
+    assert experiment(started)["policy_start"] == 256
+    assert experiment(parse_args(["--out", str(tmp_path / "t.json")]))["policy_start"] == 64
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--policy-start", "8"])
+    assert stop.value.code == 2 and "policy start 8 must be between 16 and 512" in capsys.readouterr().err
+
+
 def test_split_host_cpus_needs_emulated_hosts_and_is_part_of_the_experiment(tmp_path, capsys):
     split = parse_args(["--scenario", "network", "--host-cpus", "split", "--out", str(tmp_path / "t.json")])
     assert experiment(split)["host_cpus"] == "split"
