@@ -83,10 +83,17 @@ def balanced(params: SimParams, global_batch: int) -> np.ndarray:
 
 
 def starting_at(params: SimParams, local_batch: int) -> SimParams:
-    """``params`` with every worker starting at ``local_batch`` samples (clipped to the bounds).
-    The simulator's references to the initial global batch M0 are kept at the fitted job's: the
-    gap-free global batch ``gap_free_ratio·M0`` and the loss noise ``loss_noise·√(M0/M)``."""
-    start = int(np.clip(local_batch, params.min_batch, params.max_batch))
+    """``params`` with every worker starting at ``local_batch`` samples. The simulator's references
+    to the initial global batch M0 are kept at the fitted job's: the gap-free global batch
+    ``gap_free_ratio·M0`` and the loss noise ``loss_noise·√(M0/M)``.
+
+    Raises:
+        ValueError: ``local_batch`` is outside the job's bounds ``[min_batch, max_batch]``.
+    """
+    if not params.min_batch <= local_batch <= params.max_batch:
+        raise ValueError(f"--initial-batch {local_batch} is outside the job's local batch bounds "
+                         f"[{params.min_batch}, {params.max_batch}]; choose one within them")
+    start = int(local_batch)
     ratio = sum(params.initial_batch) / (start * len(params.workers))  # M0 fitted / M0 new
     stats = replace(params.stats, gap_free_ratio=params.stats.gap_free_ratio * ratio,
                     loss_noise=params.stats.loss_noise * math.sqrt(ratio))
@@ -234,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as error:
         print(f"policy_headroom: {error}", file=sys.stderr)
         return 2
+    try:
+        jobs = [(profile, profile.params if args.initial_batch is None else starting_at(profile.params, args.initial_batch))
+                for profile in profiles]
+    except ValueError as error:
+        print(f"policy_headroom: {error}", file=sys.stderr)
+        return 2
     rows = []
-    for profile in profiles:
-        params = profile.params if args.initial_batch is None else starting_at(profile.params, args.initial_batch)
+    for profile, params in jobs:
         row = headroom(params, ppo, grid, switch, episodes, args.seed)
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)

@@ -54,7 +54,7 @@ def test_quick_run_fills_every_column_and_the_best_schedule_beats_static_on_a_st
 def test_another_initial_batch_moves_only_the_start_not_the_jobs_gap_or_loss_noise():
     params = _straggler()
     started = starting_at(params, 256)
-    assert started.initial_batch == (256,) * 4 and starting_at(params, 1).initial_batch == (16,) * 4  # clipped
+    assert started.initial_batch == (256,) * 4
     runs = []
     for p in (params, started):
         sim = Simulator(p, rng=np.random.default_rng(3))
@@ -78,6 +78,14 @@ def test_the_initial_batch_flag_starts_static_there_and_is_recorded(tmp_path):
     slow_start, fitted_start = ([np.inf if t is None else t for t in json.loads(path.read_text())["rows"][0]["times"]["static"]]
                                 for path in (out, fitted))
     assert np.mean(slow_start) > np.mean(fitted_start)  # 64 samples a step, not 256
+
+
+def test_an_initial_batch_outside_the_jobs_bounds_is_refused_not_clipped(tmp_path, capsys):
+    out = tmp_path / "headroom.json"
+    assert main(["--quick", "--profiles", str(_profiles(tmp_path, _straggler())), "--ppo-policy", "none",
+                 "--initial-batch", "2048", "--out", str(out)]) == 2
+    assert "--initial-batch 2048 is outside the job's local batch bounds [16, 1024]" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args, needle", [(["--grid", "128,x"], "not a comma-separated list of global batches"),
