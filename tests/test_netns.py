@@ -198,6 +198,17 @@ def test_run_job_stops_every_host_when_one_fails_or_time_runs_out(code, timeout_
     assert not leftover, leftover
 
 
+@pytest.mark.timeout(120)
+def test_run_job_lets_the_other_hosts_end_by_themselves_after_the_first_failure():
+    # host 0's worker fails a moment after host 1's: as on separate machines, host 0's launcher reports
+    # its own worker's code (1). It was SIGTERMed 0.2 s after host 1 ended (143), and test_faults's
+    # full-disk test, whose failing worker closes its connections just before it exits, failed so in CI.
+    code = "import os, sys, time\nsys.exit(3) if os.environ['DYNAMIX_RANK_OFFSET'] == '1' else (time.sleep(1.5), sys.exit(1))"
+    with netns.Testbed(2) as bed:
+        result = netns.run_job(bed, [1, 1], [sys.executable, "-c", code], timeout_s=60, grace_s=5)
+    assert result.returncodes == (1, 3), result.outputs
+
+
 @pytest.mark.timeout(60)
 def test_bad_arguments_are_refused_before_anything_runs():
     with pytest.raises(ValueError, match="host 0"):

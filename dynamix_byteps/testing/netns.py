@@ -510,8 +510,10 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
     ``D/decisions.jsonl``) and host ``i`` to ``D/host<i>``. ``DYNAMIX_PS_CHANNELS`` defaults to
     ``basic``, so that an ``--engine ps`` job's tensors cross the emulated links.
 
-    Every launcher is stopped (SIGTERM, SIGKILL after ``grace_s`` seconds) as soon as one exits
-    non-zero, when ``timeout_s`` seconds have passed, and on any exception here.
+    Once one launcher exits non-zero, the others get ``grace_s`` seconds to end by themselves (each
+    reports its own workers' failure, as on separate machines); then every launcher left is stopped
+    (SIGTERM, SIGKILL after ``grace_s`` seconds), as all are when ``timeout_s`` seconds have passed
+    and on any exception here.
 
     Args:
         bed: an open :class:`Testbed`.
@@ -567,6 +569,9 @@ def run_job(bed: Testbed, slots: Sequence[int], command: Sequence[str], launcher
             deadline = time.monotonic() + timeout_s
             while any(p.poll() is None for p in procs):
                 if any(p.poll() not in (None, 0) for p in procs):
+                    settled = min(deadline, time.monotonic() + grace_s)
+                    while any(p.poll() is None for p in procs) and time.monotonic() < settled:
+                        time.sleep(0.2)
                     break
                 if time.monotonic() > deadline:
                     timed_out = True
