@@ -123,7 +123,8 @@ def test_a_link_shaped_by_tc_reports_a_lower_delivery_rate(collector, shaped_bed
     shaped = _rate_to_host0(collector, shaped_bed, 1, 2 * MB)  # ~0.8 s at 20 Mbit/s
     free = _rate_to_host0(collector, shaped_bed, 2, 2 * MB)
     link = SHAPED_MBIT * 1e6 / 8  # bytes/s
-    # bytes over busy time: at most the link plus tbf's first 10-ms burst and a jiffy of rounding;
-    # loss recovery lowers it (measured 0.74-0.97x the link)
-    assert 0.3 * link < shaped < 1.1 * link, (shaped, free)
+    # bytes over busy time less the receive-window-limited time: the link plus tbf's bursts, which
+    # refill while the window holds the sender back (1.12x measured once in CI), and a jiffy of
+    # rounding; loss recovery lowers it (measured 0.74-0.97x the link)
+    assert 0.3 * link < shaped < 1.25 * link, (shaped, free)
     assert shaped < 0.5 * free, (shaped, free)
