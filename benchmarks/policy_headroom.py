@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +60,7 @@ from dynamix_byteps.policy.ppo.library import library_root
 from dynamix_byteps.policy.ppo.mixture import load_profiles
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.evaluate import run_episode
-from dynamix_byteps.policy.sim.params import SimParams
+from dynamix_byteps.policy.sim.params import SimParams, starting_at
 
 LIBRARY_POLICY = "small-cnn-sgd"
 HEURISTICS = ("proportional", "goodput")
@@ -80,24 +78,6 @@ def balanced(params: SimParams, global_batch: int) -> np.ndarray:
     rate = np.array([w.samples_per_s for w in params.workers])
     compute_s = (global_batch + (fixed * rate).sum()) / rate.sum()
     return np.clip(np.round(rate * (compute_s - fixed)), params.min_batch, params.max_batch).astype(np.int64)
-
-
-def starting_at(params: SimParams, local_batch: int) -> SimParams:
-    """``params`` with every worker starting at ``local_batch`` samples. The simulator's references
-    to the initial global batch M0 are kept at the fitted job's: the gap-free global batch
-    ``gap_free_ratio·M0`` and the loss noise ``loss_noise·√(M0/M)``.
-
-    Raises:
-        ValueError: ``local_batch`` is outside the job's bounds ``[min_batch, max_batch]``.
-    """
-    if not params.min_batch <= local_batch <= params.max_batch:
-        raise ValueError(f"--initial-batch {local_batch} is outside the job's local batch bounds "
-                         f"[{params.min_batch}, {params.max_batch}]; choose one within them")
-    start = int(local_batch)
-    ratio = sum(params.initial_batch) / (start * len(params.workers))  # M0 fitted / M0 new
-    stats = replace(params.stats, gap_free_ratio=params.stats.gap_free_ratio * ratio,
-                    loss_noise=params.stats.loss_noise * math.sqrt(ratio))
-    return replace(params, initial_batch=(start,) * len(params.workers), stats=stats)
 
 
 def schedule_times(params: SimParams, first: int, then: int, switch: float, seeds) -> list[float]:
@@ -241,12 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as error:
         print(f"policy_headroom: {error}", file=sys.stderr)
         return 2
-    try:
-        jobs = [(profile, profile.params if args.initial_batch is None else starting_at(profile.params, args.initial_batch))
-                for profile in profiles]
-    except ValueError as error:
-        print(f"policy_headroom: {error}", file=sys.stderr)
+    outside = [p.name for p in profiles if args.initial_batch is not None
+               and not p.params.min_batch <= args.initial_batch <= p.params.max_batch]
+    if outside:
+        print(f"policy_headroom: --initial-batch {args.initial_batch} is outside the local batch bounds of "
+              f"profile(s) {outside}; choose one within them", file=sys.stderr)
         return 2
+    jobs = [(profile, profile.params if args.initial_batch is None
+             else starting_at(profile.params, (args.initial_batch,) * profile.params.num_workers)) for profile in profiles]
     rows = []
     for profile, params in jobs:
         row = headroom(params, ppo, grid, switch, episodes, args.seed)

@@ -226,7 +226,14 @@ def test_a_windowed_slowdown_is_put_back_on_the_undisturbed_speed_and_a_whole_ru
 
 
 def test_perturbed_profiles_stay_near_the_fit_and_the_mixture_draws_every_profile():
-    from dynamix_byteps.policy.ppo.mixture import PERTURBATION, WORKER_SPREAD, MixtureSimEnv, perturbed, profile_from_fit
+    from dynamix_byteps.policy.ppo.mixture import (
+        PERTURBATION,
+        START_FACTORS,
+        WORKER_SPREAD,
+        MixtureSimEnv,
+        perturbed,
+        profile_from_fit,
+    )
 
     fitted = _fitted()
     rng = np.random.default_rng(0)
@@ -237,7 +244,10 @@ def test_perturbed_profiles_stay_near_the_fit_and_the_mixture_draws_every_profil
         assert ratio.max() / ratio.min() <= WORKER_SPREAD ** 2 + 1e-9  # the straggler stays a straggler
         assert 1 / PERTURBATION <= p.comm.bandwidth_bytes_per_s / fitted.comm.bandwidth_bytes_per_s <= PERTURBATION
         assert 1 / PERTURBATION <= p.stats.steps_scale / fitted.stats.steps_scale <= PERTURBATION
-        assert p.initial_batch[0] in (16, 32, 64)
+        assert p.initial_batch[0] / fitted.initial_batch[0] in START_FACTORS
+        m0, fitted_m0 = sum(p.initial_batch), sum(fitted.initial_batch)  # another start, the same job:
+        assert p.stats.gap_free_ratio * m0 == pytest.approx(fitted.stats.gap_free_ratio * fitted_m0)
+        assert p.stats.loss_noise * math.sqrt(m0) == pytest.approx(fitted.stats.loss_noise * math.sqrt(fitted_m0))
     profiles = [profile_from_fit(fitted, scenario(n)) for n in ("straggler", "interference")]
     env = MixtureSimEnv({"profiles": [p.params.to_dict() for p in profiles], "workers": [4, 8]})
     seen = set()

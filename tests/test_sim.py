@@ -33,6 +33,7 @@ from dynamix_byteps.policy.sim import (
 )
 from dynamix_byteps.policy.sim.env import DynamixSimEnv
 from dynamix_byteps.policy.sim.evaluate import compare, run_episode
+from dynamix_byteps.policy.sim.params import starting_at
 from dynamix_byteps.policy.sim.randomise import randomised
 from dynamix_byteps.scenarios import scenario
 
@@ -338,6 +339,39 @@ def test_randomised_noise_laws_keep_the_fitted_growth_and_move_together():
     for d in draws:  # one draw scales both laws: the measured estimate stays tied to the true B_noise
         assert d.noise_scale / d.measured_noise_scale == pytest.approx(8.0)
         assert d.noise_growth / d.measured_noise_growth == pytest.approx(2.5 / 1.2)
+
+
+def _references(params: SimParams) -> tuple[float, float]:
+    """The job's gap-free global batch and the loss noise at a global batch of 1000."""
+    m0 = sum(params.initial_batch)
+    return params.stats.gap_free_ratio * m0, params.stats.loss_noise * math.sqrt(m0 / 1000)
+
+
+def test_another_start_moves_only_the_start_not_the_jobs_gap_or_loss_noise():
+    params = dataclasses.replace(job("straggler"), max_decisions=60)
+    started = starting_at(params, (256, 128, 256, 64))
+    assert started.initial_batch == (256, 128, 256, 64)
+    assert _references(started) == pytest.approx(_references(params))
+    runs = []
+    for p in (params, started):
+        sim = Simulator(p, rng=np.random.default_rng(3))
+        sim.reset_state()  # reset() would train the first interval at the initial batches
+        for _ in range(20):
+            sim.step(np.array([128, 128, 128, 32]))
+        runs.append((sim.fraction(), sim.accuracy()))
+    assert runs[0] == pytest.approx(runs[1])  # the same batches train the same, whatever the start
+    with pytest.raises(ConfigurationError, match="must lie within"):
+        starting_at(params, (4096,) * 4)
+    with pytest.raises(ConfigurationError, match="4 workers"):
+        starting_at(params, (64,) * 3)
+
+
+def test_randomised_starts_move_but_the_jobs_gap_and_loss_noise_stay():
+    base = job("straggler")
+    draws = [randomised(base, np.random.default_rng(s)) for s in range(20)]
+    assert {d.initial_batch[0] for d in draws} == {16, 32, 64}
+    for d in draws:
+        assert _references(d) == pytest.approx(_references(base))
 
 
 def test_the_scheduler_is_shown_the_measured_noise_law_and_progress_follows_the_other():

@@ -32,16 +32,19 @@ from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.env import DynamixSimEnv
-from dynamix_byteps.policy.sim.params import SimParams, Window
+from dynamix_byteps.policy.sim.params import SimParams, Window, scaled_start
 from dynamix_byteps.scenarios import Scenario
 
-__all__ = ["PERTURBATION", "WORKER_SPREAD", "MixtureSimEnv", "Profile", "load_profiles", "perturbed", "profile_from_fit", "tiled",
+__all__ = ["PERTURBATION", "START_FACTORS", "WORKER_SPREAD", "MixtureSimEnv", "Profile", "load_profiles", "perturbed", "profile_from_fit", "tiled",
            "write_profiles"]
 
 #: Each perturbed quantity is multiplied by a log-uniform draw in [1/PERTURBATION, PERTURBATION] ...
 PERTURBATION = 1.25
 #: ... and each worker's throughput, on top of the common draw, by one in [1/WORKER_SPREAD, WORKER_SPREAD].
 WORKER_SPREAD = 1.1
+#: The episode's initial batch is the fitted one times one of these: a user may start far from the
+#: best batch, and a policy that has only seen the fitted start cannot tell it is not there.
+START_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,10 @@ def perturbed(params: SimParams, rng: np.random.Generator, spread: float = PERTU
     straggler stays 2.5x-3.6x), every worker's fixed time per step, the communication time (through
     the bandwidth of the default and of each own link), both noise-scale laws B0 (the one that sets
     progress and the measured one, alike) and τ (noise-free steps per e-fold of the loss). The
-    initial local batch is ×{1/2, 1, 2} (every worker alike, within the bounds) and node-agent
-    metrics are present with probability 1/2. Slowdown windows, bounds, K and the loss levels stay.
+    initial local batch is times one of :data:`START_FACTORS` (every worker alike, within the bounds,
+    by :func:`~dynamix_byteps.policy.sim.params.scaled_start`: the job's gap-free batch and loss
+    noise stay) and node-agent metrics are present with probability 1/2. Slowdown windows, bounds,
+    K and the loss levels stay.
     """
     speed, fixed = _log_uniform(rng, spread), _log_uniform(rng, spread)
     comm = _log_uniform(rng, spread)
@@ -125,11 +130,10 @@ def perturbed(params: SimParams, rng: np.random.Generator, spread: float = PERTU
     noise = _log_uniform(rng, spread)
     stats = replace(s, noise_scale=s.noise_scale * noise, steps_scale=s.steps_scale * _log_uniform(rng, spread),
                     measured_noise_scale=None if s.measured_noise_scale is None else s.measured_noise_scale * noise)
-    factor = float(rng.choice([0.5, 1.0, 2.0]))
-    initial = tuple(int(min(max(round(b * factor), params.min_batch), params.max_batch)) for b in params.initial_batch)
-    return replace(params, workers=workers, stats=stats, initial_batch=initial,
-                   comm=replace(params.comm, bandwidth_bytes_per_s=params.comm.bandwidth_bytes_per_s / comm),
-                   node_metrics=bool(rng.random() < 0.5))
+    job = replace(params, workers=workers, stats=stats,
+                  comm=replace(params.comm, bandwidth_bytes_per_s=params.comm.bandwidth_bytes_per_s / comm),
+                  node_metrics=bool(rng.random() < 0.5))
+    return scaled_start(job, float(rng.choice(START_FACTORS)))
 
 
 def write_profiles(path: str | os.PathLike, profiles: list[Profile], held_out: list[str]) -> None:

@@ -32,7 +32,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
 
 __all__ = ["ENGINES", "CommParams", "SimParams", "StatParams", "Window", "WorkerParams", "from_scenario", "loss_remaining",
-           "reference"]
+           "reference", "scaled_start", "starting_at"]
 
 SCHEMA_VERSION = 1
 #: Communication topologies the simulator models: a ring all-reduce, or parameter servers.
@@ -319,3 +319,29 @@ def from_scenario(scenario: Scenario, workers: int | None = None, base: SimParam
                            bandwidth_bytes_per_s=links.get(role, w.bandwidth_bytes_per_s)))
     initial = tuple(base.initial_batch[r % base.num_workers] for r in range(n))
     return replace(base, workers=tuple(out), initial_batch=initial, scenario=scenario.name)
+
+
+def starting_at(params: SimParams, initial_batch: tuple[int, ...]) -> SimParams:
+    """``params`` with the job starting at ``initial_batch`` (samples per rank, shape (N,)).
+
+    What a user's choice of starting batch changes is only where the run starts: the job's
+    gap-free global batch and its loss noise stay where they were. Both are stated relative to the
+    initial global batch M0 (``gap_free_ratio·M0``, ``loss_noise·√(M0/M)``), so they are rescaled
+    by ``M0_old/M0_new`` and its square root.
+
+    Raises:
+        ConfigurationError: ``initial_batch`` has another length than the job's workers, or an
+            entry outside ``[min_batch, max_batch]``.
+    """
+    initial = tuple(int(b) for b in initial_batch)
+    ratio = sum(params.initial_batch) / max(1, sum(initial))
+    stats = replace(params.stats, gap_free_ratio=params.stats.gap_free_ratio * ratio,
+                    loss_noise=params.stats.loss_noise * math.sqrt(ratio))
+    return replace(params, initial_batch=initial, stats=stats)
+
+
+def scaled_start(params: SimParams, factor: float) -> SimParams:
+    """:func:`starting_at` every rank's initial batch times ``factor``, rounded and clipped to the
+    job's bounds."""
+    return starting_at(params, tuple(min(max(round(b * factor), params.min_batch), params.max_batch)
+                                     for b in params.initial_batch))

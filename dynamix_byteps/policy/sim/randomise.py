@@ -10,7 +10,8 @@ transfers to jobs it has not seen. Each draw (log-uniform ``×[1/s, s]`` unless 
   ``latency_s`` ×[1/2, 2];
 * B_noise at the start ×[1/2.5, 2.5], its growth γ ×uniform[0.7, 1.3] (the measured law, when it
   has its own, alike), τ ×[1/1.4, 1.4];
-* the initial local batch ×{1/2, 1, 2} (every worker alike, within the bounds);
+* the initial local batch ×{1/2, 1, 2} (every worker alike, within the bounds; the job's gap-free
+  batch and loss noise stay where they were);
 * node-agent metrics present with probability 1/2.
 
 The scenario's slowdown windows and links are kept as they are.
@@ -22,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from dynamix_byteps.policy.sim.params import SimParams
+from dynamix_byteps.policy.sim.params import SimParams, scaled_start
 
 __all__ = ["randomised"]
 
@@ -50,7 +51,5 @@ def randomised(params: SimParams, rng: np.random.Generator) -> SimParams:
     if s.measured_noise_scale is not None:
         stats = replace(stats, measured_noise_scale=s.measured_noise_scale * noise,
                         measured_noise_growth=None if s.measured_noise_growth is None else s.measured_noise_growth * growth)
-    factor = float(rng.choice([0.5, 1.0, 2.0]))
-    initial = tuple(int(min(max(round(b * factor), params.min_batch), params.max_batch)) for b in params.initial_batch)
-    return replace(params, workers=workers, comm=comm, stats=stats, initial_batch=initial,
-                   node_metrics=bool(rng.random() < 0.5))
+    job = replace(params, workers=workers, comm=comm, stats=stats, node_metrics=bool(rng.random() < 0.5))
+    return scaled_start(job, float(rng.choice([0.5, 1.0, 2.0])))
