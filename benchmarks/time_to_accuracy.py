@@ -109,7 +109,8 @@ EXAMPLES = {"torch": (REPO / "examples" / "torch_fashion_mnist.py", []),
 STATIC_SIZES = (32, 64, 128, 256)
 HEURISTICS = ("proportional", "goodput")
 POLICY_START = 64  # the local batch every dynamic policy starts from: the example's default
-BOUNDS = ["--min-batch", "16", "--max-batch", "512"]
+MIN_BATCH, MAX_BATCH = 16, 512  # the dynamic policies' local batch bounds
+BOUNDS = ["--min-batch", str(MIN_BATCH), "--max-batch", str(MAX_BATCH)]
 #: Per model: the highest is reached late, if at all, by the best static batch in 150 s (measured, straggler).
 TARGETS = {"cnn": (0.86, 0.88, 0.89, 0.90), "resnet8": (0.75, 0.80, 0.83, 0.86)}
 QUICK_TARGETS = (0.5, 0.6, 0.7)
@@ -512,9 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compression", choices=("none", "fp16"), default="none",
                    help="gradient compression on the wire: fp16 runs the example with --fp16-pushpull (torch only)")
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
-    p.add_argument("--policy-start", type=int_in(16, 512, "policy start"), default=POLICY_START, metavar="B",
-                   help=f"the local batch every dynamic policy starts from, within their bounds 16-512 (default "
-                        f"{POLICY_START}): a user's other choice of --batch-size")
+    p.add_argument("--policy-start", type=int_in(MIN_BATCH, MAX_BATCH, "policy start"), default=POLICY_START,
+                   metavar="B", help=f"the local batch every dynamic policy starts from, within their bounds "
+                                     f"{MIN_BATCH}-{MAX_BATCH} (default "
+                                     f"{POLICY_START}): a user's other choice of --batch-size")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
                    "policy: a directory or a library name (`dynamix policy list`)")
     p.add_argument("--repeats", type=int_in(1, 20), default=None, metavar="N",
