@@ -227,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"policy_headroom: --initial-batch {args.initial_batch} is outside the local batch bounds of "
               f"profile(s) {outside}; choose one within them", file=sys.stderr)
         return 2
-    jobs = [(profile, profile.params if args.initial_batch is None
-             else starting_at(profile.params, (args.initial_batch,) * profile.params.num_workers)) for profile in profiles]
     rows = []
-    for profile, params in jobs:
+    for profile in profiles:
+        params = (profile.params if args.initial_batch is None
+                  else starting_at(profile.params, (args.initial_batch,) * profile.params.num_workers))
         row = headroom(params, ppo, grid, switch, episodes, args.seed)
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)

@@ -515,8 +515,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decision-interval", type=int_in(1), default=None, help="steps between policy decisions (default 10; --quick 5)")
     p.add_argument("--policy-start", type=int_in(MIN_BATCH, MAX_BATCH, "policy start"), default=POLICY_START,
                    metavar="B", help=f"the local batch every dynamic policy starts from, within their bounds "
-                                     f"{MIN_BATCH}-{MAX_BATCH} (default "
-                                     f"{POLICY_START}): a user's other choice of --batch-size")
+                                     f"{MIN_BATCH}-{MAX_BATCH} (default {POLICY_START}): a user's other choice "
+                                     "of --batch-size")
     p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
                    "policy: a directory or a library name (`dynamix policy list`)")
     p.add_argument("--repeats", type=int_in(1, 20), default=None, metavar="N",
