@@ -5,8 +5,9 @@ configuration trains the example's model (``examples/torch_fashion_mnist.py`` th
 ``--engine gloo`` or ``ps``; with ``--framework tensorflow``, ``examples/tf_fashion_mnist.py --fit``:
 the Keras ``model.fit`` path, CNN only) for the same budget of training seconds. Configurations: static
 uniform batches (32, 64, 128, 256 per worker), ``proportional`` (LB-BSP), ``goodput`` (Pollux) and,
-with ``--ppo-policy``, ``ppo``; the dynamic policies start from the local batch ``--policy-start``
-(default 64, the example's default). Every ``--eval-every`` seconds of training (default 4) the job
+with ``--ppo-policy``, ``ppo`` (``--ppo-policy LABEL=DIR`` once more adds ``ppo-LABEL``, to compare
+a candidate policy with the shipped one in one run); the dynamic policies start from the local batch
+``--policy-start`` (default 64, the example's default). Every ``--eval-every`` seconds of training (default 4) the job
 scores a fixed subset of the test set (``--eval-subset`` images, default 2000, the same images for
 every run; the pause is not training time), so a target crossing is placed within a few seconds.
 
@@ -58,6 +59,8 @@ status 1. With ``--allow-load`` loaded runs are kept and flagged in the table.
     python benchmarks/time_to_accuracy.py --scenario straggler --ppo-policy small-cnn-sgd
     python benchmarks/time_to_accuracy.py --scenario straggler --quick --allow-load     # CI
     python benchmarks/time_to_accuracy.py --scenario network --engine ps --num-servers 2
+    python benchmarks/time_to_accuracy.py --scenario straggler --configs goodput,ppo,ppo-candidate \
+        --ppo-policy small-cnn-sgd --ppo-policy candidate=runs/policy --out /tmp/candidate.json
     python benchmarks/time_to_accuracy.py --scenario straggler --framework tensorflow --configs proportional,goodput \
         --out benchmarks/results/time_to_accuracy_straggler_tensorflow.json
     python benchmarks/time_to_accuracy.py --scenario straggler --table-only --targets 0.85,0.87 --markdown
@@ -75,6 +78,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,20 +127,53 @@ CHANCE = 0.1  # accuracy at 0 s: 10 classes
 STYLES = {"static32": ("#56b4e9", "v"), "static64": ("#0072b2", "<"), "static128": ("#6a3d9a", ">"),
           "static256": ("#7f7f7f", "^"), "proportional": ("#009e73", "s"), "goodput": ("#e69f00", "D"),
           "ppo": ("#d55e00", "o")}
+LABELLED_STYLES = (("#cc79a7", "P"), ("#000000", "X"), ("#f0e442", "*"))  # ppo-LABEL configurations, in order
 
 
-def configurations(ppo_policy: str | None, decision_interval: int, policy_start: int = POLICY_START) -> dict[str, dict]:
+def configurations(ppo_policies: dict[str, str], decision_interval: int,
+                   policy_start: int = POLICY_START) -> dict[str, dict]:
     """Every configuration by name: its local batch (``policy_start`` for the dynamic policies) and
-    its extra bpslaunch flags."""
+    its extra bpslaunch flags. ``ppo_policies``: configuration name (``ppo`` or ``ppo-LABEL``) to a
+    library policy's name or a policy directory."""
     configs = {f"static{b}": {"batch": b, "launch": []} for b in STATIC_SIZES}
     policy_flags = ["--decision-interval", str(decision_interval), *BOUNDS]
     for policy in HEURISTICS:
         configs[policy] = {"batch": policy_start, "launch": ["--policy", policy, *policy_flags]}
-    if ppo_policy:
-        chosen = ["--policy", "ppo", "--policy-path", str(ppo_policy)] if Path(ppo_policy).is_dir() \
-            else ["--policy", f"ppo:{ppo_policy}"]  # a policy of the library
-        configs["ppo"] = {"batch": policy_start, "launch": [*chosen, *policy_flags], "policy": policy_identity(ppo_policy)}
+    for name, source in ppo_policies.items():
+        chosen = ["--policy", "ppo", "--policy-path", str(source)] if Path(source).is_dir() \
+            else ["--policy", f"ppo:{source}"]  # a policy of the library
+        configs[name] = {"batch": policy_start, "launch": [*chosen, *policy_flags], "policy": policy_identity(source)}
     return configs
+
+
+def ppo_policies(specs: list[str]) -> dict[str, str]:
+    """``--ppo-policy`` values, ``[LABEL=]NAME|DIR``, as configuration names to sources: ``ppo``
+    without a label, ``ppo-LABEL`` with one. Raises ValueError for a repeated name or a bad label."""
+    policies: dict[str, str] = {}
+    for spec in specs:
+        label, _, source = spec.rpartition("=")
+        source = source.removeprefix("ppo:")  # bpslaunch's spelling of a library policy
+        if label and not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", label):
+            raise ValueError(f"--ppo-policy {spec}: the label {label!r} must be lower-case letters, digits, "
+                             "'-', '_' or '.' (it names the configuration ppo-LABEL)")
+        name = f"ppo-{label}" if label else "ppo"
+        if name in policies:
+            raise ValueError(f"--ppo-policy {spec}: a second policy named {name!r}; give each policy after the "
+                             "first a label, e.g. --ppo-policy candidate=DIR (configuration ppo-candidate)")
+        if not Path(source).is_dir() and source not in library.entries():
+            raise ValueError(f"--ppo-policy {spec}: {source!r} is neither a policy directory (dynamix policy train "
+                             f"--out DIR writes one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
+        policies[name] = source
+    return policies
+
+
+def style(name: str, names: list[str]) -> tuple[str, str]:
+    """A configuration's colour and marker: fixed for the standard ones; a labelled PPO policy
+    takes the next of ``LABELLED_STYLES`` in the order of ``names``."""
+    if name in STYLES:
+        return STYLES[name]
+    labelled = [n for n in names if n not in STYLES]
+    return LABELLED_STYLES[labelled.index(name) % len(LABELLED_STYLES)]
 
 
 def time_to_target(curve: list[dict], target: float) -> float | None:
@@ -286,9 +323,9 @@ def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
     90% intervals (``inf`` where never reached) and ``vs_best_static`` / ``vs_best_heuristic``:
     ``{"reference", "seeds", "ratio", "ci90", "verdict"}``.
     """
-    by_config: dict[str, list[dict]] = {name: [] for name in STYLES}  # the table's order
+    by_config: dict[str, list[dict]] = {name: [] for name in STYLES}  # the table's order, labelled PPO last
     for run in runs:
-        by_config[run["config"]].append(run)
+        by_config.setdefault(run["config"], []).append(run)
     by_config = {name: done for name, done in by_config.items() if done}
     metrics = {name: [run_metrics(r, targets, budget_s) for r in done] for name, done in by_config.items()}
     rows = {}
@@ -439,7 +476,7 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
     grid = np.linspace(0.0, budget, 301)
     names = [row["config"] for row in summary["rows"]]
     for k, name in enumerate(names):
-        colour, marker = STYLES[name]
+        colour, marker = style(name, names)
         mine = [r for r in runs if r["config"] == name]
         accuracy = np.array([np.interp(grid, [0.0, *(p["train_s"] for p in r["curve"])],
                                        [CHANCE, *(p["test_accuracy"] for p in r["curve"])]) for r in mine])
@@ -517,8 +554,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    metavar="B", help=f"the local batch every dynamic policy starts from, within their bounds "
                                      f"{MIN_BATCH}-{MAX_BATCH} (default {POLICY_START}): a user's other choice "
                                      "of --batch-size")
-    p.add_argument("--ppo-policy", default=None, metavar="NAME|DIR", help="also run --policy ppo with this trained "
-                   "policy: a directory or a library name (`dynamix policy list`)")
+    p.add_argument("--ppo-policy", action="append", default=[], metavar="[LABEL=]NAME|DIR",
+                   help="also run --policy ppo with this trained policy: a directory or a library name "
+                   "(`dynamix policy list`); repeat it with LABEL= to compare policies in one run "
+                   "(configuration ppo-LABEL)")
     p.add_argument("--repeats", type=int_in(1, 20), default=None, metavar="N",
                    help="runs per configuration, round-robin, seeds SEED..SEED+N-1 (default 3; --quick 2)")
     p.add_argument("--seed", type=int, default=42, help="the example's --seed of the first round (default 42)")
@@ -549,11 +588,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--compression fp16: the TensorFlow example has no --fp16-pushpull; use --framework torch")
     if args.framework == "tensorflow" and args.model != "cnn":
         p.error(f"--model {args.model}: the TensorFlow example trains the CNN only; use --framework torch")
-    if args.ppo_policy and args.ppo_policy.startswith("ppo:"):
-        args.ppo_policy = args.ppo_policy[len("ppo:"):]  # bpslaunch's spelling of a library policy
-    if args.ppo_policy and not Path(args.ppo_policy).is_dir() and args.ppo_policy not in library.entries():
-        p.error(f"--ppo-policy {args.ppo_policy}: neither a policy directory (dynamix policy train --out DIR writes "
-                f"one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
+    try:
+        args.ppo_policies = ppo_policies(args.ppo_policy)
+    except ValueError as error:
+        p.error(str(error))
     args.out = args.out or RESULTS / f"time_to_accuracy_{args.scenario.name}{'_quick' if args.quick else ''}.json"
     args.earlier = None
     if args.table_only and not args.out.exists():
@@ -572,8 +610,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.targets = args.targets or list(QUICK_TARGETS if quick else TARGETS[args.model])
     args.repeats = args.repeats or (2 if quick else 3)
     args.decision_interval = args.decision_interval or (5 if quick else 10)
-    known = configurations(args.ppo_policy, args.decision_interval, args.policy_start)
-    default = [*QUICK_CONFIGS, *(["ppo"] if args.ppo_policy else [])] if args.quick else list(known)
+    known = configurations(args.ppo_policies, args.decision_interval, args.policy_start)
+    default = [*QUICK_CONFIGS, *args.ppo_policies] if args.quick else list(known)
     wanted = [c for c in args.configs.split(",") if c] if args.configs is not None else default
     if args.table_only:
         wanted = []
@@ -582,7 +620,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [c for c in wanted if c not in known]
     if unknown:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}"
-                + ("" if args.ppo_policy else " (ppo needs --ppo-policy)"))
+                + ("" if args.ppo_policies else " (ppo needs --ppo-policy)"))
     args.configs = {c: known[c] for c in wanted}
     if args.append and args.earlier:
         mismatch = {k: (args.earlier.get(k), v) for k, v in experiment(args).items() if args.earlier.get(k) != v}

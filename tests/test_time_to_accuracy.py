@@ -26,6 +26,7 @@ from time_to_accuracy import (
     parse_args,
     read_report,
     straggler_efficiency,
+    style,
     summarise,
     time_to_target,
 )
@@ -144,9 +145,35 @@ def test_load_beyond_the_runs_own_share_is_other_work():
 
 
 def test_every_configuration_has_one_fixed_style():
-    names = configurations("any", 10)
+    names = configurations({"ppo": "any"}, 10)
     assert set(names) <= set(STYLES)
     assert len({style for style in STYLES.values()}) == len(STYLES)
+    labelled = [*STYLES, "ppo-a", "ppo-b"]
+    extra = [style(n, labelled) for n in ("ppo-a", "ppo-b")]
+    assert extra[0] != extra[1] and not set(extra) & set(STYLES.values())
+
+
+def test_a_labelled_ppo_policy_runs_beside_the_shipped_one_in_one_table(tmp_path):
+    (tmp_path / "policy.onnx").write_bytes(b"onnx")
+    args = parse_args(["--ppo-policy", "ppo:small-cnn-sgd", "--ppo-policy", f"any-start={tmp_path}",
+                       "--configs", "goodput,ppo,ppo-any-start", "--out", str(tmp_path / "t.json")])
+    assert list(args.configs) == ["goodput", "ppo", "ppo-any-start"]
+    assert args.configs["ppo"]["launch"][:2] == ["--policy", "ppo:small-cnn-sgd"]
+    assert args.configs["ppo-any-start"]["launch"][:4] == ["--policy", "ppo", "--policy-path", str(tmp_path)]
+    runs = _runs({"ppo-any-start": [50, 51], "goodput": [60, 61], "ppo": [55, 56]})
+    rows = [row["config"] for row in summarise(runs, [0.9], 150.0)["rows"]]
+    assert rows == ["goodput", "ppo", "ppo-any-start"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ppo-policy", "small-cnn-sgd", "--ppo-policy", "small-cnn-sgd"], "give each policy after the first a label"),
+    (["--ppo-policy", "Bad Label=small-cnn-sgd"], "the label 'Bad Label'"),
+    (["--ppo-policy", "x=no-such-policy"], "'no-such-policy' is neither a policy directory"),
+])
+def test_a_wrong_ppo_policy_flag_is_named(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    assert message in capsys.readouterr().err
 
 
 def test_each_framework_runs_its_own_example_for_the_budget(tmp_path):
@@ -259,7 +286,7 @@ def test_the_ppo_configuration_names_its_policy_by_source_and_hash(tmp_path):
     from dynamix_byteps.policy.ppo import library
 
     shipped = library.library_root() / "small-cnn-sgd" / "policy.onnx"
-    policy = configurations("small-cnn-sgd", 10)["ppo"]["policy"]
+    policy = configurations({"ppo": "small-cnn-sgd"}, 10)["ppo"]["policy"]
     assert policy == {"source": "small-cnn-sgd", "sha256": hashlib.sha256(shipped.read_bytes()).hexdigest()}
     (tmp_path / "policy.onnx").write_bytes(b"onnx")
-    assert configurations(str(tmp_path), 10)["ppo"]["policy"]["sha256"] == hashlib.sha256(b"onnx").hexdigest()
+    assert configurations({"ppo": str(tmp_path)}, 10)["ppo"]["policy"]["sha256"] == hashlib.sha256(b"onnx").hexdigest()
