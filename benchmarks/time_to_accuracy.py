@@ -263,6 +263,7 @@ def example_command(args: argparse.Namespace, batch: int, seed: int, output: Pat
     example, flags = EXAMPLES[args.framework]
     flags = [*flags, "--model", args.model] if args.framework == "torch" else flags
     flags = [*flags, "--fp16-pushpull"] if args.compression == "fp16" else flags
+    flags = [*flags, "--warmup-steps", str(args.warmup_steps)] if args.warmup_steps else flags
     return [sys.executable, str(example), *flags, "--batch-size", str(batch), "--epochs", "1000", "--seed", str(seed),
             "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
             "--eval-subset", str(args.eval_subset), "--output", str(output)]
@@ -554,6 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    metavar="B", help=f"the local batch every dynamic policy starts from, within their bounds "
                                      f"{MIN_BATCH}-{MAX_BATCH} (default {POLICY_START}): a user's other choice "
                                      "of --batch-size")
+    p.add_argument("--warmup-steps", type=int_in(0), default=0, metavar="N",
+                   help="the torch example's gradual learning-rate warm-up over the first N steps, for every "
+                        "configuration (default 0: none)")
     p.add_argument("--ppo-policy", action="append", default=[], metavar="[LABEL=]NAME|DIR",
                    help="also run --policy ppo with this trained policy: a directory or a library name "
                    "(`dynamix policy list`); repeat it with LABEL= to compare policies in one run "
@@ -586,6 +590,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "choose a scenario with links, e.g. network")
     if args.framework == "tensorflow" and args.compression != "none":
         p.error("--compression fp16: the TensorFlow example has no --fp16-pushpull; use --framework torch")
+    if args.framework == "tensorflow" and args.warmup_steps:
+        p.error("--warmup-steps: the TensorFlow example has no --warmup-steps; use --framework torch")
     if args.framework == "tensorflow" and args.model != "cnn":
         p.error(f"--model {args.model}: the TensorFlow example trains the CNN only; use --framework torch")
     try:
@@ -636,7 +642,8 @@ def experiment(args: argparse.Namespace) -> dict:
     return {"scenario": args.scenario.name, "quick": args.quick, "framework": args.framework, "model": args.model,
             "budget_s": args.budget, "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
             "num_servers": args.num_servers if args.engine == "ps" else None, "compression": args.compression,
-            "host_cpus": args.host_cpus, "decision_interval": args.decision_interval, "policy_start": args.policy_start}
+            "host_cpus": args.host_cpus, "decision_interval": args.decision_interval, "policy_start": args.policy_start,
+            "warmup_steps": args.warmup_steps}
 
 
 def read_report(path: Path) -> dict:

@@ -58,6 +58,7 @@ class RunMetrics:
         batch_schedule: the ``--batch-schedule`` text, or None.
         lr: learning rate for the first step's global batch.
         lr_scaling: the learning-rate scaling rule's name.
+        warmup_steps: steps of gradual learning-rate warm-up (``--warmup-steps``; 0: none).
         test_samples: test images scored at each evaluation.
         curve: (seconds of training, global samples, test accuracy, test loss) at each evaluation.
         worker_statistics: one dict per rank: ``rank``, ``steps``, ``samples``, ``compute_s``,
@@ -78,6 +79,7 @@ class RunMetrics:
     lr: float
     lr_scaling: str
     test_samples: int
+    warmup_steps: int = 0
     curve: list[tuple[float, int, float, float]] = field(default_factory=list)
     worker_statistics: list[dict] = field(default_factory=list)
     mode: str | None = None

@@ -5,6 +5,7 @@ r"""Data-parallel training of a small CNN on Fashion-MNIST with the BytePS API o
 
     bpslaunch --num-workers 4 -- python examples/torch_fashion_mnist.py \
         --batch-size 32,48,80,96 --batch-schedule "100:64"      # per-worker batches
+    bpslaunch -n 4 -- python examples/torch_fashion_mnist.py --batch-size 256 --warmup-steps 100   # large batches
     bpslaunch -n 4 --policy proportional -- python examples/torch_fashion_mnist.py \
         --time-budget 120 --eval-every 15 --output run.json     # accuracy against training time
     bpslaunch -n 2 --engine nccl -- python examples/torch_fashion_mnist.py --device cuda    # one GPU each
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dynamix_byteps.torch as bps
+from dynamix_byteps.argtypes import int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.data import add_dataset_arguments, load_fashion_mnist
 from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments
@@ -97,6 +99,9 @@ def parse_args():
                    help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate for the first step's global batch (default: 0.01 x global batch / 64)")
+    p.add_argument("--warmup-steps", type=int_in(0), default=0, metavar="N",
+                   help="gradual warm-up (Goyal et al., 2017): the learning rate rises linearly from lr / workers "
+                        "to lr over the first N steps; for a large first global batch (default 0: none)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-pushpull", action="store_true",
                    help="send gradients as float16 (half the bytes; for slow links)")
@@ -198,6 +203,9 @@ def main():
                                          compression=compression, lr_scaling=args.lr_scaling)
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
+    # On top of the rate the wrapper scales with the global batch (lr_scaling): the two multiply.
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / size, total_iters=args.warmup_steps) \
+        if args.warmup_steps else None
 
     show_bar = rank == 0 and sys.stderr.isatty()
     try:
@@ -205,6 +213,7 @@ def main():
     except ImportError:
         show_bar, tqdm = False, None
     log(f"workers={size} model={args.model} optimizer={args.optimizer} batch_sizes={list(batch_sizes)} lr={lr:g} "
+        f"warmup_steps={args.warmup_steps} "
         f"train_samples={len(train_set)}", flush=True)
 
     budget = args.time_budget if args.time_budget is not None else float("inf")
@@ -223,6 +232,8 @@ def main():
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
+            if warmup is not None:
+                warmup.step()
             bps.report_loss(loss)  # the loss trend the batch-size policy watches
             stats[0] += loss.detach().double() * len(y)  # in place on the device: no copy, no wait for the GPU
             stats[1] += len(y)
@@ -265,7 +276,7 @@ def main():
             RunMetrics(test_accuracy=accuracy, test_loss=test_loss, epochs=args.epochs, model=args.model,
                        wall_s=wall, train_s=train_clock, samples=samples_seen, workers=size,
                        batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
-                       lr_scaling=args.lr_scaling, test_samples=len(test_y), curve=curve,
+                       lr_scaling=args.lr_scaling, warmup_steps=args.warmup_steps, test_samples=len(test_y), curve=curve,
                        worker_statistics=workers).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()

@@ -380,6 +380,24 @@ def fusion_mismatch() -> None:
     opt.step()
 
 
+def warmup_after_wrapping() -> dict:
+    """A gradual warm-up (LinearLR) built on the wrapped optimizer, as the torch example does: each
+    step's update is the averaged gradient times the warmed-up rate. The gradient is the same at
+    every step (a linear loss), so the updates stand in the ratio of the rates."""
+    weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = bps.DistributedOptimizer(torch.optim.SGD([weight], lr=0.4), [("weight", weight)])
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2)
+    updates = []
+    for _ in range(4):
+        before = weight.detach().clone()
+        opt.zero_grad()
+        (weight * float(bps.rank() + 1)).sum().backward()
+        opt.step()
+        warmup.step()
+        updates.append((before - weight.detach()).tolist())
+    return {"updates": updates}
+
+
 def second_break_test() -> dict:
     """Found by a tester: LR scheduler built before wrapping, a new optimizer for the same model,
     and leaving an epoch early with a prefetching loader."""

@@ -58,6 +58,7 @@ def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(stat
     ("tf_fashion_mnist.py", "--time-budget", "nan", "--time-budget: nan must be a finite number > 0 s"),
     ("torch_fashion_mnist.py", "--limit-train", "-5", "--limit-train: value -5 must be >= 1"),
     ("tf_fashion_mnist.py", "--limit-train", "0", "--limit-train: value 0 must be >= 1"),
+    ("torch_fashion_mnist.py", "--warmup-steps", "-1", "--warmup-steps: value -1 must be >= 0"),
     ("torch_fashion_mnist.py", "--device", "cuda", "--device cuda: torch 2"),
 ])
 def test_the_examples_refuse_a_bad_budget_evaluation_or_data_flag_before_starting(example, flag, value, message):

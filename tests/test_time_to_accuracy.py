@@ -188,6 +188,18 @@ def test_each_framework_runs_its_own_example_for_the_budget(tmp_path):
         assert command[command.index(flag) + 1] == value, flag
 
 
+def test_a_warmup_reaches_every_configurations_example_and_is_part_of_the_experiment(tmp_path, capsys):
+    plain = parse_args(["--out", str(tmp_path / "t.json")])
+    warm = parse_args(["--warmup-steps", "100", "--out", str(tmp_path / "t.json")])
+    assert "--warmup-steps" not in example_command(plain, 64, 42, tmp_path / "r.json")
+    command = example_command(warm, 256, 42, tmp_path / "r.json")
+    assert command[command.index("--warmup-steps") + 1] == "100"
+    assert (experiment(plain)["warmup_steps"], experiment(warm)["warmup_steps"]) == (0, 100)
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--framework", "tensorflow", "--warmup-steps", "10"])
+    assert stop.value.code == 2 and "no --warmup-steps" in capsys.readouterr().err
+
+
 def test_fp16_compression_runs_the_example_with_fp16_pushpull_and_is_part_of_the_experiment(tmp_path, capsys):
     plain = parse_args(["--out", str(tmp_path / "t.json")])
     fp16 = parse_args(["--compression", "fp16", "--out", str(tmp_path / "t.json")])

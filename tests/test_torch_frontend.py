@@ -147,6 +147,15 @@ def test_different_fusion_sizes_raise_instead_of_aborting():
 
 
 @pytest.mark.timeout(120)
+def test_a_warmup_built_on_the_wrapped_optimizer_scales_the_averaged_update():
+    results = ok(run_workers(2, "dist_cases:warmup_after_wrapping"))
+    assert results[0] == results[1]
+    averaged = 1.5  # the gradients 1 and 2 of the two ranks' equal (default) batches
+    expected = [lr * averaged for lr in (0.2, 0.3, 0.4, 0.4) for _ in range(3)]  # 0.4 x (0.5, 0.75, 1, 1)
+    assert [u for step in results[0]["updates"] for u in step] == pytest.approx(expected)
+
+
+@pytest.mark.timeout(120)
 def test_scheduler_before_wrapping_new_optimizers_and_early_epoch_exit():
     results = ok(run_workers(2, "dist_cases:second_break_test"))
     for key in ("scheduler_first", "second_optimizer"):
