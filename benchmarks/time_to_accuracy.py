@@ -33,7 +33,8 @@ that never reaches a target counts as slower than every run that does (time ``in
 that is ``inf`` prints as ``-``.
 
 Verdicts, per configuration against two references: the best static batch and the best
-heuristic (``proportional``/``goodput``). For each, the verdict target is the highest target that
+heuristic (``proportional``/``goodput``); beside a labelled ``ppo-LABEL``, also against ``ppo``
+(its only candidate). For each, the verdict target is the highest target that
 the median run of some candidate (a static batch; a heuristic) reaches, and the reference is the
 candidate with the lowest median time to it; a configuration that never reaches it counts as
 slower. When no candidate's median reaches any target, the reference is the candidate with the
@@ -319,10 +320,11 @@ def _median_interval(values) -> dict:
 def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
     """Rows of the table from every kept run, and the references of the verdicts.
 
-    Returns ``{"rows": [...], "verdict": {"best_static": REF, "best_heuristic": REF}}``, REF being
-    ``{"reference", "target", "metric"}`` or None without candidates; each row holds medians with
-    90% intervals (``inf`` where never reached) and ``vs_best_static`` / ``vs_best_heuristic``:
-    ``{"reference", "seeds", "ratio", "ci90", "verdict"}``.
+    Returns ``{"rows": [...], "verdict": {"best_static": REF, "best_heuristic": REF, "ppo": REF}}``,
+    REF being ``{"reference", "target", "metric"}`` or None without candidates (``ppo`` is a reference
+    only beside a labelled ``ppo-LABEL``, the candidate it is compared with); each row holds medians
+    with 90% intervals (``inf`` where never reached) and ``vs_best_static`` / ``vs_best_heuristic`` /
+    ``vs_ppo``: ``{"reference", "seeds", "ratio", "ci90", "verdict"}``.
     """
     by_config: dict[str, list[dict]] = {name: [] for name in STYLES}  # the table's order, labelled PPO last
     for run in runs:
@@ -341,7 +343,8 @@ def summarise(runs: list[dict], targets: list[float], budget_s: float) -> dict:
                       **{key: float(np.median([x[key] for x in m]))
                          for key in ("samples_per_s", "straggler_efficiency", "mean_global_batch")}}
     references = {"best_static": [n for n in rows if n.startswith("static")],
-                  "best_heuristic": [n for n in rows if n in HEURISTICS]}
+                  "best_heuristic": [n for n in rows if n in HEURISTICS],
+                  "ppo": ["ppo"] if "ppo" in rows and any(n.startswith("ppo-") for n in rows) else []}
     chosen = {}
     for kind, candidates in references.items():
         if not candidates:
@@ -435,8 +438,9 @@ def tables(summary: dict, targets: list[float]) -> tuple[list[str], list[list[st
     decided = summary["verdict"]
     header = ["config", "runs", *(f"time to {100 * t:g}% s [90%]" for t in targets), "acc@budget [90%]", "AUC [90%]",
               "samples/s", "straggler eff.", "mean batch"]
-    kinds = [k for k in ("best_static", "best_heuristic") if decided[k] is not None]
-    header += [f"vs {k.replace('_', ' ')} ({decided[k]['reference']}) on {decided[k]['metric']}" for k in kinds]
+    kinds = [k for k in ("best_static", "best_heuristic", "ppo") if decided.get(k) is not None]
+    header += [("vs ppo" if k == "ppo" else f"vs {k.replace('_', ' ')} ({decided[k]['reference']})")
+               + f" on {decided[k]['metric']}" for k in kinds]
     header += ["loaded runs"]
     lines = []
     for row in summary["rows"]:
@@ -628,6 +632,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}"
                 + ("" if args.ppo_policies else " (ppo needs --ppo-policy)"))
     args.configs = {c: known[c] for c in wanted}
+    missing = [key for key in report_keys(args) if args.earlier and key not in args.earlier]
+    if missing:
+        p.error(f"{'--table-only' if args.table_only else '--append'}: {args.out} lacks {', '.join(missing)}; "
+                "rerun the benchmark without --append (it replaces the file) to measure anew")
     if args.append and args.earlier:
         mismatch = {k: (args.earlier.get(k), v) for k, v in experiment(args).items() if args.earlier.get(k) != v}
         if mismatch:
@@ -635,6 +643,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     + ", ".join(f"{k} {old!r} there, {new!r} now" for k, (old, new) in mismatch.items())
                     + "); use another --out")
     return args
+
+
+def report_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """What a report holds besides its runs and table: the experiment and where it ran."""
+    return ("benchmark", "schema", *experiment(args), "description", "workers", "load_margin", "measured_at",
+            "measured_on")
+
+
+#: Keys of :func:`experiment` added after reports were written without them, with the value every
+#: run of such a report had.
+LATER_EXPERIMENT_KEYS = {"warmup_steps": 0}
 
 
 def experiment(args: argparse.Namespace) -> dict:
@@ -658,7 +677,7 @@ def read_report(path: Path) -> dict:
         raise ValueError(f"{path} is in the old schema ({report.get('schema', 1)}, one target, full test set every "
                          f"10 s, no load record); this version reads schema {SCHEMA} only: its table is in the file's "
                          "'rows'; rerun the benchmark without --append (it replaces the file) to measure anew")
-    return report
+    return {**LATER_EXPERIMENT_KEYS, **report}
 
 
 def wait_for_quiet(args: argparse.Namespace, tail_now) -> None:
@@ -682,9 +701,7 @@ def main(argv=None) -> int:
     earlier = args.earlier or {}
     kept = [r for r in earlier.get("runs", []) if r["config"] not in args.configs]
     refused = [r for r in earlier.get("refused_runs", []) if r["config"] not in args.configs]
-    header = ("benchmark", "schema", *experiment(args), "description", "workers", "load_margin", "measured_at",
-              "measured_on")
-    report = {key: earlier[key] for key in header} if earlier else {
+    report = {key: earlier[key] for key in report_keys(args)} if earlier else {
         "benchmark": "time_to_accuracy", "schema": SCHEMA, **experiment(args), "description": args.scenario.description,
         "workers": args.scenario.workers, "load_margin": args.load_margin,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "measured_on": machine()}

@@ -23,11 +23,13 @@ from time_to_accuracy import (
     configurations,
     example_command,
     experiment,
+    main,
     parse_args,
     read_report,
     straggler_efficiency,
     style,
     summarise,
+    tables,
     time_to_target,
 )
 
@@ -83,7 +85,8 @@ def test_verdict_rule_ahead_tie_behind_against_the_best_static_and_the_best_heur
     summary = summarise(runs, [0.5, 0.9], 100.0)
     assert summary["verdict"] == {
         "best_static": {"reference": "static64", "target": 0.9, "metric": "time to 90%"},
-        "best_heuristic": {"reference": "proportional", "target": 0.9, "metric": "time to 90%"}}
+        "best_heuristic": {"reference": "proportional", "target": 0.9, "metric": "time to 90%"},
+        "ppo": None}  # no labelled candidate beside it
     rows = {row["config"]: row for row in summary["rows"]}
     heuristic = {name: row["vs_best_heuristic"]["verdict"] for name, row in rows.items()}
     assert heuristic == {"static64": "behind", "static128": "behind", "proportional": "ref", "goodput": "tie",
@@ -161,8 +164,15 @@ def test_a_labelled_ppo_policy_runs_beside_the_shipped_one_in_one_table(tmp_path
     assert args.configs["ppo"]["launch"][:2] == ["--policy", "ppo:small-cnn-sgd"]
     assert args.configs["ppo-any-start"]["launch"][:4] == ["--policy", "ppo", "--policy-path", str(tmp_path)]
     runs = _runs({"ppo-any-start": [50, 51], "goodput": [60, 61], "ppo": [55, 56]})
-    rows = [row["config"] for row in summarise(runs, [0.9], 150.0)["rows"]]
-    assert rows == ["goodput", "ppo", "ppo-any-start"]
+    summary = summarise(runs, [0.9], 150.0)
+    rows = {row["config"]: row for row in summary["rows"]}
+    assert list(rows) == ["goodput", "ppo", "ppo-any-start"]
+    assert summary["verdict"]["ppo"]["reference"] == "ppo"
+    assert rows["ppo-any-start"]["vs_ppo"]["verdict"] == "ahead" and rows["ppo"]["vs_ppo"]["verdict"] == "ref"
+    header, _ = tables(summary, [0.9])
+    assert "vs ppo on time to 90%" in header
+    alone = summarise(_runs({"goodput": [60, 61], "ppo": [55, 56]}), [0.9], 150.0)
+    assert alone["verdict"]["ppo"] is None and "vs_ppo" not in alone["rows"][1]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -246,6 +256,20 @@ def test_an_old_schema_report_is_named_as_such(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--table-only", "--out", str(old)], capture_output=True,
                           text=True, check=False, timeout=120)
     assert proc.returncode == 2 and "old schema" in proc.stderr and "rerun" in proc.stderr
+
+
+def test_a_report_from_before_a_later_experiment_key_is_read_with_that_keys_old_value(tmp_path, capsys):
+    stored = json.loads((REPO / "benchmarks" / "results" / "time_to_accuracy_straggler.json").read_text())
+    stored.pop("warmup_steps", None)  # written before the example had a warm-up
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps(stored))
+    assert main(["--table-only", "--out", str(before)]) == 0
+    assert json.loads(before.read_text())["warmup_steps"] == 0
+    del stored["engine"]
+    before.write_text(json.dumps(stored))
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--table-only", "--out", str(before)])
+    assert stop.value.code == 2 and f"{before} lacks engine" in capsys.readouterr().err
 
 
 @pytest.mark.slow
