@@ -152,7 +152,9 @@ def ppo_policies(specs: list[str]) -> dict[str, str]:
     without a label, ``ppo-LABEL`` with one. Raises ValueError for a repeated name or a bad label."""
     policies: dict[str, str] = {}
     for spec in specs:
-        label, _, source = spec.rpartition("=")
+        label, source = "", spec
+        if "=" in spec and not Path(spec).is_dir():  # a directory's own '=' stays in its path
+            label, source = spec.split("=", 1)
         source = source.removeprefix("ppo:")  # bpslaunch's spelling of a library policy
         if label and not re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", label):
             raise ValueError(f"--ppo-policy {spec}: the label {label!r} must be lower-case letters, digits, "

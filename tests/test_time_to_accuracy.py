@@ -25,6 +25,7 @@ from time_to_accuracy import (
     experiment,
     main,
     parse_args,
+    ppo_policies,
     read_report,
     straggler_efficiency,
     style,
@@ -163,6 +164,9 @@ def test_a_labelled_ppo_policy_runs_beside_the_shipped_one_in_one_table(tmp_path
     assert list(args.configs) == ["goodput", "ppo", "ppo-any-start"]
     assert args.configs["ppo"]["launch"][:2] == ["--policy", "ppo:small-cnn-sgd"]
     assert args.configs["ppo-any-start"]["launch"][:4] == ["--policy", "ppo", "--policy-path", str(tmp_path)]
+    odd = tmp_path / "lr=0.1"  # a directory whose name holds '=': no label
+    odd.mkdir()
+    assert ppo_policies([str(odd), f"b={odd}"]) == {"ppo": str(odd), "ppo-b": str(odd)}
     runs = _runs({"ppo-any-start": [50, 51], "goodput": [60, 61], "ppo": [55, 56]})
     summary = summarise(runs, [0.9], 150.0)
     rows = {row["config"]: row for row in summary["rows"]}
