@@ -634,7 +634,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown configuration(s) {', '.join(unknown)}; choose from {', '.join(known)}"
                 + ("" if args.ppo_policies else " (ppo needs --ppo-policy)"))
     args.configs = {c: known[c] for c in wanted}
-    missing = [key for key in report_keys(args) if args.earlier and key not in args.earlier]
+    missing = [key for key in report_keys(args) if key not in args.earlier] if args.earlier else []
     if missing:
         p.error(f"{'--table-only' if args.table_only else '--append'}: {args.out} lacks {', '.join(missing)}; "
                 "rerun the benchmark without --append (it replaces the file) to measure anew")

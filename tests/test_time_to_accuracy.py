@@ -151,7 +151,7 @@ def test_load_beyond_the_runs_own_share_is_other_work():
 def test_every_configuration_has_one_fixed_style():
     names = configurations({"ppo": "any"}, 10)
     assert set(names) <= set(STYLES)
-    assert len({style for style in STYLES.values()}) == len(STYLES)
+    assert len(set(STYLES.values())) == len(STYLES)
     labelled = [*STYLES, "ppo-a", "ppo-b"]
     extra = [style(n, labelled) for n in ("ppo-a", "ppo-b")]
     assert extra[0] != extra[1] and not set(extra) & set(STYLES.values())
