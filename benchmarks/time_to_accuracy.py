@@ -114,6 +114,7 @@ EXAMPLES = {"torch": (REPO / "examples" / "torch_fashion_mnist.py", []),
 STATIC_SIZES = (32, 64, 128, 256)
 HEURISTICS = ("proportional", "goodput")
 POLICY_START = 64  # the local batch every dynamic policy starts from: the example's default
+WARMUP_SCOPES = ("all", "large-start")
 MIN_BATCH, MAX_BATCH = 16, 512  # the dynamic policies' local batch bounds
 BOUNDS = ["--min-batch", str(MIN_BATCH), "--max-batch", str(MAX_BATCH)]
 #: Per model: the highest is reached late, if at all, by the best static batch in 150 s (measured, straggler).
@@ -266,10 +267,17 @@ def example_command(args: argparse.Namespace, batch: int, seed: int, output: Pat
     example, flags = EXAMPLES[args.framework]
     flags = [*flags, "--model", args.model] if args.framework == "torch" else flags
     flags = [*flags, "--fp16-pushpull"] if args.compression == "fp16" else flags
-    flags = [*flags, "--warmup-steps", str(args.warmup_steps)] if args.warmup_steps else flags
+    warmup = warmup_steps_for(args, batch)
+    flags = [*flags, "--warmup-steps", str(warmup)] if warmup else flags
     return [sys.executable, str(example), *flags, "--batch-size", str(batch), "--epochs", "1000", "--seed", str(seed),
             "--time-budget", str(args.budget), "--eval-every", str(args.eval_every),
             "--eval-subset", str(args.eval_subset), "--output", str(output)]
+
+
+def warmup_steps_for(args: argparse.Namespace, batch: int) -> int:
+    """The warm-up steps of a configuration whose first local batch is ``batch``: ``--warmup-steps``
+    for all of them, or under ``--warmup-scope large-start`` only above the example's default batch."""
+    return args.warmup_steps if args.warmup_scope == "all" or batch > POLICY_START else 0
 
 
 def run_launcher(argv: list[str], timeout: float, log) -> int:
@@ -563,7 +571,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      "of --batch-size")
     p.add_argument("--warmup-steps", type=int_in(0), default=0, metavar="N",
                    help="the torch example's gradual learning-rate warm-up over the first N steps, for every "
-                        "configuration (default 0: none)")
+                        "configuration (default 0: none; see --warmup-scope)")
+    p.add_argument("--warmup-scope", choices=WARMUP_SCOPES, default="all",
+                   help="which configurations warm up: all (default), or large-start: only those whose first "
+                        f"local batch is above the example's default {POLICY_START}, whose learning rate starts "
+                        "scaled up, so static64 runs as a user who keeps the default runs it")
     p.add_argument("--ppo-policy", action="append", default=[], metavar="[LABEL=]NAME|DIR",
                    help="also run --policy ppo with this trained policy: a directory or a library name "
                    "(`dynamix policy list`); repeat it with LABEL= to compare policies in one run "
@@ -598,6 +610,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--compression fp16: the TensorFlow example has no --fp16-pushpull; use --framework torch")
     if args.framework == "tensorflow" and args.warmup_steps:
         p.error("--warmup-steps: the TensorFlow example has no --warmup-steps; use --framework torch")
+    if args.warmup_scope != "all" and not args.warmup_steps:
+        p.error(f"--warmup-scope {args.warmup_scope}: there is no warm-up to scope; add --warmup-steps N")
     if args.framework == "tensorflow" and args.model != "cnn":
         p.error(f"--model {args.model}: the TensorFlow example trains the CNN only; use --framework torch")
     try:
@@ -655,7 +669,7 @@ def report_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 #: Keys of :func:`experiment` added after reports were written without them, with the value every
 #: run of such a report had.
-LATER_EXPERIMENT_KEYS = {"warmup_steps": 0}
+LATER_EXPERIMENT_KEYS = {"warmup_steps": 0, "warmup_scope": "all"}
 
 
 def experiment(args: argparse.Namespace) -> dict:
@@ -664,7 +678,7 @@ def experiment(args: argparse.Namespace) -> dict:
             "budget_s": args.budget, "eval_every_s": args.eval_every, "eval_subset": args.eval_subset, "engine": args.engine,
             "num_servers": args.num_servers if args.engine == "ps" else None, "compression": args.compression,
             "host_cpus": args.host_cpus, "decision_interval": args.decision_interval, "policy_start": args.policy_start,
-            "warmup_steps": args.warmup_steps}
+            "warmup_steps": args.warmup_steps, "warmup_scope": args.warmup_scope}
 
 
 def read_report(path: Path) -> dict:

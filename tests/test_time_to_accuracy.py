@@ -214,6 +214,21 @@ def test_a_warmup_reaches_every_configurations_example_and_is_part_of_the_experi
     assert stop.value.code == 2 and "no --warmup-steps" in capsys.readouterr().err
 
 
+def test_a_large_start_warmup_leaves_the_default_batch_without_one(tmp_path, capsys):
+    scoped = parse_args(["--policy-start", "256", "--warmup-steps", "100", "--warmup-scope", "large-start",
+                         "--ppo-policy", "small-cnn-sgd", "--out", str(tmp_path / "t.json")])
+    for name, warmed in (("static64", False), ("static32", False), ("static128", True), ("goodput", True),
+                         ("ppo", True)):
+        command = example_command(scoped, scoped.configs[name]["batch"], 42, tmp_path / "r.json")
+        assert ("--warmup-steps" in command) == warmed, name
+    assert experiment(scoped)["warmup_scope"] == "large-start"
+    every = parse_args(["--warmup-steps", "100", "--out", str(tmp_path / "t.json")])
+    assert "--warmup-steps" in example_command(every, 64, 42, tmp_path / "r.json")
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--warmup-scope", "large-start"])
+    assert stop.value.code == 2 and "add --warmup-steps" in capsys.readouterr().err
+
+
 def test_fp16_compression_runs_the_example_with_fp16_pushpull_and_is_part_of_the_experiment(tmp_path, capsys):
     plain = parse_args(["--out", str(tmp_path / "t.json")])
     fp16 = parse_args(["--compression", "fp16", "--out", str(tmp_path / "t.json")])
@@ -268,7 +283,8 @@ def test_a_report_from_before_a_later_experiment_key_is_read_with_that_keys_old_
     before = tmp_path / "before.json"
     before.write_text(json.dumps(stored))
     assert main(["--table-only", "--out", str(before)]) == 0
-    assert json.loads(before.read_text())["warmup_steps"] == 0
+    rewritten = json.loads(before.read_text())
+    assert (rewritten["warmup_steps"], rewritten["warmup_scope"]) == (0, "all")
     del stored["engine"]
     before.write_text(json.dumps(stored))
     with pytest.raises(SystemExit) as stop:
