@@ -107,8 +107,8 @@ def test_push_pull_is_timed(fake_byteps):
 def test_optimizer_steps_through_the_engine(fake_byteps):
     model = torch.nn.Linear(3, 1)
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    opt.set_local_batch_size(2)  # before backward, as a training loop does: no reduce-in-step warning
     model(torch.ones(2, 3)).sum().backward()
-    opt.set_local_batch_size(2)
     opt.step()
     assert any(c[0] == "push_pull_async_inplace" and c[1].startswith("Gradient.") for c in fake_byteps.calls)
 
