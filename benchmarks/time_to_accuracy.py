@@ -7,7 +7,9 @@ the Keras ``model.fit`` path, CNN only) for the same budget of training seconds.
 uniform batches (32, 64, 128, 256 per worker), ``proportional`` (LB-BSP), ``goodput`` (Pollux) and,
 with ``--ppo-policy``, ``ppo`` (``--ppo-policy LABEL=DIR`` once more adds ``ppo-LABEL``, to compare
 a candidate policy with the shipped one in one run); the dynamic policies start from the local batch
-``--policy-start`` (default 64, the example's default). Every ``--eval-every`` seconds of training (default 4) the job
+``--policy-start`` (default 64, the example's default), with ``--warmup-steps N`` of learning-rate
+warm-up for every configuration or, under ``--warmup-scope large-start``, only for those that start
+above 64 per worker. Every ``--eval-every`` seconds of training (default 4) the job
 scores a fixed subset of the test set (``--eval-subset`` images, default 2000, the same images for
 every run; the pause is not training time), so a target crossing is placed within a few seconds.
 
@@ -570,8 +572,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      f"{MIN_BATCH}-{MAX_BATCH} (default {POLICY_START}): a user's other choice "
                                      "of --batch-size")
     p.add_argument("--warmup-steps", type=int_in(0), default=0, metavar="N",
-                   help="the torch example's gradual learning-rate warm-up over the first N steps, for every "
-                        "configuration (default 0: none; see --warmup-scope)")
+                   help="the torch example's gradual learning-rate warm-up over the first N steps, for the "
+                        "configurations --warmup-scope names (default 0: none)")
     p.add_argument("--warmup-scope", choices=WARMUP_SCOPES, default="all",
                    help="which configurations warm up: all (default), or large-start: only those whose first "
                         f"local batch is above the example's default {POLICY_START}, whose learning rate starts "
