@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -73,6 +74,33 @@ def policy_identity(name_or_dir: str) -> dict | None:
     if not onnx.is_file():
         return None
     return {"source": str(name_or_dir), "sha256": hashlib.sha256(onnx.read_bytes()).hexdigest()}
+
+
+def keep_policy(identity: dict | None, results: Path) -> dict | None:
+    """Keep a copy of a policy directory a report ran (``identity`` from :func:`policy_identity`)
+    in ``results/policies/<first 12 hex digits of its SHA-256>/``, so that the report can be rerun
+    after the directory (often a scratch one) is gone; the identity with ``kept``, that folder.
+
+    A library policy (a name) and None pass unchanged; an earlier copy of the same policy is reused.
+    Copies ``policy.onnx`` and ``features.json`` (what ``--policy-path`` serves) and ``policy.json``
+    (the training record) where there is one.
+    """
+    from dynamix_byteps.policy.ppo.library import INFO_FILE
+    from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
+
+    if identity is None or not Path(identity["source"]).is_dir():
+        return identity
+    directory, _ = read_metadata(identity["source"])
+    kept = results / "policies" / identity["sha256"][:12]
+    if not (kept / POLICY_FILE).is_file():
+        staging = kept.with_name(kept.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in (POLICY_FILE, FEATURES_FILE, INFO_FILE):
+            if (directory / name).is_file():
+                shutil.copy2(directory / name, staging / name)
+        staging.rename(kept)
+    return {**identity, "kept": str(kept.relative_to(REPO)) if kept.is_relative_to(REPO) else str(kept)}
 
 
 def machine() -> dict:

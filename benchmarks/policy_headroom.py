@@ -6,7 +6,8 @@ For each profile of a profiles file (default: the library policy ``small-cnn-sgd
 the target loss of:
 
 * ``static`` (the initial batches kept), ``proportional``, ``goodput`` and ``ppo`` (``--ppo-policy``,
-  a library name or a policy directory), each inside the scheduler's guardrails;
+  a library name or a policy directory, which is copied beside the report into
+  ``policies/<first 12 hex digits of its ONNX file's SHA-256>/``), each inside the scheduler's guardrails;
 * **balanced schedules**, which know the profile's fitted speeds: every worker's local batch set so
   that all finish their compute together (``b_i = θ_i·(T − a_i)`` with ``Σ b_i = G``, at least the
   job's minimum batch), the global batch ``G`` either constant or in two phases (``G0`` until the
@@ -44,6 +45,7 @@ import numpy as np
 from common import (
     REPO,
     RESULTS,
+    keep_policy,
     markdown_table,
     paired_ratio_interval,
     policy_identity,
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)
     report = {"benchmark": "policy_headroom", "profiles_file": _shown(args.profiles), "held_out": held_out,
-              "ppo_policy": policy_identity(args.ppo_policy) if ppo is not None else None, "quick": args.quick,
+              "ppo_policy": keep_policy(policy_identity(args.ppo_policy), out.parent) if ppo is not None else None, "quick": args.quick,
               "initial_batch": args.initial_batch, "grid": list(grid), "switch": list(switch), "episodes": episodes,
               "seed": args.seed, "policies": ["static", *HEURISTICS, *(["ppo"] if ppo is not None else [])],
               "rows": rows}

@@ -6,7 +6,9 @@ configuration trains the example's model (``examples/torch_fashion_mnist.py`` th
 the Keras ``model.fit`` path, CNN only) for the same budget of training seconds. Configurations: static
 uniform batches (32, 64, 128, 256 per worker), ``proportional`` (LB-BSP), ``goodput`` (Pollux) and,
 with ``--ppo-policy``, ``ppo`` (``--ppo-policy LABEL=DIR`` once more adds ``ppo-LABEL``, to compare
-a candidate policy with the shipped one in one run); the dynamic policies start from the local batch
+a candidate policy with the shipped one in one run; a policy directory is copied beside the report,
+into ``policies/<first 12 hex digits of its ONNX file's SHA-256>/``, before the first run, and each
+run names that copy as ``policy.kept``); the dynamic policies start from the local batch
 ``--policy-start`` (default 64, the example's default), with ``--warmup-steps N`` of learning-rate
 warm-up for every configuration or, under ``--warmup-scope large-start``, only for those that start
 above 64 per worker. Every ``--eval-every`` seconds of training (default 4) the job
@@ -96,6 +98,7 @@ from common import (
     LoadSampler,
     bootstrap_medians,
     interval90,
+    keep_policy,
     machine,
     markdown_table,
     paired_ratio_interval,
@@ -106,6 +109,7 @@ from common import (
 )
 
 from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo import library
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
@@ -724,6 +728,12 @@ def main(argv=None) -> int:
         "workers": args.scenario.workers, "load_margin": args.load_margin,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "measured_on": machine()}
     runs = list(kept)
+    try:
+        for config in args.configs.values():
+            config["policy"] = keep_policy(config.get("policy"), args.out.parent)
+    except ConfigurationError as error:
+        print(f"time_to_accuracy: {error}", file=sys.stderr)
+        return 2
     if args.configs:
         print(f"scenario {args.scenario.name}: {args.scenario.description}; {args.repeats} round(s) of "
               f"{', '.join(args.configs)}; {args.budget:g} s of training each, evaluation on {args.eval_subset} test "

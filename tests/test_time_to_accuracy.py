@@ -346,3 +346,32 @@ def test_the_ppo_configuration_names_its_policy_by_source_and_hash(tmp_path):
     assert policy == {"source": "small-cnn-sgd", "sha256": hashlib.sha256(shipped.read_bytes()).hexdigest()}
     (tmp_path / "policy.onnx").write_bytes(b"onnx")
     assert configurations({"ppo": str(tmp_path)}, 10)["ppo"]["policy"]["sha256"] == hashlib.sha256(b"onnx").hexdigest()
+
+
+def test_a_policy_directory_a_report_ran_is_kept_beside_it_and_serves_from_there(tmp_path):
+    import shutil
+
+    from common import keep_policy, policy_identity
+
+    from dynamix_byteps.policy.ppo import library
+    from dynamix_byteps.policy.ppo.policy_format import read_metadata
+
+    scratch = tmp_path / "scratch"
+    shutil.copytree(library.library_root() / "small-cnn-sgd", scratch)
+    identity = policy_identity(str(scratch))
+    kept = keep_policy(identity, tmp_path / "results")
+    shutil.rmtree(scratch)  # the scratch directory goes; the report's copy stays
+    copy = Path(kept["kept"])
+    assert copy == tmp_path / "results" / "policies" / identity["sha256"][:12]
+    assert {p.name for p in copy.iterdir()} == {"policy.onnx", "features.json", "policy.json"}
+    assert read_metadata(copy)[0] == copy and policy_identity(str(copy))["sha256"] == identity["sha256"]
+    assert keep_policy({**identity, "source": str(copy)}, tmp_path / "results")["kept"] == str(copy)  # reused
+    assert keep_policy(policy_identity("small-cnn-sgd"), tmp_path / "results") == policy_identity("small-cnn-sgd")
+    assert keep_policy(None, tmp_path / "results") is None
+
+
+def test_a_policy_directory_that_cannot_be_served_is_refused_before_any_run(tmp_path, capsys):
+    (tmp_path / "policy.onnx").write_bytes(b"onnx")  # no features.json
+    out = tmp_path / "report.json"
+    assert main(["--ppo-policy", str(tmp_path), "--configs", "ppo", "--out", str(out)]) == 2
+    assert "features.json is missing" in capsys.readouterr().err and not out.exists()
