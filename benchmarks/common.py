@@ -82,11 +82,12 @@ def keep_policy(identity: dict | None, results: Path) -> dict | None:
     after the directory (often a scratch one) is gone; the identity with ``kept``, that folder.
 
     A library policy (a name) and None pass unchanged; an earlier copy of the same policy is reused.
-    Copies ``policy.onnx`` and ``features.json`` (what ``--policy-path`` serves) and ``policy.json``
-    (the training record) where there is one.
+    Copies ``policy.onnx`` and ``features.json`` (what ``--policy-path`` serves) and the training
+    record where there is one (``training.json`` of ``dynamix policy train``, a library entry's
+    ``policy.json``), not the RLlib checkpoint.
     """
     from dynamix_byteps.policy.ppo.library import INFO_FILE
-    from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
+    from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, TRAINING_FILE, read_metadata
 
     if identity is None or not Path(identity["source"]).is_dir():
         return identity
@@ -96,7 +97,7 @@ def keep_policy(identity: dict | None, results: Path) -> dict | None:
         staging = kept.with_name(kept.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        for name in (POLICY_FILE, FEATURES_FILE, INFO_FILE):
+        for name in (POLICY_FILE, FEATURES_FILE, INFO_FILE, TRAINING_FILE):
             if (directory / name).is_file():
                 shutil.copy2(directory / name, staging / name)
         staging.rename(kept)

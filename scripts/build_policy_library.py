@@ -52,7 +52,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import FEATURE_VERSION
 from dynamix_byteps.policy.ppo.library import INFO_FILE, library_root
 from dynamix_byteps.policy.ppo.mixture import Profile, load_profiles, profile_from_fit, write_profiles
-from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, TRAINING_FILE, read_metadata
 from dynamix_byteps.policy.sim.params import SimParams, reference
 
 #: Scenarios declared for evaluation only, before training (scenarios.toml says so in their
@@ -199,7 +199,7 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
     ``sim_params.json``, the job the scenarios of the benchmarks shape."""
     _, meta = read_metadata(run_dir)
     training = meta.get("training", {})
-    history = json.loads((run_dir / "training.json").read_text()) if (run_dir / "training.json").is_file() else {}
+    history = json.loads((run_dir / TRAINING_FILE).read_text()) if (run_dir / TRAINING_FILE).is_file() else {}
     prof = PROFILES[name]
     mixture = load_profiles(profiles)[0] if profiles else []
     base = next((p for p in mixture if p.scenario == "homogeneous"), mixture[0]) if mixture else None

@@ -363,7 +363,7 @@ def test_a_policy_directory_a_report_ran_is_kept_beside_it_and_serves_from_there
     shutil.rmtree(scratch)  # the scratch directory goes; the report's copy stays
     copy = Path(kept["kept"])
     assert copy == tmp_path / "results" / "policies" / identity["sha256"][:12]
-    assert {p.name for p in copy.iterdir()} == {"policy.onnx", "features.json", "policy.json"}
+    assert {p.name for p in copy.iterdir()} == {"policy.onnx", "features.json", "policy.json"}  # a library entry
     assert read_metadata(copy)[0] == copy and policy_identity(str(copy))["sha256"] == identity["sha256"]
     assert keep_policy({**identity, "source": str(copy)}, tmp_path / "results")["kept"] == str(copy)  # reused
     assert keep_policy(policy_identity("small-cnn-sgd"), tmp_path / "results") == policy_identity("small-cnn-sgd")

@@ -17,11 +17,12 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import check_spec
 from dynamix_byteps.policy.ppo.mdp import check_ladder, keep_index
 
-__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "policy_directory",
-           "read_metadata", "sha256"]
+__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "TRAINING_FILE",
+           "policy_directory", "read_metadata", "sha256"]
 
 POLICY_FILE = "policy.onnx"
 FEATURES_FILE = "features.json"
+TRAINING_FILE = "training.json"  # written by `dynamix policy train`: its settings and returns per iteration
 FORMAT = "dynamix-ppo-policy"
 FORMAT_VERSION = 1
 INPUT = "obs"

@@ -38,6 +38,7 @@ from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
+from dynamix_byteps.policy.ppo.policy_format import TRAINING_FILE
 
 __all__ = ["IMITATION_LR", "PPO_SETTINGS", "ppo_config", "ray_session", "train"]
 
@@ -240,7 +241,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
                "final_return": next((r for r in reversed(returns) if r is not None), None),
                "checkpoint": str(checkpoint), "policy": str(out), "imitation": metadata.get("imitation")}
     record = {**summary, "history": history, "metadata": metadata}
-    write_atomic(out / "training.json", json.dumps(record, indent=2) + "\n")
+    write_atomic(out / TRAINING_FILE, json.dumps(record, indent=2) + "\n")
     return summary
 
 
