@@ -94,13 +94,18 @@ def keep_policy(identity: dict | None, results: Path) -> dict | None:
     directory, _ = read_metadata(identity["source"])
     kept = results / "policies" / identity["sha256"][:12]
     if not (kept / POLICY_FILE).is_file():
-        staging = kept.with_name(kept.name + ".partial")
+        staging = kept.with_name(f"{kept.name}.partial-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         for name in (POLICY_FILE, FEATURES_FILE, INFO_FILE, TRAINING_FILE):
             if (directory / name).is_file():
                 shutil.copy2(directory / name, staging / name)
-        staging.rename(kept)
+        try:
+            staging.rename(kept)
+        except OSError:  # another benchmark kept the same policy meanwhile
+            shutil.rmtree(staging)
+            if not (kept / POLICY_FILE).is_file():
+                raise
     return {**identity, "kept": str(kept.relative_to(REPO)) if kept.is_relative_to(REPO) else str(kept)}
 
 

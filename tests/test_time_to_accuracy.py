@@ -375,3 +375,26 @@ def test_a_policy_directory_that_cannot_be_served_is_refused_before_any_run(tmp_
     out = tmp_path / "report.json"
     assert main(["--ppo-policy", str(tmp_path), "--configs", "ppo", "--out", str(out)]) == 2
     assert "features.json is missing" in capsys.readouterr().err and not out.exists()
+
+
+def test_two_benchmarks_keeping_one_policy_at_once_both_end_with_one_whole_copy(tmp_path, monkeypatch):
+    import shutil
+
+    import common
+    from common import keep_policy, policy_identity
+
+    from dynamix_byteps.policy.ppo import library
+
+    source = library.library_root() / "small-cnn-sgd"
+    identity = policy_identity(str(source))
+    kept = tmp_path / "policies" / identity["sha256"][:12]
+    copy2 = shutil.copy2
+
+    def the_other_benchmark_finishes_first(src, dst):
+        if not kept.exists():
+            shutil.copytree(source, kept)
+        return copy2(src, dst)
+
+    monkeypatch.setattr(common.shutil, "copy2", the_other_benchmark_finishes_first)
+    assert keep_policy({**identity, "source": str(source)}, tmp_path)["kept"] == str(kept)
+    assert sorted(p.name for p in (tmp_path / "policies").iterdir()) == [kept.name]  # no staging left
