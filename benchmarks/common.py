@@ -85,6 +85,11 @@ def keep_policy(identity: dict | None, results: Path) -> dict | None:
     Copies ``policy.onnx`` and ``features.json`` (what ``--policy-path`` serves) and the training
     record where there is one (``training.json`` of ``dynamix policy train``, a library entry's
     ``policy.json``), not the RLlib checkpoint.
+
+    Raises:
+        ConfigurationError: the directory is not a policy this version can serve
+            (:func:`~dynamix_byteps.policy.ppo.policy_format.read_metadata`).
+        OSError: the copy cannot be written.
     """
     from dynamix_byteps.policy.ppo.library import INFO_FILE
     from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, TRAINING_FILE, read_metadata
