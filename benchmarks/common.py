@@ -76,6 +76,13 @@ def policy_identity(name_or_dir: str) -> dict | None:
     return {"source": str(name_or_dir), "sha256": hashlib.sha256(onnx.read_bytes()).hexdigest()}
 
 
+def shown_path(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it, else as given (so that a report
+    names files the same way in any clone)."""
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
+
+
 def keep_policy(identity: dict | None, results: Path) -> dict | None:
     """Keep a copy of a policy directory a report ran (``identity`` from :func:`policy_identity`)
     in ``results/policies/<first 12 hex digits of its SHA-256>/``, so that the report can be rerun
@@ -111,7 +118,7 @@ def keep_policy(identity: dict | None, results: Path) -> dict | None:
             shutil.rmtree(staging)
             if not (kept / POLICY_FILE).is_file():
                 raise
-    return {**identity, "kept": str(kept.relative_to(REPO)) if kept.is_relative_to(REPO) else str(kept)}
+    return {**identity, "kept": shown_path(kept)}
 
 
 def machine() -> dict:

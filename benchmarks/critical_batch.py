@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from common import REPO, RESULTS, interval90, markdown_table, summarise_reports
+from common import REPO, RESULTS, interval90, markdown_table, shown_path, summarise_reports
 from time_to_accuracy import time_to_target
 
 from dynamix_byteps.errors import ConfigurationError
@@ -176,12 +176,6 @@ def markdown(report: dict) -> str:
     return markdown_table(*table(report))
 
 
-def _shown(path: Path) -> str:
-    """``path`` relative to the repository when inside it, else as given."""
-    resolved = path.resolve()
-    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("reports", nargs="+", type=Path, help="time_to_accuracy.py JSON reports")
@@ -195,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"critical_batch: --sim: {error}", file=sys.stderr)
         return 2
     return summarise_reports("critical_batch", args.reports, lambda reports: analyse(reports, params, args.reference),
-                             table, args.out, {"sim": _shown(args.sim)})
+                             table, args.out, {"sim": shown_path(args.sim)})
 
 
 if __name__ == "__main__":

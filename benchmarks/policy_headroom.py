@@ -43,7 +43,6 @@ from pathlib import Path
 
 import numpy as np
 from common import (
-    REPO,
     RESULTS,
     keep_policy,
     markdown_table,
@@ -51,6 +50,7 @@ from common import (
     policy_identity,
     publish,
     run_main,
+    shown_path,
     text_table,
     verdict,
 )
@@ -183,12 +183,6 @@ def _fractions(text: str) -> tuple[float, ...]:
     return values
 
 
-def _shown(path: Path) -> str:
-    """``path`` relative to the repository when it is inside it (reports stay valid in any clone)."""
-    resolved = path.resolve()
-    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", type=Path, default=library_root() / LIBRARY_POLICY / "profiles.json",
@@ -236,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         row = headroom(params, ppo, grid, switch, episodes, args.seed)
         rows.append({"profile": profile.name, "scenario": profile.scenario, **row})
         print(f"{profile.name}: {row['candidates']} schedules searched", file=sys.stderr, flush=True)
-    report = {"benchmark": "policy_headroom", "profiles_file": _shown(args.profiles), "held_out": held_out,
+    report = {"benchmark": "policy_headroom", "profiles_file": shown_path(args.profiles), "held_out": held_out,
               "ppo_policy": keep_policy(policy_identity(args.ppo_policy), out.parent) if ppo is not None else None, "quick": args.quick,
               "initial_batch": args.initial_batch, "grid": list(grid), "switch": list(switch), "episodes": episodes,
               "seed": args.seed, "policies": ["static", *HEURISTICS, *(["ppo"] if ppo is not None else [])],

@@ -103,6 +103,7 @@ from common import (
     markdown_table,
     paired_ratio_interval,
     policy_identity,
+    shown_path,
     text_table,
     verdict,
     write_report,
@@ -784,7 +785,7 @@ def save(args: argparse.Namespace, report: dict, runs: list[dict], refused: list
     png = args.out.with_suffix(".png")
     write_report(args.out, finite({**report, "targets": args.targets, "complete": complete, "rows": summary["rows"],
                                    "verdict": summary["verdict"],
-                                   "plot": str(png.relative_to(REPO)) if png.is_relative_to(REPO) else str(png),
+                                   "plot": shown_path(png),
                                    "runs": runs, "refused_runs": refused}))
     return summary
 
