@@ -3,7 +3,6 @@ JSON file, and the statistics of repeated runs (bootstrap intervals, ahead/tie/b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -67,13 +66,13 @@ def policy_identity(name_or_dir: str) -> dict | None:
     """Which PPO policy a benchmark ran: ``{"source", "sha256"}`` of the ``policy.onnx`` of a policy
     directory or of a library policy by name, or None when there is no such file."""
     from dynamix_byteps.policy.ppo import library
-    from dynamix_byteps.policy.ppo.policy_format import POLICY_FILE
+    from dynamix_byteps.policy.ppo.policy_format import POLICY_FILE, sha256
 
     root = Path(name_or_dir) if Path(name_or_dir).is_dir() else library.library_root() / name_or_dir
     onnx = root / POLICY_FILE
     if not onnx.is_file():
         return None
-    return {"source": str(name_or_dir), "sha256": hashlib.sha256(onnx.read_bytes()).hexdigest()}
+    return {"source": str(name_or_dir), "sha256": sha256(onnx)}
 
 
 def shown_path(path: Path) -> str:
