@@ -22,7 +22,6 @@ Per episode (:class:`MixtureSimEnv`): one profile drawn uniformly, tiled to the 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -33,6 +32,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.env import DynamixSimEnv
 from dynamix_byteps.policy.sim.params import SimParams, Window, scaled_start
+from dynamix_byteps.policy.sim.randomise import log_uniform
 from dynamix_byteps.scenarios import Scenario
 
 __all__ = ["PERTURBATION", "START_FACTORS", "WORKER_SPREAD", "MixtureSimEnv", "Profile", "load_profiles", "perturbed", "profile_from_fit", "tiled",
@@ -103,10 +103,6 @@ def tiled(params: SimParams, workers: int) -> SimParams:
                    initial_batch=tuple(params.initial_batch[r % n] for r in range(workers)))
 
 
-def _log_uniform(rng: np.random.Generator, spread: float) -> float:
-    return float(np.exp(rng.uniform(-math.log(spread), math.log(spread))))
-
-
 def perturbed(params: SimParams, rng: np.random.Generator, spread: float = PERTURBATION) -> SimParams:
     """A perturbed copy of a profile for one episode; every draw from ``rng``.
 
@@ -120,15 +116,15 @@ def perturbed(params: SimParams, rng: np.random.Generator, spread: float = PERTU
     noise stay) and node-agent metrics are present with probability 1/2. Slowdown windows, bounds,
     K and the loss levels stay.
     """
-    speed, fixed = _log_uniform(rng, spread), _log_uniform(rng, spread)
-    comm = _log_uniform(rng, spread)
+    speed, fixed = log_uniform(rng, spread), log_uniform(rng, spread)
+    comm = log_uniform(rng, spread)
     workers = tuple(
-        replace(w, samples_per_s=w.samples_per_s * speed * _log_uniform(rng, WORKER_SPREAD), fixed_s=w.fixed_s * fixed,
+        replace(w, samples_per_s=w.samples_per_s * speed * log_uniform(rng, WORKER_SPREAD), fixed_s=w.fixed_s * fixed,
                 bandwidth_bytes_per_s=None if w.bandwidth_bytes_per_s is None else w.bandwidth_bytes_per_s / comm)
         for w in params.workers)
     s = params.stats
-    noise = _log_uniform(rng, spread)
-    stats = replace(s, noise_scale=s.noise_scale * noise, steps_scale=s.steps_scale * _log_uniform(rng, spread),
+    noise = log_uniform(rng, spread)
+    stats = replace(s, noise_scale=s.noise_scale * noise, steps_scale=s.steps_scale * log_uniform(rng, spread),
                     measured_noise_scale=None if s.measured_noise_scale is None else s.measured_noise_scale * noise)
     job = replace(params, workers=workers, stats=stats,
                   comm=replace(params.comm, bandwidth_bytes_per_s=params.comm.bandwidth_bytes_per_s / comm),

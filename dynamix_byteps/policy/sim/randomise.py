@@ -25,29 +25,30 @@ import numpy as np
 
 from dynamix_byteps.policy.sim.params import SimParams, scaled_start
 
-__all__ = ["randomised"]
+__all__ = ["log_uniform", "randomised"]
 
 
-def _log_uniform(rng: np.random.Generator, spread: float) -> float:
+def log_uniform(rng: np.random.Generator, spread: float) -> float:
+    """A factor drawn log-uniformly from ``[1/spread, spread]`` (``spread >= 1``), one draw from ``rng``."""
     return float(np.exp(rng.uniform(-np.log(spread), np.log(spread))))
 
 
 def randomised(params: SimParams, rng: np.random.Generator) -> SimParams:
     """A perturbed copy of ``params`` (module docstring); every draw comes from ``rng``."""
-    speed = _log_uniform(rng, 2.0)
-    fixed = _log_uniform(rng, 3.0)
+    speed = log_uniform(rng, 2.0)
+    fixed = log_uniform(rng, 3.0)
     jitter = float(rng.uniform(0.02, 0.15))
     workers = tuple(
-        replace(w, samples_per_s=w.samples_per_s * speed * _log_uniform(rng, 1.2), fixed_s=w.fixed_s * fixed,
+        replace(w, samples_per_s=w.samples_per_s * speed * log_uniform(rng, 1.2), fixed_s=w.fixed_s * fixed,
                 jitter=jitter)
         for w in params.workers
     )
-    comm = replace(params.comm, model_bytes=params.comm.model_bytes * _log_uniform(rng, 5.0),
-                   latency_s=params.comm.latency_s * _log_uniform(rng, 2.0))
+    comm = replace(params.comm, model_bytes=params.comm.model_bytes * log_uniform(rng, 5.0),
+                   latency_s=params.comm.latency_s * log_uniform(rng, 2.0))
     s = params.stats
-    noise, growth = _log_uniform(rng, 2.5), float(rng.uniform(0.7, 1.3))
+    noise, growth = log_uniform(rng, 2.5), float(rng.uniform(0.7, 1.3))
     stats = replace(s, noise_scale=s.noise_scale * noise, noise_growth=s.noise_growth * growth,
-                    steps_scale=s.steps_scale * _log_uniform(rng, 1.4))
+                    steps_scale=s.steps_scale * log_uniform(rng, 1.4))
     if s.measured_noise_scale is not None:
         stats = replace(stats, measured_noise_scale=s.measured_noise_scale * noise,
                         measured_noise_growth=None if s.measured_noise_growth is None else s.measured_noise_growth * growth)
