@@ -18,7 +18,8 @@ Models: ``cnn``, the example's CNN (examples/torch_fashion_mnist.py:Net, 421,642
 
 Each (model, worker count) is one bpslaunch job, one torch thread per worker. A run builds a fresh
 model (same seed) and optimizer, takes untimed warm-up steps, meets the other workers at a barrier
-and times each step on rank 0. Runs alternate A B C C B A ... over the repeats, so drift in the
+and times each step on rank 0 (a worker stuck for more than ``--timeout`` seconds, 300 by
+default, ends the job with every thread's stack in its output). Runs alternate A B C C B A ... over the repeats, so drift in the
 machine's load hits every variant alike. After each run the workers exchange a digest of their
 parameters (every rank must hold rank 0's model), and rank 0 compares each variant's parameters
 with torch DDP's of the same repeat (the same training up to rounding: the largest difference
@@ -42,6 +43,7 @@ Prints a table and writes JSON (``--out``) with every repeat's per-step times (s
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -78,6 +80,10 @@ def mlp():
 def _worker(args: argparse.Namespace) -> None:
     import torch
 
+    # A collective that waits longer than --timeout raises; anything else stuck that long (a lock, the
+    # shutdown) ends the worker with every thread's stack on stderr instead of hanging the job.
+    watchdog_s = args.timeout + 5
+    faulthandler.dump_traceback_later(watchdog_s, exit=True)
     bps, Net, x, y, loss_fn = cnn_worker(args.batch_size)
     if not torch.distributed.is_initialized():
         raise SystemExit("torch DDP needs the default process group that the gloo and nccl engines create; "
@@ -122,6 +128,12 @@ def _worker(args: argparse.Namespace) -> None:
         makers["bps.DistributedDataParallel"] = wrapped(bps.DistributedDataParallel)
     order = [name for name in VARIANTS if name in makers]
 
+    def watched(step):
+        def rearmed():
+            faulthandler.dump_traceback_later(watchdog_s, exit=True)
+            step()
+        return rearmed
+
     def flat(model):
         return torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
 
@@ -134,7 +146,9 @@ def _worker(args: argparse.Namespace) -> None:
         final = {}
         for name in order if repeat % 2 == 0 else reversed(order):
             torch.manual_seed(args.seed)
+            faulthandler.dump_traceback_later(watchdog_s, exit=True)
             model, step = makers[name]()
+            step = watched(step)
             for _ in range(args.warmup):
                 step()
             step_s[name].append(timed_steps(bps, step, args.steps, device))
@@ -166,14 +180,15 @@ def _launch(model: str, workers: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "dynamix_byteps.launcher", "--engine", args.engine, "--num-workers", str(workers),
+                   "--timeout", str(args.timeout),
                    "--", sys.executable, __file__, "--worker", "--model", model, "--result", str(result),
                    "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--repeats", str(args.repeats), "--seed", str(args.seed)]
+                   "--repeats", str(args.repeats), "--seed", str(args.seed), "--timeout", str(args.timeout)]
         job = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
         if job.returncode != 0:
             raise RuntimeError(f"{model} on {workers} workers: the workers failed with exit code "
-                               f"{job.returncode}:\n{job.stdout[-4000:]}")
+                               f"{job.returncode}:\n{job.stdout[-12000:]}")
         return {"model": model, "workers": workers, **json.loads(result.read_text())}
 
 
@@ -258,6 +273,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed (default 0)")
     parser.add_argument("--engine", choices=("gloo", "nccl"), default="gloo",
                         help="gloo: CPU tensors (default); nccl: one GPU per worker")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective, or anything else a worker does between two steps, may take "
+                             "before the job fails with every thread's stack in its output (default 300)")
     parser.add_argument("--out", type=Path, default=RESULTS / "ddp_comparison.json")
     parser.add_argument("--table-only", action="store_true", help="run nothing: print the table of --out again")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown (for README)")
@@ -278,6 +296,8 @@ def main(argv=None) -> int:
             parser.error(f"--models {args.models!r}: choose from {', '.join(MODELS)}")
         if min(args.batch_size, args.steps, args.repeats) < 1 or args.warmup < 0:
             parser.error("--batch-size, --steps and --repeats must be >= 1, --warmup >= 0")
+        if not 0 < args.timeout <= 7 * 86400:
+            parser.error(f"--timeout {args.timeout:g}: give seconds > 0 and at most 7 days")
         runs = []
         for workers in worker_counts(parser, args.workers):
             for model in models:

@@ -65,20 +65,29 @@ OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
 
-def run_bpslaunch(args, timeout: float, **popen) -> tuple[int, str]:
-    """``bpslaunch ARGS`` in its own session; returns (exit code, stdout+stderr). The whole group is
-    SIGKILLed if it outlives ``timeout`` or the test fails."""
+def run_in_session(command, timeout: float, **popen) -> tuple[int, str]:
+    """``command`` in a session of its own; returns (exit code, stdout+stderr). The whole group is
+    SIGKILLed if the test fails, or if it outlives ``timeout``, which then fails the test with the
+    end of what it printed."""
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
-    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)], text=True,
-                           start_new_session=True, **popen)
+    job = subprocess.Popen([str(a) for a in command], text=True, start_new_session=True, **popen)
     try:
         output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        pytest.fail(f"{' '.join(map(str, command))[:300]} ran past {timeout:g} s; its output:\n{(output or '')[-12000:]}")
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     return job.returncode, output or ""
+
+
+def run_bpslaunch(args, timeout: float, **popen) -> tuple[int, str]:
+    """``bpslaunch ARGS`` through :func:`run_in_session`."""
+    return run_in_session([sys.executable, "-m", "dynamix_byteps.launcher", *args], timeout, **popen)
 
 
 @pytest.fixture(scope="session")

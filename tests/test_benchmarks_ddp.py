@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "ddp_comparison.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from conftest import run_in_session
 from ddp_comparison import VARIANTS, markdown, mlp, sanity_failures, summarise
+
+from dynamix_byteps.launcher.topology import free_port
 
 
 def _run(model, workers, scale):
@@ -53,19 +55,28 @@ def test_mlp_is_the_communication_heavy_model_of_about_nine_million_parameters()
     assert sum(p.numel() for p in mlp().parameters()) == 8_962_058
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_stuck_past_the_timeout_ends_with_every_threads_stack_instead_of_hanging(tmp_path):
+    # Rank 1 of 2 whose rank 0 never comes: its rendezvous would wait DYNAMIX_TIMEOUT (300 s).
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DYNAMIX_TIMEOUT": "300", "OMP_NUM_THREADS": "1"}
+    for name in ("DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"):
+        env.pop(name, None)
+    code, output = run_in_session(
+        [sys.executable, SCRIPT, "--worker", "--model", "cnn", "--result", tmp_path / "result.json", "--batch-size", 4,
+         "--steps", 1, "--warmup", 0, "--repeats", 1, "--seed", 0, "--timeout", 2], timeout=90, env=env)
+    assert code != 0
+    assert "Timeout (0:00:07)!" in output and "most recent call first" in output and "cnn_worker" in output, output
+
+
 @pytest.mark.timeout(300)
 def test_quickest_run_measures_all_three_variants_and_the_table_comes_back_from_the_json(tmp_path):
     out = tmp_path / "ddp.json"
-    command = [sys.executable, str(SCRIPT), "--workers", "2", "--models", "cnn", "--repeats", "1", "--steps", "3",
-               "--warmup", "1", "--out", str(out)]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    assert job.returncode == 0, output[-4000:]
+    # A stuck worker ends the job after 65 s (--timeout 60, the workers' watchdog 5 s later), with its stacks.
+    code, output = run_in_session(
+        [sys.executable, SCRIPT, "--workers", 2, "--models", "cnn", "--repeats", 1, "--steps", 3, "--warmup", 1,
+         "--timeout", 60, "--out", out], timeout=240)
+    assert code == 0, output[-12000:]
     report = json.loads(out.read_text())
     (run,) = report["runs"]
     assert run["skipped"] == [] and list(run["step_s"]) == list(VARIANTS)

@@ -5,15 +5,14 @@ Ray instance); the tests load, compare, transfer and serve it. ``slow`` tests tr
 """
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_bpslaunch
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy import make_policy
@@ -311,17 +310,9 @@ def test_the_same_seed_gives_the_same_actions(tmp_path, monkeypatch):
 def test_the_scheduler_runs_a_real_4_worker_job_with_the_ppo_policy(tmp_path):
     """With a policy of the packaged library (``--policy ppo:NAME``); ``--policy ppo --policy-path``
     goes through the same PPOPolicy (the eval and bpslaunch tests above cover the path)."""
-    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "4", "--policy", "ppo:small-cnn-sgd",
-                            "--slowdown", "3=3.0", "--decision-interval", "5",
-                            "--log-dir", str(tmp_path), "--", sys.executable, str(WORKER), str(tmp_path), "60", "32"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=500)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
-    assert job.returncode == 0, output
+    code, output = run_bpslaunch(["-n", 4, "--policy", "ppo:small-cnn-sgd", "--slowdown", "3=3.0", "--decision-interval", 5,
+                                  "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, 60, 32], timeout=500)
+    assert code == 0, output
     decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["policy"] == "ppo" and d["error"] is None for d in decisions)
     assert all(d["action"] in ("keep", "change") and d["reason"].startswith("ppo") for d in decisions)
