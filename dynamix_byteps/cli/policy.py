@@ -296,7 +296,8 @@ def run_list(args: argparse.Namespace) -> int:
     from dynamix_byteps.policy.ppo.library import entries, library_root, policy_dir
 
     known = entries()
-    print(f"{'name':<16} {'model':<10} {'optimizer':<9} {'workers':<12} {'usable':<6} scenarios / description")
+    width = max([16, *map(len, known)])
+    print(f"{'name':<{width}} {'model':<10} {'optimizer':<9} {'workers':<12} {'usable':<6} scenarios / description")
     for name, info in known.items():
         try:
             policy_dir(name)
@@ -304,10 +305,10 @@ def run_list(args: argparse.Namespace) -> int:
         except ConfigurationError:
             usable = "no"
         workers = ",".join(str(n) for n in info.get("workers", []))
-        print(f"{name:<16} {info.get('model', '?'):<10} {info.get('optimizer', '?'):<9} {workers:<12} {usable:<6} "
+        print(f"{name:<{width}} {info.get('model', '?'):<10} {info.get('optimizer', '?'):<9} {workers:<12} {usable:<6} "
               f"{','.join(info.get('scenarios', []))}")
         if info.get("description"):
-            print(f"{'':<16} {info['description']}")
+            print(f"{'':<{width}} {info['description']}")
     print(f"{len(known)} policies in {library_root()}; use one with --policy ppo:NAME")
     return 0
 
