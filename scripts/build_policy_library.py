@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -190,13 +191,15 @@ def fit_profiles(runs_dir: Path, scenarios: list[str], out: Path) -> list[Profil
 
 
 def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | None = None,
-            profiles: Path | None = None) -> Path:
+            profiles: Path | None = None, entry: str | None = None, use: str | None = None) -> Path:
     """Copy ``policy.onnx`` + ``features.json`` of ``run_dir`` into the library with ``policy.json``;
     ``init`` names the library policy it was fine-tuned from (``train --init``), if any; ``fitted``
     is the ``dynamix sim fit`` output it was trained on (``train --sim-params``), else the profile's
     :func:`params`; ``profiles``: the profiles file it was trained on (``train --profiles``), copied
     beside it as ``profiles.json``, whose homogeneous profile (else the first) becomes
-    ``sim_params.json``, the job the scenarios of the benchmarks shape."""
+    ``sim_params.json``, the job the scenarios of the benchmarks shape. ``entry``: the library name
+    (``--policy ppo:ENTRY``), default ``name``, for a second policy of one profile; ``use``: when to
+    choose it, appended to the description."""
     _, meta = read_metadata(run_dir)
     training = meta.get("training", {})
     history = json.loads((run_dir / TRAINING_FILE).read_text()) if (run_dir / TRAINING_FILE).is_file() else {}
@@ -206,10 +209,11 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
     job = base.params if base else SimParams.from_json(fitted) if fitted else params(name)
     workers = training.get("workers", [])
     workers = [workers] if isinstance(workers, int) else workers  # policies trained before multi-N
+    entry = entry or name
     info = {
-        "name": name, "model": prof["model"], "optimizer": prof["optimizer"],
+        "name": entry, "model": prof["model"], "optimizer": prof["optimizer"],
         "description": f"{prof['model']} with {prof['optimizer'].upper()}, trained on "
-                       f"{','.join(str(n) for n in workers)} simulated workers",
+                       f"{','.join(str(n) for n in workers)} simulated workers" + (f"; {use}" if use else ""),
         "feature_version": FEATURE_VERSION,
         "scenarios": training.get("scenarios", []), "workers": workers,
         "profile": {"source": "reference SimParams + measured step times (scripts/build_policy_library.py); "
@@ -233,8 +237,8 @@ def install(name: str, run_dir: Path, init: str | None = None, fitted: Path | No
                      "final_return": history.get("final_return"),
                      "profiles": training.get("profiles", []), "held_out": training.get("held_out", [])},
     }
-    dest = library_root() / name
-    staging = dest.with_name(f".{name}.{os.getpid()}.tmp")
+    dest = library_root() / entry
+    staging = dest.with_name(f".{entry}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for f in (POLICY_FILE, FEATURES_FILE):
@@ -273,6 +277,9 @@ def main() -> int:
     f.add_argument("--out", type=Path, default=library_root() / "small-cnn-sgd" / PROFILES_FILE)
     b.add_argument("--profiles", type=Path, metavar="JSON", help="the profiles file the policy was trained on "
                    "(`dynamix policy train --profiles`)")
+    b.add_argument("--entry", metavar="NAME", help="library name of the policy (default: the profile's name), for "
+                   "a second policy of one profile")
+    b.add_argument("--use", metavar="TEXT", help="when to choose this policy, appended to its description")
     args = p.parse_args()
     if args.cmd == "fit":
         for prof in fit_profiles(args.runs_dir, args.scenarios.split(","), args.out):
@@ -287,7 +294,9 @@ def main() -> int:
         params(args.name).to_json(args.out)
         print(f"wrote {args.out}")
     else:
-        print(f"installed {install(args.name, args.run_dir, args.fine_tuned_from, args.sim_params, args.profiles)}")
+        if args.entry is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", args.entry):
+            p.error(f"--entry {args.entry!r}: use lower-case letters, digits and '-' (it is a directory name and --policy ppo:NAME)")
+        print(f"installed {install(args.name, args.run_dir, args.fine_tuned_from, args.sim_params, args.profiles, args.entry, args.use)}")
     return 0
 
 

@@ -21,7 +21,7 @@ from dynamix_byteps.scenarios import scenario
 
 pytest.importorskip("onnxruntime")
 
-REQUIRED = ("small-cnn-sgd", "small-cnn-adam", "resnet8-sgd")
+REQUIRED = ("small-cnn-sgd", "small-cnn-sgd-any-start", "small-cnn-adam", "resnet8-sgd")
 
 
 def recorded_states(workers, count=40):
@@ -174,15 +174,28 @@ def test_a_damaged_policy_json_is_listed_as_unreadable(tmp_path, monkeypatch, ca
     assert "1 policies in" in capsys.readouterr().out
 
 
+def test_the_listing_keeps_its_columns_for_a_name_longer_than_the_header(tmp_path, monkeypatch, capsys):
+    for name in ("short", "a-policy-name-of-thirty-chars"):
+        shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / name)
+    monkeypatch.setattr(library, "library_root", lambda: tmp_path)
+    assert main(["policy", "list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    column = header.index("model")
+    listed = [row for row in rows if row.split()[0] in ("short", "a-policy-name-of-thirty-chars")]
+    assert len(listed) == 2 and all(row.index("small-cnn") == column for row in listed), [header, *rows]
+
+
 # ---- training on fitted profiles, one scenario held aside -------------------------------------
 
 
-def test_the_library_policy_names_its_profiles_and_the_held_aside_scenario_it_never_saw():
-    """small-cnn-sgd's training record: the fitted profiles it was trained on and the scenario kept
-    aside for evaluation, which is none of them (by name, and by its slowdown pattern)."""
+@pytest.mark.parametrize("entry", ["small-cnn-sgd", "small-cnn-sgd-any-start"])
+def test_the_library_policy_names_its_profiles_and_the_held_aside_scenario_it_never_saw(entry):
+    """The training record of a policy trained on fitted profiles: the profiles it was trained on
+    and the scenario kept aside for evaluation, which is none of them (by name, and by its slowdown
+    pattern)."""
     from dynamix_byteps.policy.ppo.mixture import load_profiles
 
-    info = library.entries()["small-cnn-sgd"]
+    info = library.entries()[entry]
     training = info["training"]
     held_out = training["held_out"]
     assert held_out, "the training record names no scenario held aside"
@@ -191,7 +204,7 @@ def test_the_library_policy_names_its_profiles_and_the_held_aside_scenario_it_ne
     trained = {p["scenario"] for p in training["profiles"]}
     assert trained >= {"homogeneous", "straggler", "two-speed", "interference"}
     assert not trained & set(held_out) and not set(info["scenarios"]) & set(held_out)
-    profiles, shipped_held_out = load_profiles(library.library_root() / "small-cnn-sgd" / "profiles.json")
+    profiles, shipped_held_out = load_profiles(library.library_root() / entry / "profiles.json")
     assert shipped_held_out == held_out and {p.scenario for p in profiles} == trained
     for name in held_out:
         pattern = {(s.rank, s.factor, s.start, s.end) for s in scenario(name).slowdowns}
