@@ -137,6 +137,16 @@ def _worker(args: argparse.Namespace) -> None:
     def flat(model):
         return torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
 
+    def run(name):
+        """Step times and final parameters of one run; its model (for torch DDP, the group's user) dies on return."""
+        torch.manual_seed(args.seed)
+        faulthandler.dump_traceback_later(watchdog_s, exit=True)
+        model, step = makers[name]()
+        step = watched(step)
+        for _ in range(args.warmup):
+            step()
+        return timed_steps(bps, step, args.steps, device), flat(model)
+
     torch.manual_seed(args.seed)
     initial = flat(build())
     step_s = {name: [] for name in order}
@@ -145,14 +155,8 @@ def _worker(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         final = {}
         for name in order if repeat % 2 == 0 else reversed(order):
-            torch.manual_seed(args.seed)
-            faulthandler.dump_traceback_later(watchdog_s, exit=True)
-            model, step = makers[name]()
-            step = watched(step)
-            for _ in range(args.warmup):
-                step()
-            step_s[name].append(timed_steps(bps, step, args.steps, device))
-            final[name] = flat(model)
+            times, final[name] = run(name)
+            step_s[name].append(times)
             same_on_every_rank[name].append(_same_on_every_rank(bps, final[name], device))
         moved = float((final[BASELINE] - initial).abs().max())
         for name in drift:

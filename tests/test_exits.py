@@ -321,3 +321,33 @@ def test_a_gloo_collective_is_timed_when_the_worker_sees_it_complete():
         assert int(records["nbytes"][0]) == 32 and records["end_ns"][0] >= records["start_ns"][0]
     finally:
         engine.shutdown()
+
+
+def test_shutdown_frees_an_unreachable_torch_ddp_before_it_destroys_the_group(monkeypatch):
+    # Freed after the group was destroyed, a torch DDP's Reducer dropped the group's last reference
+    # with the GIL held and joined gloo's work threads, one of which waited for the GIL: a worker of
+    # benchmarks/ddp_comparison.py hung at exit (about 1 run in 20 on a loaded machine).
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from dynamix_byteps.engine.distributed import TorchDistributedEngine
+    from dynamix_byteps.env import WorkerEnv
+
+    engine = TorchDistributedEngine(WorkerEnv(), "gloo")
+    gc.disable()  # so that only shutdown can free the cycle
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp.cycle = [ddp]  # as a step closure that refers back to its model
+        ddp_alive = weakref.ref(ddp)
+        del ddp
+        alive_at_destroy = []
+        destroy = dist.destroy_process_group
+        monkeypatch.setattr(dist, "destroy_process_group",
+                            lambda *args: (alive_at_destroy.append(ddp_alive() is not None), destroy(*args)))
+    finally:
+        engine.shutdown()
+        gc.enable()
+    assert alive_at_destroy == [False]

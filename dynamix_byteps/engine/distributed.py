@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import gc
 import threading
 
 from dynamix_byteps.engine.base import Engine, Handle, describe_collective
@@ -249,4 +250,9 @@ class TorchDistributedEngine(Engine):
     def shutdown(self) -> None:
         self.flush_timings()
         if dist.is_initialized():
+            # Unreachable objects that hold the group (a torch DDP's C++ Reducer in a reference cycle)
+            # are freed now, while the group outlives them. Freed later, the Reducer's release is the
+            # group's last reference: its destructor then joins gloo's work threads with the GIL held,
+            # while one of them waits for the GIL to drop a finished collective's tensors (deadlock).
+            gc.collect()
             dist.destroy_process_group()
