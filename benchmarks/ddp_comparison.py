@@ -18,13 +18,14 @@ Models: ``cnn``, the example's CNN (examples/torch_fashion_mnist.py:Net, 421,642
 
 Each (model, worker count) is one bpslaunch job, one torch thread per worker. A run builds a fresh
 model (same seed) and optimizer, takes untimed warm-up steps, meets the other workers at a barrier
-and times each step on rank 0 (a worker stuck for more than ``--timeout`` seconds, 300 by
-default, ends the job with every thread's stack in its output). Runs alternate A B C C B A ... over the repeats, so drift in the
-machine's load hits every variant alike. After each run the workers exchange a digest of their
-parameters (every rank must hold rank 0's model), and rank 0 compares each variant's parameters
-with torch DDP's of the same repeat (the same training up to rounding: the largest difference
-relative to the largest change since initialisation must stay below 1e-3). A mismatch is printed
-as a sanity failure and the exit status is 1: a benchmark that trains wrong proves nothing.
+and times each step on rank 0 (a worker stuck for more than ``--timeout`` seconds, 300 by default,
+ends the job with every thread's stack in its output). Runs alternate A B C C B A ... over the
+repeats, so drift in the machine's load hits every variant alike. After each run the workers
+exchange a digest of their parameters (every rank must hold rank 0's model), and rank 0 compares
+each variant's parameters with torch DDP's of the same repeat (the same training up to rounding:
+the largest difference relative to the largest change since initialisation must stay below 1e-3). A
+mismatch is printed as a sanity failure and the exit status is 1: a benchmark that trains wrong
+proves nothing.
 
 Reported per (model, workers, variant): the median step time over all timed steps and its 90%
 bootstrap interval (resampling repeats, then steps within them), the range of the per-repeat
