@@ -20,6 +20,9 @@ scenario but the one held aside for evaluation (:data:`HELD_OUT`)::
     python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd \
         --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json
 
+(``small-cnn-sgd-any-start``: the same train command with ``--iterations 120``, whose episodes
+start at 1/4x to 4x the fitted batch; installed with ``--entry small-cnn-sgd-any-start --use "..."``.)
+
 or on parameters fitted to a real run of the profile's job on this machine::
 
     dynamix sim fit runs/time_to_accuracy/homogeneous/goodput [RUNS AT OTHER GLOBAL BATCHES...] --out /tmp/fit.json
