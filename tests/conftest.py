@@ -65,6 +65,16 @@ OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's job variables (BytePS's, torchrun's,
+    dynamix's), the repository on PYTHONPATH, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
 def run_in_session(command, timeout: float, **popen) -> tuple[int, str]:
     """``command`` in a session of its own; returns (exit code, stdout+stderr). The whole group is
     SIGKILLed if the test fails, or if it outlives ``timeout``, which then fails the test with the

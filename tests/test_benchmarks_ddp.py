@@ -1,7 +1,6 @@
 """benchmarks/ddp_comparison.py: its statistics and sanity checks, and its quickest run end to end."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "benchmarks" / "ddp_comparison.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from conftest import run_in_session
+from conftest import clean_env, run_in_session
 from ddp_comparison import VARIANTS, markdown, mlp, sanity_failures, summarise
 
 from dynamix_byteps.launcher.topology import free_port
@@ -58,10 +57,8 @@ def test_mlp_is_the_communication_heavy_model_of_about_nine_million_parameters()
 @pytest.mark.timeout(120)
 def test_a_worker_stuck_past_the_timeout_ends_with_every_threads_stack_instead_of_hanging(tmp_path):
     # Rank 1 of 2 whose rank 0 never comes: its rendezvous would wait DYNAMIX_TIMEOUT (300 s).
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DYNAMIX_TIMEOUT": "300", "OMP_NUM_THREADS": "1"}
-    for name in ("DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"):
-        env.pop(name, None)
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(free_port()), DYNAMIX_TIMEOUT="300", OMP_NUM_THREADS="1")
     code, output = run_in_session(
         [sys.executable, SCRIPT, "--worker", "--model", "cnn", "--result", tmp_path / "result.json", "--batch-size", 4,
          "--steps", 1, "--warmup", 0, "--repeats", 1, "--seed", 0, "--timeout", 2], timeout=90, env=env)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import clean_env
 
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name, remove_job_mailboxes
 from dynamix_byteps.launcher.config import LaunchConfig
@@ -28,14 +29,6 @@ MAILBOX_WORKER = str(REPO / "tests" / "scripts" / "mailbox_worker.py")
 LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux POSIX shared memory in /dev/shm")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    env.update(extra)
-    return env
 
 
 def kill_tree(proc: subprocess.Popen | None) -> None:
