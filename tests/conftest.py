@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 # Like dynamix_byteps.policy.ppo.module: RLlib must not import TensorFlow. When a test imports
@@ -65,33 +66,56 @@ OBSERVED_WORKER = REPO / "tests" / "scripts" / "observed_worker.py"
 RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+JOB_VARIABLES = ("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_",
+                 "GROUP_RANK", "GROUP_WORLD_SIZE")
+
+
+def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     """This process's environment without any launcher's job variables (BytePS's, torchrun's,
-    dynamix's), the repository on PYTHONPATH, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    dynamix's) or the variables named in ``unset``, the repository on PYTHONPATH, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_VARIABLES) and k not in unset}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.update(extra)
     return env
 
 
+def kill_tree(proc: subprocess.Popen | None) -> None:
+    """SIGKILL ``proc`` if it still runs (its whole process group when it leads one) and every
+    descendant, also those in sessions of their own (torchrun's workers); then reap it."""
+    if proc is None:
+        return
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    if proc.poll() is None:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    for process in descendants:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
 def run_in_session(command, timeout: float, **popen) -> tuple[int, str]:
-    """``command`` in a session of its own; returns (exit code, stdout+stderr). The whole group is
-    SIGKILLed if the test fails, or if it outlives ``timeout``, which then fails the test with the
-    end of what it printed."""
+    """``command`` in a session of its own; returns (exit code, stdout+stderr). Whatever it started
+    is killed afterwards (:func:`kill_tree`); past ``timeout`` the test fails with the end of what it
+    printed."""
     popen.setdefault("stdout", subprocess.PIPE)
     popen.setdefault("stderr", subprocess.STDOUT)
     job = subprocess.Popen([str(a) for a in command], text=True, start_new_session=True, **popen)
     try:
         output, _ = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
+        kill_tree(job)
         output, _ = job.communicate()
         pytest.fail(f"{' '.join(map(str, command))[:300]} ran past {timeout:g} s; its output:\n{(output or '')[-12000:]}")
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        kill_tree(job)
     return job.returncode, output or ""
 
 

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import kill_tree, run_bpslaunch
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,25 +26,15 @@ def logs(out_dir, n):
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-def reap(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def descendants_gone(pids):
     return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.mark.timeout(300)
 def test_proportional_shrinks_the_straggler_and_keeps_the_global_batch(tmp_path):
-    job = bpslaunch("-n", 4, "--policy", "proportional", "--slowdown", "3=3.0", "--decision-interval", 5,
-                    "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, 150)
-    try:
-        output, _ = job.communicate(timeout=280)
-    finally:
-        reap(job)
-    assert job.returncode == 0, output
+    code, output = run_bpslaunch(["-n", 4, "--policy", "proportional", "--slowdown", "3=3.0", "--decision-interval", 5,
+                                  "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, 150], timeout=280)
+    assert code == 0, output
     ranks = logs(tmp_path, 4)
     assert all(step[1] == 256 for rank in ranks for step in rank), "the global batch changed"
     for step in range(150):  # every worker applies each assignment at the same step
@@ -89,7 +79,7 @@ def test_training_survives_a_killed_scheduler_and_reconnects_to_a_new_one(tmp_pa
         assert decisions.read_text().count("\n") > before, "workers did not reconnect to the new scheduler"
         assert "unreachable" in output
     finally:
-        reap(job)
+        kill_tree(job)
         scheduler.kill()
         scheduler.wait()
 
@@ -117,7 +107,7 @@ def test_a_killed_worker_ends_the_job_and_its_scheduler_within_ten_seconds(tmp_p
         time.sleep(0.5)
         assert descendants_gone(pids)
     finally:
-        reap(job)
+        kill_tree(job)
 
 
 @pytest.mark.timeout(300)
@@ -133,7 +123,7 @@ def test_two_hosts_run_one_job_with_the_scheduler_on_the_first(tmp_path):
         outputs = [h.communicate(timeout=280)[0] for h in hosts]
     finally:
         for h in hosts:
-            reap(h)
+            kill_tree(h)
     assert [h.returncode for h in hosts] == [0, 0], outputs
     ranks = logs(tmp_path, 4)
     assert all(step[1] == 256 for rank in ranks for step in rank)
@@ -156,13 +146,10 @@ def test_normal_training_never_gets_a_report_refused(tmp_path, mode, extra):
     """Epochs ending in a partial step under --min-batch (the step's mean batch fell below the bound)
     and the minimal port without a DynamicBatchSampler (it registered batch_size=0): every report
     is accepted and decisions go on to the end."""
-    job = bpslaunch("-n", 2, "--policy", "proportional", "--decision-interval", 4, *extra, "--log-dir", tmp_path,
-                    "--", sys.executable, REPO / "tests/scripts/partial_epoch_worker.py", mode)
-    try:
-        output, _ = job.communicate(timeout=180)
-    finally:
-        reap(job)
-    assert job.returncode == 0, output
+    code, output = run_bpslaunch(["-n", 2, "--policy", "proportional", "--decision-interval", 4, *extra, "--log-dir",
+                                  tmp_path, "--", sys.executable, REPO / "tests/scripts/partial_epoch_worker.py", mode],
+                                 timeout=180)
+    assert code == 0, output
     assert "refused" not in output and "INVALID_ARGUMENT" not in output, output
     steps = [json.loads(line)["step"] for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     # 3 epochs of 32 steps, one report every 4. A refused report is logged ("refused a report", asserted

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import kill_tree
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
 from dynamix_byteps.launcher.elastic import RunReport, decide
@@ -238,9 +238,7 @@ def test_a_killed_ps_server_restarts_servers_and_workers_from_the_checkpoint_and
         server.kill()
         code = launcher.wait(timeout=180)
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+        kill_tree(launcher)
     stderr = (tmp_path / "stderr").read_text()
     assert code == 0, stderr[-3000:]
     assert "[server1] was killed by SIGKILL; the workers cannot go on without it" in stderr

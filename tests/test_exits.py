@@ -17,9 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import clean_env
+from conftest import clean_env, kill_tree
 
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name, remove_job_mailboxes
 from dynamix_byteps.launcher.config import LaunchConfig
@@ -29,23 +28,6 @@ MAILBOX_WORKER = str(REPO / "tests" / "scripts" / "mailbox_worker.py")
 LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux POSIX shared memory in /dev/shm")
-
-
-def kill_tree(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        family = []
-    for process in family:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
 
 
 def wait_for(predicate, timeout: float) -> bool:

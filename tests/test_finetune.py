@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import kill_tree
 
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.decision_record import DecisionRecord
@@ -381,9 +381,7 @@ def test_bpslaunch_fine_tune_runs_the_trainer_and_reaps_it(policy_dir, tmp_path)
             assert time.monotonic() < deadline, f"left behind: {processes_naming(str(log_dir))}"
             time.sleep(0.2)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        kill_tree(job)
 
 
 @pytest.mark.timeout(60)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import kill_tree
 from multiworker import free_port
 
 from dynamix_byteps.env import MAX_WORKERS, WorkerEnv
@@ -164,9 +164,7 @@ def test_two_launchers_with_uneven_slots_run_one_gloo_job(tmp_path):
         outputs = [p.communicate(timeout=220)[0].decode(errors="replace") for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill_tree(p)
     assert [p.returncode for p in procs] == [0, 0], outputs
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [(r["rank"], r["size"]) for r in results] == [(0, 4), (1, 4), (2, 4), (3, 4)]

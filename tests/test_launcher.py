@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import clean_env, kill_tree
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,27 +28,20 @@ LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
 LINE = re.compile(rb"^\[(\d+)\] (.*)$")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """The test's environment without any job variables, plus ``extra``."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("DMLC_", "BYTEPS_", "DYNAMIX_")) and k not in ("OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES")
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    env.update(extra)
-    return env
+def launcher_env(**extra: str) -> dict[str, str]:
+    """:func:`clean_env` without the settings the launcher makes per worker when the user has not."""
+    return clean_env(unset=("OMP_NUM_THREADS", "NVIDIA_VISIBLE_DEVICES"), **extra)
 
 
 def run_launcher(args: list[str], env: dict[str, str] | None = None, timeout: float = 50) -> subprocess.CompletedProcess:
-    return subprocess.run(LAUNCH + args, env=env or clean_env(), capture_output=True, timeout=timeout)
+    return subprocess.run(LAUNCH + args, env=env or launcher_env(), capture_output=True, timeout=timeout)
 
 
 def start_launcher(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     # Files, not pipes: a test that stops reading must never block the launcher.
     return subprocess.Popen(
         LAUNCH + args,
-        env=env or clean_env(),
+        env=env or launcher_env(),
         stdout=open(tmp_path / "launcher.out", "wb"),
         stderr=open(tmp_path / "launcher.err", "wb"),
     )
@@ -88,10 +81,8 @@ def assert_all_gone(pids: list[int]) -> None:
 
 
 def kill_all(proc: subprocess.Popen | None, pids: list[int]) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-    if proc is not None:
-        proc.wait()
+    """:func:`kill_tree` and the workers' own children listed in ``pids`` (orphans no tree reaches)."""
+    kill_tree(proc)
     for pid in pids:
         try:
             psutil.Process(pid).kill()
@@ -168,7 +159,7 @@ def test_unusable_log_file_exits_2_before_any_worker_starts(tmp_path):
 @pytest.mark.parametrize("env_mode", [False, True], ids=["local", "env"])
 def test_byteps_engine_without_byteps_exits_1_before_any_worker_starts(env_mode):
     args = ["--engine", "byteps", "--", sys.executable, WORKER, "env"]
-    env = clean_env(**ENV_WORKER, DMLC_NUM_SERVER="1") if env_mode else clean_env()
+    env = launcher_env(**ENV_WORKER, DMLC_NUM_SERVER="1") if env_mode else launcher_env()
     result = run_launcher(args if env_mode else ["-n", "2"] + args, env=env)
     assert result.returncode == 1, result.stderr
     assert b"CUDA" in result.stderr and b"--engine gloo" in result.stderr
@@ -227,7 +218,7 @@ def test_three_workers_get_the_contract_and_prefixed_lines():
 @pytest.mark.timeout(60)
 def test_user_omp_num_threads_and_port_are_kept(tmp_path):
     port = free_port()
-    env = clean_env(OMP_NUM_THREADS="2")
+    env = launcher_env(OMP_NUM_THREADS="2")
     result = run_launcher(["--num-workers", "2", "--port", str(port), "--", sys.executable, WORKER, "env"], env=env)
     assert result.returncode == 0, result.stderr
     envs = env_lines(result.stdout)
@@ -292,7 +283,7 @@ def test_sigkilled_launcher_leaves_no_orphans_and_no_temporary_directory(tmp_pat
     scratch.mkdir()
     try:
         proc = start_launcher(["--num-workers", "2", "--grace-period", "2", *policy, "--", sys.executable, WORKER, "job",
-                               str(tmp_path)], tmp_path, env=clean_env(TMPDIR=str(scratch)))
+                               str(tmp_path)], tmp_path, env=launcher_env(TMPDIR=str(scratch)))
         pids = read_pids(tmp_path, 2)
         expected = {"dynamix-started-", "dynamix-run-"} if policy else {"dynamix-started-"}
         assert {p.name[:p.name.index("-", len("dynamix-")) + 1] for p in scratch.iterdir()} == expected
@@ -357,7 +348,7 @@ ENV_WORKER = dict(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("missing", ["DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_WORKER_ID", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT"])
 def test_env_mode_missing_variable_exits_2_naming_it(missing):
-    env = clean_env(**{k: v for k, v in ENV_WORKER.items() if k != missing})
+    env = launcher_env(**{k: v for k, v in ENV_WORKER.items() if k != missing})
     result = run_launcher(["--", sys.executable, WORKER, "env"], env=env)
     assert result.returncode == 2, result.stderr
     assert missing.encode() in result.stderr
@@ -369,14 +360,14 @@ def test_env_mode_missing_variable_exits_2_naming_it(missing):
     "name, value", [("DMLC_ROLE", "boss"), ("DMLC_WORKER_ID", "2"), ("DMLC_PS_ROOT_PORT", "http"), ("BYTEPS_LOCAL_SIZE", "0")]
 )
 def test_env_mode_invalid_variable_exits_2_naming_it(name, value):
-    result = run_launcher(["--", sys.executable, WORKER, "env"], env=clean_env(**dict(ENV_WORKER, **{name: value})))
+    result = run_launcher(["--", sys.executable, WORKER, "env"], env=launcher_env(**dict(ENV_WORKER, **{name: value})))
     assert result.returncode == 2, result.stderr
     assert f"{name}=".encode() in result.stderr
 
 
 @pytest.mark.timeout(60)
 def test_env_mode_local_size_is_capped():
-    env = clean_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="4097")
+    env = launcher_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="4097")
     result = run_launcher(["--", "dynamix-no-such-command-xyz"], env=env)
     assert result.returncode == 2, result.stderr
     assert b"BYTEPS_LOCAL_SIZE=4097" in result.stderr
@@ -384,7 +375,7 @@ def test_env_mode_local_size_is_capped():
 
 @pytest.mark.timeout(60)
 def test_env_mode_starts_byteps_local_size_workers():
-    env = clean_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="2")
+    env = launcher_env(**ENV_WORKER, BYTEPS_LOCAL_SIZE="2")
     result = run_launcher([sys.executable, WORKER, "env"], env=env)  # BytePS style: no '--'
     assert result.returncode == 0, result.stderr
     envs = env_lines(result.stdout)
@@ -397,7 +388,7 @@ def test_env_mode_starts_byteps_local_size_workers():
 
 @pytest.mark.timeout(60)
 def test_env_mode_local_size_defaults_to_visible_gpus():
-    env = clean_env(**ENV_WORKER, NVIDIA_VISIBLE_DEVICES="0,1,3")
+    env = launcher_env(**ENV_WORKER, NVIDIA_VISIBLE_DEVICES="0,1,3")
     result = run_launcher(["--", sys.executable, WORKER, "env"], env=env)
     assert result.returncode == 0, result.stderr
     assert sorted(env_lines(result.stdout)) == [3, 4, 5]
@@ -406,7 +397,7 @@ def test_env_mode_local_size_defaults_to_visible_gpus():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("role", ["scheduler", "server"])
 def test_env_mode_scheduler_and_server_with_gloo_exit_0(role):
-    result = run_launcher([], env=clean_env(DMLC_ROLE=role))
+    result = run_launcher([], env=launcher_env(DMLC_ROLE=role))
     assert result.returncode == 0, result.stderr
     assert b"gloo" in result.stderr and b"nothing to start" in result.stderr
 

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, kill_tree
 from multiworker import free_port
 
 from dynamix_byteps.engine.ps_rendezvous import PSRendezvous
@@ -113,9 +112,7 @@ def _run_launchers(envs: list[dict], argvs: list[list[str]], out_dir, timeout: f
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill_tree(p)
     return [(code, out.read_text(errors="replace")) for code, out in zip(codes, outs)]
 
 

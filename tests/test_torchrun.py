@@ -6,54 +6,27 @@ it, with the ranks and size torchrun gave them, and that a hand-made partial env
 """
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import clean_env, run_in_session
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"
 EXAMPLE = REPO / "examples" / "torch_fashion_mnist.py"
-LAUNCH_VARIABLES = ("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "GROUP_RANK", "GROUP_WORLD_SIZE")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables; one torch thread per worker."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARIABLES)}
-    env.update(OMP_NUM_THREADS="1", DYNAMIX_TIMEOUT="60", PYTHONPATH=str(REPO), **extra)
-    return env
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """:func:`clean_env` with one torch thread per worker and a 60-s collective timeout."""
+    return clean_env(OMP_NUM_THREADS="1", DYNAMIX_TIMEOUT="60", **extra)
 
 
 def run(argv: list, timeout: float, tmp_path: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run ``argv`` in its own session with TMPDIR in ``tmp_path`` (torchrun leaves its
-    ``torchelastic_*`` log folders there); returns (exit code, stdout+stderr). Whatever it started is
-    SIGKILLed afterwards: torchrun starts each worker in a session of its own, so the workers are
-    collected as descendants before the kill, not reached through torchrun's process group."""
-    env = {**(env or clean_env()), "TMPDIR": str(tmp_path)}
-    job = subprocess.Popen([str(a) for a in argv], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=timeout)
-    finally:
-        try:
-            descendants = psutil.Process(job.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            descendants = []
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-        for child in descendants:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        job.wait()
-    return job.returncode, output or ""
+    """:func:`run_in_session` with TMPDIR in ``tmp_path`` (torchrun leaves its ``torchelastic_*``
+    log folders there)."""
+    return run_in_session(argv, timeout, env={**(env or torchrun_env()), "TMPDIR": str(tmp_path)})
 
 
 def torchrun(*args) -> list:
@@ -92,7 +65,7 @@ def test_the_example_trains_under_torchrun(tmp_path):
 
 @pytest.mark.timeout(40)
 def test_a_hand_made_partial_torchrun_environment_fails_naming_what_is_missing(tmp_path):
-    env = clean_env(WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1")
+    env = torchrun_env(WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1")
     code, output = run([sys.executable, WORKER, tmp_path], timeout=30, tmp_path=tmp_path, env=env)
     assert code != 0
     assert "ConfigurationError: environment variable MASTER_PORT is not set" in output, output
