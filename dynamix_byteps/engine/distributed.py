@@ -139,7 +139,7 @@ def _device(env: WorkerEnv, backend: str) -> torch.device:
             f"the nccl engine needs a CUDA build of PyTorch with NCCL and a GPU, and this one (torch "
             f"{torch.__version__}) has {'no NCCL' if torch.cuda.is_available() else 'no usable CUDA device'}. "
             "Use --engine gloo (DYNAMIX_ENGINE=gloo) for CPU tensors, or --engine auto to pick nccl only "
-            "where every worker has a GPU; README.md ('Engines and devices') shows how to install a CUDA torch."
+            "where every worker has a GPU; docs/engines.md ('The CUDA path') shows how to install a CUDA torch."
         )
     count = torch.cuda.device_count()
     if count >= env.local_size:
