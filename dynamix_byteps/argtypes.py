@@ -36,6 +36,22 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False, unit
     return parse
 
 
+def key_value(text: str) -> tuple[str, object]:
+    """Parse ``KEY=VALUE`` (``KEY`` an identifier); VALUE becomes a bool (``true``/``false``, any
+    case), an int or a float where it reads as one, else stays text."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if raw.lower() in ("true", "false"):
+        return key, raw.lower() == "true"
+    for convert in (int, float):
+        try:
+            return key, convert(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
 def output_path(kind: str, example: str = "out"):
     """Parse a path the command will write: ``kind`` ``"file"`` or ``"dir"`` (created with its parents);
     ``example`` is the file name the message suggests for a file path that is a directory.

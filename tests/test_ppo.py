@@ -4,6 +4,7 @@ A module-scoped fixture trains one small policy (seeded, a few PPO iterations in
 Ray instance); the tests load, compare, transfer and serve it. ``slow`` tests train longer.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -14,7 +15,10 @@ import numpy as np
 import pytest
 from conftest import run_bpslaunch
 
+from dynamix_byteps.argtypes import key_value
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.launcher.cli import parse_args
+from dynamix_byteps.launcher.services import scheduler_specs
 from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.base import Decision, Policy
 from dynamix_byteps.policy.ppo import PPOPolicy
@@ -246,11 +250,30 @@ def test_train_cli_rejects_bad_usage_before_starting_ray(tmp_path):
 @pytest.mark.parametrize("args, needle", [(["--policy", "ppo"], "--policy ppo needs --policy-path DIR"),
                                           (["--policy", "ppo", "--policy-path", "/no/such/dir"], "does not exist"),
                                           (["--policy", "static", "--policy-path", "."], "--policy-path is for --policy ppo"),
-                                          (["--policy", "ppo:small-cnn-sgd", "--policy-path", "."], "drop --policy-path")])
+                                          (["--policy", "ppo:small-cnn-sgd", "--policy-path", "."], "drop --policy-path"),
+                                          (["--policy", "goodput", "--policy-option", "bogus=1"],
+                                           "unexpected keyword argument 'bogus'"),
+                                          (["--policy", "proportional", "--policy-option", "comm=loudest"],
+                                           "comm must be one of"),
+                                          (["--policy", "proportional", "--policy-option", "path=x"], "use --policy-path"),
+                                          (["--policy", "goodput", "--policy-option", "comm=min", "--policy-option",
+                                            "comm=mean"], "['comm'] given more than once"),
+                                          (["--policy-option", "comm=min"], "--policy-option needs --policy"),
+                                          (["--policy", "goodput", "--policy-option", "scale_down"], "is not KEY=VALUE")])
 def test_bpslaunch_checks_the_policy_before_starting_anything(args, needle):
     result = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", *args, "--", "true"],
                             capture_output=True, text=True, timeout=100, check=False)
     assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def test_bpslaunch_passes_policy_options_to_the_scheduler_as_it_parses_them(tmp_path):
+    config = dataclasses.replace(parse_args(["-n", "2", "--policy", "goodput", "--policy-option", "scale_down=TRUE",
+                                             "--policy-option", "candidates=20", "--", "true"]), run_dir=tmp_path)
+    (scheduler, ), _ = scheduler_specs(config, {}, ["127.0.0.1"], 0, 2)
+    passed = [scheduler.argv[i + 1] for i, arg in enumerate(scheduler.argv) if arg == "--policy-option"]
+    assert [key_value(text) for text in passed] == [("scale_down", True), ("candidates", 20)]
+    policy = make_policy("goodput", **dict(map(key_value, passed)))
+    assert policy.scale_down is True and policy.candidates == 20
 
 
 # ---- imitation ---------------------------------------------------------------------------------

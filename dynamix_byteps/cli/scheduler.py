@@ -12,26 +12,12 @@ import signal
 import threading
 from pathlib import Path
 
-from dynamix_byteps.argtypes import float_in, int_in, output_path
+from dynamix_byteps.argtypes import float_in, int_in, key_value, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL, MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
 
 __all__ = ["add_parser", "build_policy", "run"]
-
-
-def _option(text: str) -> tuple[str, object]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    if raw.lower() in ("true", "false"):
-        return key, raw.lower() == "true"
-    for convert in (int, float):
-        try:
-            return key, convert(raw)
-        except ValueError:
-            pass
-    return key, raw
 
 
 def add_parser(sub) -> None:
@@ -60,8 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--token", metavar="T", help="shared secret the workers send (default: $DYNAMIX_TOKEN)")
     p.add_argument("--tls-cert", type=Path, metavar="PEM", help="serve TLS with this certificate (default: $DYNAMIX_TLS_CERT)")
     p.add_argument("--tls-key", type=Path, metavar="PEM", help="private key of --tls-cert (default: $DYNAMIX_TLS_KEY)")
-    p.add_argument("--policy", default="static", metavar="NAME", help="static | proportional | goodput | ppo (default static)")
-    p.add_argument("--policy-option", type=_option, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--policy", default="static", metavar="NAME", help="static | proportional | goodput | ppo | ppo:NAME (a library policy) (default static)")
+    p.add_argument("--policy-option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
     p.add_argument("--num-workers", type=int_in(1, MAX_WORKERS, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
     p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=DEFAULT_DECISION_INTERVAL, metavar="K", help=f"steps between decisions (default {DEFAULT_DECISION_INTERVAL}, as the workers')")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
-from dynamix_byteps.argtypes import float_in, int_in
+from dynamix_byteps.argtypes import float_in, int_in, key_value
 from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.env import CHECKPOINT_ENV, DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError, UsageError
@@ -103,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"batch-size policy of the scheduler: {' | '.join(POLICIES)} | ppo:NAME "
                               "(a trained policy of the library, `dynamix policy list`)")
     control.add_argument("--policy-path", type=Path, metavar="DIR", help="trained policy for --policy ppo")
+    control.add_argument("--policy-option", type=key_value, action="append", default=[], metavar="KEY=VALUE",
+                         help=f"option of the policy (repeatable), e.g. scale_down=true for goodput; {_policy_options()}")
     control.add_argument("--fine-tune", nargs="?", type=int_in(2, what="--fine-tune"), const=64, metavar="N",
                          help="with --policy ppo --policy-path DIR: fine-tune the policy online, one update per N "
                          "decisions (default 64), with `dynamix policy finetune` beside the scheduler, which then "
@@ -188,6 +191,14 @@ def parse_hosts(text: str) -> list[tuple[str, int | None]]:
     return hosts
 
 
+def _policy_options() -> str:
+    """The keyword options each policy takes, for ``--help``."""
+    takes = {name: [p.name for p in inspect.signature(cls.__init__).parameters.values()
+                    if p.kind is p.KEYWORD_ONLY and p.name not in ("path", "name")]
+             for name, cls in POLICIES.items()}
+    return "; ".join(f"{name}: {', '.join(keys)}" for name, keys in takes.items() if keys)
+
+
 def _policy_name(text: str) -> str:
     """``--policy``: one of the policies' names or ``ppo:NAME`` (checked against the library later)."""
     key, sep, name = text.strip().partition(":")
@@ -225,7 +236,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> Launch
         UsageError: see :func:`parse_args`.
     """
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchConfig) if hasattr(args, f.name)}
-    for name in ("command", "slowdown"):
+    for name in ("command", "slowdown", "policy_option"):
         values[name] = tuple(values[name])
     if args.hosts is not None:
         values["hosts"] = tuple(args.hosts)

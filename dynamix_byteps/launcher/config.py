@@ -30,6 +30,7 @@ class LaunchConfig:
         num_servers, server_hosts: ``--num-servers K`` and where they run (``--engine ps``).
         hosts: ``--hosts`` as ``((host, slots or None), ...)``; node_rank: ``--node-rank``.
         slowdown: ``--slowdown`` as ``((rank, "FACTOR[@START-END]"), ...)``.
+        policy_option: ``--policy-option`` as ``((key, value), ...)``, values parsed (bool, int, float, text).
         timeout, grace_period: seconds.
         restart_on_failure, restart_port, checkpoint: the elastic restart flags.
         run: this run's index (0, then 1 after the first restart, ...; ``DYNAMIX_RESTART``).
@@ -51,6 +52,7 @@ class LaunchConfig:
     grace_period: float = DEFAULT_GRACE_S
     policy: str | None = None
     policy_path: Path | None = None
+    policy_option: tuple[tuple[str, object], ...] = ()
     fine_tune: int | None = None
     min_batch: str | None = None
     max_batch: str | None = None

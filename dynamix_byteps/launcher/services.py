@@ -40,6 +40,8 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
         for flag in ("policy_path", "fine_tune", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca"):
             if getattr(config, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
+        if config.policy_option:
+            raise UsageError("--policy-option needs --policy")
         return [], None
     _check_policy(config)
     multi_host = len(hosts) > 1
@@ -67,6 +69,8 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
         trainer.append(_fine_tune_spec(config, env, argv))
     elif config.policy_path is not None:
         argv += ["--policy-option", f"path={config.policy_path}"]
+    for key, value in config.policy_option:
+        argv += ["--policy-option", f"{key}={value}"]
     if config.tls_cert is not None:
         argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
     spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"),
@@ -98,6 +102,29 @@ def _check_policy(config: LaunchConfig) -> None:
             raise UsageError(f"--policy-path: {error}") from None
     elif config.policy_path is not None:
         raise UsageError(f"--policy-path is for --policy ppo, not --policy {config.policy}")
+    if config.policy_option:
+        _check_policy_options(config)
+
+
+def _check_policy_options(config: LaunchConfig) -> None:
+    """``--policy-option``s the policy takes, never ``path`` (``--policy-path``) or, under
+    ``--fine-tune``, ``explore`` (the trainer sets both): the policy is built once here, so that a
+    wrong option stops the launch before any process starts."""
+    keys = [key for key, _ in config.policy_option]
+    for key in {"path", *(["explore"] if config.fine_tune is not None else [])} & set(keys):
+        raise UsageError(f"--policy-option {key}=...: " + ("use --policy-path DIR" if key == "path"
+                                                          else "--fine-tune sets explore itself"))
+    if len(set(keys)) != len(keys):
+        raise UsageError(f"--policy-option: {sorted({k for k in keys if keys.count(k) > 1})} given more than once")
+    from dynamix_byteps.policy import make_policy
+
+    options = dict(config.policy_option)
+    if config.policy_path is not None:
+        options["path"] = str(config.policy_path)
+    try:
+        make_policy(config.policy, **options)
+    except ConfigurationError as error:
+        raise UsageError(f"--policy-option: {error}") from None
 
 
 def _fine_tune_spec(config: LaunchConfig, env: Mapping[str, str], scheduler_argv: list[str]) -> ChildSpec:
