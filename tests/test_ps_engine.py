@@ -75,6 +75,25 @@ def test_server_keeps_rounds_apart_and_answers_pulls_once_the_last_push_arrived(
         server.pull(8, 0, 0).wait()
 
 
+def test_a_worker_that_leaves_fails_every_round_still_short_of_its_push_and_every_later_one():
+    server = SummationServer(num_workers=3)
+    for worker in (0, 1):
+        server.push(5, 0, torch.tensor([1.0]), worker)
+    waiting = server.pull(5, 0, 0)
+    server.push(6, 0, torch.tensor([1.0]), 2)  # worker 2's rounds are safe from its own departure
+    server.push(6, 0, torch.tensor([1.0]), 0)
+    assert server.leave(2) == 1
+    with pytest.raises(ValueError, match="worker 2 left the job without pushing key 5 round 0"):
+        waiting.wait()
+    with pytest.raises(ValueError, match="worker 2 left the job"):
+        server.pull(5, 0, 1).wait()
+    server.push(6, 0, torch.tensor([2.0]), 1)
+    assert server.pull(6, 0, 1).wait()[0].tolist() == [4.0]
+    with pytest.raises(ValueError, match="worker 2 left the job without pushing key 6 round 1"):
+        server.push(6, 1, torch.tensor([1.0]), 0)
+    assert server.leave(0) == 0  # nothing left short of worker 0's push
+
+
 def test_a_pull_says_how_long_the_server_held_the_sum_after_that_workers_push():
     server = SummationServer(num_workers=2)
     early = server.pull(3, 0, 0)
@@ -183,6 +202,33 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
         assert result["error"] == "CommunicationError", result
         assert result["after_s"] < PS_TIMEOUT_S + 2, result
     assert servers[0].returncode == 1
+
+
+EARLY_EXIT = """
+import sys, time, torch
+import dynamix_byteps.torch as bps
+bps.init()
+for step in range(1000):
+    if bps.rank() == 1 and step == 3:
+        sys.exit(3)
+    bps.push_pull(torch.ones(1000), average=False, name="g")
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_that_exits_early_stops_a_ps_job_at_once_with_its_code_and_names_itself():
+    """Rank 1 leaves after three rounds: the others fail at their next round, not after --timeout."""
+    marker = f"ps-early-{os.getpid()}-{time.time_ns()}"
+    start = time.monotonic()
+    code, output = run_bpslaunch(["-n", 3, "--engine", "ps", "--num-servers", 2, "--timeout", 300, "--",
+                                  sys.executable, "-c", EARLY_EXIT], timeout=120,
+                                 env={**os.environ, "DYNAMIX_TEST_MARKER": marker, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - start < 100, output
+    assert code in (1, 3), output  # the first worker to end: rank 1, or one that saw it leave
+    assert "worker 1 left the job without pushing" in output, output
+    assert "the workers cannot go on without it" not in output, output  # no server blamed
+    assert [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker] == []
 
 
 def _environ(process) -> dict:

@@ -40,6 +40,7 @@ from dynamix_byteps.errors import CommunicationError
 # The integer dtype of each element size: broadcast sums the bits, so that root + zeros is exact
 # for every dtype (a float sum would turn -0.0 into 0.0).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+LEAVE_TIMEOUT_S = 10.0  # a server that cannot acknowledge a departure by then is gone or hung
 
 
 class _Transfer:
@@ -58,7 +59,10 @@ class _Transfer:
         self._finish(pushed_ns=timing.now_ns())
 
     def on_pull(self, future) -> None:
-        total, hold_ns = future.value()
+        answer = future.value()
+        if isinstance(answer, BaseException):  # a failed round's error arrives as the pull's value
+            raise answer
+        total, hold_ns = answer
         self.flat[self.part.start:self.part.stop].copy_(total)
         self._finish(pulled_ns=timing.now_ns(), hold_ns=hold_ns)
 
@@ -106,7 +110,8 @@ class ParameterServerEngine(Engine):
         name: ``ps``.
         group: the RPC group (servers, workers, rendezvous, timeout).
         plan: the partitions and key owners declared so far.
-        broken: a collective failed; :meth:`shutdown` then leaves without waiting for the others.
+        broken: a collective failed, or this worker left before the others; :meth:`shutdown` then
+            leaves without waiting for them.
     """
 
     name = "ps"
@@ -193,14 +198,36 @@ class ParameterServerEngine(Engine):
             except RuntimeError:
                 pass
 
+    def _leave(self) -> int:
+        """Tell every server this worker pushes nothing more; returns how many rounds the others had
+        started without it (a server that cannot be reached counts none)."""
+        futures = []
+        for index in range(self.group.num_servers):
+            try:
+                futures.append(rpc.rpc_async(server_name(index), ps_server.leave, args=(self.rank,),
+                                             timeout=LEAVE_TIMEOUT_S))
+            except RuntimeError:
+                pass  # that server is gone already
+        stranded = 0
+        for future in futures:
+            try:
+                stranded += future.wait()
+            except RuntimeError:
+                pass
+        return stranded
+
     def barrier(self) -> None:
         self.all_reduce_async(torch.zeros(1, dtype=torch.int64), "dynamix.barrier.").wait()
 
     def shutdown(self) -> None:
-        """Leave the RPC group (waiting up to the timeout for the others unless a collective failed,
-        in which case the servers still reachable are told to stop) and destroy the workers' process group."""
+        """Leave the job and destroy the workers' process group. The servers are told first
+        (rounds the others still wait for fail there at once); then the RPC group is left, waiting up
+        to the timeout for the others, unless this worker leaves early (the others had started rounds
+        without it) or a collective failed, in which case the servers still reachable are told to stop."""
         if self.broken:
             self._stop_servers()
+        elif self._leave():
+            self.broken = True
         try:
             rpc.shutdown(graceful=not self.broken, timeout=self.group.timeout_s)
         except RuntimeError:

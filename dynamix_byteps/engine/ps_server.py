@@ -7,6 +7,11 @@ added. Rounds are told apart by their number, so back-to-back rounds of one key 
 0.2.5's CPU server returned partial sums exactly there). A round is forgotten once every worker
 has pulled it.
 
+A worker that shuts its engine down tells every server first (:meth:`SummationServer.leave`): it
+will push nothing more, so every round still short of its push fails at once, and so does any such
+round opened later. A worker that fails or returns early then stops the others within moments, not
+after the collective timeout.
+
 Each pull is answered with the sum and the nanoseconds, on the server's clock, from that worker's
 push arriving to the sum leaving for it: the time the worker waited for the others (and for its
 own pull request), which the worker subtracts from its pull to time the transfer alone.
@@ -41,6 +46,9 @@ from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 PARENT_POLL_S = 1.0
+# After a worker reports a failed job: long enough for the workers, whose output says why it failed,
+# to end before the server does, so that a launcher names one of them.
+ABORT_DELAY_S = 2.0
 
 
 class _Round:
@@ -73,6 +81,7 @@ class SummationServer:
         self.num_workers = num_workers
         self._lock = threading.Lock()
         self._rounds: dict[tuple[int, int], _Round] = {}
+        self._left: set[int] = set()  # workers that shut down: they push nothing more
 
     @property
     def open_rounds(self) -> int:
@@ -85,7 +94,28 @@ class SummationServer:
             state = self._rounds.get((key, round_))
             if state is None:
                 state = self._rounds[(key, round_)] = _Round()
+                if self._left:
+                    state.error = _stranded(key, round_, min(self._left))
             return state
+
+    def leave(self, worker: int) -> int:
+        """Worker rank ``worker`` shut down: fail every open round it has not pushed (their pulls
+        raise ``ValueError`` naming it) and every round opened from now on. Returns how many open
+        rounds failed: others were waiting for a push that will never come."""
+        with self._lock:
+            self._left.add(worker)
+            rounds = list(self._rounds.items())
+        stranded = 0
+        for (key, round_), state in rounds:
+            with state.lock:
+                if state.complete or state.error is not None or worker in state.arrived_ns:
+                    continue
+                state.error = _stranded(key, round_, worker)
+                failed, state.waiting = state.waiting, []
+            stranded += 1
+            for future, _ in failed:
+                future.set_exception(ValueError(state.error))
+        return stranded
 
     def _forget(self, key: int, round_: int) -> None:
         with self._lock:
@@ -150,6 +180,11 @@ class SummationServer:
         return future
 
 
+def _stranded(key: int, round_: int, worker: int) -> str:
+    return (f"worker {worker} left the job without pushing key {key} round {round_} (its process is ending: it "
+            "failed or returned before the others; its own output says why)")
+
+
 # RPC calls a function by its qualified name, so the process's server must be reachable from one:
 # this is it, set once by serve().
 _serving: SummationServer | None = None
@@ -166,11 +201,16 @@ def pull(key: int, round_: int, worker: int) -> torch.futures.Future:
     return _serving.pull(key, round_, worker)
 
 
+def leave(worker: int) -> int:
+    """RPC entry: :meth:`SummationServer.leave` on this process's server."""
+    return _serving.leave(worker)
+
+
 def abort(reason: str) -> None:
     """RPC entry: a worker saw the job fail; exit now (status 1) instead of waiting for a graceful
     shutdown that can no longer come."""
     print(f"ps server: stopping, a worker reported: {reason}", file=sys.stderr, flush=True)
-    threading.Timer(0.2, os._exit, args=(1,)).start()  # after this call's answer went out
+    threading.Timer(ABORT_DELAY_S, os._exit, args=(1,)).start()  # also lets this call's answer go out
 
 
 def _exit_with_parent(parent: int) -> None:
