@@ -112,6 +112,18 @@ def test_policy_list_and_bpslaunch_name_the_library():
     assert bad.returncode == 2 and "no policy 'nope'" in bad.stderr and "small-cnn-sgd" in bad.stderr, bad.stderr
 
 
+@pytest.mark.timeout(300)
+def test_policy_eval_takes_a_library_name_and_refuses_an_unknown_one(tmp_path):
+    cli = [sys.executable, "-m", "dynamix_byteps.cli", "policy", "eval"]
+    result = subprocess.run([*cli, "small-cnn-sgd", "--scenario", "straggler", "--episodes", "1", "--json",
+                             str(tmp_path / "eval.json")], capture_output=True, text=True, timeout=250, check=False)
+    assert result.returncode == 0, result.stderr
+    assert [r["policy"] for r in json.loads((tmp_path / "eval.json").read_text())["rows"]][0] == "ppo"
+    bad = subprocess.run([*cli, "nope", "--scenario", "straggler"], capture_output=True, text=True, timeout=100,
+                         check=False)
+    assert bad.returncode == 2 and "no policy 'nope'" in bad.stderr and "small-cnn-sgd" in bad.stderr, bad.stderr
+
+
 # ---- several worker counts -----------------------------------------------------------------------
 
 

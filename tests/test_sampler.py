@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamix_byteps.assignment import Assignment, InvalidAssignmentError
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 
@@ -154,3 +155,8 @@ def test_resume_refuses_a_different_dataset():
     (new,) = make_job(101, [10], seed=1)
     with pytest.raises(Exception, match="dataset_size"):
         new.load_state_dict(old.state_dict())
+
+
+def test_a_batch_size_list_for_another_job_size_names_both_counts():
+    with pytest.raises(ConfigurationError, match="batch_size has 4 entries but the job has 1 workers"):
+        DynamicBatchSampler(100, [32, 48, 80, 96], num_replicas=1, rank=0)

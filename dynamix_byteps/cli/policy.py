@@ -109,7 +109,8 @@ def add_parser(sub) -> None:
                     "the target loss, time to target, final accuracy proxy and mean global batch.",
         epilog="exit status: 0 on success, 1 on failure, 2 on bad usage.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    e.add_argument("policy_dir", type=Path, metavar="DIR", help="a policy directory (policy.onnx + features.json)")
+    e.add_argument("policy_dir", type=Path, metavar="DIR|NAME",
+                   help="a policy directory (policy.onnx + features.json) or a library policy (`dynamix policy list`)")
     e.add_argument("--scenario", type=_names, required=True, metavar="NAME[,NAME...]", help=scenario_help)
     e.add_argument("--episodes", type=int_in(1, what="--episodes"), default=5, metavar="E", help="episodes per scenario (default 5)")
     e.add_argument("--seed", type=int_in(0, what="--seed"), default=1000, metavar="S", help="first episode seed (default 1000)")
@@ -272,7 +273,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from dynamix_byteps.scenarios import scenario
 
     try:
-        ppo = PPOPolicy(path=args.policy_dir)
+        source = args.policy_dir
+        ppo = PPOPolicy(path=source) if source.exists() or len(source.parts) > 1 else PPOPolicy(name=str(source))
         base = SimParams.from_json(args.sim_params) if args.sim_params else None
         if args.workers:
             jobs = scenario_params(args.scenario, args.workers, base, args.scenario_file)

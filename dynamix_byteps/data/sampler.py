@@ -93,6 +93,9 @@ class DynamicBatchSampler:
             max_batch = env_batch_sizes("DYNAMIX_MAX_BATCH", self.num_replicas)
         bounds = BatchBounds.build(self.num_replicas, min_batch, max_batch)
         initial = [batch_size] * self.num_replicas if isinstance(batch_size, int) else list(batch_size)
+        if len(initial) != self.num_replicas:
+            raise ConfigurationError(f"batch_size has {len(initial)} entries but the job has {self.num_replicas} "
+                                     "workers; give one size, or one per worker")
         self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
         self._position = Position()
         self._history: dict[int, Position] = {}

@@ -83,7 +83,7 @@ def policy_dir(name: str) -> Path:
     name = str(name).strip()
     if name not in known:
         raise ConfigurationError(f"no policy {name!r} in the policy library; {_listing(known)} "
-                                 "(`dynamix policy list`), or pass --policy ppo --policy-path DIR")
+                                 "(`dynamix policy list`), or use a policy directory written by `dynamix policy train --out DIR`")
     directory = library_root() / name
     try:
         read_metadata(directory)
