@@ -5,7 +5,7 @@ Input: decision logs of the same job at several global batches, recorded with a 
 every interval's loss is logged (the first gives the timings to ``dynamix sim fit``)::
 
     for seed in 43 44; do for b in 64 32 128 256; do
-      bpslaunch -n 4 --policy static --decision-interval 5 --log-dir runs/static$b-$seed -- \
+      bpslaunch -n 4 --policy static --decision-interval 5 --log-dir runs/static$b-$seed -- \\
           python examples/torch_fashion_mnist.py --batch-size $b --epochs 1000 --seed $seed --time-budget 150
     done; done
     python benchmarks/sim_calibration.py runs/static64-43 runs/static*-*

@@ -64,9 +64,9 @@ status 1. With ``--allow-load`` loaded runs are kept and flagged in the table.
     python benchmarks/time_to_accuracy.py --scenario straggler --ppo-policy small-cnn-sgd
     python benchmarks/time_to_accuracy.py --scenario straggler --quick --allow-load     # CI
     python benchmarks/time_to_accuracy.py --scenario network --engine ps --num-servers 2
-    python benchmarks/time_to_accuracy.py --scenario straggler --configs goodput,ppo,ppo-candidate \
+    python benchmarks/time_to_accuracy.py --scenario straggler --configs goodput,ppo,ppo-candidate \\
         --ppo-policy small-cnn-sgd --ppo-policy candidate=runs/policy --out /tmp/candidate.json
-    python benchmarks/time_to_accuracy.py --scenario straggler --framework tensorflow --configs proportional,goodput \
+    python benchmarks/time_to_accuracy.py --scenario straggler --framework tensorflow --configs proportional,goodput \\
         --out benchmarks/results/time_to_accuracy_straggler_tensorflow.json
     python benchmarks/time_to_accuracy.py --scenario straggler --table-only --targets 0.85,0.87 --markdown
 

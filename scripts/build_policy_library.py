@@ -14,14 +14,16 @@ scenario but the one held aside for evaluation (:data:`HELD_OUT`)::
 
     python scripts/build_policy_library.py record homogeneous      # and straggler, two-speed, interference
     python scripts/build_policy_library.py fit                     # -> library/small-cnn-sgd/profiles.json
-    dynamix policy train --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json \
-        --workers 4,8,16,32 --ladder full --reward step_time=0.08 --reward batch_change=0.03 \
-        --reward accuracy=30 --seed 12 --out runs/lib/small-cnn-sgd
-    python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd \
+    dynamix policy train --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json \\
+        --workers 4,8,16,32 --ladder full --reward step_time=0.08 --reward batch_change=0.03 \\
+        --reward accuracy=30 --seed 12 --iterations 45 --out runs/lib/small-cnn-sgd
+    python scripts/build_policy_library.py install small-cnn-sgd runs/lib/small-cnn-sgd \\
         --profiles dynamix_byteps/policy/library/small-cnn-sgd/profiles.json
 
-(``small-cnn-sgd-any-start``: the same train command with ``--iterations 120``, whose episodes
-start at 1/4x to 4x the fitted batch; installed with ``--entry small-cnn-sgd-any-start --use "..."``.)
+``small-cnn-sgd`` was trained so at commit 6329543, when every episode started at the fitted batch.
+Since 334bb13 the mixture starts episodes at 1/4x to 4x the fitted batch, and the same command
+with ``--iterations 120`` builds ``small-cnn-sgd-any-start`` (installed with ``--entry
+small-cnn-sgd-any-start --use "..."``).
 
 or on parameters fitted to a real run of the profile's job on this machine::
 
