@@ -112,6 +112,7 @@ from common import (
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo import library
+from dynamix_byteps.policy.ppo.policy_format import read_metadata
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
 SCHEMA = 2
@@ -171,9 +172,13 @@ def ppo_policies(specs: list[str]) -> dict[str, str]:
         if name in policies:
             raise ValueError(f"--ppo-policy {spec}: a second policy named {name!r}; give each policy after the "
                              "first a label, e.g. --ppo-policy candidate=DIR (configuration ppo-candidate)")
-        if not Path(source).is_dir() and source not in library.entries():
+        if not source or (not Path(source).is_dir() and source not in library.entries()):
             raise ValueError(f"--ppo-policy {spec}: {source!r} is neither a policy directory (dynamix policy train "
                              f"--out DIR writes one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
+        try:
+            read_metadata(Path(source)) if Path(source).is_dir() else library.policy_dir(source)
+        except ConfigurationError as error:
+            raise ValueError(f"--ppo-policy {spec}: {error}") from None
         policies[name] = source
     return policies
 

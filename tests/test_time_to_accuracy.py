@@ -4,6 +4,7 @@ run end to end (slow, in CI)."""
 import hashlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,8 @@ from time_to_accuracy import (
     tables,
     time_to_target,
 )
+
+from dynamix_byteps.policy.ppo.library import policy_dir
 
 
 def test_time_to_target_interpolates_between_evaluations_and_starts_at_chance():
@@ -158,14 +161,15 @@ def test_every_configuration_has_one_fixed_style():
 
 
 def test_a_labelled_ppo_policy_runs_beside_the_shipped_one_in_one_table(tmp_path):
-    (tmp_path / "policy.onnx").write_bytes(b"onnx")
-    args = parse_args(["--ppo-policy", "ppo:small-cnn-sgd", "--ppo-policy", f"any-start={tmp_path}",
+    kept = tmp_path / "kept"
+    shutil.copytree(policy_dir("small-cnn-sgd-any-start"), kept)
+    args = parse_args(["--ppo-policy", "ppo:small-cnn-sgd", "--ppo-policy", f"any-start={kept}",
                        "--configs", "goodput,ppo,ppo-any-start", "--out", str(tmp_path / "t.json")])
     assert list(args.configs) == ["goodput", "ppo", "ppo-any-start"]
     assert args.configs["ppo"]["launch"][:2] == ["--policy", "ppo:small-cnn-sgd"]
-    assert args.configs["ppo-any-start"]["launch"][:4] == ["--policy", "ppo", "--policy-path", str(tmp_path)]
+    assert args.configs["ppo-any-start"]["launch"][:4] == ["--policy", "ppo", "--policy-path", str(kept)]
     odd = tmp_path / "lr=0.1"  # a directory whose name holds '=': no label
-    odd.mkdir()
+    shutil.copytree(kept, odd)
     assert ppo_policies([str(odd), f"b={odd}"]) == {"ppo": str(odd), "ppo-b": str(odd)}
     runs = _runs({"ppo-any-start": [50, 51], "goodput": [60, 61], "ppo": [55, 56]})
     summary = summarise(runs, [0.9], 150.0)
@@ -187,6 +191,15 @@ def test_a_labelled_ppo_policy_runs_beside_the_shipped_one_in_one_table(tmp_path
 def test_a_wrong_ppo_policy_flag_is_named(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, message", [("x=", "'' is neither a policy directory"),
+                                           ("x={empty}", "features.json is missing"),
+                                           ("{empty}", "features.json is missing")])
+def test_a_ppo_policy_directory_without_a_policy_is_refused_before_any_run(tmp_path, spec, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--ppo-policy", spec.format(empty=tmp_path), "--out", str(tmp_path / "t.json")])
     assert message in capsys.readouterr().err
 
 
@@ -373,7 +386,9 @@ def test_a_policy_directory_a_report_ran_is_kept_beside_it_and_serves_from_there
 def test_a_policy_directory_that_cannot_be_served_is_refused_before_any_run(tmp_path, capsys):
     (tmp_path / "policy.onnx").write_bytes(b"onnx")  # no features.json
     out = tmp_path / "report.json"
-    assert main(["--ppo-policy", str(tmp_path), "--configs", "ppo", "--out", str(out)]) == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["--ppo-policy", str(tmp_path), "--configs", "ppo", "--out", str(out)])
+    assert exit_.value.code == 2
     assert "features.json is missing" in capsys.readouterr().err and not out.exists()
 
 
