@@ -45,6 +45,8 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.tensorboard_scalars import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
 
+log = logging.getLogger(__name__)
+
 
 class RunDirError(ConfigurationError):
     """RUN_DIR holds no readable per-worker TensorBoard scalars; the message says how to record them."""
@@ -152,6 +154,9 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                if unreadable else
                "has no TensorBoard event files")
         raise _no_events(run_dir, why)
+    if unreadable:
+        log.warning("%s: no readable TensorBoard event in %s (event files missing, empty or damaged); the report "
+                    "leaves them out", run_dir, ", ".join(unreadable))
     start = min(first for first, _ in raw.values())
     data = RunData(start=start)
     for name, (_, tags) in raw.items():
@@ -259,7 +264,8 @@ def format_summary(rows: list[dict], job: dict) -> str:
             tag, value = job[key]
             lines.append(f"{what}: {value:.4f} ({tag})")
         elif key == "accuracy":
-            lines.append("final accuracy: not logged (call bps.log_scalar('test/accuracy', value) in the script)")
+            lines.append("final accuracy: not logged (call bps.log_scalar('test/accuracy', value) in the script; "
+                         "if it does, rank 0's event file may be cut short)")
     r = job.get("rhythm")
     if r is not None:
         early, late = r["early_global_batch"], r["late_global_batch"]

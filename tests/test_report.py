@@ -109,3 +109,19 @@ def test_a_missing_directory_and_one_without_worker_scalars_are_usage_errors(tmp
     writer.close()
     result = dynamix_report(tmp_path)
     assert result.returncode == 2 and "has no TensorBoard scalars of any worker yet" in result.stderr
+
+
+def test_a_damaged_event_file_is_left_out_with_a_warning_naming_it(tmp_path, caplog):
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    writer = ScalarWriter(tmp_path / "tensorboard" / "worker-0")
+    writer.open()
+    writer.add({"batch_size": 64.0}, step=10)
+    writer.close()
+    damaged = tmp_path / "tensorboard" / "worker-1"
+    damaged.mkdir()
+    (damaged / "events.out.tfevents.1.host").write_bytes(bytes(range(256)) * 4)
+    with caplog.at_level("WARNING", logger="dynamix_byteps.report"):
+        data = load_run(tmp_path)
+    assert list(data.workers) == [0]
+    assert "no readable TensorBoard event in worker-1" in caplog.text
