@@ -35,6 +35,7 @@ def test_proportional_shrinks_the_straggler_and_keeps_the_global_batch(tmp_path)
     code, output = run_bpslaunch(["-n", 4, "--policy", "proportional", "--slowdown", "3=3.0", "--decision-interval", 5,
                                   "--log-dir", tmp_path, "--", sys.executable, WORKER, tmp_path, 150], timeout=280)
     assert code == 0, output
+    assert not list(tmp_path.glob(".*")), "the services' ready files outlived the job"
     ranks = logs(tmp_path, 4)
     assert all(step[1] == 256 for rank in ranks for step in rank), "the global batch changed"
     for step in range(150):  # every worker applies each assignment at the same step

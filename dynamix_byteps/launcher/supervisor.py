@@ -53,7 +53,7 @@ class ChildSpec:
         service: a helper the job can run without (the scheduler): started before the
             workers, stopped once they have all exited, and its own exit never ends the job.
         ready_file: the next child starts only once this file exists (the service writes it
-            when it is ready), within ``READY_TIMEOUT_S``.
+            when it is ready), within ``READY_TIMEOUT_S``; removed once seen.
         append_log: append to ``log_path`` instead of truncating it (a restarted job).
         ends_with_workers: a service that exits by itself, with code 0, once the workers have
             shut down (a ps summation server): that exit is not reported.
@@ -268,6 +268,7 @@ class Supervisor:
                                     else f"within {READY_TIMEOUT_S:g} s"))
                 return False
             time.sleep(self.poll_s)
+        child.spec.ready_file.unlink(missing_ok=True)  # read once; it would outlive the job in --log-dir
         return True
 
     def _wait(self) -> int:
