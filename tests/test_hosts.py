@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from conftest import kill_tree
 from multiworker import free_port
 
 from dynamix_byteps.env import MAX_WORKERS, WorkerEnv
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.cli import parse_args, parse_hosts
 from dynamix_byteps.launcher.specs import env_mode, local_mode
 
@@ -99,6 +100,19 @@ def test_slowdown_and_bounds_use_the_uneven_total():
     specs, _ = specs_for(["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--port", str(free_port()),
                           "--slowdown", "3=2", "--max-batch", "8,8,8,4", "--", "true"])
     assert specs[0].env["DYNAMIX_SLOWDOWN"].startswith("2")
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    (["--min-batch", "abc"], {}, "argument --min-batch: batch sizes 'abc' are not comma-separated integers"),
+    ([], {"DYNAMIX_MIN_BATCH": "abc"}, "environment variable DYNAMIX_MIN_BATCH: batch sizes 'abc'"),
+    ([], {"DYNAMIX_MAX_BATCH": "0"}, "environment variable DYNAMIX_MAX_BATCH: batch sizes '0'"),
+    (["--batch-size", "4"], {"DYNAMIX_MIN_BATCH": "8"}, "argument --batch-size: 4 is outside rank 0's bounds [8,"),
+    (["--max-batch", "4"], {"DYNAMIX_MIN_BATCH": "9"}, "max_batch for rank 0 must be an integer >= min_batch=9"),
+])
+def test_bounds_from_flags_or_the_inherited_environment_are_checked_before_any_worker_starts(argv, env, needle):
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        specs_for(["-n", "2", *argv, "--", "true"], env)
+    assert specs_for(["-n", "2", "--min-batch", "2", "--", "true"], {"DYNAMIX_MIN_BATCH": "abc"})  # the flag wins
 
 
 @pytest.mark.parametrize("extra, needle", [

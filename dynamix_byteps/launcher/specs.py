@@ -175,7 +175,7 @@ def local_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -
                      "set GLOO_SOCKET_IFNAME to choose another")
     if len(hosts) > 1 and engine == "ps" and not env.get("TP_SOCKET_IFNAME"):  # the ps engine's RPC (TensorPipe)
         env = dict(env, TP_SOCKET_IFNAME=interface_towards(hosts[0]))
-    _check_bounds(config, total)
+    _check_bounds(config, env, total)
     seen = set()
     for rank, _ in config.slowdown:
         if rank >= total:
@@ -219,20 +219,24 @@ def _ps_placement(config: LaunchConfig, topology: Topology) -> list[int]:
     return [nodes[index % len(nodes)] for index in range(servers)]
 
 
-def _check_bounds(config: LaunchConfig, total: int) -> None:
-    """--min-batch/--max-batch/--batch-size agree, so a bad combination is a usage error here."""
+def _check_bounds(config: LaunchConfig, env: Mapping[str, str], total: int) -> None:
+    """--min-batch/--max-batch (else the DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH the workers inherit) and
+    --batch-size agree, so a bad combination is a usage error here, not a traceback in every worker."""
     bounds = {}
-    for flag in ("min_batch", "max_batch"):
-        if getattr(config, flag) is not None:
+    for flag, variable in (("min_batch", "DYNAMIX_MIN_BATCH"), ("max_batch", "DYNAMIX_MAX_BATCH")):
+        given = getattr(config, flag)
+        text, source = (given, f"argument --{flag.replace('_', '-')}") if given is not None else \
+            (env.get(variable), f"environment variable {variable}")
+        if text:
             try:
-                bounds[flag] = BatchBounds.build(total, **{flag: parse_batch_sizes(getattr(config, flag), total)})
+                bounds[flag] = BatchBounds.build(total, **{flag: parse_batch_sizes(text, total)})
             except ConfigurationError as error:
-                raise UsageError(f"argument --{flag.replace('_', '-')}: {error}") from None
+                raise UsageError(f"{source}: {error}") from None
     try:
         bounds = BatchBounds.build(total, bounds["min_batch"].min_batch if "min_batch" in bounds else 1,
                                    bounds["max_batch"].max_batch if "max_batch" in bounds else None)
     except ConfigurationError as error:
-        raise UsageError(f"arguments --min-batch/--max-batch: {error}") from None
+        raise UsageError(f"--min-batch/--max-batch (or DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH): {error}") from None
     if config.batch_size is not None:
         for rank, (low, high) in enumerate(zip(bounds.min_batch, bounds.max_batch)):
             if not low <= config.batch_size <= (high or config.batch_size):
