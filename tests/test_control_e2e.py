@@ -132,6 +132,21 @@ def test_two_hosts_run_one_job_with_the_scheduler_on_the_first(tmp_path):
     assert (tmp_path / "host0" / "decisions.jsonl").exists() and not (tmp_path / "host1" / "decisions.jsonl").exists()
 
 
+@pytest.mark.parametrize("argv, token, needle", [
+    (["--policy", "static", "--bind", "192.0.2.1"], None, "--bind 192.0.2.1: a scheduler listening beyond loopback"),
+    (["--policy", "static", "--bind", "192.0.2.1"], "s3cret", "192.0.2.1 is not an address of this machine"),
+    (["--policy", "static", "--bind", "no-such-host.invalid"], "s3cret", "host 'no-such-host.invalid' does not resolve"),
+    (["--hosts", "no-such-host.invalid,127.0.0.1", "--node-rank", "0", "--port", "29999"], None,
+     "host 'no-such-host.invalid' does not resolve"),
+])
+def test_a_scheduler_or_rendezvous_address_this_host_cannot_listen_on_is_a_usage_error(argv, token, needle):
+    env = {k: v for k, v in os.environ.items() if k != "DYNAMIX_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "1", *argv, "--", "true"],
+                          capture_output=True, text=True, env=dict(env, **({"DYNAMIX_TOKEN": token} if token else {})),
+                          timeout=60)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
 def test_multi_host_policy_without_a_token_is_refused():
     proc = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "--hosts", "127.0.0.1,127.0.0.1",
                            "--node-rank", "0", "-n", "1", "--port", str(free_port()), "--policy", "static",

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from dynamix_byteps.control.security import is_loopback
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import LaunchConfig
 from dynamix_byteps.launcher.supervisor import ChildSpec
@@ -51,8 +52,11 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
         raise UsageError("a multi-host job's scheduler listens beyond loopback: set DYNAMIX_TOKEN to a shared "
                          "secret on every host")
     bind = config.bind or (hosts[0] if multi_host else LOCAL_HOST)
-    if config.scheduler_port is not None and node_rank == 0:
-        check_port_free(config.scheduler_port, bind, "--scheduler-port")
+    if node_rank == 0 and not is_loopback(bind) and not env.get("DYNAMIX_TOKEN"):
+        raise UsageError(f"--bind {bind}: a scheduler listening beyond loopback needs a shared secret; set "
+                         "DYNAMIX_TOKEN, or bind 127.0.0.1")
+    if node_rank == 0:
+        check_port_free(config.scheduler_port or 0, bind, "--scheduler-port")
     port = config.scheduler_port if config.scheduler_port is not None else free_port()
     address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
     if node_rank != 0:

@@ -3,6 +3,7 @@ the rendezvous host, free and available TCP ports, and the GPUs a node shows."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import socket
@@ -133,13 +134,21 @@ def free_port(host: str = LOCAL_HOST) -> int:
 
 
 def check_port_free(port: int, host: str = LOCAL_HOST, flag: str = "--port") -> None:
-    """Raises UsageError naming ``flag`` when ``host:port`` cannot be bound now."""
+    """Raises UsageError when ``host:port`` cannot be bound now (port 0: when ``host`` cannot): a
+    name that does not resolve and an address of another machine are named as such, a port in use
+    with ``flag``."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
+        except socket.gaierror as error:
+            raise UsageError(f"host {host!r} does not resolve to an address ({error.strerror}); check the names in "
+                             "--hosts and --bind") from None
         except OSError as error:
+            if error.errno == errno.EADDRNOTAVAIL:
+                raise UsageError(f"{host} is not an address of this machine, so nothing here can listen on it; give "
+                                 "one of its own addresses (--hosts lists this host first on node 0, --bind)") from None
             raise UsageError(f"argument {flag}: {host}:{port} is not available ({error.strerror}); choose another "
                              f"port or omit {flag}") from None
 
