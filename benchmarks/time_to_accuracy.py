@@ -543,8 +543,12 @@ def plot(runs: list[dict], summary: dict, report: dict, out: Path) -> None:
     print(f"wrote {out}")
 
 
-def _floats(text: str) -> list[float]:
-    values = sorted({float(x) for x in text.split(",") if x.strip()})
+def _accuracies(text: str) -> list[float]:
+    """``--targets``: comma-separated accuracies in (0.1, 1], sorted, duplicates dropped."""
+    try:
+        values = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        values = []
     if not values or any(not 0.1 < v <= 1.0 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated accuracies in (0.1, 1]")
     return values
@@ -564,7 +568,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-subset", type=int_in(1, 10000), default=None, metavar="N",
                    help="test images scored at each evaluation, a fixed subset (default 2000; --quick 500)")
     defaults = "; ".join(f"{model} {','.join(map(str, t))}" for model, t in TARGETS.items())
-    p.add_argument("--targets", type=_floats, default=None, help="comma-separated target accuracies (default "
+    p.add_argument("--targets", type=_accuracies, default=None, help="comma-separated target accuracies (default "
                    f"{defaults}; --quick {','.join(map(str, QUICK_TARGETS))})")
     p.add_argument("--model", choices=sorted(TARGETS), default="cnn")
     p.add_argument("--framework", choices=sorted(EXAMPLES), default="torch",

@@ -162,14 +162,19 @@ def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatc
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_without_servers_fails_within_the_timeout():
-    env = worker_env(0, 1, free_port(), **ps_env(1, free_port()), DYNAMIX_TIMEOUT="5")
+@pytest.mark.parametrize("engine", ["ps", "gloo"])
+def test_a_worker_alone_fails_within_the_timeout_naming_it(engine):
+    """ps: no server was started; gloo: rank 1 of 2, and no rank 0."""
+    port = free_port()
+    env = (worker_env(0, 1, port, **ps_env(1, free_port()), DYNAMIX_TIMEOUT="5") if engine == "ps" else
+           worker_env(1, 2, port, DYNAMIX_TIMEOUT="5"))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", "import dynamix_byteps.torch as bps; bps.init()"], env=env,
                           capture_output=True, text=True, timeout=100)
     assert done.returncode != 0
-    assert "CommunicationError: ps rendezvous at 127.0.0.1" in done.stderr
-    assert "Check that the servers were started" in done.stderr
+    assert f"CommunicationError: {engine} rendezvous at 127.0.0.1:" in done.stderr, done.stderr
+    assert "failed within 5 s (DYNAMIX_TIMEOUT)" in done.stderr, done.stderr
+    assert ("Check that the servers were started" if engine == "ps" else "the timeout leaves the others time") in done.stderr
     assert time.monotonic() - start < 60  # 5 s of waiting, the rest is starting the interpreter
 
 

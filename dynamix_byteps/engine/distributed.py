@@ -205,8 +205,9 @@ class TorchDistributedEngine(Engine):
         except (RuntimeError, ValueError) as exc:
             raise CommunicationError(
                 f"{backend} rendezvous at {env.root_addr}:{env.root_port} as rank {env.rank} of {env.size} "
-                f"failed: {exc}. Check that every worker was started with the same {env.root_variables} "
-                "and that rank 0 can listen there."
+                f"failed within {env.timeout_s:g} s (DYNAMIX_TIMEOUT): {exc}. Check that every worker was started "
+                f"with the same {env.root_variables}, that rank 0 can listen there, and that the timeout leaves the "
+                "others time to start."
             ) from exc
 
     @property

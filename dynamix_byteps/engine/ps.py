@@ -136,7 +136,8 @@ class ParameterServerEngine(Engine):
             self._default_group.shutdown()
             raise CommunicationError(
                 f"ps rendezvous at {self.group.addr}:{self.group.port} as worker {env.rank} of {env.size} with "
-                f"{self.group.num_servers} servers failed: {str(exc).splitlines()[0]} Check that the servers were started "
+                f"{self.group.num_servers} servers failed within {env.timeout_s:g} s (DYNAMIX_TIMEOUT): "
+                f"{str(exc).splitlines()[0]} Check that the servers were started "
                 "(bpslaunch --engine ps --num-servers K) with the same DMLC_PS_ROOT_URI/DYNAMIX_PS_PORT."
             ) from exc
 
