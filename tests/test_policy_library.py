@@ -83,6 +83,17 @@ def test_an_incompatible_library_entry_is_refused_with_the_library_listed(tmp_pa
     assert make_policy("ppo:small-cnn-sgd").directory == tmp_path / "small-cnn-sgd"
 
 
+@pytest.mark.parametrize("replace, message", [("missing", "policy.onnx is missing"),
+                                              ("directory", "policy.onnx is not a file")])
+def test_a_policy_directory_without_its_onnx_file_says_which_way_it_is_wrong(tmp_path, replace, message):
+    shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "p")
+    (tmp_path / "p" / "policy.onnx").unlink()
+    if replace == "directory":
+        (tmp_path / "p" / "policy.onnx").mkdir()
+    with pytest.raises(ConfigurationError, match=message):
+        make_policy("ppo", path=tmp_path / "p")
+
+
 def test_a_policy_is_served_with_the_ladder_it_records(tmp_path):
     shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "p")
     features = tmp_path / "p" / "features.json"

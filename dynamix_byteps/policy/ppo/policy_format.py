@@ -77,7 +77,8 @@ def read_metadata(path) -> tuple[Path, dict]:
                                  f"version with {keep_index(len(ladder))} (the ladder's middle); retrain it")
     onnx_path = directory / POLICY_FILE
     if not onnx_path.is_file():
-        raise ConfigurationError(f"{onnx_path} is missing; re-export the policy with `dynamix policy export`")
+        raise ConfigurationError(f"{onnx_path} is {'not a file' if onnx_path.exists() else 'missing'}; re-export the "
+                                 "policy with `dynamix policy export`")
     recorded = (meta.get("onnx") or {}).get("sha256")
     if recorded != sha256(onnx_path):
         raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
