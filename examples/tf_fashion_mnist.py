@@ -61,7 +61,7 @@ def build_model() -> keras.Model:
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fit", action="store_true", help="train with model.fit instead of the custom loop")
-    p.add_argument("--epochs", type=int, default=1, help="epochs to train (with --time-budget: at most)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs to train (with --time-budget: at most; default 1)")
     add_run_arguments(p, TEST_IMAGES)
     add_batch_arguments(p)
     p.add_argument("--lr", type=float, default=None,

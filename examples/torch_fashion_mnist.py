@@ -93,7 +93,7 @@ def to_tensors(images, labels):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=2, help="epochs to train (with --time-budget: at most)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs to train (with --time-budget: at most; default 2)")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                    help="SGD with momentum 0.9 (default lr 0.01 per 64 samples) or Adam (default lr 1e-3)")

@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --policy ppo --policy-path DIR: fine-tune the policy online, one update per N "
                          "decisions (default 64), with `dynamix policy finetune` beside the scheduler, which then "
                          "serves and explores with a copy in the run directory, hot-swapping each new generation")
-    control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH)")
-    control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH)")
+    control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH; default 1)")
+    control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH; default: no limit)")
     control.add_argument("--decision-interval", type=_positive_int, default=DEFAULT_DECISION_INTERVAL, metavar="K",
                          help=f"steps between reports and decisions (default {DEFAULT_DECISION_INTERVAL})")
     control.add_argument("--lr-scaling", choices=tuple(RULES),
