@@ -271,17 +271,22 @@ class GradientAggregator:
         tensor, e.g. 1 for a gradient this worker had), summed over the workers into ``step.counts``."""
         self.before_send()
         engine = self.engine
-        trailer = torch.zeros(engine.size * 3 + (0 if counts is None else counts.size), dtype=torch.float64,
-                              device=engine.device)
-        rows = trailer[:engine.size * 3].view(engine.size, 3)
+        # Filled on the host and sent to the device in one copy: element writes into a CUDA
+        # tensor each wait for the device. Only the squared norm, a device value, is written there.
+        host = torch.zeros(engine.size * 3 + (0 if counts is None else counts.size), dtype=torch.float64)
+        rows = host[:engine.size * 3].view(engine.size, 3)
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = plan_digest(description)
+        local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
-        elif step.scale > 0:
-            rows[engine.rank, _SQ_NORM] = step.local_sq / (step.scale * step.scale)
+        elif not isinstance(local_sq, torch.Tensor):
+            rows[engine.rank, _SQ_NORM] = local_sq
         if counts is not None:
-            trailer[engine.size * 3:] = torch.from_numpy(counts)
+            host[engine.size * 3:] = torch.from_numpy(counts)
+        trailer = host if engine.device.type == "cpu" else host.pin_memory().to(engine.device, non_blocking=True)
+        if isinstance(local_sq, torch.Tensor):
+            trailer[engine.rank * 3 + _SQ_NORM] = local_sq
         with round_lock:
             step.trailer = (trailer, engine.all_reduce_async(trailer, "Gradient.trailer"))
 
