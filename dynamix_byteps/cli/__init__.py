@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (scheduler, agent, policy, sim, report):
         command.add_parser(sub)
+    for command_parser in sub.choices.values():  # a run's usage error shows its subcommand's usage
+        command_parser.set_defaults(usage=command_parser.format_usage)
     return parser
 
 
@@ -58,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except UsageError as error:
-        parser.print_usage(sys.stderr)
+        print(args.usage(), end="", file=sys.stderr)
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return 2
     except (DynamixError, OSError) as error:
