@@ -1,5 +1,6 @@
 """The control loop end to end: bpslaunch, the scheduler, real workers, on loopback."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,10 @@ import psutil
 import pytest
 from conftest import kill_tree, run_bpslaunch
 from multiworker import free_port
+
+from dynamix_byteps.errors import UsageError
+from dynamix_byteps.launcher.cli import parse_args
+from dynamix_byteps.launcher.services import scheduler_specs
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests/scripts/control_worker.py"
@@ -145,6 +150,18 @@ def test_a_scheduler_or_rendezvous_address_this_host_cannot_listen_on_is_a_usage
                           capture_output=True, text=True, env=dict(env, **({"DYNAMIX_TOKEN": token} if token else {})),
                           timeout=60)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("bind, dialled", [("127.0.0.2", "127.0.0.2"), ("::1", "[::1]"), ("[::1]", "[::1]"),
+                                           ("0.0.0.0", "127.0.0.1"), ("localhost", "localhost")])
+def test_the_workers_dial_the_address_the_scheduler_binds(tmp_path, bind, dialled):
+    config = dataclasses.replace(parse_args(["-n", "2", "--policy", "static", "--bind", bind, "--", "true"]),
+                                 run_dir=tmp_path)
+    (scheduler,), address = scheduler_specs(config, {"DYNAMIX_TOKEN": "s3cret"}, ["127.0.0.1"], 0, 2)
+    assert address.rpartition(":")[0] == dialled
+    assert scheduler.argv[scheduler.argv.index("--bind") + 1] == bind.strip("[]")
+    with pytest.raises(UsageError, match="give an address without a port"):
+        scheduler_specs(dataclasses.replace(config, bind="127.0.0.1:5000"), {}, ["127.0.0.1"], 0, 2)
 
 
 def test_multi_host_policy_without_a_token_is_refused():

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from dynamix_byteps.control.security import is_loopback
+from dynamix_byteps.control.security import grpc_address, is_loopback
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import LaunchConfig
 from dynamix_byteps.launcher.supervisor import ChildSpec
@@ -51,14 +51,16 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
     if multi_host and not env.get("DYNAMIX_TOKEN"):
         raise UsageError("a multi-host job's scheduler listens beyond loopback: set DYNAMIX_TOKEN to a shared "
                          "secret on every host")
-    bind = config.bind or (hosts[0] if multi_host else LOCAL_HOST)
+    bind = (config.bind or (hosts[0] if multi_host else LOCAL_HOST)).strip("[]")
+    if bind.count(":") == 1:
+        raise UsageError(f"--bind {config.bind}: give an address without a port; the port is --scheduler-port")
     if node_rank == 0 and not is_loopback(bind) and not env.get("DYNAMIX_TOKEN"):
         raise UsageError(f"--bind {bind}: a scheduler listening beyond loopback needs a shared secret; set "
                          "DYNAMIX_TOKEN, or bind 127.0.0.1")
     if node_rank == 0:
         check_port_free(config.scheduler_port or 0, bind, "--scheduler-port")
     port = config.scheduler_port if config.scheduler_port is not None else free_port()
-    address = f"{hosts[0] if multi_host else LOCAL_HOST}:{port}"
+    address = grpc_address(hosts[0] if multi_host else _dial(bind), port)
     if node_rank != 0:
         return [], address
     if config.tls_ca is not None and config.tls_cert is None:
@@ -80,6 +82,11 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
     spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"),
                      log_path=_log(config, "scheduler.log"), service=True, ready_file=ready)
     return [spec, *trainer], address
+
+
+def _dial(bind: str) -> str:
+    """The address this host's workers reach a scheduler listening on ``bind`` at."""
+    return {"0.0.0.0": LOCAL_HOST, "::": "::1"}.get(bind, bind)
 
 
 def _check_policy(config: LaunchConfig) -> None:
