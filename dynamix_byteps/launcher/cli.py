@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.env import CHECKPOINT_ENV, DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, parse_slowdown
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import DEFAULT_GRACE_S, PROG, LaunchConfig
-from dynamix_byteps.policy import POLICIES
+from dynamix_byteps.policy import POLICIES, option_names
 from dynamix_byteps.scaling.lr_scaling import RULES
 
 __all__ = ["DEFAULT_GRACE_S", "PROG", "LaunchConfig", "build_parser", "config_from_args", "parse_args", "parse_hosts"]
@@ -193,9 +192,7 @@ def parse_hosts(text: str) -> list[tuple[str, int | None]]:
 
 def _policy_options() -> str:
     """The keyword options each policy takes, for ``--help``."""
-    takes = {name: [p.name for p in inspect.signature(cls.__init__).parameters.values()
-                    if p.kind is p.KEYWORD_ONLY and p.name not in ("path", "name")]
-             for name, cls in POLICIES.items()}
+    takes = {name: [key for key in option_names(cls) if key not in ("path", "name")] for name, cls in POLICIES.items()}
     return "; ".join(f"{name}: {', '.join(keys)}" for name, keys in takes.items() if keys)
 
 

@@ -16,6 +16,8 @@ divergence: ``Guarded(make_policy("proportional"), max_change=2.0)``.
 
 from __future__ import annotations
 
+import inspect
+
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.base import ClusterState, Decision, Policy, WorkerState
 from dynamix_byteps.policy.goodput import GoodputPolicy
@@ -36,6 +38,7 @@ __all__ = [
     "StaticPolicy",
     "WorkerState",
     "make_policy",
+    "option_names",
 ]
 
 #: Policies ``make_policy`` can build, by name.
@@ -60,15 +63,28 @@ def make_policy(name: str, /, **options) -> Policy:
     if variant:  # ppo:NAME, a policy of the packaged library
         if key != PPOPolicy.name:
             raise ConfigurationError(f"policy {name!r}: only ppo takes :NAME (a library policy), e.g. ppo:small-cnn-sgd")
+        if "name" in options:
+            raise ConfigurationError(f"policy {name!r} names its library policy already; drop the name option")
         options = {**options, "name": variant}
     cls = POLICIES.get(key)
     if cls is None:
         raise ConfigurationError(
             f"unknown policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
         )
+    takes = option_names(cls)
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise ConfigurationError(f"policy {key!r} has no option {', '.join(unknown)}; "
+                                 f"its options: {', '.join(takes) or 'none'}")
     try:
         return cls(**options)
     except ConfigurationError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigurationError(f"invalid options for policy {key!r}: {exc}") from exc
+
+
+def option_names(cls: type[Policy]) -> list[str]:
+    """The keyword options policy class ``cls`` takes, in its signature's order."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
