@@ -124,9 +124,10 @@ class SummationServer:
     def push(self, key: int, round_: int, tensor: torch.Tensor, worker: int) -> None:
         """Add ``tensor`` (1-D, any dtype) to round ``round_`` of ``key``, pushed by worker rank ``worker``.
 
-        Raises:
-            ValueError: its shape or dtype differs from the round's other pushes (every pull of the
-                round fails with the same message).
+        A push never raises: when the round has failed (its pushes differ in shape or dtype, or a
+        worker left without pushing it), every pull of the round raises ``ValueError`` saying why,
+        the pusher's own included. (An exception raised in an RPC handler is also printed by the
+        server, once per push.)
         """
         state = self._round(key, round_)
         arrived = time.monotonic_ns()
@@ -153,7 +154,7 @@ class SummationServer:
         if failed is not None:
             for future, _ in failed:
                 future.set_exception(ValueError(state.error))
-            raise ValueError(state.error)
+            return
         if finished:
             self._forget(key, round_)
         for future, puller in ready:
