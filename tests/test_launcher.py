@@ -445,3 +445,30 @@ def test_free_ports_lie_below_the_range_outgoing_connections_draw_from():
     assert len(ports) > 1  # drawn at random, so concurrent callers rarely meet
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))  # and free
+
+
+AWAIT_READY = """
+import os, sys
+from pathlib import Path
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+marker, never = sys.argv[1], Path(sys.argv[2])
+service = ChildSpec("service", [sys.executable, "-c", f"open({marker!r}, 'w').close(); import time; time.sleep(60)"],
+                    dict(os.environ), service=True, ready_file=never)
+worker = ChildSpec("0", [sys.executable, "-c", "pass"], dict(os.environ))
+sys.exit(Supervisor([service, worker], grace_s=2).run())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_while_a_service_gets_ready_stops_the_job_as_a_signal_does(tmp_path):
+    marker = tmp_path / "service-started"
+    proc = subprocess.Popen([sys.executable, "-c", AWAIT_READY, str(marker), str(tmp_path / "never")],
+                            env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert wait_until(marker.exists, timeout=30), "the service never started"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 130, err
+    assert b"received SIGINT" in err and b"did not become ready" not in err, err

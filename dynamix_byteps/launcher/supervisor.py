@@ -240,6 +240,8 @@ class Supervisor:
                     self._children.append(self._spawn(spec))
                     self._start_pumps(self._children[-1])  # a service's startup error must be shown
                     if spec.ready_file is not None and not self._await_ready(self._children[-1]):
+                        if self._signum is not None:
+                            break  # _wait reports the signal and stops what started
                         self._stop_all(signal.SIGTERM)
                         return 1
             except SpawnError as error:
@@ -260,9 +262,13 @@ class Supervisor:
             self._pumps.append(thread)
 
     def _await_ready(self, child: _Child) -> bool:
+        """Whether ``child`` wrote its ready file; False, with a note, when it exited or ran past
+        ``READY_TIMEOUT_S`` first, and False, without one, when the launcher got a signal."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not child.spec.ready_file.exists():
-            if child.proc.poll() is not None or time.monotonic() > deadline or self._signum is not None:
+            if self._signum is not None:
+                return False
+            if child.proc.poll() is not None or time.monotonic() > deadline:
                 self.output.note(f"[{child.spec.label}] did not become ready "
                                  + (f"(exited with code {child.proc.returncode})" if child.proc.returncode is not None
                                     else f"within {READY_TIMEOUT_S:g} s"))
