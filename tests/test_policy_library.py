@@ -130,9 +130,12 @@ def test_policy_eval_takes_a_library_name_and_refuses_an_unknown_one(tmp_path):
                              str(tmp_path / "eval.json")], capture_output=True, text=True, timeout=250, check=False)
     assert result.returncode == 0, result.stderr
     assert [r["policy"] for r in json.loads((tmp_path / "eval.json").read_text())["rows"]][0] == "ppo"
-    bad = subprocess.run([*cli, "nope", "--scenario", "straggler"], capture_output=True, text=True, timeout=100,
-                         check=False)
-    assert bad.returncode == 2 and "no policy 'nope'" in bad.stderr and "small-cnn-sgd" in bad.stderr, bad.stderr
+    for name in ("nope", "ppo:nope"):
+        bad = subprocess.run([*cli, name, "--scenario", "straggler"], capture_output=True, text=True, timeout=100,
+                             check=False)
+        assert bad.returncode == 2 and "no policy 'nope'" in bad.stderr and "small-cnn-sgd" in bad.stderr, bad.stderr
+    empty = subprocess.run([*cli, "", "--scenario", "straggler"], capture_output=True, text=True, timeout=100, check=False)
+    assert empty.returncode == 2 and "give a policy directory or a library policy's name" in empty.stderr, empty.stderr
 
 
 # ---- several worker counts -----------------------------------------------------------------------

@@ -6,7 +6,9 @@ one per rank here exercises exactly what separate worker processes would run.
 
 from collections import Counter
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,3 +162,17 @@ def test_resume_refuses_a_different_dataset():
 def test_a_batch_size_list_for_another_job_size_names_both_counts():
     with pytest.raises(ConfigurationError, match="batch_size has 4 entries but the job has 1 workers"):
         DynamicBatchSampler(100, [32, 48, 80, 96], num_replicas=1, rank=0)
+
+
+@pytest.mark.parametrize("batch_size, sizes", [(np.int64(8), [8, 8]), (torch.tensor(8), [8, 8]),
+                                               ([np.int64(4), 5], [4, 5]), (torch.tensor([8, 9]), [8, 9])])
+def test_numpy_and_torch_integers_are_batch_sizes(batch_size, sizes):
+    sampler = DynamicBatchSampler(100, batch_size, num_replicas=2, rank=0)
+    assert list(sampler.schedule.at(0).batch_sizes) == sizes
+    assert all(type(b) is int for b in sampler.schedule.at(0).batch_sizes)
+
+
+@pytest.mark.parametrize("batch_size", [8.5, None, True, b"ab", "88", {8: 8, 9: 9}, [8.5, 8], [True, 8]])
+def test_a_batch_size_that_is_no_integer_or_list_of_integers_is_a_configuration_error(batch_size):
+    with pytest.raises(ConfigurationError, match="batch_size must be an integer or one integer per worker"):
+        DynamicBatchSampler(100, batch_size, num_replicas=2, rank=0)

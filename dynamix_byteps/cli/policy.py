@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
                     "the target loss, time to target, final accuracy proxy and mean global batch.",
         epilog="exit status: 0 on success, 1 on failure, 2 on bad usage.",
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    e.add_argument("policy_dir", type=Path, metavar="DIR|NAME",
+    e.add_argument("policy_dir", metavar="DIR|NAME",
                    help="a policy directory (policy.onnx + features.json) or a library policy (`dynamix policy list`)")
     e.add_argument("--scenario", type=_names, required=True, metavar="NAME[,NAME...]", help=scenario_help)
     e.add_argument("--episodes", type=int_in(1, what="--episodes"), default=5, metavar="E", help="episodes per scenario (default 5)")
@@ -274,7 +274,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         source = args.policy_dir
-        ppo = PPOPolicy(path=source) if source.exists() or len(source.parts) > 1 else PPOPolicy(name=str(source))
+        if not source.strip():
+            raise ConfigurationError("give a policy directory or a library policy's name (`dynamix policy list`)")
+        if source.startswith("ppo:"):  # bpslaunch's spelling of a library policy
+            ppo = PPOPolicy(name=source[len("ppo:"):])
+        elif Path(source).exists() or len(Path(source).parts) > 1:
+            ppo = PPOPolicy(path=source)
+        else:
+            ppo = PPOPolicy(name=source)
         base = SimParams.from_json(args.sim_params) if args.sim_params else None
         if args.workers:
             jobs = scenario_params(args.scenario, args.workers, base, args.scenario_file)
@@ -287,7 +294,7 @@ def run_eval(args: argparse.Namespace) -> int:
     rows = compare(policies, jobs, args.episodes, args.seed, weights, args.randomise)
     print(format_table(rows))
     if args.json is not None:
-        write_atomic(args.json, json.dumps({"policy": str(args.policy_dir), "episodes": args.episodes,
+        write_atomic(args.json, json.dumps({"policy": args.policy_dir, "episodes": args.episodes,
                                             "seed": args.seed, "randomise": args.randomise, "rows": rows},
                                            indent=2) + "\n")
     return 0

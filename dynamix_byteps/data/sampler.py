@@ -23,7 +23,8 @@ optimizer follow the process's default plan, which is the newest sampler's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence, Sized
+import operator
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 
 from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import engine as _engine
@@ -43,6 +44,26 @@ from dynamix_byteps.data.partition import (
 from dynamix_byteps.errors import ConfigurationError
 
 _HISTORY_STEPS = 4096
+
+
+def _initial_sizes(batch_size, num_replicas: int) -> list[int]:
+    """``batch_size`` as one size per worker: one integer (also numpy's, or a 0-dim integer tensor)
+    for every worker, or a sequence of them; ConfigurationError for anything else (bools too)."""
+    def size(value) -> int:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+
+    try:
+        return [size(batch_size)] * num_replicas
+    except TypeError:
+        pass
+    try:
+        if isinstance(batch_size, (str, bytes, Mapping)) or not isinstance(batch_size, Iterable):
+            raise TypeError
+        return [size(value) for value in batch_size]
+    except TypeError:
+        raise ConfigurationError(f"batch_size must be an integer or one integer per worker, got {batch_size!r}") from None
 
 
 class DynamicBatchSampler:
@@ -92,7 +113,7 @@ class DynamicBatchSampler:
         if max_batch is None:
             max_batch = env_batch_sizes("DYNAMIX_MAX_BATCH", self.num_replicas)
         bounds = BatchBounds.build(self.num_replicas, min_batch, max_batch)
-        initial = [batch_size] * self.num_replicas if isinstance(batch_size, int) else list(batch_size)
+        initial = _initial_sizes(batch_size, self.num_replicas)
         if len(initial) != self.num_replicas:
             raise ConfigurationError(f"batch_size has {len(initial)} entries but the job has {self.num_replicas} "
                                      "workers; give one size, or one per worker")
