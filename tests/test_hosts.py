@@ -108,6 +108,9 @@ def test_slowdown_and_bounds_use_the_uneven_total():
     ([], {"DYNAMIX_MAX_BATCH": "0"}, "environment variable DYNAMIX_MAX_BATCH: batch sizes '0'"),
     (["--batch-size", "4"], {"DYNAMIX_MIN_BATCH": "8"}, "argument --batch-size: 4 is outside rank 0's bounds [8,"),
     (["--max-batch", "4"], {"DYNAMIX_MIN_BATCH": "9"}, "max_batch for rank 0 must be an integer >= min_batch=9"),
+    ([], {"DYNAMIX_BATCH_SIZE": "100", "DYNAMIX_MAX_BATCH": "8"},
+     "environment variable DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds [1, 8]"),
+    (["--max-batch", "8"], {"DYNAMIX_BATCH_SIZE": "100"}, "DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds"),
 ])
 def test_bounds_from_flags_or_the_inherited_environment_are_checked_before_any_worker_starts(argv, env, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):

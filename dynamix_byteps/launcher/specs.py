@@ -238,10 +238,16 @@ def _check_bounds(config: LaunchConfig, env: Mapping[str, str], total: int) -> N
     except ConfigurationError as error:
         raise UsageError(f"--min-batch/--max-batch (or DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH): {error}") from None
     if config.batch_size is not None:
+        batch, source = config.batch_size, "argument --batch-size"
+    else:
+        try:
+            batch, source = optional_int(env, "DYNAMIX_BATCH_SIZE", 1), "environment variable DYNAMIX_BATCH_SIZE"
+        except ConfigurationError as error:
+            raise UsageError(str(error)) from None
+    if batch is not None:
         for rank, (low, high) in enumerate(zip(bounds.min_batch, bounds.max_batch)):
-            if not low <= config.batch_size <= (high or config.batch_size):
-                raise UsageError(f"argument --batch-size: {config.batch_size} is outside rank {rank}'s bounds "
-                                 f"[{low}, {high or 'unbounded'}]")
+            if not low <= batch <= (high or batch):
+                raise UsageError(f"{source}: {batch} is outside rank {rank}'s bounds [{low}, {high or 'unbounded'}]")
 
 
 def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
