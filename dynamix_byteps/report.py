@@ -141,15 +141,17 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         if not path.is_dir() or not (is_worker or name == SCHEDULER_RUN):
             continue
         acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
-        acc.Reload()
         try:
+            acc.Reload()
             first = acc.FirstEventTimestamp()
-        except ValueError:  # an empty or damaged event file
+        except (ValueError, OSError):  # an empty or damaged event file, or a folder in its place
             unreadable.append(path.name)
             continue
         raw[name] = (first, {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]})
     if not any(name.startswith(WORKER_RUN_PREFIX) and tags for name, (_, tags) in raw.items()):
-        why = ("has no TensorBoard scalars of any worker yet" if raw else
+        why = ("has no TensorBoard scalars of any worker yet"
+               + (f" (no readable event in {', '.join(unreadable)}: missing, empty or damaged)" if unreadable else "")
+               if raw else
                f"has no readable TensorBoard event in {', '.join(unreadable)} (event files missing, empty or damaged)"
                if unreadable else
                "has no TensorBoard event files")

@@ -125,3 +125,16 @@ def test_a_damaged_event_file_is_left_out_with_a_warning_naming_it(tmp_path, cap
         data = load_run(tmp_path)
     assert list(data.workers) == [0]
     assert "no readable TensorBoard event in worker-1" in caplog.text
+
+
+def test_a_run_whose_every_worker_file_is_unreadable_names_them(tmp_path):
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    writer = ScalarWriter(tmp_path / "tensorboard" / "scheduler")
+    writer.open()
+    writer.add({"reward": 1.0}, step=1)
+    writer.close()
+    (tmp_path / "tensorboard" / "worker-0" / "events.out.tfevents.1.host").mkdir(parents=True)  # a folder, not a file
+    result = dynamix_report(tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "no readable event in worker-0: missing, empty or damaged" in result.stderr
