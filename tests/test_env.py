@@ -152,7 +152,7 @@ def test_auto_engine_is_nccl_only_when_every_local_worker_has_a_gpu(monkeypatch,
 
 
 def test_nccl_without_cuda_is_unavailable_with_the_way_out():
-    with pytest.raises(EngineUnavailableError, match="nccl engine needs a CUDA build.*--engine gloo.*README"):
+    with pytest.raises(EngineUnavailableError, match="nccl engine needs a CUDA build.*--engine gloo.*docs/engines.md"):
         engine.create(WorkerEnv(engine="nccl"))
     assert not dist.is_initialized()
 

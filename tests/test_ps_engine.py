@@ -17,7 +17,7 @@ from conftest import REPO, run_bpslaunch
 from multiworker import free_port, ok, ps_env, run_workers, start_servers, worker_command, worker_env
 
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
-from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, channels_from_env
+from dynamix_byteps.engine.ps_rendezvous import STOPPED_BY_A_WORKER, PSRendezvous, channels_from_env
 from dynamix_byteps.engine.ps_server import SummationServer
 from dynamix_byteps.errors import ConfigurationError
 
@@ -207,7 +207,7 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
     for result in results:
         assert result["error"] == "CommunicationError", result
         assert result["after_s"] < PS_TIMEOUT_S + 2, result
-    assert servers[0].returncode == 1
+    assert servers[0].returncode == STOPPED_BY_A_WORKER
 
 
 EARLY_EXIT = """
@@ -233,7 +233,7 @@ def test_a_worker_that_exits_early_stops_a_ps_job_at_once_with_its_code_and_name
     assert time.monotonic() - start < 100, output
     assert code in (1, 3), output  # the first worker to end: rank 1, or one that saw it leave
     assert "worker 1 left the job without pushing" in output, output
-    assert "the workers cannot go on without it" not in output, output  # no server blamed
+    assert "the workers cannot go on without it" not in output, output  # no server blamed, however slow the workers
     assert [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker] == []
 
 

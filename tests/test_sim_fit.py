@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_control_e2e import bpslaunch, reap
+from conftest import kill_tree
+from test_control_e2e import bpslaunch
 
 from dynamix_byteps.cli import build_parser, main
 from dynamix_byteps.errors import ConfigurationError
@@ -29,7 +30,7 @@ def run_dir(tmp_path_factory):
     try:
         output, _ = job.communicate(timeout=240)
     finally:
-        reap(job)
+        kill_tree(job)
     assert job.returncode == 0, output[-3000:]
     return out
 

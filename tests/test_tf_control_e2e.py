@@ -5,7 +5,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_control_e2e import bpslaunch, logs, reap
+from conftest import kill_tree
+from test_control_e2e import bpslaunch, logs
 
 pytest.importorskip("tensorflow")
 
@@ -20,7 +21,7 @@ def test_proportional_policy_drives_a_keras_fit_job(tmp_path):
     try:
         output, _ = job.communicate(timeout=580)
     finally:
-        reap(job)
+        kill_tree(job)
     assert job.returncode == 0, output
     ranks = logs(tmp_path, 3)
     assert all(len(rank) == steps for rank in ranks)
@@ -47,7 +48,7 @@ def test_a_pytorch_trained_ppo_policy_drives_a_keras_fit_job(tmp_path):
     try:
         output, _ = job.communicate(timeout=280)
     finally:
-        reap(job)
+        kill_tree(job)
     assert job.returncode == 0, output
     decisions = [json.loads(line) for line in (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()]
     assert decisions and all(d["policy"].startswith("ppo") and d["error"] is None for d in decisions)

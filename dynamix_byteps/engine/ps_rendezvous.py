@@ -30,6 +30,9 @@ from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 MAX_SERVERS = 1024
+#: A server's exit status when a worker stopped it because the job failed: the workers' own exits
+#: say why, so bpslaunch does not count it as the cause.
+STOPPED_BY_A_WORKER = 3
 #: TensorPipe's CPU channels (how tensor payloads travel): through the socket, cross-memory attach
 #: between processes of one machine, multiplexed sockets, and within one process.
 CHANNELS = ("basic", "cma", "mpt_uv", "xth")

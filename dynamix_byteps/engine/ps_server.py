@@ -24,8 +24,8 @@ Run one per server (``bpslaunch --engine ps --num-servers K`` starts them)::
 Each option defaults to its variable (``DYNAMIX_SERVER_ID``, ``DMLC_NUM_SERVER``, ``DYNAMIX_SIZE``
 or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``);
 ``DYNAMIX_PS_CHANNELS`` restricts TensorPipe's channels (:mod:`~dynamix_byteps.engine.ps_rendezvous`). The
-server returns once every worker has shut its engine down, exits (status 1) when a worker reports
-that the job failed, and exits by itself when its parent process (the launcher) is gone, so it
+server returns once every worker has shut its engine down, exits with status 3
+(``STOPPED_BY_A_WORKER``) when a worker reports that the job failed, and exits by itself when its parent process (the launcher) is gone, so it
 never outlives the job.
 """
 
@@ -41,14 +41,11 @@ import warnings
 import torch
 from torch.distributed import rpc
 
-from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, channels_from_env, server_name
+from dynamix_byteps.engine.ps_rendezvous import STOPPED_BY_A_WORKER, PSRendezvous, channels_from_env, server_name
 from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 PARENT_POLL_S = 1.0
-# After a worker reports a failed job: long enough for the workers, whose output says why it failed,
-# to end before the server does, so that a launcher names one of them.
-ABORT_DELAY_S = 2.0
 
 
 class _Round:
@@ -208,10 +205,10 @@ def leave(worker: int) -> int:
 
 
 def abort(reason: str) -> None:
-    """RPC entry: a worker saw the job fail; exit now (status 1) instead of waiting for a graceful
-    shutdown that can no longer come."""
+    """RPC entry: a worker saw the job fail; exit now (status :data:`STOPPED_BY_A_WORKER`) instead of
+    waiting for a graceful shutdown that can no longer come."""
     print(f"ps server: stopping, a worker reported: {reason}", file=sys.stderr, flush=True)
-    threading.Timer(ABORT_DELAY_S, os._exit, args=(1,)).start()  # also lets this call's answer go out
+    threading.Timer(0.2, os._exit, args=(STOPPED_BY_A_WORKER,)).start()  # after this call's answer went out
 
 
 def _exit_with_parent(parent: int) -> None:

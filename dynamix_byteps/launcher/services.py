@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dynamix_byteps.control.security import grpc_address, is_loopback
+from dynamix_byteps.engine.ps_rendezvous import STOPPED_BY_A_WORKER
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import LaunchConfig
 from dynamix_byteps.launcher.supervisor import ChildSpec
@@ -183,7 +184,7 @@ def ps_server_spec(config: LaunchConfig, env: Mapping[str, str], index: int, *, 
         argv += ["--timeout", repr(config.timeout)]
     return ChildSpec(label=f"server{index}", argv=argv, env=dict(env, DMLC_ROLE="server", PYTHONUNBUFFERED="1"),
                      log_path=_log(config, f"server-{index}.log"), service=service, ends_with_workers=service,
-                     essential=service)
+                     essential=service, stopped_code=STOPPED_BY_A_WORKER if service else None)
 
 
 def byteps_role_spec(config: LaunchConfig, env: Mapping[str, str], role: str) -> ChildSpec:

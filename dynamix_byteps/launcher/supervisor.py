@@ -60,6 +60,9 @@ class ChildSpec:
         essential: a service the workers cannot go on without (a ps summation server): its
             failure (a code > 0, or a signal the launcher did not send) ends the job as a worker's
             would, and is ``failed_service``.
+        stopped_code: an essential service's exit code for "a worker stopped me, the job failed":
+            not a cause; the workers' exits end the job and say why (if they all exit 0, the job
+            still fails with this code).
     """
 
     label: str
@@ -71,6 +74,7 @@ class ChildSpec:
     append_log: bool = False
     ends_with_workers: bool = False
     essential: bool = False
+    stopped_code: int | None = None
 
 
 class SpawnError(Exception):
@@ -283,6 +287,7 @@ class Supervisor:
         stopping_since: float | None = None
         signals_at_stop = 0
         killed = False
+        stopped_by_a_worker: _Child | None = None
         while True:
             if self._signum is not None and exit_code is None:
                 exit_code = 128 + self._signum
@@ -299,6 +304,9 @@ class Supervisor:
                 child.returncode = rc
                 if child.spec.service and child.spec.essential and rc != 0 and not child.signalled \
                         and exit_code is None:
+                    if rc == child.spec.stopped_code:
+                        stopped_by_a_worker = child
+                        continue
                     exit_code = self._fail(child, rc, "; the workers cannot go on without it")
                     self.failed_service = child.spec.label
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
@@ -317,6 +325,9 @@ class Supervisor:
                     self.failed_worker = child.spec.label
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if self._count_live() == 0:
+                if exit_code is None and stopped_by_a_worker is not None:
+                    return self._fail(stopped_by_a_worker, stopped_by_a_worker.returncode,
+                                      "; a worker stopped it after a collective failed")
                 return 0 if exit_code is None else exit_code
             if not services_stopping and all(c.returncode is not None for c in self._children if not c.spec.service):
                 services_stopping = True
