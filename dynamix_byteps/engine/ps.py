@@ -185,37 +185,30 @@ class ParameterServerEngine(Engine):
         with torch.no_grad():
             tensor.copy_(wire)
 
-    def _stop_servers(self) -> None:
-        reason = f"worker {self.rank} saw a collective fail"
+    def _tell_servers(self, function, args: tuple, timeout: float) -> list:
+        """Call RPC entry ``function(*args)`` on every server at once; the answers of those that
+        gave one within ``timeout`` seconds (a server that is gone, or fails, gives none)."""
         futures = []
         for index in range(self.group.num_servers):
             try:
-                futures.append(rpc.rpc_async(server_name(index), ps_server.abort, args=(reason,), timeout=2))
+                futures.append(rpc.rpc_async(server_name(index), function, args=args, timeout=timeout))
             except RuntimeError:
                 pass  # that server is gone already
+        answers = []
         for future in futures:
             try:
-                future.wait()
+                answers.append(future.wait())
             except RuntimeError:
                 pass
+        return answers
+
+    def _stop_servers(self) -> None:
+        self._tell_servers(ps_server.abort, (f"worker {self.rank} saw a collective fail",), timeout=2)
 
     def _leave(self) -> int:
         """Tell every server this worker pushes nothing more; returns how many rounds the others had
         started without it (a server that cannot be reached counts none)."""
-        futures = []
-        for index in range(self.group.num_servers):
-            try:
-                futures.append(rpc.rpc_async(server_name(index), ps_server.leave, args=(self.rank,),
-                                             timeout=LEAVE_TIMEOUT_S))
-            except RuntimeError:
-                pass  # that server is gone already
-        stranded = 0
-        for future in futures:
-            try:
-                stranded += future.wait()
-            except RuntimeError:
-                pass
-        return stranded
+        return sum(self._tell_servers(ps_server.leave, (self.rank,), timeout=LEAVE_TIMEOUT_S))
 
     def barrier(self) -> None:
         self.all_reduce_async(torch.zeros(1, dtype=torch.int64), "dynamix.barrier.").wait()

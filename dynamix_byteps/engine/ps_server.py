@@ -25,8 +25,8 @@ Each option defaults to its variable (``DYNAMIX_SERVER_ID``, ``DMLC_NUM_SERVER``
 or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIMEOUT``);
 ``DYNAMIX_PS_CHANNELS`` restricts TensorPipe's channels (:mod:`~dynamix_byteps.engine.ps_rendezvous`). The
 server returns once every worker has shut its engine down, exits with status 3
-(``STOPPED_BY_A_WORKER``) when a worker reports that the job failed, and exits by itself when its parent process (the launcher) is gone, so it
-never outlives the job.
+(``STOPPED_BY_A_WORKER``) when a worker reports that the job failed, and exits by itself when its
+parent process (the launcher) is gone, so it never outlives the job.
 """
 
 from __future__ import annotations
