@@ -112,7 +112,6 @@ from common import (
 from dynamix_byteps.argtypes import float_in, int_in
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo import library
-from dynamix_byteps.policy.ppo.policy_format import read_metadata
 from dynamix_byteps.scenarios import Scenario, load_scenarios
 
 SCHEMA = 2
@@ -176,7 +175,7 @@ def ppo_policies(specs: list[str]) -> dict[str, str]:
             raise ValueError(f"--ppo-policy {spec}: {source!r} is neither a policy directory (dynamix policy train "
                              f"--out DIR writes one) nor a library policy ({', '.join(library.entries()) or 'none installed'})")
         try:
-            read_metadata(Path(source)) if Path(source).is_dir() else library.policy_dir(source)
+            library.resolve(source)
         except ConfigurationError as error:
             raise ValueError(f"--ppo-policy {spec}: {error}") from None
         policies[name] = source

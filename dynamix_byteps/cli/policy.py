@@ -265,6 +265,7 @@ def format_table(rows: list[dict]) -> str:
 def run_eval(args: argparse.Namespace) -> int:
     """Compare the policy with the heuristics and print the table; UsageError for a bad policy, scenario or parameters."""
     from dynamix_byteps.policy import make_policy
+    from dynamix_byteps.policy.ppo import library
     from dynamix_byteps.policy.ppo.mdp import RewardWeights
     from dynamix_byteps.policy.ppo.serve import PPOPolicy
     from dynamix_byteps.policy.sim.env import scenario_params
@@ -273,15 +274,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from dynamix_byteps.scenarios import scenario
 
     try:
-        source = args.policy_dir
-        if not source.strip():
-            raise ConfigurationError("give a policy directory or a library policy's name (`dynamix policy list`)")
-        if source.startswith("ppo:"):  # bpslaunch's spelling of a library policy
-            ppo = PPOPolicy(name=source[len("ppo:"):])
-        elif Path(source).exists() or len(Path(source).parts) > 1:
-            ppo = PPOPolicy(path=source)
-        else:
-            ppo = PPOPolicy(name=source)
+        ppo = PPOPolicy(path=library.resolve(args.policy_dir))
         base = SimParams.from_json(args.sim_params) if args.sim_params else None
         if args.workers:
             jobs = scenario_params(args.scenario, args.workers, base, args.scenario_file)

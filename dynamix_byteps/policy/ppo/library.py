@@ -29,7 +29,7 @@ from pathlib import Path
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.policy_format import read_metadata
 
-__all__ = ["INFO_FILE", "entries", "library_root", "policy_dir"]
+__all__ = ["INFO_FILE", "entries", "library_root", "policy_dir", "resolve"]
 
 INFO_FILE = "policy.json"
 _TEXT = ("model", "optimizer", "description")  # policy.json fields that are strings
@@ -90,3 +90,23 @@ def policy_dir(name: str) -> Path:
     except ConfigurationError as error:
         raise ConfigurationError(f"library policy {name!r} cannot be used: {error}. {_listing(known)}") from None
     return directory
+
+
+def resolve(source: str) -> Path:
+    """The policy directory ``source`` names: ``ppo:NAME`` or ``NAME`` of the library
+    (:func:`policy_dir`), or a directory written by ``dynamix policy train --out DIR`` (text that
+    exists, or holds a path separator), checked as :func:`.policy_format.read_metadata` checks it.
+
+    Raises:
+        ConfigurationError: an empty ``source``, an unknown name (the message lists the library),
+            or a directory that is not a policy this version can serve.
+    """
+    text = str(source).strip()
+    if not text:
+        raise ConfigurationError("give a policy directory or a library policy's name (`dynamix policy list`)")
+    if text.startswith("ppo:"):  # bpslaunch's spelling of a library policy
+        return policy_dir(text[len("ppo:"):])
+    path = Path(text)
+    if path.exists() or len(path.parts) > 1:
+        return read_metadata(path)[0]
+    return policy_dir(text)
