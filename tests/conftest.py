@@ -79,9 +79,11 @@ def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     return env
 
 
-def kill_tree(proc: subprocess.Popen | None) -> None:
-    """SIGKILL ``proc`` if it still runs (its whole process group when it leads one) and every
-    descendant, also those in sessions of their own (torchrun's workers); then reap it."""
+def kill_tree(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
+    """SIGKILL ``proc`` if it still runs (its whole process group when it leads one), give what it
+    started ``grace_s`` seconds to end (a killed bpslaunch's guardian tears its job down and
+    removes its scratch folders then), SIGKILL every descendant left, also those in sessions of
+    their own (torchrun's workers); then reap it."""
     if proc is None:
         return
     try:
@@ -93,7 +95,8 @@ def kill_tree(proc: subprocess.Popen | None) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             proc.kill()
-    for process in descendants:
+    _, alive = psutil.wait_procs(descendants, timeout=grace_s)
+    for process in alive:
         try:
             process.kill()
         except psutil.Error:

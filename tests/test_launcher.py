@@ -37,13 +37,15 @@ def run_launcher(args: list[str], env: dict[str, str] | None = None, timeout: fl
     return subprocess.run(LAUNCH + args, env=env or launcher_env(), capture_output=True, timeout=timeout)
 
 
-def start_launcher(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_launcher(args: list[str], tmp_path: Path, env: dict[str, str] | None = None,
+                   new_session: bool = False) -> subprocess.Popen:
     # Files, not pipes: a test that stops reading must never block the launcher.
     return subprocess.Popen(
         LAUNCH + args,
         env=env or launcher_env(),
         stdout=open(tmp_path / "launcher.out", "wb"),
         stderr=open(tmp_path / "launcher.err", "wb"),
+        start_new_session=new_session,
     )
 
 
@@ -277,18 +279,22 @@ def test_signal_to_launcher_stops_the_whole_job(tmp_path, sig, code):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", [[], ["--policy", "static", "--monitor", "off"]], ids=["no-policy", "scheduler"])
-def test_sigkilled_launcher_leaves_no_orphans_and_no_temporary_directory(tmp_path, policy):
+@pytest.mark.parametrize("kill", ["launcher", "its-process-group"])
+def test_sigkilled_launcher_leaves_no_orphans_and_no_temporary_directory(tmp_path, policy, kill):
     proc, pids = None, []
     scratch = tmp_path / "tmp"  # the launcher's TMPDIR, so only its own directories are seen here
     scratch.mkdir()
     try:
         proc = start_launcher(["--num-workers", "2", "--grace-period", "2", *policy, "--", sys.executable, WORKER, "job",
-                               str(tmp_path)], tmp_path, env=launcher_env(TMPDIR=str(scratch)))
+                               str(tmp_path)], tmp_path, env=launcher_env(TMPDIR=str(scratch)), new_session=True)
         pids = read_pids(tmp_path, 2)
         expected = {"dynamix-started-", "dynamix-run-"} if policy else {"dynamix-started-"}
         assert {p.name[:p.name.index("-", len("dynamix-")) + 1] for p in scratch.iterdir()} == expected
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=20)
+        if kill == "launcher":
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=20)
+        else:  # as the tests' own clean-up does with a job past its limit
+            kill_tree(proc)
         # Workers die by PR_SET_PDEATHSIG; their `sleep` grandchildren, and the launcher's
         # temporary directories, by the guardian.
         assert_all_gone(pids)
