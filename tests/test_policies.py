@@ -16,6 +16,7 @@ from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.policy import (
     ClusterState,
     GoodputPolicy,
+    Guarded,
     Policy,
     ProportionalPolicy,
     StaticPolicy,
@@ -289,6 +290,23 @@ def test_make_policy_ppo_without_a_path_names_the_flag():
 def test_make_policy_rejects_bad_input(name, options):
     with pytest.raises(ConfigurationError):
         make_policy(name, **options)
+
+
+@pytest.mark.parametrize("option", ["candidates", "max_global_batch"])
+@pytest.mark.parametrize("value", [100.7, True, "100"])
+def test_a_whole_number_option_is_not_truncated(option, value):
+    with pytest.raises(ConfigurationError, match=f"{option} must be a whole number"):
+        make_policy("goodput", **{option: value})
+
+
+def test_a_whole_number_option_takes_numpy_integers():
+    assert make_policy("goodput", max_global_batch=np.int64(512)).max_global_batch == 512
+
+
+@pytest.mark.parametrize("option", ["divergence_window", "settle_limit"])
+def test_a_guardrails_whole_number_is_not_truncated(option):
+    with pytest.raises(ValueError, match=f"{option} must be a whole number"):
+        Guarded(make_policy("static"), **{option: 2.5})
 
 
 # ---- scheduler --policy-option values --------------------------------------------------------

@@ -17,6 +17,20 @@ import numpy as np
 MAX_BATCH = 2**31 - 1  # samples: the largest local batch the scheduler accepts or assigns
 
 
+def integer_option(name: str, value, minimum: int) -> int:
+    """A policy's whole-number option ``name`` as an ``int`` (numpy integers too).
+
+    Raises:
+        ValueError: ``value`` is not an integer (a bool, a fraction such as 100.7, text) or is
+            below ``minimum``; ``int()`` would silently truncate the first two.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class WorkerState:
     """One worker, averaged over the last decision interval.

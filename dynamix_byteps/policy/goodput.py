@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dynamix_byteps.policy.base import ClusterState, Decision, Policy
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, integer_option
 from dynamix_byteps.policy.proportional import (
     _COMM_MODES,
     ProportionalPolicy,
@@ -91,18 +91,15 @@ class GoodputPolicy(Policy):
         comm: str = "min",
         scale_down: bool = False,
     ):
-        if int(candidates) < 2:
-            raise ValueError(f"candidates must be >= 2, got {candidates!r}")
-        if max_global_batch is not None and int(max_global_batch) < 1:
-            raise ValueError(f"max_global_batch must be >= 1, got {max_global_batch!r}")
+        self.candidates = integer_option("candidates", candidates, 2)
+        self.max_global_batch = None if max_global_batch is None else integer_option(
+            "max_global_batch", max_global_batch, 1)
         if not (math.isfinite(float(unbounded_factor)) and float(unbounded_factor) > 1.0):
             raise ValueError(f"unbounded_factor must be a finite number > 1, got {unbounded_factor!r}")
         if comm not in _COMM_MODES:
             raise ValueError(f"comm must be one of {_COMM_MODES}, got {comm!r}")
         if scale_down not in (True, False):  # bool("false") would be True
             raise ValueError(f"scale_down must be true or false, got {scale_down!r}")
-        self.candidates = int(candidates)
-        self.max_global_batch = None if max_global_batch is None else int(max_global_batch)
         self.unbounded_factor = float(unbounded_factor)
         self.comm = comm
         self.scale_down = bool(scale_down)

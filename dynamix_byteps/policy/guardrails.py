@@ -47,7 +47,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, Decision, Policy, as_floats
+from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, Decision, Policy, as_floats, integer_option
 from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]
@@ -117,17 +117,13 @@ class Guarded(Policy):
             raise ValueError(f"max_change must be >= 1, got {max_change!r}")
         if not (math.isfinite(float(hysteresis)) and float(hysteresis) >= 0.0):
             raise ValueError(f"hysteresis must be a finite number >= 0, got {hysteresis!r}")
-        if int(divergence_window) < 0:
-            raise ValueError(f"divergence_window must be >= 0, got {divergence_window!r}")
-        if int(settle_limit) < 0:
-            raise ValueError(f"settle_limit must be >= 0, got {settle_limit!r}")
         self.policy = policy
         self.name = policy.name
         self.max_change = float(max_change)
         self.hysteresis = float(hysteresis)
-        self.divergence_window = int(divergence_window)
+        self.divergence_window = integer_option("divergence_window", divergence_window, 0)
         self.preserve_global_batch = bool(preserve_global_batch)
-        self.settle_limit = int(settle_limit)
+        self.settle_limit = integer_option("settle_limit", settle_limit, 0)
         self._settle_waits = 0  # decisions skipped in a row by rule 2
 
     # -- rule 1 ------------------------------------------------------------------------------
