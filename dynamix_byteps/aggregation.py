@@ -49,7 +49,6 @@ from dynamix_byteps.timing import now_ns
 DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_NOISE_EVERY = 4
-MAX_SAMPLES = 2**31
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
 

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError, InvalidAssignmentError
 from dynamix_byteps.scaling.lr_scaling import RULES
 
@@ -193,7 +194,8 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
     """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
 
     Raises:
-        ConfigurationError: not integers, a size below 1, or a count other than 1 or ``size``.
+        ConfigurationError: not integers, a size below 1 or above :data:`MAX_BATCH`, or a count
+            other than 1 or ``size``.
     """
     try:
         values = tuple(int(v) for v in text.split(","))
@@ -201,6 +203,8 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
         raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
     if min(values) < 1:
         raise ConfigurationError(f"batch sizes {text!r}: {min(values)} is no batch size; each must be at least 1 sample")
+    if max(values) > MAX_BATCH:
+        raise ConfigurationError(f"batch sizes {text!r}: {max(values)} is above the largest batch size, {MAX_BATCH} samples")
     if len(values) == 1:
         return values * size
     if len(values) != size:

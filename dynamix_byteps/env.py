@@ -41,6 +41,7 @@ DEFAULT_ENGINE = "gloo"
 DEFAULT_TIMEOUT_S = 300.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_WORKERS = 4096  # worker processes in one job (launcher, scheduler and protocol limit)
+MAX_BATCH = 2**31 - 1  # samples: the largest local batch size anything accepts or assigns (int32 range)
 DEFAULT_DECISION_INTERVAL = 20
 JOB_ID_ENV = "DYNAMIX_JOB_ID"  # names the workers' monitoring mailboxes on this host (bpslaunch --policy)
 STARTED_DIR_ENV = "DYNAMIX_STARTED_DIR"  # each worker leaves a file named by its rank there once it joined
@@ -199,7 +200,7 @@ class WorkerEnv:
         scheduler = env.get("DYNAMIX_SCHEDULER") or None
         if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
             raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")
-        optional_int(env, "DYNAMIX_BATCH_SIZE", 1)  # read by scripts; 0 would fail far from its cause
+        optional_int(env, "DYNAMIX_BATCH_SIZE", 1, MAX_BATCH)  # read by scripts; 0 would fail far from its cause
         try:
             slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
         except ValueError as error:

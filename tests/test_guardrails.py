@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.policy import (
     ClusterState,
     Decision,
@@ -18,7 +19,6 @@ from dynamix_byteps.policy import (
     StaticPolicy,
     WorkerState,
 )
-from dynamix_byteps.policy.base import MAX_BATCH
 
 
 class Fixed(Policy):

@@ -111,11 +111,20 @@ def test_slowdown_and_bounds_use_the_uneven_total():
     ([], {"DYNAMIX_BATCH_SIZE": "100", "DYNAMIX_MAX_BATCH": "8"},
      "environment variable DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds [1, 8]"),
     (["--max-batch", "8"], {"DYNAMIX_BATCH_SIZE": "100"}, "DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds"),
+    ([], {"DYNAMIX_BATCH_SIZE": str(2**31)}, "DYNAMIX_BATCH_SIZE=2147483648 must be <= 2147483647"),
+    (["--min-batch", str(2**31)], {}, "argument --min-batch: batch sizes '2147483648': 2147483648 is above"),
 ])
 def test_bounds_from_flags_or_the_inherited_environment_are_checked_before_any_worker_starts(argv, env, needle):
     with pytest.raises(UsageError, match=re.escape(needle)):
         specs_for(["-n", "2", *argv, "--", "true"], env)
     assert specs_for(["-n", "2", "--min-batch", "2", "--", "true"], {"DYNAMIX_MIN_BATCH": "abc"})  # the flag wins
+
+
+def test_a_batch_size_beyond_the_largest_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["-n", "2", "--batch-size", str(10**20), "--", "true"])
+    assert exit_.value.code == 2
+    assert "--batch-size: batch size 100000000000000000000 must be between 1 and 2147483647" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dynamix_byteps.env import MAX_WORKERS
-from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, WorkerState
+from dynamix_byteps.env import MAX_BATCH, MAX_WORKERS
+from dynamix_byteps.policy.base import ClusterState, WorkerState
 
 MAX_WORLD_SIZE = MAX_WORKERS
 MAX_HOST_LEN = 255

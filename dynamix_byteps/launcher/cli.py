@@ -18,7 +18,15 @@ from dynamix_byteps import __version__
 from dynamix_byteps.agent.base import MONITORS
 from dynamix_byteps.argtypes import float_in, int_in, key_value
 from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
-from dynamix_byteps.env import CHECKPOINT_ENV, DEFAULT_DECISION_INTERVAL, ENGINES, MAX_TIMEOUT_S, MAX_WORKERS, parse_slowdown
+from dynamix_byteps.env import (
+    CHECKPOINT_ENV,
+    DEFAULT_DECISION_INTERVAL,
+    ENGINES,
+    MAX_BATCH,
+    MAX_TIMEOUT_S,
+    MAX_WORKERS,
+    parse_slowdown,
+)
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import DEFAULT_GRACE_S, PROG, LaunchConfig
 from dynamix_byteps.policy import POLICIES, option_names
@@ -86,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine ps and --hosts: server i runs on the (i mod n)-th of these hosts, each one of --hosts "
         "(its bpslaunch starts it); default: the first of --hosts",
     )
-    parser.add_argument("--batch-size", type=_positive_int, metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
+    parser.add_argument("--batch-size", type=int_in(1, MAX_BATCH, "batch size"), metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
     parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
     parser.add_argument(
         "--port", type=_port, metavar="P",

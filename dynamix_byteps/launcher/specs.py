@@ -14,6 +14,7 @@ from dynamix_byteps.env import (
     DEFAULT_ENGINE,
     ENGINES,
     JOB_ID_ENV,
+    MAX_BATCH,
     MAX_WORKERS,
     RESTART_ENV,
     WorkerEnv,
@@ -241,7 +242,7 @@ def _check_bounds(config: LaunchConfig, env: Mapping[str, str], total: int) -> N
         batch, source = config.batch_size, "argument --batch-size"
     else:
         try:
-            batch, source = optional_int(env, "DYNAMIX_BATCH_SIZE", 1), "environment variable DYNAMIX_BATCH_SIZE"
+            batch, source = optional_int(env, "DYNAMIX_BATCH_SIZE", 1, MAX_BATCH), "environment variable DYNAMIX_BATCH_SIZE"
         except ConfigurationError as error:
             raise UsageError(str(error)) from None
     if batch is not None:

@@ -14,8 +14,6 @@ from functools import cached_property
 
 import numpy as np
 
-MAX_BATCH = 2**31 - 1  # samples: the largest local batch the scheduler accepts or assigns
-
 
 def integer_option(name: str, value, minimum: int) -> int:
     """A policy's whole-number option ``name`` as an ``int`` (numpy integers too).

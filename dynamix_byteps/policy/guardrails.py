@@ -47,7 +47,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynamix_byteps.policy.base import MAX_BATCH, ClusterState, Decision, Policy, as_floats, integer_option
+from dynamix_byteps.env import MAX_BATCH
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, as_floats, integer_option
 from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]

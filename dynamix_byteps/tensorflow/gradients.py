@@ -19,11 +19,11 @@ import torch
 
 from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps.aggregation import (
-    MAX_SAMPLES,
     UNSET,
     GradientAggregator,
     plan_buckets,
 )
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.negotiation import describe, fingerprint
 from dynamix_byteps.tensorflow.bridge import (
     aligned_offsets,
@@ -39,8 +39,8 @@ from dynamix_byteps.training_step import TrainingStep
 
 def _checked_samples(value) -> int:
     samples = int(value)
-    if not 0 <= samples < MAX_SAMPLES:
-        raise ValueError(f"local_batch_size must be an integer number of samples in [0, {MAX_SAMPLES}), got {samples}")
+    if not 0 <= samples <= MAX_BATCH:
+        raise ValueError(f"local_batch_size must be an integer number of samples in [0, {MAX_BATCH}], got {samples}")
     return samples
 
 

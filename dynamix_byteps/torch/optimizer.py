@@ -19,7 +19,8 @@ import numbers
 import numpy as np
 import torch
 
-from dynamix_byteps.aggregation import MAX_SAMPLES, UNSET, GradientAggregator
+from dynamix_byteps.aggregation import UNSET, GradientAggregator
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.torch.compression import Compression, Compressor
@@ -126,8 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ConfigurationError: this step's gradients already started reducing during backward
                 with the size known then; declare before ``loss.backward()``.
         """
-        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples < MAX_SAMPLES:
-            raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_SAMPLES}), got {samples!r}")
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples <= MAX_BATCH:
+            raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_BATCH}], got {samples!r}")
         if self._reducer.reducing:
             raise ConfigurationError(
                 "set_local_batch_size() was called after this step's gradients had started reducing during "
