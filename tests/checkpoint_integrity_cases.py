@@ -1,8 +1,9 @@
-"""Damaged, foreign and mismatched checkpoints, loaded in one real worker
-(tests/test_checkpoint_integrity.py): every load is refused and changes nothing."""
+"""Damaged, foreign and mismatched checkpoints, and paths that are not files, loaded in one
+real worker (tests/test_checkpoint_integrity.py): every load is refused and changes nothing."""
 
 from __future__ import annotations
 
+import os
 import struct
 import zipfile
 from pathlib import Path
@@ -94,14 +95,16 @@ def _damaged_copies(good: Path, directory: Path) -> dict[str, Path]:
 
 def _foreign_and_mismatched(directory: Path, good: Path) -> dict[str, Path]:
     paths = {"text file": directory / "notes.pt", "plain torch.save": directory / "plain.pt",
-             "pickle": directory / "pickle.pt", "newer format": directory / "newer.pt"}
+             "pickle": directory / "pickle.pt", "newer format": directory / "newer.pt",
+             "negative format": directory / "negative.pt", "format 0": directory / "zero.pt",
+             "a directory": directory / "a-directory.pt", "a symlink loop": directory / "loop.pt"}
     paths["text file"].write_text("not a checkpoint\n")
     torch.save({"weights": torch.ones(3)}, paths["plain torch.save"])
     paths["pickle"].write_bytes(b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94.")
-    with open(paths["newer format"], "wb") as f:
-        writer = checkpoint._DigestingWriter(f)
-        torch.save({"format": checkpoint.FORMAT_VERSION + 97, "extra": {}}, writer)
-        writer.finish()
+    for label, version in (("newer format", checkpoint.FORMAT_VERSION + 97), ("negative format", -5), ("format 0", 0)):
+        _write_with_digest(paths[label], {**torch.load(good, weights_only=True), "format": version})
+    paths["a directory"].mkdir()
+    os.symlink(paths["a symlink loop"].name, paths["a symlink loop"])
     # Intact files whose sampler, model or optimizer part does not fit: only one part is wrong.
     edits = {
         "another model": lambda state: state["model"].update({"0.weight": torch.zeros(8, 7)}),

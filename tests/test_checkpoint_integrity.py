@@ -1,6 +1,7 @@
-"""load_checkpoint refuses damaged, truncated, foreign, newer and mismatched files with a
-ConfigurationError that names the file, and changes nothing: the model, optimizer and sampler
-keep their state (compared as state_dicts before and after). One real worker."""
+"""load_checkpoint refuses damaged, truncated, foreign, newer and mismatched files, and paths
+it cannot open, with a ConfigurationError that names the file, and changes nothing: the model,
+optimizer and sampler keep their state (compared as state_dicts before and after). One real
+worker."""
 
 import pytest
 from multiworker import run_workers
@@ -37,6 +38,10 @@ def test_every_damaged_or_mismatched_checkpoint_is_refused_and_changes_nothing(t
     assert "upgrade" in cases["newer format"]["error"]["message"]
     assert "empty" in cases["truncated to 0 of " + label_length(cases)]["error"]["message"]
     assert "corrupted" in next(c for k, c in cases.items() if k.startswith("flip tensor data"))["error"]["message"]
+    for label in ("negative format", "format 0"):
+        assert "versions start at 1" in cases[label]["error"]["message"], cases[label]
+    assert "Is a directory" in cases["a directory"]["error"]["message"]
+    assert "Too many levels of symbolic links" in cases["a symlink loop"]["error"]["message"]
 
 
 def label_length(cases) -> str:

@@ -135,10 +135,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
-        ConfigurationError: the file is empty, truncated, corrupted (its digest does not match),
-            not a dynamix_byteps checkpoint, written by a newer dynamix_byteps, lacks a part
-            asked for, holds a part that does not fit its object, or holds objects that need
-            ``trusted=True``; the message names the file and the problem.
+        ConfigurationError: ``path`` cannot be opened (a directory, a symlink loop, no
+            permission), the file is empty, truncated, corrupted (its digest does not match),
+            not a dynamix_byteps checkpoint (also: a format number that is not a version),
+            written by a newer dynamix_byteps, lacks a part asked for, holds a part that does not
+            fit its object, or holds objects that need ``trusted=True``; the message names the
+            file and the problem.
     """
     state = _read_checkpoint(path, trusted)
     for name, target in (("model", model), ("optimizer", optimizer), ("sampler", sampler)):
@@ -166,7 +168,14 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
 
 def _read_checkpoint(path, trusted: bool) -> dict:
     """The checkpoint's state after its integrity check; ConfigurationError for anything else."""
-    with open(path, "rb") as file:
+    try:
+        file = open(path, "rb")
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # a directory, a symlink loop, no permission
+        raise ConfigurationError(f"{path} cannot be opened as a checkpoint ({error.strerror}); name a "
+                                 "checkpoint file") from error
+    with file:
         size = os.fstat(file.fileno()).st_size
         if size == 0:
             raise ConfigurationError(f"{path} is empty (0 bytes), not a dynamix_byteps checkpoint; {_REDO}")
@@ -177,6 +186,9 @@ def _read_checkpoint(path, trusted: bool) -> dict:
         state = _unpickle(path, file, trusted)
     if not isinstance(state, dict) or not isinstance(state.get("format"), int) or isinstance(state["format"], bool):
         raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (no format number in it)")
+    if state["format"] < 1:
+        raise ConfigurationError(f"{path} is not a dynamix_byteps checkpoint (format {state['format']}; versions "
+                                 f"start at 1); {_REDO}")
     if state["format"] > FORMAT_VERSION:
         raise ConfigurationError(f"{path} was written by a newer dynamix_byteps (format {state['format']}; this "
                                  f"version reads up to {FORMAT_VERSION}); upgrade dynamix_byteps to load it")
