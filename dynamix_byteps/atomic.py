@@ -5,7 +5,9 @@ file system), which is then renamed over ``path`` with :func:`os.replace` (atomi
 The temporary file is created with mode ``0o666`` minus the process umask, like :func:`open`,
 so the result has the permissions any newly created file would have (``tempfile.mkstemp``
 would give ``0o600``). ``durable=True`` adds the fsync of the file before the rename and of the
-directory after it, so the new content survives a power loss once the call returns.
+directory after it, so the new content survives a power loss once the call returns. A
+symlink at ``path`` is followed, as :func:`open` would: its target is replaced (the temporary
+file goes next to the target, on its file system) and the link stays.
 
     with atomic_write(path) as f:           # binary; "w" for text (UTF-8)
         torch.save(state, f)
@@ -38,7 +40,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
     """Yield a file open for writing whose content replaces ``path`` when the block exits cleanly.
 
     Args:
-        path: the file to replace; its parent directories are created.
+        path: the file to replace, or a symlink to it; its parent directories are created.
         mode: ``"wb"`` (bytes) or ``"w"`` (text, UTF-8).
         durable: fsync the file before and its directory after the rename. ``False`` for files
             rewritten often whose loss in a crash does not matter (progress, port files).
@@ -59,29 +61,29 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', not {mode!r}")
-    path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():  # a directory: os.replace refuses it below
+    target = Path(os.path.realpath(path))  # errors name ``path``, the caller's name for it
+    if target.exists() and not target.is_file() and not target.is_dir():  # a directory: os.replace refuses it below
         raise OSError(errno.EINVAL, "exists and is not a regular file (a device, pipe or socket), which a "
                       "replacement would destroy; name a file", str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     except OSError as error:  # name the file the caller asked for, not the temporary one
-        raise OSError(error.errno, f"{error.strerror} (cannot create a file in {path.parent})", str(path)) from error
+        raise OSError(error.errno, f"{error.strerror} (cannot create a file in {target.parent})", str(path)) from error
     try:
         with open(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
             yield f
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_directory(path.parent)
+        _fsync_directory(target.parent)
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = True) -> None:

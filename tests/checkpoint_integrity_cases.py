@@ -1,5 +1,6 @@
 """Damaged, foreign and mismatched checkpoints, and paths that are not files, loaded in one
-real worker (tests/test_checkpoint_integrity.py): every load is refused and changes nothing."""
+real worker (tests/test_checkpoint_integrity.py): every load is refused and changes nothing; and
+a save through a symlink."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from dynamix_byteps.torch import checkpoint
 DATASET_SIZE, BATCH = 50, 5
 
 
+def _model(features: int = 6, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(features, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
 def _job(dataset_size: int = DATASET_SIZE, features: int = 6):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(features, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = _model(features)
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    model.named_parameters())
     sampler = bps.DynamicBatchSampler(dataset_size, BATCH, seed=3)
@@ -175,3 +180,17 @@ def legacy_format_1(directory: str) -> dict:
     except ConfigurationError as exc:
         error = str(exc)
     return {"extra": extra, "damaged_error": error}
+
+
+def save_through_symlink(directory: str) -> dict:
+    """save_checkpoint to a symlink (a run directory's name for a file on shared storage)."""
+    directory = Path(directory)
+    (directory / "shared").mkdir()
+    (directory / "run").mkdir()
+    target, link = directory / "shared" / "ckpt.pt", directory / "run" / "ckpt.pt"
+    target.write_text("the previous checkpoint\n")
+    link.symlink_to(target)
+    model = _model()
+    bps.save_checkpoint(link, model, note="new")
+    return {"link_is_symlink": link.is_symlink(), "target_extra": bps.load_checkpoint(target, _model(seed=1)),
+            "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))}

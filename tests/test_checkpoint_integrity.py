@@ -1,7 +1,7 @@
 """load_checkpoint refuses damaged, truncated, foreign, newer and mismatched files, and paths
 it cannot open, with a ConfigurationError that names the file, and changes nothing: the model,
-optimizer and sampler keep their state (compared as state_dicts before and after). One real
-worker."""
+optimizer and sampler keep their state (compared as state_dicts before and after); and
+save_checkpoint to a symlink replaces the link's target. One real worker."""
 
 import pytest
 from multiworker import run_workers
@@ -54,3 +54,11 @@ def test_a_format_1_checkpoint_loads_and_its_damage_is_caught_by_the_zip_crcs(tm
     result = _ok(run_workers(1, "checkpoint_integrity_cases:legacy_format_1", str(tmp_path), timeout=80))
     assert result["extra"] == {"note": "old"}
     assert result["damaged_error"] and "does not match its CRC" in result["damaged_error"]
+
+
+@pytest.mark.timeout(90)
+def test_save_checkpoint_to_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    result = _ok(run_workers(1, "checkpoint_integrity_cases:save_through_symlink", str(tmp_path), timeout=80))
+    assert result["link_is_symlink"]
+    assert result["target_extra"] == {"note": "new"}
+    assert result["files"] == ["run", "run/ckpt.pt", "shared", "shared/ckpt.pt"], "a temporary file was left behind"

@@ -79,7 +79,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     """Save the job's state to ``path`` (a collective: every worker calls it; rank 0 writes).
 
     The file is written to a temporary name, flushed to disk and renamed, so a crash never
-    leaves a half-written checkpoint at ``path``.
+    leaves a half-written checkpoint at ``path``. A symlink at ``path`` is followed: the file
+    it points to is replaced and the link stays.
 
     Args:
         model: its ``state_dict()`` (identical on every worker).
