@@ -1,6 +1,6 @@
 """Damaged, foreign and mismatched checkpoints, and paths that are not files, loaded in one
-real worker (tests/test_checkpoint_integrity.py): every load is refused and changes nothing; and
-a save through a symlink."""
+real worker (tests/test_checkpoint_integrity.py): every load is refused and changes nothing, also
+into optimizers the checkpoint does not fit; and a save through a symlink."""
 
 from __future__ import annotations
 
@@ -180,6 +180,75 @@ def legacy_format_1(directory: str) -> dict:
     except ConfigurationError as exc:
         error = str(exc)
     return {"extra": extra, "damaged_error": error}
+
+
+def _stepped(model, make_optimizer):
+    """``make_optimizer(model)`` after one step, so that it has state a failed load could spoil."""
+    opt = make_optimizer(model)
+    _train(model, opt, bps.DynamicBatchSampler(DATASET_SIZE, BATCH, seed=3), 1)
+    return opt
+
+
+def _wrapped(optimizer_class, **options):
+    return lambda model: bps.DistributedOptimizer(optimizer_class(model.parameters(), **options),
+                                                  model.named_parameters())
+
+
+def _reversed_sgd(model):
+    return torch.optim.SGD(list(model.parameters())[::-1], lr=0.1, momentum=0.9)
+
+
+def _try_load(path: Path, model, opt) -> dict:
+    """Load ``path`` into ``model`` and ``opt``: the error (None when it loaded), whether either
+    changed, and the error of one more step (None when the optimizer could still step)."""
+    before = _plain({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    try:
+        bps.load_checkpoint(path, model, opt)
+        error = None
+    except Exception as exc:  # the test asserts it is a ConfigurationError
+        error = {"type": type(exc).__name__, "message": str(exc),
+                 "configuration_error": isinstance(exc, ConfigurationError)}
+    unchanged = _plain({"model": model.state_dict(), "optimizer": opt.state_dict()}) == before
+    try:
+        _train(model, opt, bps.DynamicBatchSampler(DATASET_SIZE, BATCH, seed=3), 1)
+        step_error = None
+    except Exception as exc:  # the test asserts there is none
+        step_error = f"{type(exc).__name__}: {exc}"
+    return {"path": str(path), "error": error, "unchanged": unchanged, "step_error": step_error}
+
+
+def optimizer_mismatches(directory: str) -> dict:
+    """A checkpoint of SGD with momentum loaded into optimizers it does not fit (Adam, wrapped
+    or plain; SGD over the parameters in reverse order), from a current file and from one
+    without the optimizer's class and shapes (as older versions wrote), into freshly stepped
+    objects: the error and whether model or optimizer changed, per case; what the current file
+    records of the optimizer. Also loads that must work: the older file into the same optimizer,
+    and Adafactor (whose state is not shaped like its parameters) into Adafactor."""
+    directory = Path(directory)
+    model, opt, sampler = _job()
+    _train(model, opt, sampler, 2)
+    current, older = directory / "sgd.pt", directory / "sgd-older.pt"
+    bps.save_checkpoint(current, model, opt)
+    state = torch.load(current, weights_only=True)
+    recorded = {key: state.pop(key, None) for key in ("optimizer_class", "optimizer_shapes")}
+    _write_with_digest(older, state)
+    targets = {"Adam, wrapped": _wrapped(torch.optim.Adam, lr=0.01),
+               "Adam, plain": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+               "parameters in reverse order": _reversed_sgd}
+    refused = {}
+    for file_label, path in (("current file", current), ("older file", older)):
+        for label, make in targets.items():
+            target = _model(seed=1)
+            refused[f"{file_label} into {label}"] = _try_load(path, target, _stepped(target, make))
+    target = _model(seed=1)
+    loaded = {"older file into the same optimizer": _try_load(older, target, _stepped(target, _wrapped(
+        torch.optim.SGD, lr=0.1, momentum=0.9)))}
+    model = _model()
+    bps.save_checkpoint(directory / "adafactor.pt", model, _stepped(model, _wrapped(torch.optim.Adafactor)))
+    target = _model(seed=1)
+    loaded["Adafactor into Adafactor"] = _try_load(directory / "adafactor.pt", target,
+                                                   _stepped(target, _wrapped(torch.optim.Adafactor)))
+    return {"recorded": recorded, "refused": refused, "loaded": loaded}
 
 
 def save_through_symlink(directory: str) -> dict:

@@ -13,6 +13,7 @@ before it unpickles anything, so one changed bit anywhere, or a truncation, is r
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pickle
 import struct
@@ -84,7 +85,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
 
     Args:
         model: its ``state_dict()`` (identical on every worker).
-        optimizer: a ``DistributedOptimizer``: its state, and its noise statistics and step.
+        optimizer: a ``DistributedOptimizer`` (or a plain optimizer): its state, its class name
+            and its parameters' shapes (checked by :func:`load_checkpoint`), and its noise
+            statistics and step.
         sampler: a ``DynamicBatchSampler``: its position at the optimizer's next step (not the
             sampler's own, which runs ahead when a DataLoader prefetches).
         extra: anything else picklable (epoch counters, metrics); returned by ``load_checkpoint``.
@@ -109,6 +112,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
             state["model"] = model.state_dict()
         if optimizer is not None:
             state["optimizer"] = optimizer.state_dict()
+            state["optimizer_class"] = type(optimizer).__name__
+            state["optimizer_shapes"] = [list(param.shape) for param in _parameters(optimizer)]
             if hasattr(optimizer, "dynamix_state_dict"):
                 state["dynamix"] = optimizer.dynamix_state_dict()
         if sampler is not None:
@@ -130,9 +135,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     run code; pass ``trusted=True`` for checkpoints whose ``extra`` holds other objects.
 
     All or nothing: the file's digest is checked, then every part asked for is checked against
-    its object (the model's keys and shapes, the optimizer's parameter groups, the sampler's
-    state), and only then is anything changed. A load that raises leaves ``model``,
-    ``optimizer`` and ``sampler`` as they were.
+    its object (the model's keys and shapes; the optimizer's class, parameter groups and
+    parameter shapes, and its state tensors against their parameters; the sampler's state), and
+    only then is anything changed. A load that still fails half-way is undone from a copy taken
+    before it. A load that raises leaves ``model``, ``optimizer`` and ``sampler`` as they were.
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``.
@@ -140,31 +146,54 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
             permission), the file is empty, truncated, corrupted (its digest does not match),
             not a dynamix_byteps checkpoint (also: a format number that is not a version),
             written by a newer dynamix_byteps, lacks a part asked for, holds a part that does not
-            fit its object, or holds objects that need ``trusted=True``; the message names the
-            file and the problem.
+            fit its object (another model, another optimizer class, the optimizer's parameters
+            in another order), holds objects that need ``trusted=True``, or could not be loaded
+            into the objects; the message names the file and the problem.
     """
     state = _read_checkpoint(path, trusted)
     for name, target in (("model", model), ("optimizer", optimizer), ("sampler", sampler)):
         if target is not None and name not in state:
             raise ConfigurationError(f"{path} holds no {name} state; it was saved without {name}=")
+    loads = []  # (what reads the object's state, what loads a state into it, the file's state)
     if model is not None:
         _check_model_state(path, model, state["model"])
+        loads.append((model.state_dict, model.load_state_dict, state["model"]))
     if optimizer is not None:
-        _check_optimizer_state(path, optimizer, state["optimizer"], state.get("dynamix"))
+        _check_optimizer_state(path, optimizer, state)
+        loads.append((optimizer.state_dict, optimizer.load_state_dict, state["optimizer"]))
+        if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
+            loads.append((optimizer.dynamix_state_dict, optimizer.load_dynamix_state_dict, state["dynamix"]))
     if sampler is not None:
         try:
             sampler.check_state_dict(state["sampler"])
         except ConfigurationError as error:
             raise ConfigurationError(f"{path} holds a sampler state this sampler cannot continue: {error}") from None
-    if model is not None:
-        model.load_state_dict(state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
-            optimizer.load_dynamix_state_dict(state["dynamix"])
-    if sampler is not None:
-        sampler.load_state_dict(state["sampler"])
+        loads.append((sampler.state_dict, sampler.load_state_dict, state["sampler"]))
+    undo = []
+    try:
+        for read, load, saved in loads:
+            undo.append((load, _host_copy(read())))
+            load(saved)
+    except Exception as error:
+        for load, previous in reversed(undo):
+            load(previous)
+        raise ConfigurationError(f"{path} could not be loaded ({type(error).__name__}: {error}); model, optimizer "
+                                 "and sampler are as they were; build them as they were when it was saved") from error
     return state.get("extra", {})
+
+
+def _host_copy(state):
+    """A deep copy of ``state`` with its tensors in host memory (a copy on the accelerator could
+    take memory the training needs), through the same serialisation as the checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location="cpu", weights_only=False)
+
+
+def _parameters(optimizer) -> list:
+    """The optimizer's parameters in the order its ``state_dict`` numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
 def _read_checkpoint(path, trusted: bool) -> dict:
@@ -263,20 +292,50 @@ def _check_model_state(path, model: torch.nn.Module, saved) -> None:
                                      "build the model as it was when saved")
 
 
-def _check_optimizer_state(path, optimizer, saved, dynamix) -> None:
-    """ConfigurationError unless ``saved`` is a state_dict for ``optimizer``'s parameter groups
-    (what ``Optimizer.load_state_dict`` would refuse half-way) and ``dynamix`` a valid extra state."""
+def _check_optimizer_state(path, optimizer, state: dict) -> None:
+    """ConfigurationError unless ``state["optimizer"]`` is a state_dict for ``optimizer`` (what
+    ``Optimizer.load_state_dict`` would refuse half-way, or load onto the wrong parameters):
+    the same class and parameter shapes where the file records them (older files do not), the
+    same group sizes, state tensors that fit their parameters; and ``state["dynamix"]`` a
+    valid extra state."""
+    saved = state["optimizer"]
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     if (not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping)
             or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups)):
         raise ConfigurationError(f"{path} holds an optimizer state that is not an optimizer state_dict")
+    name = type(optimizer).__name__
+    saved_name = state.get("optimizer_class", name)
+    if saved_name != name:
+        raise ConfigurationError(f"{path} holds the state of an optimizer of class {saved_name}, this one's class "
+                                 f"is {name}; build a {saved_name} optimizer to resume, or load without optimizer= "
+                                 "to start this one afresh")
     saved_sizes = [len(g["params"]) for g in groups]
     sizes = [len(g["params"]) for g in optimizer.param_groups]
     if saved_sizes != sizes:
         raise ConfigurationError(f"{path} holds an optimizer state for parameter groups of sizes {saved_sizes}, "
                                  f"this optimizer has {sizes}; build the optimizer as it was when saved")
-    if dynamix is not None and hasattr(optimizer, "load_dynamix_state_dict"):
-        _check_dynamix_state(path, dynamix)
+    parameters = _parameters(optimizer)
+    shapes = [list(param.shape) for param in parameters]
+    saved_shapes = state.get("optimizer_shapes", shapes)
+    if saved_shapes != shapes:
+        index = next((i for i, (a, b) in enumerate(zip(saved_shapes, shapes)) if a != b), None)
+        where = "" if index is None else (f": parameter {index} had shape {saved_shapes[index]}, this "
+                                          f"optimizer's has {shapes[index]}")
+        raise ConfigurationError(f"{path} holds an optimizer state for parameters of other shapes{where}; build "
+                                 "the optimizer over the same parameters, in the same order, as when saved")
+    for index, param in enumerate(parameters):
+        entry = saved["state"].get(index)
+        for key, value in entry.items() if isinstance(entry, Mapping) else ():
+            # At least the parameter's size in another shape: the state of another parameter.
+            # Smaller or 0-d tensors can be the optimizer's own (Adafactor's factors, Adam's step).
+            if (isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() >= param.numel()
+                    and value.shape != param.shape):
+                raise ConfigurationError(f"{path} holds optimizer state {key!r} of shape {list(value.shape)} for "
+                                         f"parameter {index} of shape {list(param.shape)} (the optimizer lists its "
+                                         "parameters in another order than when saved, or is another optimizer); "
+                                         "build it as it was then")
+    if state.get("dynamix") is not None and hasattr(optimizer, "load_dynamix_state_dict"):
+        _check_dynamix_state(path, state["dynamix"])
 
 
 def _check_dynamix_state(path, state) -> None:
