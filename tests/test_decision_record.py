@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -12,6 +13,7 @@ from dynamix_byteps.control.decision_record import (
     DecisionLogError,
     DecisionRecord,
     DecisionRecordError,
+    parse_decision_lenient,
     read_decisions,
     read_decisions_lenient,
 )
@@ -66,12 +68,46 @@ def test_missing_fields_take_defaults_and_unknown_keys_survive_a_round_trip():
 @pytest.mark.parametrize("line, why", [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "a JSON list, not an object"),
-    ('{"decision": 9}', "missing or malformed field 'step'"),
-    ('{"step": "x"}', "missing or malformed field 'step'"),
+    ('{"decision": 9}', "field 'step' is missing"),
+    ('{"step": "x"}', "field 'step' is 'x', not an integer in [0, 2**62)"),
     ('{"step": 1, "lr_scale": NaN}', "non-finite number NaN"),
     ('{"step": 1, "lr_scale": 1e400}', "non-finite number 1e400"),
 ])
 def test_a_line_that_is_not_a_record_is_refused(line, why):
+    with pytest.raises(DecisionRecordError) as error:
+        DecisionRecord.from_json(line)
+    assert why in str(error.value)
+
+
+# Lines of the wrong type or out of range in one field, and bytes that are not UTF-8: (line, why).
+MALFORMED_LINES = [
+    (b'{"time": "zzz", "step": 20, "batch_sizes": [8, 8]}',
+     "field 'time' is 'zzz', not a number of seconds since the Unix epoch or null"),
+    (b'{"time": 1.5, "step": 7, "batch_sizes": ["a", null]}', "field 'batch_sizes' is ['a', None], not a list of integers"),
+    (b'{"time": 1.5, "step": 7, "batch_sizes": [8, 8], "batch_sizes_before": [0, 8]}', "field 'batch_sizes_before' is [0, 8]"),
+    (b'{"time": 1.5, "step": 7, "batch_sizes": [8, 8.5]}', "field 'batch_sizes' is [8, 8.5]"),
+    (b'{"time": -1, "step": 7, "batch_sizes": [8, 8]}', "field 'time' is -1"),
+    (b'{"time": 1.5, "step": 7, "decision": true, "batch_sizes": [8, 8]}', "field 'decision' is True, not an integer"),
+    (b'{"time": 1.5, "step": 7, "version": -1, "batch_sizes": [8, 8]}', "field 'version' is -1"),
+    (b'{"time": 1.5, "step": 7, "policy": 3, "batch_sizes": [8, 8]}', "field 'policy' is 3, not a string or null"),
+    (b'{"time": 1.5, "step": 7, "lr_scale": 0, "batch_sizes": [8, 8]}', "field 'lr_scale' is 0, not a number > 0"),
+    (b'{"time": 1.5, "step": 7, "clamped_ranks": [-1], "batch_sizes": [8, 8]}', "field 'clamped_ranks' is [-1]"),
+    (b'{"time": 1.5, "step": 7, "terms": [1], "batch_sizes": [8, 8]}', "field 'terms' is [1], not an object"),
+    (b'{"time": 1.5, "step": 7, "reward": "x", "batch_sizes": [8, 8]}', "field 'reward' is 'x', not an object"),
+    (b'{"time": 1.5, "step": 7, "reward": {"loss": "low"}, "batch_sizes": [8, 8]}', "field 'reward' is {'loss': 'low'}"),
+    (b'{"time": 1.5, "step": 7, "timing": {"policy_s": []}, "batch_sizes": [8, 8]}', "field 'timing' is {'policy_s': []}"),
+    (b'\xbd\xff{"step": 7}\x00\x9c', "not UTF-8 text (byte 0xbd at offset 0)"),
+]
+
+
+def test_the_schema_covers_every_field():
+    from dynamix_byteps.control.decision_record import FIELDS
+
+    assert set(FIELDS) == {f.name for f in dataclasses.fields(DecisionRecord)} - {"extra"}
+
+
+@pytest.mark.parametrize("line, why", MALFORMED_LINES)
+def test_a_field_of_the_wrong_type_or_range_or_bytes_that_are_not_utf8_are_refused(line, why):
     with pytest.raises(DecisionRecordError) as error:
         DecisionRecord.from_json(line)
     assert why in str(error.value)
@@ -84,8 +120,8 @@ def _write(path, lines, *, final_newline=True):
 
 def test_strict_reader_names_the_malformed_line(tmp_path):
     log = _write(tmp_path / "decisions.jsonl", [OLDER_LINE, _record(2).to_json(), "", '{"step": "x"}'])
-    with pytest.raises(DecisionLogError, match=r"decisions.jsonl line 4 is not a decision record \(missing or malformed "
-                                               r"field 'step' \('x'\)\); see the docs") as error:
+    with pytest.raises(DecisionLogError, match=r"decisions.jsonl line 4 is not a decision record \(field 'step' is 'x', "
+                                               r"not an integer in \[0, 2\*\*62\)\); see the docs") as error:
         list(read_decisions(log, hint="; see the docs"))
     assert isinstance(error.value, ValueError)
 
@@ -106,3 +142,40 @@ def test_lenient_reader_skips_malformed_lines_with_a_warning_naming_them(tmp_pat
     assert [r.decision for r in records] == [1, 2]
     assert "line 2 is not a decision record (invalid JSON" in caplog.text
     assert "line 4 is not a decision record (a JSON int, not an object)" in caplog.text
+
+
+def _write_bytes(path, lines):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("line, why", MALFORMED_LINES)
+def test_both_readers_judge_a_malformed_field_or_undecodable_line_as_damage_naming_it(tmp_path, caplog, line, why):
+    log = _write_bytes(tmp_path / "decisions.jsonl", [OLDER_LINE.encode(), line, _record(2).to_json().encode()])
+    with pytest.raises(DecisionLogError) as error:
+        list(read_decisions(log))
+    assert f"decisions.jsonl line 2 is not a decision record ({why}" in str(error.value)
+    with caplog.at_level(logging.WARNING):
+        records = read_decisions_lenient(log)
+    assert [r.decision for r in records] == [1, 2]
+    assert f"skipping a malformed line in {log}: line 2 is not a decision record ({why}" in caplog.text
+
+
+def test_a_file_of_random_bytes_is_damage_not_a_decode_error(tmp_path, caplog):
+    log = tmp_path / "decisions.jsonl"
+    log.write_bytes(bytes(range(128, 256)) * 8)
+    with pytest.raises(DecisionLogError, match=r"line 1 is not a decision record \(not UTF-8 text \(byte 0x80"):
+        list(read_decisions(log))
+    with caplog.at_level(logging.WARNING):
+        assert read_decisions_lenient(log) == []
+    assert "line 1 is not a decision record (not UTF-8 text" in caplog.text
+
+
+def test_the_fine_tuners_tail_skips_an_undecodable_line(tmp_path, caplog):
+    from dynamix_byteps.policy.ppo.finetune import DecisionTail
+
+    log = _write_bytes(tmp_path / "decisions.jsonl", [_record(1).to_json().encode(), b"\xbd{}", _record(2).to_json().encode()])
+    with caplog.at_level(logging.WARNING):
+        assert [r.decision for r in DecisionTail(log).read()] == [1, 2]
+    assert "line 2 is not a decision record (not UTF-8 text" in caplog.text
+    assert parse_decision_lenient(b"\xbd{}", log, 2) is None

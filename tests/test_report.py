@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import RECORDED_INTERVAL
+from test_decision_record import MALFORMED_LINES
 
 from dynamix_byteps.control.decision_record import DecisionRecord
 from dynamix_byteps.report import (
@@ -138,3 +139,22 @@ def test_a_run_whose_every_worker_file_is_unreadable_names_them(tmp_path):
     result = dynamix_report(tmp_path)
     assert result.returncode == 2, result.stderr
     assert "no readable event in worker-0: missing, empty or damaged" in result.stderr
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("line, why", [*MALFORMED_LINES, (bytes(range(128, 256)) * 8, "not UTF-8 text (byte 0x80")])
+def test_a_malformed_or_undecodable_decision_is_left_out_with_a_warning_naming_it(tmp_path, monkeypatch, line, why):
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    writer = ScalarWriter(tmp_path / "tensorboard" / "worker-0")
+    writer.open()
+    writer.add({"batch_size": 8.0}, step=10)
+    writer.close()
+    good = [DecisionRecord(time=float(i), decision=i, step=10 * i, batch_sizes=[8]).to_json().encode() for i in (1, 2)]
+    log = tmp_path / "decisions.jsonl"
+    log.write_bytes(b"\n".join([good[0], line, good[1]]) + b"\n")
+    result = dynamix_report(tmp_path, "--out", tmp_path / "plots")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert f"skipping a malformed line in {log}: line 2 is not a decision record ({why}" in result.stderr
+    assert "decisions: 2 (0 changed the batch sizes)" in result.stdout

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import kill_tree
 from test_control_e2e import bpslaunch
+from test_decision_record import MALFORMED_LINES
 
 from dynamix_byteps.cli import build_parser, main
 from dynamix_byteps.errors import ConfigurationError
@@ -180,6 +181,17 @@ def test_non_finite_or_impossible_numbers_are_refused_naming_the_line(tmp_path, 
     assert shown in str(error.value)
     assert main(["sim", "fit", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
     assert "line 4" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("line, why", MALFORMED_LINES)
+def test_a_malformed_or_undecodable_line_is_refused_naming_it(tmp_path, capsys, line, why):
+    lines = [text.encode() for text in _lines()]
+    lines[3] = line
+    (tmp_path / "decisions.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    assert main(["sim", "fit", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"decisions.jsonl line 4 is not a decision record ({why}" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_out_naming_a_directory_is_a_usage_error_and_leaves_nothing(tmp_path, capsys):

@@ -12,7 +12,9 @@ Versions of the schema (``schema_version``):
 * 1: every field present.
 
 Lines of either version read alike; keys this version does not know are kept in ``extra`` and
-written back, so a newer line survives a round trip through an older reader.
+written back, so a newer line survives a round trip through an older reader. A known field of the
+wrong type or out of its range (:data:`FIELDS`), and a line that is not UTF-8, make the line
+damaged, whichever reader reads it.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Iterator
+import reprlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -93,26 +97,34 @@ class DecisionRecord:
         """A record from a decoded JSON line; a line without ``schema_version`` is version 0.
 
         Raises:
-            DecisionRecordError: not an object, or ``step`` is not an integer in ``[0, 2**62)``.
+            DecisionRecordError: not an object, ``step`` missing, or a field of :data:`FIELDS`
+                of the wrong type or out of its range (the message names the field).
         """
         if not isinstance(data, dict):
             raise DecisionRecordError(f"a JSON {type(data).__name__}, not an object")
-        step = data.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
-            raise DecisionRecordError(f"missing or malformed field 'step' ({step!r})")
-        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        values = {k: v for k, v in data.items() if k in known}
+        if "step" not in data:
+            raise DecisionRecordError("field 'step' is missing")
+        for name, (valid, expected) in FIELDS.items():
+            if name in data and not valid(data[name]):
+                raise DecisionRecordError(f"field {name!r} is {reprlib.repr(data[name])}, not {expected}")
+        values = {k: v for k, v in data.items() if k in FIELDS}
         values.setdefault("schema_version", 0)
-        return cls(**values, extra={k: v for k, v in data.items() if k not in known})
+        return cls(**values, extra={k: v for k, v in data.items() if k not in FIELDS})
 
     @classmethod
     def from_json(cls, line: str | bytes) -> DecisionRecord:
         """A record from one line of the log.
 
         Raises:
-            DecisionRecordError: invalid JSON, a non-finite number (NaN, Infinity, 1e400), or
-                what :meth:`from_dict` refuses.
+            DecisionRecordError: bytes that are not UTF-8, invalid JSON, a non-finite
+                number (NaN, Infinity, 1e400), or what :meth:`from_dict` refuses.
         """
+        if isinstance(line, bytes):
+            try:
+                line = line.decode()
+            except UnicodeDecodeError as error:
+                raise DecisionRecordError(f"not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                                          f"offset {error.start})") from None
         try:
             data = json.loads(line, parse_constant=_refuse_non_finite, parse_float=_finite_float)
         except json.JSONDecodeError as error:
@@ -120,6 +132,58 @@ class DecisionRecord:
         except RecursionError:
             raise DecisionRecordError("invalid JSON: nested too deeply") from None
         return cls.from_dict(data)
+
+
+def _integer(low: int, high: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _number(low: float = -math.inf, *, above: bool = False) -> Callable[[Any], bool]:
+    return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                      and (v > low if above else v >= low))
+
+
+def _optional(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or valid(v)
+
+
+def _list_of(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(valid(x) for x in v)
+
+
+def _object_with(numbers: tuple[str, ...] = ()) -> Callable[[Any], bool]:
+    """A JSON object whose members ``numbers``, where present, are finite numbers or null."""
+    number = _optional(_number())
+    return lambda v: isinstance(v, dict) and all(number(v[k]) for k in numbers if k in v)
+
+
+_COUNT = _integer(0, 2**62 - 1)  # steps, decision indices, assignment versions
+_TEXT = _optional(lambda v: isinstance(v, str))
+
+#: Each known field of a line: (the test its value passes, what the test asks for, for messages).
+FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "schema_version": (_COUNT, "an integer >= 0"),
+    "time": (_optional(_number(0)), "a number of seconds since the Unix epoch or null"),
+    "decision": (_optional(_COUNT), "an integer >= 0 or null"),
+    "step": (_COUNT, "an integer in [0, 2**62)"),
+    "policy": (_TEXT, "a string or null"),
+    "action": (_TEXT, "a string or null"),
+    "version": (_optional(_COUNT), "an integer >= 0 or null"),
+    "previous_version": (_optional(_COUNT), "an integer >= 0 or null"),
+    "effective_step": (_optional(_COUNT), "an integer >= 0 or null"),
+    "batch_sizes_before": (_list_of(_integer(1, MAX_BATCH)), f"a list of integers in [1, {MAX_BATCH}]"),
+    "batch_sizes": (_list_of(_integer(1, MAX_BATCH)), f"a list of integers in [1, {MAX_BATCH}]"),
+    "lr_scale": (_optional(_number(0, above=True)), "a number > 0 or null"),
+    "reason": (_TEXT, "a string or null"),
+    "predicted_gain": (_optional(_number()), "a number or null"),
+    "terms": (_object_with(), "an object"),
+    "clamped_ranks": (_list_of(_COUNT), "a list of integers >= 0"),
+    "error": (_TEXT, "a string or null"),
+    "state": (_object_with(), "an object"),
+    "reward": (_object_with(("throughput_samples_per_s", "step_time_s", "loss", "loss_change")),
+               "an object whose throughput_samples_per_s, step_time_s, loss and loss_change are numbers or null"),
+    "timing": (_object_with(("policy_s", "decision_s")), "an object whose policy_s and decision_s are numbers or null"),
+}
 
 
 def _refuse_non_finite(name: str):
@@ -136,22 +200,23 @@ def _finite_float(text: str) -> float:
 def read_decisions(path: str | Path, *, hint: str = "") -> Iterator[tuple[int, DecisionRecord]]:
     """``(line number, record)`` for each line of a decision log, strictly: a line that is not a
     decision record raises. Blank lines are passed over, and so is a last line without its
-    newline that is not valid JSON: the line a writer killed mid-write left.
+    newline that is not valid JSON: the line a writer killed mid-write left (bytes that are not
+    UTF-8 are damage wherever they are: the scheduler writes ASCII).
 
     Raises:
-        OSError, UnicodeDecodeError: the file cannot be read.
+        OSError: the file cannot be read.
         DecisionLogError: "``path`` line N is not a decision record (why)", then ``hint``.
     """
     path = Path(path)
-    text = path.read_text()
-    lines = text.splitlines()
+    data = path.read_bytes()
+    lines = data.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             yield number, DecisionRecord.from_json(line)
         except DecisionRecordError as error:
-            if number == len(lines) and not text.endswith("\n") and str(error).startswith("invalid JSON"):
+            if number == len(lines) and not data.endswith(b"\n") and str(error).startswith("invalid JSON"):
                 return
             raise DecisionLogError(f"{path} line {number} is not a decision record ({error}){hint}") from None
 
@@ -169,8 +234,8 @@ def read_decisions_lenient(path: str | Path) -> list[DecisionRecord]:
     """Every decision record of a log; lines that are not are skipped with a warning naming them.
 
     Raises:
-        OSError, UnicodeDecodeError: the file cannot be read.
+        OSError: the file cannot be read.
     """
-    lines = Path(path).read_text().splitlines()
+    lines = Path(path).read_bytes().splitlines()
     records = (parse_decision_lenient(line, path, n) for n, line in enumerate(lines, 1) if line.strip())
     return [r for r in records if r is not None]

@@ -208,8 +208,9 @@ def load_log(run_dir) -> RunLog:
     """Read ``run_dir/decisions.jsonl`` (or that file itself) into a :class:`RunLog`.
 
     Raises:
-        ConfigurationError: the file is missing, empty, not JSON lines, holds a non-finite number
-            (NaN, Infinity, 1e400) or a timing beyond the scheduler's physical limits, lacks the
+        ConfigurationError: the file is missing, empty, not JSON lines, holds a line that is not a
+            decision record (a field of the wrong type or range, bytes that are not UTF-8), a
+            non-finite number (NaN, Infinity, 1e400) or a timing beyond the scheduler's physical limits, lacks the
             per-worker fields, or changes its number of workers; the message names the file, the
             line and the fix.
     """
@@ -222,7 +223,7 @@ def load_log(run_dir) -> RunLog:
         raise ConfigurationError(
             f"{path} does not exist: record a run with `bpslaunch --policy proportional --log-dir DIR ...` "
             "(any --policy; without one no scheduler writes decisions) and pass DIR") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except OSError as error:
         raise ConfigurationError(f"cannot read {path}: {error}") from None
     rows, previous, last_decision, untimed = [], None, None, set()
     for number, record in numbered:
