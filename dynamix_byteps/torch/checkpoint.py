@@ -25,8 +25,8 @@ import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.atomic import atomic_write
-from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.negotiation import negotiate, round_lock
+from dynamix_byteps.errors import CommunicationError, ConfigurationError
+from dynamix_byteps.negotiation import gather_text, negotiate, round_lock
 from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 
 FORMAT_VERSION = 2  # 2: a SHA-256 digest ends the file; 1: none (still read, checked by the zip CRCs)
@@ -97,8 +97,11 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
             call raises on the ranks that made it, and the other ranks' next collective raises
             (if the others never issue another collective, they cannot be told: the call then
             fails with CommunicationError after the engine's timeout). Nothing is written.
-        OSError: the file cannot be written (on rank 0; the other ranks then raise
-            CommunicationError or wait for rank 0's exit).
+        Exception: on rank 0, whatever kept it from writing the file, as raised (OSError for an
+            unwritable path or a full disk, TypeError or pickle.PicklingError for an unpicklable
+            ``extra``); ``path`` keeps its old content.
+        CommunicationError: on the other ranks, at once, when rank 0 could not write the file; the
+            message names ``path`` and rank 0's error.
     """
     engine = _engine.current()
     # A checked round, not a bare barrier: called on rank 0 alone (``if rank() == 0:``, the
@@ -106,24 +109,40 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     # TensorMismatchError instead of waiting until the timeout; nothing is written then.
     with round_lock:
         negotiate(engine, "save_checkpoint", "save_checkpoint (a collective: call it on every worker)")
+    failure: Exception | None = None
     if engine.rank == 0:
-        state: dict[str, Any] = {"format": FORMAT_VERSION, "workers": engine.size, "extra": extra}
-        if model is not None:
-            state["model"] = model.state_dict()
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-            state["optimizer_class"] = type(optimizer).__name__
-            state["optimizer_shapes"] = [list(param.shape) for param in _parameters(optimizer)]
-            if hasattr(optimizer, "dynamix_state_dict"):
-                state["dynamix"] = optimizer.dynamix_state_dict()
-        if sampler is not None:
-            step = getattr(optimizer, "next_step", None)
-            state["sampler"] = sampler.state_dict(step=step)
-        with atomic_write(path) as f:
-            writer = _DigestingWriter(f)
-            torch.save(state, writer)
-            writer.finish()
-    engine.barrier()
+        try:
+            _write_checkpoint(path, engine.size, model, optimizer, sampler, extra)
+        except Exception as error:
+            failure = error
+    # Rank 0's outcome, so that the others raise at once when it failed instead of waiting at a
+    # barrier that rank 0, carrying on after catching its error, never reaches.
+    with round_lock:
+        outcome = gather_text(engine, "" if failure is None else f"{type(failure).__name__}: {failure}")[0]
+    if failure is not None:
+        raise failure
+    if outcome:
+        raise CommunicationError(f"save_checkpoint: rank 0 could not write {path} ({outcome}); the file there, "
+                                 "if any, is unchanged")
+
+
+def _write_checkpoint(path, workers: int, model, optimizer, sampler, extra: dict) -> None:
+    state: dict[str, Any] = {"format": FORMAT_VERSION, "workers": workers, "extra": extra}
+    if model is not None:
+        state["model"] = model.state_dict()
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+        state["optimizer_class"] = type(optimizer).__name__
+        state["optimizer_shapes"] = [list(param.shape) for param in _parameters(optimizer)]
+        if hasattr(optimizer, "dynamix_state_dict"):
+            state["dynamix"] = optimizer.dynamix_state_dict()
+    if sampler is not None:
+        step = getattr(optimizer, "next_step", None)
+        state["sampler"] = sampler.state_dict(step=step)
+    with atomic_write(path) as f:
+        writer = _DigestingWriter(f)
+        torch.save(state, writer)
+        writer.finish()
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = None, optimizer=None,
