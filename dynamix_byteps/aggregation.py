@@ -245,10 +245,11 @@ class GradientAggregator:
         self._reference = float(np.where(table[:, 1] == UNSET, 1, table[:, 1]).sum() or 1)
         return table[:, 0]
 
-    def open_round(self, samples: int) -> Round:
-        """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared)."""
+    def open_round(self, samples: int, measure: bool = True) -> Round:
+        """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);
+        ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round."""
         effective = 1 if samples == UNSET else samples
-        measure = self._rounds % self.noise_every == 0
+        measure = measure and self._rounds % self.noise_every == 0
         self._rounds += 1
         return Round(samples, effective / self._reference, self._reference, measure)
 

@@ -21,6 +21,12 @@ def test_push_pull_broadcast_and_gradients_match_reference(workers):
 
 
 @pytest.mark.timeout(300)
+def test_a_gradient_none_on_one_worker_only_is_a_mismatch_on_every_worker_not_a_crash():
+    for failures in ok(run_workers(2, "tf_dist_cases:gradients_that_change", timeout=120)):
+        assert failures == []
+
+
+@pytest.mark.timeout(300)
 def test_non_uniform_batches_match_single_process_training():
     results = ok(run_workers(3, "tf_dist_cases:weighted_training", [8, 24, 40], 5, timeout=280))
     for result in results:

@@ -102,6 +102,37 @@ def collectives() -> list[str]:
     return failures
 
 
+def gradients_that_change() -> list[str]:
+    """A gradient None on every worker stays None; one that appears on every worker at once is
+    reduced exactly; one None on some workers only raises TensorMismatchError on every worker,
+    at once, and the job goes on afterwards."""
+    n, rank, failures = bps.size(), bps.rank(), []
+    w1, w2 = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+
+    def gradients(use_w2: bool):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w1 * (rank + 1.0)) + (tf.reduce_sum(w2) * (rank + 1.0) if use_w2 else 0.0)
+        return bps.DistributedGradientTape(tape).gradient(loss, [w1, w2])
+
+    mean = sum(r + 1.0 for r in range(n)) / n
+    g1, g2 = gradients(use_w2=False)
+    if g2 is not None or not np.allclose(g1.numpy(), [mean, mean]):
+        failures.append(f"step 0: {g1}, {g2}")
+    g1, g2 = gradients(use_w2=True)  # every worker's w2 gets a gradient at the same step
+    if g2 is None or not np.allclose(g2.numpy(), [mean]) or not np.allclose(g1.numpy(), [mean, mean]):
+        failures.append(f"step 1: {g1}, {g2}")
+    try:
+        gradients(use_w2=rank != 0)
+        failures.append("step 2: a gradient None on rank 0 only was reduced")
+    except TensorMismatchError as error:
+        if "rank 0:" not in str(error) or "rank 1:" not in str(error):
+            failures.append(f"step 2: {error}")
+    g1, g2 = gradients(use_w2=True)
+    if g2 is None or not np.allclose(g2.numpy(), [mean]):
+        failures.append(f"step 3 (after the mismatch): {g1}, {g2}")
+    return failures
+
+
 def _tiny_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])

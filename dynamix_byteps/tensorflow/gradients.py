@@ -56,6 +56,21 @@ def _fuse(views: list[torch.Tensor], offsets: list[int], length: int, scale: flo
     return flat
 
 
+class _Plan:
+    """How one set of gradients (names, shapes, dtypes) is fused and reduced: buckets of indices
+    into the gradients, each bucket's aligned offsets and length, and the description every
+    worker must share."""
+
+    def __init__(self, names: list[str], views: list[torch.Tensor], aggregator: GradientAggregator):
+        self.buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
+        self.layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
+                        for bucket in self.buckets]
+        self.dtypes = [views[bucket[0]].dtype for bucket in self.buckets]
+        digest = fingerprint(describe(name, v) for name, v in zip(names, views))
+        self.description = (f"DistributedOptimizer step over {len(views)} gradients (digest {digest:016x}), "
+                            f"compression={aggregator.compression.name}, fusion_bytes={aggregator.fusion_bytes}")
+
+
 class GradientReducer:
     """Reduces one step's gradients at a time; keeps the step statistics between steps.
 
@@ -79,15 +94,18 @@ class GradientReducer:
         self.aggregator = GradientAggregator(optimizer_family, compression, lr_scaling, base_batch_size)
         self._step = TrainingStep(self.aggregator, optimizer_family, batch_plan)
         self.monitor = self._step.monitor
-        self._descriptions: dict[tuple, str] = {}
-        self._agreed: str | None = None  # the description last agreed with the other workers
+        self._plans: dict[tuple, _Plan] = {}
+        self._agreed: _Plan | None = None  # the plan last agreed with the other workers
 
     def reduce(self, grads: list, names: list[str], local_batch_size=None) -> tuple[list, tf.Tensor]:
         """Replace ``grads`` by the batch-weighted mean over all workers.
 
         Args:
             grads: one ``tf.Tensor``/``tf.IndexedSlices`` (densified) or None per variable;
-                None stays None and is not reduced (the same on every worker for one model).
+                None stays None and is not reduced. A gradient must be None on every worker
+                alike: when the set of None gradients changes on some workers only, every
+                worker raises ``TensorMismatchError`` naming each worker's gradients; when it
+                changes on every worker at the same step, the new set is reduced.
             names: one name per gradient, identical on every worker.
             local_batch_size: this worker's samples in the step (int or integer tensor); default:
                 the batch the sampler handed out, else BytePS's plain average.
@@ -124,38 +142,44 @@ class GradientReducer:
         return result, lr_scale
 
     def _reduce_now(self, grads, names: list[str], declared: int) -> list[tf.Tensor]:
-        aggregator = self.aggregator
         samples = self._step.take_samples(declared)
         views = [to_torch(g) for g in grads]
-        buckets = plan_buckets([(v.numel() * v.element_size(), v.dtype) for v in views], aggregator.fusion_bytes)
-        layouts = [aligned_offsets([views[i].numel() for i in bucket], views[bucket[0]].element_size())
-                   for bucket in buckets]
-        description = self._description(names, views)
-        if description != self._agreed:
-            aggregator.agree_on_plan(description, samples)
-            self._agreed = description
-        step = aggregator.open_round(samples)
+        plan = self._plan(names, views)
+        if self._agreed is None:
+            self.aggregator.agree_on_plan(plan.description, samples)
+        elif plan is not self._agreed:
+            # This worker's gradients changed (one is None now and was not before, or the
+            # reverse). Its collectives must still line up with the others': it announces the
+            # new plan in a round of the agreed one (zeros, not measured). Unless every worker
+            # changed alike, every worker's finish then raises TensorMismatchError naming both plans.
+            step = self.aggregator.open_round(samples, measure=False)
+            zeros = [torch.zeros(length, dtype=dtype) for dtype, (_, length) in
+                     zip(self._agreed.dtypes, self._agreed.layouts)]
+            self._reduce_round(step, zeros, plan.description)
+            self.aggregator.agree_on_plan(plan.description, samples)
+        self._agreed = plan
+        step = self.aggregator.open_round(samples)
         flats = [_fuse([views[i] for i in bucket], offsets, length, step.scale)
-                 for bucket, (offsets, length) in zip(buckets, layouts)]
-        for number, flat in enumerate(flats):
-            aggregator.launch(step, number, flat)
-        aggregator.close(step, description)
-        aggregator.finish(step, description)
+                 for bucket, (offsets, length) in zip(plan.buckets, plan.layouts)]
+        self._reduce_round(step, flats, plan.description)
         results: list = [None] * len(views)
-        for bucket, (offsets, _), flat in zip(buckets, layouts, flats):
+        for bucket, (offsets, _), flat in zip(plan.buckets, plan.layouts, flats):
             for i, offset in zip(bucket, offsets):
                 results[i] = to_tf(flat[offset:offset + views[i].numel()].view(views[i].shape))
         self._step.end(samples)
         return results
 
-    def _description(self, names: list[str], views) -> str:
+    def _reduce_round(self, step, flats: list[torch.Tensor], description: str) -> None:
+        for number, flat in enumerate(flats):
+            self.aggregator.launch(step, number, flat)
+        self.aggregator.close(step, description)
+        self.aggregator.finish(step, description)
+
+    def _plan(self, names: list[str], views) -> _Plan:
         key = tuple((name, tuple(v.shape), v.dtype) for name, v in zip(names, views))
-        if key not in self._descriptions:
-            digest = fingerprint(describe(name, v) for name, v in zip(names, views))
-            self._descriptions[key] = (
-                f"DistributedOptimizer step over {len(views)} gradients (digest {digest:016x}), "
-                f"compression={self.aggregator.compression.name}, fusion_bytes={self.aggregator.fusion_bytes}")
-        return self._descriptions[key]
+        if key not in self._plans:
+            self._plans[key] = _Plan(names, views, self.aggregator)
+        return self._plans[key]
 
 
 def _tape_reducer(compression: type[Compressor], lr_scaling, base_batch_size, batch_plan) -> GradientReducer:
