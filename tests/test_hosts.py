@@ -177,6 +177,20 @@ def test_env_mode_drops_a_stale_rank_offset():
     assert {r: (e.rank, e.size) for r, e in envs.items()} == {2: (2, 4), 3: (3, 4)}
 
 
+@pytest.mark.parametrize("nodes, engine, address", [("1", "gloo", "127.0.0.1"), ("2", "gloo", "10.0.0.1"),
+                                                     ("1", "ps", "10.0.0.1")])
+def test_a_single_node_job_rendezvous_on_this_machine_whatever_the_root_uri(nodes, engine, address):
+    """BytePS's single-machine recipe sets DMLC_PS_ROOT_URI=10.0.0.1 ("it does not matter");
+    only a job spread over nodes, or one whose servers may be elsewhere, uses it."""
+    args = parse_args(["--engine", engine, "--", "true"])
+    env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": nodes, "DMLC_WORKER_ID": "0", "DMLC_PS_ROOT_URI": "10.0.0.1",
+           "DMLC_PS_ROOT_PORT": "1234", "BYTEPS_LOCAL_SIZE": "2", "DMLC_NUM_SERVER": "1"}
+    notes: list[str] = []
+    specs = env_mode(args, env, notes)
+    assert {s.env["DMLC_PS_ROOT_URI"] for s in specs if not s.service} == {address}
+    assert any("DMLC_PS_ROOT_URI=10.0.0.1 is not used" in note for note in notes) == (address == "127.0.0.1")
+
+
 @pytest.mark.timeout(240)
 def test_two_launchers_with_uneven_slots_run_one_gloo_job(tmp_path):
     """3 + 1 workers from two bpslaunch invocations on loopback: every rank 0..3 once, one all-reduce."""

@@ -283,6 +283,12 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
     engine = _engine(config, env, local_size)
     if engine == "byteps" and num_nodes > 1:
         _required_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
+    if num_nodes == 1 and engine in ("gloo", "nccl") and root_addr != "127.0.0.1":
+        # Every process of the job is on this machine. BytePS's single-machine recipe sets any
+        # DMLC_PS_ROOT_URI ("it does not matter"); rendezvousing there would wait for the timeout.
+        notes.append(f"DMLC_NUM_WORKER=1: the workers rendezvous on this machine (127.0.0.1:{root_port}); "
+                     f"DMLC_PS_ROOT_URI={root_addr} is not used")
+        root_addr = "127.0.0.1"
     return worker_specs(
         config, env, engine=engine, num_nodes=num_nodes, node_rank=node_rank, local_size=local_size,
         root_addr=root_addr, root_port=root_port, notes=notes,
