@@ -1,6 +1,6 @@
 """PyTorch functions run inside real worker processes by ``multiworker.run_workers`` for
-tests/test_parity.py: the BytePS call forms the broadcasts accept, and the methods of what
-``DistributedOptimizer`` returns."""
+tests/test_parity.py: the BytePS call forms the broadcasts accept, the methods of what
+``DistributedOptimizer`` returns, and BytePS's DDP call on a CPU model."""
 
 from __future__ import annotations
 
@@ -78,3 +78,15 @@ def torch_checks() -> dict:
     model = torch.nn.Linear(3, 2)
     optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     return {**broadcast_forms(), "optimizer_methods": methods_problems(type(optimizer), TORCH_OPTIMIZER_METHODS, bps)}
+
+
+def ddp_with_device_ids_on_cpu() -> dict:
+    """BytePS's ``benchmark_byteps_ddp.py --no-cuda``: a CPU model wrapped with
+    ``device_ids=[local_rank()]``, then one training step."""
+    model = torch.nn.Linear(4, 2)
+    ddp = bps.parallel.DistributedDataParallel(model, device_ids=[bps.local_rank()])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(bps.rank()))).sum().backward()
+    optimizer.step()
+    return {"devices": sorted({str(p.device) for p in model.parameters()}), "device_ids": ddp.device_ids,
+            "parameters": _digest(model.parameters())}

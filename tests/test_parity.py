@@ -317,6 +317,14 @@ def test_torch_broadcast_forms_and_optimizer_methods():
         assert "got int" in result["errors"]["number"]
 
 
+@pytest.mark.timeout(120)
+def test_ddp_with_device_ids_leaves_a_cpu_model_on_the_cpu():
+    results = ok(run_workers(2, "parity_cases:ddp_with_device_ids_on_cpu", timeout=100))
+    assert [r["devices"] for r in results] == [["cpu"], ["cpu"]]
+    assert [r["device_ids"] for r in results] == [[0], [1]]
+    assert results[0]["parameters"] == results[1]["parameters"]
+
+
 @pytest.mark.timeout(300)
 def test_tensorflow_and_keras_additions(tmp_path):
     pytest.importorskip("tensorflow")

@@ -38,8 +38,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     Args:
         module: the model; its parameters must be the same on every worker (names, shapes, dtypes).
-        device_ids: the one CUDA device the module lives on (``[local_rank]``), as in BytePS and
-            PyTorch; None for a CPU module or one already placed.
+        device_ids: the one device the module lives on (``[local_rank()]``) or None; only
+            recorded, as BytePS does: the module and the inputs stay where the script put them
+            (move the model with ``model.cuda()`` before wrapping it). Accepted for a CPU module
+            too, where PyTorch's DDP refuses it, because BytePS's examples pass
+            ``[local_rank()]`` also with ``--no-cuda``.
         broadcast_buffers: give every worker rank 0's buffers (e.g. BatchNorm statistics) before
             each forward pass that records gradients (as DDP: a forward under ``torch.no_grad()``,
             e.g. an evaluation on one rank, is not a collective).
@@ -51,6 +54,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     Attributes:
         module: the wrapped model.
+        device_ids: ``device_ids`` as a list, or None.
         gradient_noise: the :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale` it feeds.
 
     Raises:
@@ -65,11 +69,10 @@ class DistributedDataParallel(torch.nn.Module):
                  batch_plan=None):
         super().__init__()
         if device_ids is not None and len(device_ids) != 1:
-            raise ValueError(f"device_ids must hold exactly one device (this process's GPU), got {device_ids!r}")
+            raise ValueError(f"device_ids must hold exactly one device (this process's), got {device_ids!r}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if device_ids is not None:
-            module.to(torch.device("cuda", device_ids[0]) if isinstance(device_ids[0], int) else device_ids[0])
+        self.device_ids = None if device_ids is None else list(device_ids)
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self._aggregator = GradientAggregator("sgd", compression, "none")
