@@ -168,6 +168,23 @@ def different_model(variant: str) -> str:
     return "no error"
 
 
+def different_passes_per_step() -> str:
+    """Rank 0 accumulates two backward passes per step, rank 1 one: every rank must raise
+    TensorMismatchError at the first step instead of weighting the sums wrongly."""
+    model = Branchy(width=8)
+    passes = 2 if bps.rank() == 0 else 1
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   backward_passes_per_step=passes)
+    try:
+        for _ in range(passes):
+            torch.nn.functional.cross_entropy(model(torch.randn(4, 6, dtype=torch.float64)),
+                                              torch.zeros(4, dtype=torch.long)).backward()
+        opt.step()
+    except TensorMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def frozen_mid_training(variant: str, where: str) -> dict:
     """Two steps, then ``middle`` is frozen on rank 1 only (``where="one"``: every rank must raise
     TensorMismatchError, none abort or hang) or on every rank (``"all"``: the next steps match

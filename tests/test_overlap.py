@@ -43,6 +43,12 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
 
 
 @pytest.mark.timeout(120)
+def test_a_different_backward_passes_per_step_on_one_rank_raises_on_every_rank():
+    for message in ok(run_workers(2, "overlap_cases:different_passes_per_step")):
+        assert "backward_passes_per_step=2" in message and "backward_passes_per_step=1" in message, message
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_freezing_a_parameter_on_one_rank_raises_on_every_rank(variant):
     for result in ok(run_workers(2, "overlap_cases:frozen_mid_training", variant, "one")):

@@ -197,7 +197,7 @@ class BucketReducer:
                         param, self._plan.slot[param][1], self._round.scale)
                 bucket.pending.clear()
             self._launch_ready()
-            self.aggregator.close(self._round, self._announced().description, self._had_gradient)
+            self.aggregator.close(self._round, self._round_description(), self._had_gradient)
         if self._on_backward_end is not None and self._passes == self.passes_per_step:
             self._on_backward_end(self.finish())
 
@@ -228,12 +228,12 @@ class BucketReducer:
             self._reduce_whole_round(declared)
         step = self._round
         try:
-            self.aggregator.finish(step, self._announced().description)
+            self.aggregator.finish(step, self._round_description())
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
                 self._adopt_plan(self._next_plan, step.samples, late=not self._overlap)
                 self._launch_whole_round(step.samples)
                 step = self._round
-                self.aggregator.finish(step, self._plan.description)
+                self.aggregator.finish(step, self._round_description())
         finally:
             self._round, self._samples, self._passes = None, None, 0
         for i in np.flatnonzero(step.counts == 0):  # no worker had a gradient: None, as in one process
@@ -249,6 +249,11 @@ class BucketReducer:
 
     def _announced(self) -> _Plan:
         return self._next_plan or self._plan
+
+    def _round_description(self) -> str:
+        """What every worker's round must match: the announced plan, and the backward passes it
+        accumulates (different counts would weight the workers' gradients wrongly)."""
+        return f"{self._announced().description}, backward_passes_per_step={self.passes_per_step}"
 
     def _adopt_plan(self, plan: _Plan, samples: int, late: bool) -> None:
         self._register_hooks(plan.params)
@@ -282,7 +287,7 @@ class BucketReducer:
             for param, view in zip(bucket.params, bucket.views):
                 self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
             self.aggregator.launch(self._round, number, bucket.buffer)
-        self.aggregator.close(self._round, self._announced().description, self._had_gradient)
+        self.aggregator.close(self._round, self._round_description(), self._had_gradient)
 
     def discard(self) -> None:
         """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
