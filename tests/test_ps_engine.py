@@ -227,7 +227,7 @@ def test_a_worker_that_exits_early_stops_a_ps_job_at_once_with_its_code_and_name
     """Rank 1 leaves after three rounds: the others fail at their next round, not after --timeout."""
     marker = f"ps-early-{os.getpid()}-{time.time_ns()}"
     start = time.monotonic()
-    code, output = run_bpslaunch(["-n", 3, "--engine", "ps", "--num-servers", 2, "--timeout", 300, "--",
+    code, output = run_bpslaunch(["-n", 2, "--engine", "ps", "--num-servers", 1, "--timeout", 300, "--",
                                   sys.executable, "-c", EARLY_EXIT], timeout=120,
                                  env={**os.environ, "DYNAMIX_TEST_MARKER": marker, "OMP_NUM_THREADS": "1"})
     assert time.monotonic() - start < 100, output
