@@ -90,3 +90,20 @@ def ddp_with_device_ids_on_cpu() -> dict:
     optimizer.step()
     return {"devices": sorted({str(p.device) for p in model.parameters()}), "device_ids": ddp.device_ids,
             "parameters": _digest(model.parameters())}
+
+
+def horovod_optimizer_step() -> dict:
+    """Horovod's ``DistributedOptimizer(..., op=Average, gradient_predivide_factor=4.0)``: this
+    rank's own gradient of one batch and the gradient after the optimizer's reduction."""
+    model = torch.nn.Linear(3, 2)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(bps.rank()))
+    model(x).square().sum().backward()
+    local = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()
+    model.zero_grad()
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), op=bps.Average,
+                                         gradient_predivide_factor=4.0)
+    model(x).square().sum().backward()
+    optimizer.synchronize()
+    return {"local": local, "reduced": torch.cat([p.grad.reshape(-1) for p in model.parameters()]).tolist()}

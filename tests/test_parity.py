@@ -13,6 +13,10 @@ is ``byteps.keras``, the frontend for the standalone Keras 2 package.
 
 A signature is compatible when every BytePS parameter is there, by the same name and at the same
 position, a BytePS default is kept (the same value), and whatever follows is optional.
+
+Horovod's names that a script ported from Horovod passes and BytePS has no name for (``HOROVOD``)
+are checked the same way; where BytePS has a name for the same thing (``push_pull`` for
+``allreduce``), no Horovod alias is added.
 """
 
 from __future__ import annotations
@@ -147,6 +151,27 @@ DELIBERATELY_ABSENT = {
 
 CASES = [(byteps_module, name) for byteps_module, (_, _, names) in BYTEPS.items() for name in names]
 
+# Horovod's names that a script ported from Horovod (``hvd`` -> ``bps``) passes and BytePS has no
+# name for, from horovod/torch/__init__.py, horovod/torch/optimizer.py, horovod/tensorflow/__init__.py
+# and horovod/tensorflow/keras/__init__.py. The optimizers' other Horovod arguments (num_groups,
+# groups, sparse_as_dense on torch, process_set, scale_local_gradients) are not taken. Horovod's
+# Average, Sum and Adasum are integers; here every frontend has BytePS's TensorFlow strings.
+OPS = {"Average": constant("Average"), "Sum": constant("Sum"), "Adasum": constant("Adasum")}
+HOROVOD = {
+    "horovod.torch": ("dynamix_byteps.torch", "dynamix_byteps.torch", {
+        **OPS,
+        "DistributedOptimizer": function("(optimizer, named_parameters=None, compression=Compression.none, "
+                                         "backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0)"),
+    }),
+}
+HOROVOD_CASES = [(horovod_module, name) for horovod_module, (_, _, names) in HOROVOD.items() for name in names]
+# Horovod names with a BytePS name for the same thing: a port renames them (the README says how), and
+# no alias is added.
+HOROVOD_RENAMED = {("horovod.torch", "allreduce"): "push_pull", ("horovod.torch", "allreduce_"): "push_pull_inplace",
+                   ("horovod.torch", "allreduce_async"): "push_pull_async",
+                   ("horovod.torch", "allreduce_async_"): "push_pull_async_inplace",
+                   ("horovod.tensorflow", "allreduce"): "push_pull"}
+
 
 REQUIRED = object()  # a BytePS parameter without a default
 
@@ -251,6 +276,55 @@ def test_byteps_name_exists_with_compatible_arguments(byteps_module, name):
     module = importlib.import_module(ours)
     problems = entry_problems(module, name, names[name], importlib.import_module(defaults_module))
     assert problems == [], f"{ours}.{name} (BytePS {byteps_module}.{name}): " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("horovod_module,name", HOROVOD_CASES, ids=[f"{m}.{n}" for m, n in HOROVOD_CASES])
+def test_horovod_name_exists_with_compatible_arguments(horovod_module, name):
+    ours, defaults_module, names = HOROVOD[horovod_module]
+    if "tensorflow" in ours:
+        pytest.importorskip("tensorflow")
+    module = importlib.import_module(ours)
+    problems = entry_problems(module, name, names[name], importlib.import_module(defaults_module))
+    assert problems == [], f"{ours}.{name} (Horovod {horovod_module}.{name}): " + "; ".join(problems)
+
+
+def test_horovod_names_are_added_only_where_byteps_has_none():
+    for horovod_module, (ours, _, names) in HOROVOD.items():
+        byteps_names = BYTEPS[horovod_module.replace("horovod", "byteps")][2]
+        for name in set(names) & set(byteps_names):  # a name both have: BytePS's value, or its arguments first
+            mine, theirs = names[name], byteps_names[name]
+            assert mine == theirs or (mine[0] == theirs[0] == "function"
+                                      and mine[1].startswith(theirs[1][:-1] + ", ")), f"{horovod_module}.{name}"
+    for (horovod_module, name), byteps_name in HOROVOD_RENAMED.items():
+        ours = BYTEPS[horovod_module.replace("horovod", "byteps")][0]
+        if "tensorflow" not in ours or importlib.util.find_spec("tensorflow") is not None:
+            module = importlib.import_module(ours)
+            assert hasattr(module, byteps_name) and not hasattr(module, name), f"{ours}.{name}: use {byteps_name}"
+
+
+def test_torch_optimizer_refuses_other_ops_and_predivide_factors():
+    import torch
+
+    import dynamix_byteps.torch as bps
+
+    def wrap(**arguments):
+        return bps.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), **arguments)
+
+    for op in (bps.Sum, bps.Adasum):
+        with pytest.raises(ValueError, match=f"op='{op}': gradients are always averaged"):
+            wrap(op=op)
+    for factor in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="gradient_predivide_factor must be a finite number > 0"):
+            wrap(gradient_predivide_factor=factor)
+
+
+@pytest.mark.timeout(120)
+def test_torch_optimizer_averages_with_horovods_op_and_predivide_factor():
+    results = ok(run_workers(2, "parity_cases:horovod_optimizer_step", timeout=100))
+    mean = [(a + b) / 2 for a, b in zip(results[0]["local"], results[1]["local"])]
+    assert results[0]["local"] != results[1]["local"]
+    for result in results:
+        assert result["reduced"] == pytest.approx(mean, rel=1e-6)
 
 
 def test_deliberately_absent_names_are_absent():

@@ -29,13 +29,11 @@ from dynamix_byteps.batch_plan import (
 )
 from dynamix_byteps.data.sampler import DynamicBatchSampler
 from dynamix_byteps.errors import InvalidAssignmentError
+from dynamix_byteps.reduce_ops import Adasum, Average, Sum
 from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.data import dynamic_batch_dataset
 from dynamix_byteps.tensorflow.gradients import DistributedGradientTape
 from dynamix_byteps.tensorflow.ops import (
-    Adasum,
-    Average,
-    Sum,
     broadcast,
     broadcast_global_variables,
     broadcast_variables,

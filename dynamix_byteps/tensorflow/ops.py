@@ -18,14 +18,12 @@ from collections.abc import Iterable
 import tensorflow as tf
 
 from dynamix_byteps import rank
+from dynamix_byteps.reduce_ops import Average, Sum
+from dynamix_byteps.reduce_ops import check_gradient_op as check_gradient_op  # re-exported for gradients.py
 from dynamix_byteps.tensorflow.bridge import call, dense, to_tf, to_torch
 from dynamix_byteps.torch import ops as _torch_ops
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
-
-Average = "Average"
-Sum = "Sum"
-Adasum = "Adasum"  # BytePS's name; no reduction here implements it
 
 _BROADCAST_NAME = "Broadcast"
 
@@ -38,17 +36,6 @@ def _is_average(average: bool | None, op: str | None) -> bool:
     if op not in (Average, Sum):
         raise ValueError(f"push_pull op must be bps.Average or bps.Sum, got {op!r} (Adasum is not implemented)")
     return op == Average
-
-
-def check_gradient_op(op: str) -> None:
-    """Raise ValueError unless ``op`` is ``Average``: gradients are always averaged over the workers.
-
-    BytePS's ``DistributedOptimizer`` and ``DistributedGradientTape`` take ``op`` too, average
-    whatever it says and refuse ``Adasum``; here ``Sum`` is refused as well instead of being ignored.
-    """
-    if op != Average:
-        raise ValueError(f"op={op!r}: gradients are always averaged over the workers, weighted by their batch "
-                         "sizes; pass op=bps.Average or leave op out")
 
 
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.complex64, tf.complex128,

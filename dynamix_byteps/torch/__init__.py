@@ -27,6 +27,7 @@ from dynamix_byteps.errors import (
     InvalidAssignmentError,
     TensorMismatchError,
 )
+from dynamix_byteps.reduce_ops import Adasum, Average, Sum
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -44,6 +45,8 @@ from dynamix_byteps.torch.parallel import DistributedDataParallel
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 __all__ = [
+    "Adasum",
+    "Average",
     "CommunicationError",
     "Compression",
     "ConfigurationError",
@@ -51,6 +54,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicBatchSampler",
     "InvalidAssignmentError",
+    "Sum",
     "TensorMismatchError",
     "broadcast_object",
     "broadcast_optimizer_state",

@@ -22,6 +22,7 @@ import torch
 from dynamix_byteps.aggregation import UNSET, GradientAggregator
 from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.reduce_ops import Average, check_gradient_op, check_gradient_predivide_factor
 from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.reducer import BucketReducer
@@ -199,8 +200,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: type[Compressor] = Compression.none,
-                         backward_passes_per_step: int = 1, lr_scaling: str | None = None,
-                         base_batch_size: int | None = None, batch_plan=None) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, op: str = Average, gradient_predivide_factor: float = 1.0,
+                         lr_scaling: str | None = None, base_batch_size: int | None = None,
+                         batch_plan=None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that :meth:`step` first averages gradients over all workers,
     weighted by each worker's local batch size (``optimizer.set_local_batch_size(n)``).
 
@@ -213,6 +215,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
         backward_passes_per_step: backward passes accumulated locally before each reduction.
             Bucket size: ``DYNAMIX_FUSION_BYTES`` (default 25 MiB).
+        op: Horovod's argument; must be ``Average`` (gradients are always averaged).
+        gradient_predivide_factor: Horovod's argument, a number > 0; it splits Horovod's average
+            into a division before the sum and one after it, so the average, and the result here,
+            are the same whatever it is.
         lr_scaling: how the learning rate follows the global batch B: ``none``, ``linear``
             (B/B0), ``sqrt`` (√(B/B0)) or ``adascale`` (AdaScale gain; AdamScale for Adam/AdamW);
             default: ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
@@ -230,10 +236,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Raises:
         ValueError: duplicate or missing parameter names, ``backward_passes_per_step`` not an
-            integer >= 1, an unknown ``lr_scaling`` rule, a ``base_batch_size`` below 1, or an
-            optimizer that re-evaluates its closure (``LBFGS``).
+            integer >= 1, ``op`` not ``Average`` (``Sum``, ``Adasum``), ``gradient_predivide_factor``
+            not a finite number > 0, an unknown ``lr_scaling`` rule, a ``base_batch_size`` below 1,
+            or an optimizer that re-evaluates its closure (``LBFGS``).
         TypeError: ``batch_plan`` is not a ``BatchPlan``.
     """
+    check_gradient_op(op)
+    check_gradient_predivide_factor(gradient_predivide_factor)
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS re-evaluates its closure several times per step, which cannot be "
                          "aggregated across workers; use a first-order optimizer")
