@@ -163,6 +163,19 @@ HOROVOD = {
         "DistributedOptimizer": function("(optimizer, named_parameters=None, compression=Compression.none, "
                                          "backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0)"),
     }),
+    "horovod.tensorflow": ("dynamix_byteps.tensorflow", "dynamix_byteps.tensorflow", {
+        **OPS,
+        "DistributedOptimizer": function("(optimizer, name=None, use_locking=False, device_dense='', "
+                                         "device_sparse='', compression=Compression.none, sparse_as_dense=False, "
+                                         "backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, "
+                                         "average_aggregated_gradients=False)"),
+    }),
+    "horovod.tensorflow.keras": ("dynamix_byteps.tensorflow.keras", "dynamix_byteps.tensorflow", {
+        "DistributedOptimizer": function("(optimizer, name=None, device_dense='', device_sparse='', "
+                                         "compression=Compression.none, sparse_as_dense=False, "
+                                         "gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1, "
+                                         "average_aggregated_gradients=False)"),
+    }),
 }
 HOROVOD_CASES = [(horovod_module, name) for horovod_module, (_, _, names) in HOROVOD.items() for name in names]
 # Horovod names with a BytePS name for the same thing: a port renames them (the README says how), and
@@ -431,6 +444,17 @@ def test_tensorflow_and_keras_additions(tmp_path):
     assert results[0]["positional_optimizer"] == pytest.approx(results[1]["positional_optimizer"], rel=1e-6)
     assert results[0]["loaded_model"]["weights"] == pytest.approx(results[1]["loaded_model"]["weights"], rel=1e-6)
     _check_learning_rates(results[0]["lr_callbacks"], size=2)
+
+
+@pytest.mark.timeout(180)
+def test_keras_optimizer_takes_horovods_arguments():
+    pytest.importorskip("tensorflow")
+    (result,) = ok(run_workers(1, "tf_parity_cases:horovod_keras_optimizer", timeout=160))
+    weights = result["weights"]
+    assert weights["horovod_keras"] == pytest.approx(weights["plain"], rel=1e-6)
+    assert weights["horovod_tf"] == pytest.approx(weights["plain"], rel=1e-6)
+    assert result["more_passes"].startswith("ValueError: backward_passes_per_step=2 is not supported")
+    assert "batches that many times larger" in result["more_passes"]
 
 
 def _check_learning_rates(result: dict, size: int, initial: float = 0.1, warmup: int = 2, steps: int = 4):

@@ -125,6 +125,30 @@ def loaded_model(directory: str) -> dict:
     return results
 
 
+def _flat(variables) -> list[float]:
+    return [float(v) for v in np.concatenate([np.ravel(variable.numpy()) for variable in variables])]
+
+
+def horovod_keras_optimizer() -> dict:
+    """Horovod's tensorflow2_keras_mnist.py call, ``DistributedOptimizer(opt, backward_passes_per_step=1,
+    average_aggregated_gradients=True)``, and the TensorFlow one with Horovod's arguments, train as
+    the plain wrapper does (the trained weights); more than one pass per step is refused."""
+    horovod = {"backward_passes_per_step": 1, "average_aggregated_gradients": True}
+    weights = {}
+    for label, wrap in [("plain", bps_keras.DistributedOptimizer),
+                        ("horovod_keras", lambda opt: bps_keras.DistributedOptimizer(opt, **horovod)),
+                        ("horovod_tf", lambda opt: bps.DistributedOptimizer(opt, op=bps.Average,
+                                                                            gradient_predivide_factor=2.0, **horovod))]:
+        model = _model()
+        model.compile(optimizer=wrap(keras.optimizers.Adam(0.01)), loss=keras.losses.MeanSquaredError())
+        x, y = _data(bps.rank())
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+        weights[label] = _flat(model.weights)
+    more = _refused(lambda: bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                                           average_aggregated_gradients=True))
+    return {"weights": weights, "more_passes": more}
+
+
 class _Recorder(keras.callbacks.Callback):
     """Records, per batch, the learning rate the step will use and the size (sum of absolute
     values) of SGD's velocity before and after it.

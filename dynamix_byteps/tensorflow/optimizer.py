@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import keras
 
+from dynamix_byteps.reduce_ops import Average
 from dynamix_byteps.tensorflow.keras import optimizer as _keras_optimizer
-from dynamix_byteps.tensorflow.ops import Average, check_gradient_op
 from dynamix_byteps.torch.compression import Compression, Compressor
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, use_locking: bool = False,
                          device_dense: str = "", device_sparse: str = "",
                          compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-                         backward_passes_per_step: int = 1, op: str = Average, lr_scaling: str | None = None,
+                         backward_passes_per_step: int = 1, op: str = Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, lr_scaling: str | None = None,
                          base_batch_size: int | None = None, batch_plan=None) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that every update first averages the gradients over all workers,
     weighted by each worker's local batch size; see
@@ -26,24 +27,26 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         device_sparse: as for the Keras ``DistributedOptimizer``.
         compression: as for the Keras ``DistributedOptimizer``.
         sparse_as_dense: as for the Keras ``DistributedOptimizer``.
+        backward_passes_per_step: as for the Keras ``DistributedOptimizer``: must be 1, as in
+            BytePS with a Keras optimizer.
+        op: as for the Keras ``DistributedOptimizer``: must be ``Average`` (BytePS refused
+            ``Adasum`` too).
+        gradient_predivide_factor: as for the Keras ``DistributedOptimizer`` (Horovod's).
+        average_aggregated_gradients: as for the Keras ``DistributedOptimizer`` (Horovod's).
         lr_scaling: as for the Keras ``DistributedOptimizer``.
         base_batch_size: as for the Keras ``DistributedOptimizer``.
         batch_plan: as for the Keras ``DistributedOptimizer``.
         use_locking: accepted for BytePS compatibility (it applies to TensorFlow 1 optimizers).
-        backward_passes_per_step: must be 1, as in BytePS with a Keras optimizer.
-        op: must be ``Average`` (gradients are always averaged; BytePS refused ``Adasum`` too).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras 3 optimizer (TensorFlow 1 ``tf.compat.v1.train``
             optimizers are not supported: use the ``keras.optimizers`` one), or ``batch_plan`` is
             not a ``BatchPlan``.
-        ValueError: ``backward_passes_per_step`` is not 1, ``op`` is not ``Average``, or as the
-            Keras ``DistributedOptimizer``.
+        ValueError: as the Keras ``DistributedOptimizer``.
     """
-    del use_locking, device_dense, device_sparse, sparse_as_dense
-    if backward_passes_per_step != 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: a Keras optimizer reduces the "
-                         "gradients of every step (BytePS refuses more than 1 too); leave it at 1")
-    check_gradient_op(op)
-    return _keras_optimizer.DistributedOptimizer(optimizer, name, compression=compression, lr_scaling=lr_scaling,
-                                                 base_batch_size=base_batch_size, batch_plan=batch_plan)
+    del use_locking
+    return _keras_optimizer.DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op, backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, lr_scaling=lr_scaling,
+        base_batch_size=base_batch_size, batch_plan=batch_plan)

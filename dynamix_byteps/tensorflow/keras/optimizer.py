@@ -13,6 +13,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from dynamix_byteps.reduce_ops import Average, check_gradient_op, check_gradient_predivide_factor
 from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.tensorflow.gradients import GradientReducer
 from dynamix_byteps.tensorflow.ops import variable_name
@@ -67,8 +68,10 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
                          device_sparse: str = "", compression: type[Compressor] = Compression.none,
-                         sparse_as_dense: bool = False, lr_scaling: str | None = None,
-                         base_batch_size: int | None = None, batch_plan=None) -> keras.optimizers.Optimizer:
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: str = Average,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                         lr_scaling: str | None = None, base_batch_size: int | None = None,
+                         batch_plan=None) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that every update first averages the gradients over all
     workers, weighted by each worker's local batch size, and scales the learning rate with the
     global batch.
@@ -86,6 +89,14 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         device_sparse: accepted for BytePS compatibility.
         sparse_as_dense: accepted for BytePS compatibility (sparse gradients are always densified).
         compression: ``Compression.none`` or ``Compression.fp16``.
+        gradient_predivide_factor: Horovod's argument, a number > 0; it splits Horovod's average
+            into a division before the sum and one after it, so the average, and the result here,
+            are the same whatever it is.
+        op: Horovod's argument; must be ``Average`` (gradients are always averaged).
+        backward_passes_per_step: Horovod's argument; must be 1: every step's gradients are
+            reduced (to accumulate N batches, train on batches N times larger).
+        average_aggregated_gradients: Horovod's argument; it applies to more than one backward
+            pass per step only, so it has no effect.
         lr_scaling: ``none``, ``linear`` (B/B0), ``sqrt`` or ``adascale`` (AdamScale for
             Adam/AdamW); default ``bpslaunch --lr-scaling`` through ``DYNAMIX_LR_SCALING``, else ``none``.
         base_batch_size: B0, the global batch the learning rate was tuned for; default: the
@@ -101,9 +112,17 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     Raises:
         TypeError: ``optimizer`` is not a Keras 3 optimizer, or ``batch_plan`` is not a ``BatchPlan``.
         ValueError: the optimizer was already built (its state would be lost: wrap it before
-            training), an unknown ``lr_scaling`` rule, or a ``base_batch_size`` below 1.
+            training), ``op`` is not ``Average``, ``gradient_predivide_factor`` is not a finite
+            number > 0, ``backward_passes_per_step`` is not 1, an unknown ``lr_scaling`` rule, or a
+            ``base_batch_size`` below 1.
     """
-    del device_dense, device_sparse, sparse_as_dense
+    del device_dense, device_sparse, sparse_as_dense, average_aggregated_gradients
+    check_gradient_op(op)
+    check_gradient_predivide_factor(gradient_predivide_factor)
+    if backward_passes_per_step != 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} is not supported: the Keras "
+                         "DistributedOptimizer reduces the gradients of every step (BytePS refuses more than 1 too); "
+                         "leave it at 1 and train on batches that many times larger instead")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras 3 optimizer (keras.optimizers.*), got "
                         f"{type(optimizer).__name__}")
