@@ -457,6 +457,19 @@ def test_keras_optimizer_takes_horovods_arguments():
     assert "batches that many times larger" in result["more_passes"]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("suffix", ["h5", "keras"])
+def test_load_model_keeps_the_optimizer_state(tmp_path, suffix):
+    pytest.importorskip("tensorflow")
+    (result,) = ok(run_workers(1, "tf_parity_cases:resumed_optimizer_state", str(tmp_path), suffix, timeout=160))
+    assert result["wrapped"]
+    assert result["saved"][0] == 4, "iterations"
+    assert len(result["saved"]) > 2, "no momentum saved"
+    assert result["loaded"] == pytest.approx(result["saved"], rel=1e-6)
+    assert [w for w in result["warnings"] if "Skipping variable loading" in w] == []
+    assert result["iterations_after_resuming"] == 8
+
+
 def _check_learning_rates(result: dict, size: int, initial: float = 0.1, warmup: int = 2, steps: int = 4):
     rows = result["known"]["rows"]
     assert len(rows) == 3 * steps and result["known"]["warnings"] == []

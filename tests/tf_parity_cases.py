@@ -149,6 +149,26 @@ def horovod_keras_optimizer() -> dict:
     return {"weights": weights, "more_passes": more}
 
 
+def resumed_optimizer_state(directory: str, suffix: str) -> dict:
+    """A model trained 4 steps with SGD and momentum, saved as ``model.<suffix>`` (``h5`` or ``keras``)
+    as BytePS's and Horovod's ModelCheckpoint does, loaded with bps_keras.load_model and trained 4
+    steps more: the optimizer's variables saved and loaded, and the iteration count at the end."""
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=keras.losses.MeanSquaredError())
+    x, y = _data(7)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    path = os.path.join(directory, f"model.{suffix}")
+    model.save(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = bps_keras.load_model(path)
+    result = {"saved": _flat(model.optimizer.variables), "loaded": _flat(loaded.optimizer.variables),
+              "wrapped": hasattr(loaded.optimizer, "dynamix"), "warnings": [str(w.message) for w in caught]}
+    loaded.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    result["iterations_after_resuming"] = int(loaded.optimizer.iterations.numpy())
+    return result
+
+
 class _Recorder(keras.callbacks.Callback):
     """Records, per batch, the learning rate the step will use and the size (sum of absolute
     values) of SGD's velocity before and after it.

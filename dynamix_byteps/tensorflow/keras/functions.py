@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import h5py
 import keras
+import numpy as np
 import tensorflow as tf
+from keras.src.legacy.saving import legacy_h5_format
 
 from dynamix_byteps.tensorflow import ops as _ops
 from dynamix_byteps.tensorflow.keras.optimizer import DistributedOptimizer
@@ -45,7 +48,9 @@ def load_model(filepath, custom_optimizers: Sequence[type] | None = None,
                custom_objects: Mapping[str, object] | None = None,
                compression: type[Compressor] = Compression.none) -> keras.Model:
     """Load a saved Keras model and wrap its optimizer in :func:`DistributedOptimizer`, keeping
-    the optimizer's state (slots, iteration count), so training resumes where it stopped.
+    the optimizer's state (slots, iteration count), so training resumes where it stopped; from
+    an ``.h5`` file too, where ``keras.models.load_model`` keeps only the iteration count and the
+    learning rate.
 
     Args:
         filepath: what ``keras.models.load_model`` reads (a ``.keras`` or ``.h5`` file).
@@ -67,12 +72,27 @@ def load_model(filepath, custom_optimizers: Sequence[type] | None = None,
     loaded = getattr(model, "optimizer", None)
     if loaded is None:
         return model
-    # DistributedOptimizer copies a config, never state: move the loaded variables across.
+    # DistributedOptimizer copies a config, never state: move the saved variables across.
+    state = _saved_optimizer_variables(filepath, loaded)
     wrapped = DistributedOptimizer(type(loaded).from_config(loaded.get_config()), compression=compression)
-    if loaded.built:
+    if len(state) > len(wrapped.variables):  # saved after training, with its slots (momentum, ...)
         wrapped.build(model.trainable_variables)
-        state: dict = {}
-        loaded.save_own_variables(state)
-        wrapped.load_own_variables(state)
+    wrapped.load_own_variables(state)
     model.optimizer = wrapped
     return model
+
+
+def _saved_optimizer_variables(filepath, loaded: keras.optimizers.Optimizer) -> dict[str, np.ndarray]:
+    """The saved optimizer's variables as ``Optimizer.load_own_variables`` takes them:
+    ``{"0": iterations, "1": learning rate, "2": the first slot, ...}``."""
+    if str(filepath).endswith((".h5", ".hdf5")):
+        # Keras' HDF5 loader builds the optimizer on the model's own variables, which a Sequential
+        # or functional model does not have, so it restores only the iteration count and the
+        # learning rate; the file holds every variable.
+        with h5py.File(filepath, "r") as file:
+            if "optimizer_weights" in file:
+                values = legacy_h5_format.load_optimizer_weights_from_hdf5_group(file)
+                return {str(i): np.asarray(value[()]) for i, value in enumerate(values)}
+    state: dict = {}
+    loaded.save_own_variables(state)
+    return state
