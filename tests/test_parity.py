@@ -171,6 +171,8 @@ HOROVOD = {
                                          "average_aggregated_gradients=False)"),
     }),
     "horovod.tensorflow.keras": ("dynamix_byteps.tensorflow.keras", "dynamix_byteps.tensorflow", {
+        "Average": OPS["Average"],
+        "Sum": OPS["Sum"],
         "DistributedOptimizer": function("(optimizer, name=None, device_dense='', device_sparse='', "
                                          "compression=Compression.none, sparse_as_dense=False, "
                                          "gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1, "

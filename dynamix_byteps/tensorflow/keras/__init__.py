@@ -1,6 +1,7 @@
 """The ``byteps.tensorflow.keras`` API on dynamix_byteps for Keras 3 (TensorFlow backend).
 
 ``import dynamix_byteps.tensorflow.keras as bps_keras`` gives ``DistributedOptimizer``,
+Horovod's ``Average`` and ``Sum`` (for its ``op=``),
 ``broadcast_global_variables``, ``push_pull``, ``broadcast``, ``load_model``, the TensorFlow
 frontend's ``init``, ``shutdown``, ``size``, ``local_size``, ``rank``, ``local_rank`` and
 ``Compression``, and ``callbacks`` (``BroadcastGlobalVariablesCallback``,
@@ -9,6 +10,7 @@ and ``BatchSizeCallback``, which applies batch-size assignments).
 """
 
 from dynamix_byteps import local_rank, local_size, rank, size
+from dynamix_byteps.reduce_ops import Average, Sum
 from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.keras import callbacks
 from dynamix_byteps.tensorflow.keras.callbacks import broadcast_global_variables
@@ -17,8 +19,10 @@ from dynamix_byteps.tensorflow.keras.optimizer import DistributedOptimizer
 from dynamix_byteps.torch.compression import Compression
 
 __all__ = [
+    "Average",
     "Compression",
     "DistributedOptimizer",
+    "Sum",
     "broadcast",
     "broadcast_global_variables",
     "callbacks",
