@@ -82,9 +82,10 @@ def torch_checks() -> dict:
 
 def ddp_with_device_ids_on_cpu() -> dict:
     """BytePS's ``benchmark_byteps_ddp.py --no-cuda``: a CPU model wrapped with
-    ``device_ids=[local_rank()]``, then one training step."""
+    ``device_ids=[local_rank()]`` (and PyTorch DDP's usual keywords), then one training step."""
     model = torch.nn.Linear(4, 2)
-    ddp = bps.parallel.DistributedDataParallel(model, device_ids=[bps.local_rank()])
+    ddp = bps.parallel.DistributedDataParallel(model, device_ids=[bps.local_rank()], output_device=bps.local_rank(),
+                                               find_unused_parameters=True, gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ddp(torch.randn(8, 4, generator=torch.Generator().manual_seed(bps.rank()))).sum().backward()
     optimizer.step()

@@ -25,6 +25,7 @@ from dynamix_byteps.aggregation import (
 )
 from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.negotiation import describe, fingerprint
+from dynamix_byteps.reduce_ops import Average, check_gradient_op
 from dynamix_byteps.tensorflow.bridge import (
     aligned_offsets,
     call,
@@ -32,7 +33,7 @@ from dynamix_byteps.tensorflow.bridge import (
     to_tf,
     to_torch,
 )
-from dynamix_byteps.tensorflow.ops import Average, check_gradient_op, variable_name
+from dynamix_byteps.tensorflow.ops import variable_name
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.training_step import TrainingStep
 

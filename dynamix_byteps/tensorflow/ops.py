@@ -19,7 +19,6 @@ import tensorflow as tf
 
 from dynamix_byteps import rank
 from dynamix_byteps.reduce_ops import Average, Sum
-from dynamix_byteps.reduce_ops import check_gradient_op as check_gradient_op  # re-exported for gradients.py
 from dynamix_byteps.tensorflow.bridge import call, dense, to_tf, to_torch
 from dynamix_byteps.torch import ops as _torch_ops
 from dynamix_byteps.torch.compression import Compression, Compressor

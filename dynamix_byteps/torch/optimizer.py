@@ -211,7 +211,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` over the model's parameters.
-        named_parameters: ``model.named_parameters()``; names appear in errors and timing.
+        named_parameters: ``model.named_parameters()``; names appear in errors and timing, and a
+            worker whose names differ raises TensorMismatchError. Without them parameters are
+            matched across workers by position and shape (as in BytePS and Horovod): list them
+            in the same order on every worker.
         compression: ``Compression.none`` or ``Compression.fp16`` (applied after weighting).
         backward_passes_per_step: backward passes accumulated locally before each reduction.
             Bucket size: ``DYNAMIX_FUSION_BYTES`` (default 25 MiB).

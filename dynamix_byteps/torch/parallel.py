@@ -51,10 +51,17 @@ class DistributedDataParallel(torch.nn.Module):
         batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
             (``sampler.batch_plan``) whose batch sizes weight the gradients; default: the
             process's default plan, the newest sampler's.
+        output_device: PyTorch DDP's argument, recorded only (as ``device_ids``).
+        find_unused_parameters: PyTorch DDP's argument, no effect: parameters that get no
+            gradient in a step are always handled (zeros in the sum; None where no worker had one).
+        gradient_as_bucket_view: PyTorch DDP's argument, no effect: gradients always are views
+            of their bucket.
+        static_graph: PyTorch DDP's argument, no effect.
 
     Attributes:
         module: the wrapped model.
         device_ids: ``device_ids`` as a list, or None.
+        output_device: ``output_device`` as given.
         gradient_noise: the :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale` it feeds.
 
     Raises:
@@ -66,13 +73,16 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
                  compression: type[Compressor] = Compression.none, bucket_cap_mb: float | None = None,
-                 batch_plan=None):
+                 batch_plan=None, *, output_device=None, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
         super().__init__()
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError(f"device_ids must hold exactly one device (this process's), got {device_ids!r}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         self.device_ids = None if device_ids is None else list(device_ids)
+        self.output_device = output_device
+        del find_unused_parameters, gradient_as_bucket_view, static_graph
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self._aggregator = GradientAggregator("sgd", compression, "none")
@@ -128,7 +138,10 @@ class DistributedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Inside this block backward passes accumulate gradients locally; the first backward
-        after it reduces everything accumulated (as PyTorch's and BytePS's ``no_sync``)."""
+        after it reduces everything accumulated (as PyTorch's and BytePS's ``no_sync``).
+
+        Use it alike on every worker, as with PyTorch's DDP: reductions pair up in order, so a
+        worker that skips one the others make pairs each later step with their previous one."""
         previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield
