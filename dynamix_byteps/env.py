@@ -45,6 +45,7 @@ MAX_BATCH = 2**31 - 1  # samples: the largest local batch size anything accepts 
 DEFAULT_DECISION_INTERVAL = 20
 JOB_ID_ENV = "DYNAMIX_JOB_ID"  # names the workers' monitoring mailboxes on this host (bpslaunch --policy)
 STARTED_DIR_ENV = "DYNAMIX_STARTED_DIR"  # each worker leaves a file named by its rank there once it joined
+COLLECTIVE_FAILED_SUFFIX = ".collective-failed"  # and <rank> + this once a collective of it failed
 CHECKPOINT_ENV = "DYNAMIX_CHECKPOINT"  # bpslaunch --checkpoint: the file a job saves to and resumes from
 RESTART_ENV = "DYNAMIX_RESTART"  # bpslaunch --restart-on-failure: 0 on the first run, then 1, 2, ...
 

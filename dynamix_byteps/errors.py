@@ -6,6 +6,8 @@ so code written against BytePS keeps working, and from :class:`DynamixError`, so
 wants to catch everything from this package can.
 """
 
+from collections.abc import Callable
+
 
 class DynamixError(Exception):
     """Base class of every error raised on purpose by dynamix_byteps."""
@@ -37,8 +39,34 @@ class TensorMismatchError(DynamixError, RuntimeError):
     """Workers submitted different names, shapes or dtypes to the same collective round."""
 
 
+_communication_failed = False  # see CommunicationError
+_on_communication_failure: Callable[[], None] | None = None
+
+
 class CommunicationError(DynamixError, RuntimeError):
-    """A collective failed: a peer died, the connection broke, or the operation timed out."""
+    """A collective failed: a peer died, the connection broke, or the operation timed out.
+
+    The first one a process raises calls the callback of :func:`on_communication_failure` (a
+    worker of bpslaunch tells its launcher at once: if it fails, its failure is not its own, see
+    :mod:`dynamix_byteps.engine`).
+    """
+
+    def __init__(self, *args):
+        global _communication_failed
+        super().__init__(*args)
+        if not _communication_failed:
+            _communication_failed = True
+            if _on_communication_failure is not None:
+                _on_communication_failure()
+
+
+def on_communication_failure(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` when this process raises its first :class:`CommunicationError` (now, if
+    it already has); it replaces the previous callback."""
+    global _on_communication_failure
+    _on_communication_failure = callback
+    if _communication_failed:
+        callback()
 
 
 class DatasetNotFoundError(DynamixError, FileNotFoundError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import kill_tree
+from conftest import clean_env, kill_tree, run_bpslaunch
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
 from dynamix_byteps.launcher.elastic import RunReport, decide
@@ -173,6 +173,38 @@ def test_when_every_worker_fails_at_once_the_job_is_not_shrunk(tmp_path):
     assert proc.returncode == 3, proc.stderr
     assert "the job failed before it started" in proc.stderr and "not restarting" in proc.stderr, proc.stderr
     assert "restart 1" not in proc.stderr and not (tmp_path / "c.pt").exists()
+
+
+@pytest.mark.timeout(240)
+def test_workers_that_each_fail_on_a_corrupt_checkpoint_a_moment_apart_end_the_job_without_a_restart(tmp_path):
+    # Each worker raises the same ConfigurationError and unwinds it at its own pace; they were
+    # SIGTERMed while still unwinding when the first had exited, so the job stepped down 3 -> 2 -> 1.
+    out, checkpoint = tmp_path / "out", tmp_path / "c.pt"
+    out.mkdir()
+    checkpoint.write_bytes(bytes(range(256)) * 8)
+    code, output = run_bpslaunch(["-n", 3, "--restart-on-failure", 2, "--checkpoint", checkpoint, "--grace-period", 10,
+                                  "--", sys.executable, WORKER, out, SAMPLES], timeout=220, env=clean_env(OMP_NUM_THREADS="1"))
+    assert code == 1, output[-3000:]
+    assert output.count(f"ConfigurationError: {checkpoint} ") == 3, output[-3000:]
+    assert "every worker failed on its own at once (exit codes [0] 1, [1] 1, [2] 1)" in output and "not restarting" in output, output[-3000:]
+    assert "restart 1" not in output
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_that_raises_mid_epoch_is_lost_and_the_job_restarts_on_the_others(tmp_path):
+    # Rank 1's exception breaks the others' collectives: they raise CommunicationError, so they do
+    # not fail on their own even when they exit by themselves.
+    out = tmp_path / "out"
+    out.mkdir()
+    code, output = run_bpslaunch(["-n", 3, "--batch-size", 8, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt",
+                                  "--grace-period", 10, "--", sys.executable, WORKER, out, 240, 1, 3],
+                                 timeout=220, env=clean_env(OMP_NUM_THREADS="1", ELASTIC_WORKER_RAISE="1"))
+    assert code == 0, output[-3000:]
+    assert "RuntimeError: rank 1 fails at step 3" in output, output[-3000:]
+    assert "restart 1 of 1 with 2 workers" in output and "failed on its own" not in output, output[-3000:]
+    runs = read_runs(out)
+    assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1]
+    assert sorted(trained_indices(runs)) == list(range(240))  # every sample exactly once
 
 
 @pytest.mark.timeout(90)

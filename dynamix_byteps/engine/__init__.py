@@ -8,7 +8,9 @@ group left to the interpreter's teardown could abort the process, "terminate cal
 active exception"). Engines are imported only when selected.
 
 When the engine has started, the worker tells its launcher so (``DYNAMIX_STARTED_DIR``: a failure
-before any worker got there is an error in the command, not a lost worker), and checks that its
+before any worker got there is an error in the command, not a lost worker), and when a collective
+of it fails (it raises :class:`~dynamix_byteps.errors.CommunicationError`: if it then fails, its
+failure came from a peer's or the network's, not its own), and checks that its
 monitoring mailbox (``DYNAMIX_JOB_ID``) can be created: when it cannot, it warns and unsets
 ``DYNAMIX_JOB_ID``, so the job trains without this worker's host metrics instead of crashing.
 """
@@ -17,14 +19,15 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import threading
 import warnings
 from pathlib import Path
 
 from dynamix_byteps.engine.base import Engine, Handle
-from dynamix_byteps.env import JOB_ID_ENV, STARTED_DIR_ENV, WorkerEnv, resolve_engine
-from dynamix_byteps.errors import NotInitializedError
+from dynamix_byteps.env import COLLECTIVE_FAILED_SUFFIX, JOB_ID_ENV, STARTED_DIR_ENV, WorkerEnv, resolve_engine
+from dynamix_byteps.errors import NotInitializedError, on_communication_failure
 
 __all__ = ["Engine", "Handle", "create", "current", "is_started", "start", "stop"]
 
@@ -78,13 +81,19 @@ def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
 
 
 def _tell_launcher_started(rank: int) -> None:
-    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>``: this worker joined the job (bpslaunch reads it)."""
+    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>``: this worker joined the job (bpslaunch reads it), and
+    ``<rank>.collective-failed`` as soon as a collective of it fails."""
     folder = os.environ.get(STARTED_DIR_ENV)
     if folder:
-        try:
-            (Path(folder) / str(rank)).touch()
-        except OSError:
-            pass  # only a restart decision reads it, and the folder may be gone with the launcher
+        _touch(Path(folder) / str(rank))
+        on_communication_failure(functools.partial(_touch, Path(folder) / f"{rank}{COLLECTIVE_FAILED_SUFFIX}"))
+
+
+def _touch(path: Path) -> None:
+    try:
+        path.touch()
+    except OSError:
+        pass  # only a restart decision reads it, and the folder may be gone with the launcher
 
 
 def _give_up_unusable_mailbox(rank: int) -> None:

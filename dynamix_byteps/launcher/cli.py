@@ -29,6 +29,7 @@ from dynamix_byteps.env import (
 )
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import DEFAULT_GRACE_S, PROG, LaunchConfig
+from dynamix_byteps.launcher.supervisor import SETTLE_S
 from dynamix_byteps.policy import POLICIES, option_names
 from dynamix_byteps.scaling.lr_scaling import RULES
 
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=_seconds, metavar="SECONDS", help="seconds a collective waits for its peers, at most 7 days (DYNAMIX_TIMEOUT)")
     parser.add_argument(
         "--grace-period", type=_seconds, default=DEFAULT_GRACE_S, metavar="SECONDS",
-        help=f"seconds between SIGTERM and SIGKILL when stopping workers, at most 7 days (default {DEFAULT_GRACE_S:g})",
+        help=f"seconds between SIGTERM and SIGKILL when stopping workers, at most 7 days (default {DEFAULT_GRACE_S:g}); "
+             f"after a worker fails, the others first get half of it, at most {SETTLE_S:g} s, to exit by themselves",
     )
     control = parser.add_argument_group(
         "dynamic batch sizes (a scheduler on node 0 decides them; without --policy none runs)")

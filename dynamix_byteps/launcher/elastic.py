@@ -4,8 +4,10 @@ the workers that are left, when one is lost (:func:`run`).
 On one host, a failed worker's run is followed by one with a worker fewer (ranks 0..size-2, a
 fresh scheduler for the new size, logs appended to), up to N times; every child sees
 ``DYNAMIX_RESTART`` (0, 1, 2, ...) and ``DYNAMIX_CHECKPOINT``. A run that failed before any worker
-got through ``bps.init``, or in which every worker exited with a code > 0 by itself, is an error
-in the command, not a lost worker: it is not restarted.
+got through ``bps.init``, or in which every worker failed on its own, is an error in the command,
+not a lost worker: it is not restarted. A worker failed on its own when it exited with a code > 0
+by itself (the others get a moment for it after the first failure, see :mod:`.supervisor`) and no
+collective of it had failed (it raised no CommunicationError, which a peer's failure causes).
 
 Across hosts, the ``bpslaunch`` of every host agrees on the next run.
 With ``--hosts ... --restart-on-failure N``, node 0's launcher serves the gRPC restart rendezvous
@@ -47,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from dynamix_byteps.control.mailbox import remove_job_mailboxes
-from dynamix_byteps.env import STARTED_DIR_ENV
+from dynamix_byteps.env import COLLECTIVE_FAILED_SUFFIX, STARTED_DIR_ENV
 from dynamix_byteps.launcher.config import PROG, LaunchConfig
 from dynamix_byteps.launcher.rendezvous import REPORT_TIMEOUT_S, RendezvousServer, RunReport, end_round, leave
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
@@ -109,9 +111,9 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
     """
     while True:
         started = time.monotonic()
-        code, supervisor, started_workers = _supervise(config, specs)
+        code, supervisor, started_workers, self_failed = _supervise(config, specs)
         if config.multi_host_elastic:
-            decision = _coordinate(config, env, supervisor, code, coordinator, started_workers)
+            decision = _coordinate(config, env, supervisor, code, coordinator, started_workers, self_failed)
             if "exit" in decision:
                 if decision["exit"] != 0:
                     print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
@@ -120,8 +122,7 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
             if config is None:
                 return 0
         else:
-            failed, self_failed = supervisor.failed_worker, supervisor.self_failed
-            server = supervisor.failed_service
+            failed, server = supervisor.failed_worker, supervisor.failed_service
             if code == 0 or (failed is None and server is None) or config.run >= config.restart_on_failure:
                 return code
             workers = [s.label for s in specs if not s.service]
@@ -167,14 +168,14 @@ def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
 
 
 def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Supervisor, code: int,
-                coordinator: RendezvousServer | None, started_workers: bool) -> dict:
+                coordinator: RendezvousServer | None, started_workers: bool, self_failed: Mapping[str, int]) -> dict:
     """Report how run ``config.run`` ended on this host and get the job's next step (see the module
     docstring): node 0 collects every host's report, decides and answers; the others ask node 0."""
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
     report = RunReport(node=topology.node_rank, run=config.run, code=code,
                        failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
                        failed_at=supervisor.failed_at, killed=[int(label) for label in supervisor.killed],
-                       self_failed=[int(label) for label in supervisor.self_failed],
+                       self_failed=[int(label) for label in self_failed],
                        workers=[int(s.label) for s in supervisor.specs if not s.service], started=started_workers,
                        server_failed=supervisor.failed_service is not None)
     # the launcher was signalled (or could not start the job)
@@ -230,9 +231,10 @@ def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: 
         slowdown=tuple((rank, spec) for rank, spec in config.slowdown if rank < total))
 
 
-def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool]:
-    """Run the job once; returns its exit code, the Supervisor (which worker's failure ended it,
-    when, and which failed on their own) and whether any worker got through ``bps.init``.
+def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool, dict[str, int]]:
+    """Run the job once; returns its exit code, the Supervisor (which worker's failure ended it and
+    when), whether any worker got through ``bps.init``, and the exit code of each worker that failed
+    on its own (the Supervisor's ``self_failed`` less those in which a collective had failed).
 
     Whatever ends the run (success, a worker's death, SIGTERM/SIGINT/SIGHUP to the launcher), the
     job's mailboxes left in /dev/shm are removed afterwards: a worker killed by a signal cannot."""
@@ -241,20 +243,29 @@ def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Super
              for spec in specs]
     try:
         scratch = [started] + ([config.temporary_run_dir] if config.temporary_run_dir is not None else [])
-        code, supervisor = _supervise_once(config, specs, scratch)
-        return code, supervisor, any(started.iterdir())
+        # Once a collective failed, the failure spread: the others need no time to fail on their own.
+        code, supervisor = _supervise_once(config, specs, scratch, lambda: bool(_collective_failures(started)))
+        own = {w: c for w, c in supervisor.self_failed.items() if w not in _collective_failures(started)}
+        return code, supervisor, any(started.iterdir()), own
     finally:
         shutil.rmtree(started, ignore_errors=True)
         remove_job_mailboxes(config.job_id)
 
 
-def _supervise_once(config: LaunchConfig, specs: list[ChildSpec], scratch: list[Path]) -> tuple[int, Supervisor]:
+def _collective_failures(started: Path) -> set[str]:
+    """The workers that told the launcher a collective of theirs failed (see :mod:`dynamix_byteps.engine`)."""
+    return {p.name.removesuffix(COLLECTIVE_FAILED_SUFFIX) for p in started.glob(f"*{COLLECTIVE_FAILED_SUFFIX}")}
+
+
+def _supervise_once(config: LaunchConfig, specs: list[ChildSpec], scratch: list[Path],
+                    settled: Callable[[], bool]) -> tuple[int, Supervisor]:
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
-        supervisor = Supervisor(specs, grace_s=config.grace_period, scratch_dirs=scratch)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, scratch_dirs=scratch, settled=settled)
         return supervisor.run(), supervisor
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(config.run_dir / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
-        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard, scratch_dirs=scratch)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard, scratch_dirs=scratch,
+                                settled=settled)
         return supervisor.run(), supervisor

@@ -7,9 +7,13 @@ the children's groups, grandchildren included, if the launcher dies without clea
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
 with a ``[label] `` prefix (:mod:`.output`), and raw to the child's log file when one is
-given. The first child to exit non-zero decides the exit code; the others then get
-SIGTERM, and SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher
-is forwarded to every group the same way and the launcher returns ``128 + signal``.
+given. The first child to exit non-zero decides the exit code; the workers still running get
+``settle_s`` (half of ``grace_s``, at most ``SETTLE_S``) to exit by themselves, so that workers
+failing the same way a moment apart are each seen failing on their own rather than stopped by the
+launcher; the caller's ``settled`` ends that wait early. Then what still runs gets SIGTERM, and
+SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher is forwarded to
+every group the same way (at once, also during ``settle_s``) and the launcher returns
+``128 + signal``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dynamix_byteps.launcher.output import Output
 _PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
+SETTLE_S = 5.0  # the longest wait, after a failure, for the other workers to exit by themselves
 
 try:  # Linux only; elsewhere children still get their own group and the guardian.
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -122,7 +127,8 @@ class Supervisor:
 
     Args:
         specs: the processes to start, in order.
-        grace_s: seconds between SIGTERM and SIGKILL when stopping children (> 0).
+        grace_s: seconds between SIGTERM and SIGKILL when stopping children (> 0); half of it,
+            at most ``SETTLE_S``, is ``settle_s``, the wait after a failure before the SIGTERM.
         stdout, stderr: binary streams that receive the prefixed lines; default the
             launcher's own ``sys.stdout.buffer`` / ``sys.stderr.buffer``.
         poll_s: seconds between checks of the children's state.
@@ -131,13 +137,16 @@ class Supervisor:
         scratch_dirs: the caller's temporary directories (absolute paths named ``dynamix-*``),
             removed by the guardian if the launcher dies without cleaning up; the caller removes
             them itself otherwise.
+        settled: asked while the others get ``settle_s`` after a failure; True stops them at once
+            (whether they fail on their own no longer matters); default never.
 
     After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
     the job (None when all succeeded, or a signal or a service ended it), ``failed_at`` the wall-clock
     time (``time.time()``) its failure was seen, ``self_failed`` maps each worker that exited
-    with a code > 0 before the launcher signalled it to that code, and ``killed`` lists the workers
-    that died of a signal the launcher did not send; ``failed_service`` is the label of the
-    essential service whose failure ended the job instead (then ``failed_worker`` is None).
+    with a code > 0 by itself (before the launcher signalled it: within ``settle_s`` of the first
+    failure) to that code, and ``killed`` lists the workers that died of a signal the launcher did
+    not send; ``failed_service`` is the label of the essential service whose failure ended the job
+    instead (then ``failed_worker`` is None).
     """
 
     def __init__(
@@ -149,6 +158,7 @@ class Supervisor:
         poll_s: float = 0.05,
         write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
         scratch_dirs: Sequence[Path] = (),
+        settled: Callable[[], bool] = lambda: False,
     ):
         if not specs:
             raise ValueError("Supervisor needs at least one ChildSpec")
@@ -159,6 +169,8 @@ class Supervisor:
                 raise ValueError(f"scratch directory {str(folder)!r} must be an absolute path named dynamix-*")
         self.specs = list(specs)
         self.grace_s = grace_s
+        self.settle_s = min(SETTLE_S, grace_s / 2)
+        self.settled = settled
         self.poll_s = poll_s
         self.output = Output(stdout, stderr, write_guard)
         self.scratch_dirs = list(scratch_dirs)
@@ -285,6 +297,7 @@ class Supervisor:
         exit_code: int | None = None
         services_stopping = False
         stopping_since: float | None = None
+        settle_until: float | None = None  # after a failure: the workers may still exit by themselves until then
         signals_at_stop = 0
         killed = False
         stopped_by_a_worker: _Child | None = None
@@ -309,7 +322,7 @@ class Supervisor:
                         continue
                     exit_code = self._fail(child, rc, "; the workers cannot go on without it")
                     self.failed_service = child.spec.label
-                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                    settle_until, signals_at_stop = time.monotonic() + self.settle_s, self._signal_count
                     continue
                 if child.spec.service:
                     expected = rc == 0 and child.spec.ends_with_workers
@@ -323,17 +336,23 @@ class Supervisor:
                 if rc != 0 and exit_code is None:
                     exit_code = self._fail(child, rc)
                     self.failed_worker = child.spec.label
-                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                    settle_until, signals_at_stop = time.monotonic() + self.settle_s, self._signal_count
             if self._count_live() == 0:
                 if exit_code is None and stopped_by_a_worker is not None:
                     return self._fail(stopped_by_a_worker, stopped_by_a_worker.returncode,
                                       "; a worker stopped it after a collective failed")
                 return 0 if exit_code is None else exit_code
             if not services_stopping and all(c.returncode is not None for c in self._children if not c.spec.service):
-                services_stopping = True
+                services_stopping, settle_until = True, None
                 self._signal_live(signal.SIGTERM)
                 if stopping_since is None:
                     stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+            # A signal to the launcher ends the wait as well: it means "stop now".
+            if settle_until is not None and (time.monotonic() >= settle_until or self._signal_count > signals_at_stop
+                                             or self.settled()):
+                settle_until = None
+                self._signal_live(signal.SIGTERM)
+                stopping_since, signals_at_stop = time.monotonic(), self._signal_count
             if not killed and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
                 if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:
@@ -342,12 +361,12 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     def _fail(self, child: _Child, rc: int, why: str = "") -> int:
-        """``child``'s exit ``rc`` ends the job: say so, stop the others; returns the job's exit code."""
+        """``child``'s exit ``rc`` ends the job: say so; returns the job's exit code (:meth:`_wait`
+        stops the others after ``settle_s``)."""
         self.failed_at = time.time()
         how = f"was killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}"
         others = self._count_live()
         self.output.note(f"[{child.spec.label}] {how}{why}" + (f"; stopping {others} other process(es)" if others else ""))
-        self._signal_live(signal.SIGTERM)
         return exit_code_of(rc)
 
     def _count_live(self) -> int:

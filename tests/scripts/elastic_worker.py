@@ -7,8 +7,10 @@ It appends one JSON line per event to ``OUT_DIR/rank<r>.run<k>.jsonl`` (``k`` = 
 trained step ``{"step": s, "indices": [...], "time": wall}``.
 
 Usage: elastic_worker.py OUT_DIR SAMPLES [KILL_RANK KILL_STEP [STEP_SLEEP_S [EVERY]]]; KILL_RANK SIGKILLs
-itself just before training KILL_STEP, in the first run only; EVERY (default 1): checkpoint every
-EVERY steps (the steps since the last checkpoint are trained again after a restart).
+itself just before training KILL_STEP, in the first run only (with ``ELASTIC_WORKER_RAISE=1`` it
+raises RuntimeError there instead: a failure of its own, which breaks the others' collectives);
+EVERY (default 1): checkpoint every EVERY steps (the steps since the last checkpoint are trained
+again after a restart).
 """
 
 import json
@@ -45,6 +47,8 @@ with open(out_dir / f"rank{bps.rank()}.run{run}.jsonl", "a", buffering=1) as log
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
     for x, y, index in torch.utils.data.DataLoader(data, batch_sampler=sampler):
         if run == 0 and bps.rank() == kill_rank and step == kill_step:
+            if os.environ.get("ELASTIC_WORKER_RAISE") == "1":
+                raise RuntimeError(f"rank {kill_rank} fails at step {kill_step}")
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(step_sleep)
         opt.zero_grad()
