@@ -283,24 +283,18 @@ def entry_problems(module, name: str, spec: tuple, defaults_from) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("byteps_module,name", CASES, ids=[f"{m}.{n}" for m, n in CASES])
-def test_byteps_name_exists_with_compatible_arguments(byteps_module, name):
-    ours, defaults_module, names = BYTEPS[byteps_module]
+NAME_CASES = [("BytePS", BYTEPS, case) for case in CASES] + [("Horovod", HOROVOD, case) for case in HOROVOD_CASES]
+
+
+@pytest.mark.parametrize("library,table,case", NAME_CASES, ids=[f"{m}.{n}" for _, _, (m, n) in NAME_CASES])
+def test_byteps_or_horovod_name_exists_with_compatible_arguments(library, table, case):
+    their_module, name = case
+    ours, defaults_module, names = table[their_module]
     if "tensorflow" in ours:
         pytest.importorskip("tensorflow")
     module = importlib.import_module(ours)
     problems = entry_problems(module, name, names[name], importlib.import_module(defaults_module))
-    assert problems == [], f"{ours}.{name} (BytePS {byteps_module}.{name}): " + "; ".join(problems)
-
-
-@pytest.mark.parametrize("horovod_module,name", HOROVOD_CASES, ids=[f"{m}.{n}" for m, n in HOROVOD_CASES])
-def test_horovod_name_exists_with_compatible_arguments(horovod_module, name):
-    ours, defaults_module, names = HOROVOD[horovod_module]
-    if "tensorflow" in ours:
-        pytest.importorskip("tensorflow")
-    module = importlib.import_module(ours)
-    problems = entry_problems(module, name, names[name], importlib.import_module(defaults_module))
-    assert problems == [], f"{ours}.{name} (Horovod {horovod_module}.{name}): " + "; ".join(problems)
+    assert problems == [], f"{ours}.{name} ({library} {their_module}.{name}): " + "; ".join(problems)
 
 
 def test_horovod_names_are_added_only_where_byteps_has_none():
