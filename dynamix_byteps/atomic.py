@@ -61,7 +61,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', not {mode!r}")
-    target = Path(os.path.realpath(path))  # errors name ``path``, the caller's name for it
+    try:
+        target = Path(os.path.realpath(path, strict=os.path.islink(path)))  # errors name ``path``, the caller's
+    except FileNotFoundError:  # a link to a file still to be created
+        target = Path(os.path.realpath(path))
+    except OSError as error:  # a symlink loop, which open() would refuse too
+        raise OSError(error.errno, error.strerror, str(path)) from None
     if target.exists() and not target.is_file() and not target.is_dir():  # a directory: os.replace refuses it below
         raise OSError(errno.EINVAL, "exists and is not a regular file (a device, pipe or socket), which a "
                       "replacement would destroy; name a file", str(path))

@@ -58,6 +58,25 @@ def test_a_path_that_is_not_a_regular_file_is_refused_and_left_as_it_was(tmp_pat
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
+def test_a_symlink_loop_is_refused_and_left_as_it_was(tmp_path):
+    import errno
+
+    loop = tmp_path / "a"
+    loop.symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(loop)
+    with pytest.raises(OSError) as error:
+        write_atomic(loop, "{}")
+    assert error.value.errno == errno.ELOOP and error.value.filename == str(loop)
+    assert loop.is_symlink() and sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_a_dangling_symlink_gets_its_target_created(tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target.json")
+    write_atomic(link, "{}")
+    assert link.is_symlink() and (tmp_path / "target.json").read_text() == "{}"
+
+
 def test_a_directory_that_refuses_new_files_is_reported_under_the_callers_name(tmp_path):
     """``sim fit --out /proc/x.json`` named the hidden temporary file in its error."""
     with pytest.raises(OSError) as error:

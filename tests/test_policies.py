@@ -299,8 +299,15 @@ def test_a_whole_number_option_is_not_truncated(option, value):
         make_policy("goodput", **{option: value})
 
 
-def test_a_whole_number_option_takes_numpy_integers():
-    assert make_policy("goodput", max_global_batch=np.int64(512)).max_global_batch == 512
+@pytest.mark.parametrize("value", [np.int64(512), 512.0, 5.12e2])
+def test_a_whole_number_option_takes_numpy_integers_and_whole_floats(value):
+    policy = make_policy("goodput", max_global_batch=value)
+    assert policy.max_global_batch == 512 and type(policy.max_global_batch) is int
+
+
+def test_goodput_candidates_are_bounded_so_a_decision_ends():
+    with pytest.raises(ConfigurationError, match="candidates must be between 2 and 10000"):
+        make_policy("goodput", candidates=10**23)
 
 
 @pytest.mark.parametrize("option", ["divergence_window", "settle_limit"])

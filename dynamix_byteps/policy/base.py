@@ -15,17 +15,21 @@ from functools import cached_property
 import numpy as np
 
 
-def integer_option(name: str, value, minimum: int) -> int:
-    """A policy's whole-number option ``name`` as an ``int`` (numpy integers too).
+def integer_option(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    """A policy's whole-number option ``name`` as an ``int`` (numpy integers, and floats such as
+    ``2.0`` or ``1e3`` that are whole, too).
 
     Raises:
-        ValueError: ``value`` is not an integer (a bool, a fraction such as 100.7, text) or is
-            below ``minimum``; ``int()`` would silently truncate the first two.
+        ValueError: ``value`` is not a whole number (a bool, a fraction such as 100.7, text) or
+            is outside ``[minimum, maximum]``; ``int()`` would silently truncate the first two.
     """
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    bound = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+        raise ValueError(f"{name} must be a whole number {bound}, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
     return int(value)
 
 

@@ -46,6 +46,8 @@ from dynamix_byteps.policy.proportional import (
 
 __all__ = ["GoodputPolicy", "efficiency"]
 
+MAX_CANDIDATES = 10_000  # grid points: each decision evaluates every one (50 by default)
+
 
 def efficiency(global_batch: float, noise_scale: float, initial_batch: float) -> float:
     """Pollux statistical efficiency ``(B_noise + M0) / (B_noise + M)`` (dimensionless, 1 at M0)."""
@@ -66,7 +68,7 @@ class GoodputPolicy(Policy):
     answers what :class:`ProportionalPolicy` answers at the current global batch.
 
     Args:
-        candidates: grid points (>= 2).
+        candidates: grid points (2 to MAX_CANDIDATES, 10,000).
         max_global_batch: optional cap on ``M`` (samples).
         unbounded_factor: growth cap when nothing else bounds ``M`` (> 1).
         comm: push_pull estimate, ``"min"`` or ``"mean"`` (see :mod:`.proportional`).
@@ -91,7 +93,7 @@ class GoodputPolicy(Policy):
         comm: str = "min",
         scale_down: bool = False,
     ):
-        self.candidates = integer_option("candidates", candidates, 2)
+        self.candidates = integer_option("candidates", candidates, 2, MAX_CANDIDATES)
         self.max_global_batch = None if max_global_batch is None else integer_option(
             "max_global_batch", max_global_batch, 1)
         if not (math.isfinite(float(unbounded_factor)) and float(unbounded_factor) > 1.0):

@@ -105,8 +105,11 @@ class GradientReducer:
             grads: one ``tf.Tensor``/``tf.IndexedSlices`` (densified) or None per variable;
                 None stays None and is not reduced. A gradient must be None on every worker
                 alike: when the set of None gradients changes on some workers only, every
-                worker raises ``TensorMismatchError`` naming each worker's gradients; when it
-                changes on every worker at the same step, the new set is reduced.
+                worker raises ``TensorMismatchError`` (with each worker's gradient count and
+                digest); when it changes on every worker at the same step, the new set is
+                reduced. Each change costs one extra round the size of the previous set: tapes
+                that alternate between two sets of variables (a GAN's generator and
+                discriminator) pay it at every switch.
             names: one name per gradient, identical on every worker.
             local_batch_size: this worker's samples in the step (int or integer tensor); default:
                 the batch the sampler handed out, else BytePS's plain average.

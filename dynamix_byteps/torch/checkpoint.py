@@ -326,7 +326,7 @@ def _check_optimizer_state(path, optimizer, state: dict) -> None:
     saved_name = state.get("optimizer_class", name)
     if saved_name != name:
         raise ConfigurationError(f"{path} holds the state of an optimizer of class {saved_name}, this one's class "
-                                 f"is {name}; build a {saved_name} optimizer to resume, or load without optimizer= "
+                                 f"is {name}; build a {saved_name} to resume, or load without optimizer= "
                                  "to start this one afresh")
     saved_sizes = [len(g["params"]) for g in groups]
     sizes = [len(g["params"]) for g in optimizer.param_groups]
