@@ -27,6 +27,12 @@ def test_a_gradient_none_on_one_worker_only_is_a_mismatch_on_every_worker_not_a_
 
 
 @pytest.mark.timeout(300)
+def test_alternating_gradient_sets_cost_one_extra_round_in_all():
+    for result in ok(run_workers(2, "tf_dist_cases:alternating_gradient_sets", timeout=120)):
+        assert result == {"wrong": [], "rounds": 9}
+
+
+@pytest.mark.timeout(300)
 def test_non_uniform_batches_match_single_process_training():
     results = ok(run_workers(3, "tf_dist_cases:weighted_training", [8, 24, 40], 5, timeout=280))
     for result in results:

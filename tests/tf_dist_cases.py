@@ -133,6 +133,25 @@ def gradients_that_change() -> list[str]:
     return failures
 
 
+def alternating_gradient_sets() -> dict:
+    """A GAN's two tapes over one reducer: sets of 1,000 and 3 values in turn, 8 calls. Every
+    result is exact, and only the first change costs a round of its own."""
+    from dynamix_byteps.tensorflow.gradients import GradientReducer
+
+    n, rank = bps.size(), bps.rank()
+    reducer = GradientReducer("sgd")
+    sets = {"big": ["Gradient.g"], "small": ["Gradient.d"]}
+    shapes = {"big": (1000,), "small": (3,)}
+    wrong = []
+    for call in range(8):
+        which = "big" if call % 2 == 0 else "small"
+        grad = tf.fill(shapes[which], float(rank + 1 + call))
+        (reduced,), _ = reducer.reduce([grad], sets[which])
+        if not np.allclose(reduced.numpy(), sum(r + 1 + call for r in range(n)) / n):
+            wrong.append(call)
+    return {"wrong": wrong, "rounds": reducer.aggregator._rounds}
+
+
 def _tiny_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])

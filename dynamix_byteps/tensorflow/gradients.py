@@ -97,6 +97,7 @@ class GradientReducer:
         self.monitor = self._step.monitor
         self._plans: dict[tuple, _Plan] = {}
         self._agreed: _Plan | None = None  # the plan last agreed with the other workers
+        self._agree_every_step = False  # set once the gradient set has changed on every worker
 
     def reduce(self, grads: list, names: list[str], local_batch_size=None) -> tuple[list, tf.Tensor]:
         """Replace ``grads`` by the batch-weighted mean over all workers.
@@ -107,9 +108,10 @@ class GradientReducer:
                 alike: when the set of None gradients changes on some workers only, every
                 worker raises ``TensorMismatchError`` (with each worker's gradient count and
                 digest); when it changes on every worker at the same step, the new set is
-                reduced. Each change costs one extra round the size of the previous set: tapes
-                that alternate between two sets of variables (a GAN's generator and
-                discriminator) pay it at every switch.
+                reduced. The first change costs one extra round the size of the previous set;
+                from then on each step first checks its set with the other workers (one small
+                exchange), so tapes that alternate between two sets of variables (a GAN's
+                generator and discriminator) pay no more than that.
             names: one name per gradient, identical on every worker.
             local_batch_size: this worker's samples in the step (int or integer tensor); default:
                 the batch the sampler handed out, else BytePS's plain average.
@@ -149,7 +151,7 @@ class GradientReducer:
         samples = self._step.take_samples(declared)
         views = [to_torch(g) for g in grads]
         plan = self._plan(names, views)
-        if self._agreed is None:
+        if self._agreed is None or self._agree_every_step:
             self.aggregator.agree_on_plan(plan.description, samples)
         elif plan is not self._agreed:
             # This worker's gradients changed (one is None now and was not before, or the
@@ -161,6 +163,10 @@ class GradientReducer:
                      zip(self._agreed.dtypes, self._agreed.layouts)]
             self._reduce_round(step, zeros, plan.description)
             self.aggregator.agree_on_plan(plan.description, samples)
+            # Sets that changed once may change again (a GAN's two tapes alternate on every
+            # step): from now on every step agrees on its set first, one small exchange, instead
+            # of paying a round of the previous set's size at each change.
+            self._agree_every_step = True
         self._agreed = plan
         step = self.aggregator.open_round(samples)
         flats = [_fuse([views[i] for i in bucket], offsets, length, step.scale)
