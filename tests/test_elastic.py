@@ -63,7 +63,7 @@ def test_a_worker_lost_mid_epoch_restarts_the_job_on_three_without_losing_or_rep
                      "--policy", "proportional", "--decision-interval", 2, "--monitor", "off", "--grace-period", 2,
                      "--log-dir", run_dir, "--", sys.executable, WORKER, out, SAMPLES, 2, 7, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "worker 2 failed" in proc.stderr and "restart 1 of 1 with 3 workers" in proc.stderr
+    assert "worker 2 failed" in proc.stderr and f"restart 1 of 1 with 3 workers from {tmp_path / 'ckpt.pt'}" in proc.stderr
     runs = read_runs(out)
     assert sorted(runs) == [0, 1] and sorted(runs[1]) == [0, 1, 2]
     resumed = {records[0]["resumed_at"] for records in runs[1].values()}
@@ -161,7 +161,7 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
     proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--grace-period", 2, "--",
                      sys.executable, "-c", script, timeout=110)
     assert proc.returncode == 3
-    assert proc.stderr.count("restart 1 of 1 with 1 workers") == 1 and "restart 2" not in proc.stderr
+    assert proc.stderr.count("restart 1 of 1 with 1 workers from scratch: ") == 1 and "restart 2" not in proc.stderr
 
 
 @pytest.mark.timeout(60)

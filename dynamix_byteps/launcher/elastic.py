@@ -156,10 +156,18 @@ def _one_worker_fewer(config: LaunchConfig, failed: str, code: int, started: flo
     """The next local run after worker ``failed`` was lost: one worker fewer, its slowdowns dropped."""
     restarts, left = config.run + 1, config.num_workers - 1
     print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
-          f"{restarts} of {config.restart_on_failure} with {left} workers from {config.checkpoint}",
+          f"{restarts} of {config.restart_on_failure} with {left} workers {_resuming_from(config.checkpoint)}",
           file=sys.stderr, flush=True)
     return dataclasses.replace(config, run=restarts, num_workers=left,
                                slowdown=tuple((r, s) for r, s in config.slowdown if r < left))
+
+
+def _resuming_from(checkpoint) -> str:
+    """Where the next run resumes: the checkpoint, or, when the job saved none before it failed
+    (or it was removed), the start, said so that a retraining from scratch is never a surprise."""
+    if Path(checkpoint).is_file():
+        return f"from {checkpoint}"
+    return f"from scratch: {checkpoint} does not exist (no checkpoint was saved before the failure)"
 
 
 def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
@@ -215,7 +223,7 @@ def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: 
     lost = f"worker(s) {', '.join(map(str, decision['lost']))}" if decision["lost"] else "a summation server"
     print(f"{PROG}: {lost} lost (code {code} here) after "
           f"{time.monotonic() - started:.1f} s; restart {restarts} of {config.restart_on_failure} with {total} workers "
-          f"({', '.join(f'{h}:{n}' for h, n in zip(topology.hosts, slots))}) from {config.checkpoint}",
+          f"({', '.join(f'{h}:{n}' for h, n in zip(topology.hosts, slots))}) {_resuming_from(config.checkpoint)}",
           file=sys.stderr, flush=True)
     if mine == 0:
         print(f"{PROG}: no worker of this host is left in the job; leaving it", file=sys.stderr, flush=True)
