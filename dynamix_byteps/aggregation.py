@@ -15,9 +15,11 @@ with steady batch sizes the sums need no division afterwards). Each bucket's sum
 starts as soon as the bucket is full (the PyTorch frontend does this from the backward hooks,
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
-norm |g_i|² and the digest of its bucket plan. When the round finishes every worker divides the
-sums by Σ b_i / R (when that is not 1) and so holds g exactly; the trailer's digests turn a
-mismatched plan into :class:`TensorMismatchError` on every worker. One collective per bucket
+norm |g_i|², the digest of its bucket plan and the sampler step it trains. When the round
+finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so holds g
+exactly; the trailer's digests turn a mismatched plan, and its steps workers out of step with
+each other (a checkpoint loaded on one worker only), into :class:`TensorMismatchError` on every
+worker. One collective per bucket
 and one trailer per step.
 
 The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
@@ -52,7 +54,8 @@ DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
 
-_SAMPLES, _SQ_NORM, _DIGEST = range(3)  # the trailer's columns
+_SAMPLES, _SQ_NORM, _DIGEST, _STEP = range(4)  # the trailer's columns
+_COLUMNS = 4
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -168,12 +171,14 @@ class Round:
         reference: R, the same on every worker.
         measure: whether this round measures the squared norms for the gradient noise scale
             (decided by the round count, so the same on every worker).
+        step: the sampler's global step the round trains; None without a sampler.
     """
 
     samples: int
     scale: float
     reference: float
     measure: bool = True
+    step: int | None = None
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
@@ -245,13 +250,15 @@ class GradientAggregator:
         self._reference = float(np.where(table[:, 1] == UNSET, 1, table[:, 1]).sum() or 1)
         return table[:, 0]
 
-    def open_round(self, samples: int, measure: bool = True) -> Round:
+    def open_round(self, samples: int, measure: bool = True, step: int | None = None) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);
-        ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round."""
+        ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round;
+        ``step``: the sampler's global step the round trains (None: no sampler), which must be
+        the same on every worker that has one."""
         effective = 1 if samples == UNSET else samples
         measure = measure and self._rounds % self.noise_every == 0
         self._rounds += 1
-        return Round(samples, effective / self._reference, self._reference, measure)
+        return Round(samples, effective / self._reference, self._reference, measure, step)
 
     def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
         """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
@@ -273,20 +280,21 @@ class GradientAggregator:
         engine = self.engine
         # Filled on the host and sent to the device in one copy: element writes into a CUDA
         # tensor each wait for the device. Only the squared norm, a device value, is written there.
-        host = torch.zeros(engine.size * 3 + (0 if counts is None else counts.size), dtype=torch.float64)
-        rows = host[:engine.size * 3].view(engine.size, 3)
+        host = torch.zeros(engine.size * _COLUMNS + (0 if counts is None else counts.size), dtype=torch.float64)
+        rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = plan_digest(description)
+        rows[engine.rank, _STEP] = UNSET if step.step is None else step.step
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
         elif not isinstance(local_sq, torch.Tensor):
             rows[engine.rank, _SQ_NORM] = local_sq
         if counts is not None:
-            host[engine.size * 3:] = torch.from_numpy(counts)
+            host[engine.size * _COLUMNS:] = torch.from_numpy(counts)
         trailer = host if engine.device.type == "cpu" else host.pin_memory().to(engine.device, non_blocking=True)
         if isinstance(local_sq, torch.Tensor):
-            trailer[engine.rank * 3 + _SQ_NORM] = local_sq
+            trailer[engine.rank * _COLUMNS + _SQ_NORM] = local_sq
         with round_lock:
             step.trailer = (trailer, engine.all_reduce_async(trailer, "Gradient.trailer"))
 
@@ -312,7 +320,8 @@ class GradientAggregator:
         trailer = step.trailer[0]
         self.wait_s, self.wait_ns = _timed_wait(self.engine.device, lambda: self.drain(step))
         values = trailer.cpu().numpy()
-        table, step.counts = values[:self.engine.size * 3].reshape(self.engine.size, 3), values[self.engine.size * 3:]
+        cells = self.engine.size * _COLUMNS
+        table, step.counts = values[:cells].reshape(self.engine.size, _COLUMNS), values[cells:]
         digests = table[:, _DIGEST]
         if not np.all(digests == digests[0]):
             texts = gather_text(self.engine, description)
@@ -320,6 +329,14 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
+        steps = table[:, _STEP].astype(np.int64)
+        known = steps[steps != UNSET]
+        if known.size and not np.all(known == known[0]):
+            listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
+            raise TensorMismatchError(
+                f"workers reduced different steps of their samplers in the same round ({listed}); every worker "
+                "must train the same steps: load a checkpoint on every worker, not only on rank 0, and use "
+                "no_sync() (or backward passes) alike on every worker")
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)
         effective_total = self.engine.size if total is None else total

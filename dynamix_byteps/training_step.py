@@ -40,6 +40,8 @@ class TrainingStep:
         aggregator: as given.
         monitor: the :class:`StepMonitor` this frontend owns.
         next_step: the global step after the last one taken from the plan (None before one).
+        trained_step: the global step the last :meth:`take_samples` drew (its last batch's);
+            None when it drew none (no sampler feeds the frontend).
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).
@@ -53,6 +55,7 @@ class TrainingStep:
         self.monitor = StepMonitor(engine, engine.env, optimizer_family, tensorboard_scalars.worker_writer())
         aggregator.before_send = self.monitor.stretch
         self.next_step: int | None = None
+        self.trained_step: int | None = None
         self._plan: _batch_plan.BatchPlan | None = None
         self.plan()
 
@@ -70,8 +73,9 @@ class TrainingStep:
         ``passes`` batches the sampler handed out, else :data:`~dynamix_byteps.aggregation.UNSET`.
         Consumes those draws from the plan either way."""
         drawn = self.plan().take_draws(passes, as_default=self._given is None)
+        self.trained_step = drawn[-1][0] if drawn else None
         if drawn:
-            self.next_step = drawn[-1][0] + 1
+            self.next_step = self.trained_step + 1
         if declared != UNSET:
             return declared
         return sum(samples for _, samples in drawn) if drawn else UNSET

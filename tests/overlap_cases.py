@@ -185,6 +185,33 @@ def different_passes_per_step() -> str:
     return "no error"
 
 
+def out_of_step_samplers(variant: str) -> str:
+    """Rank 0's sampler resumes three steps ahead of the others' (a checkpoint loaded on rank 0
+    only): every rank must raise TensorMismatchError at the first step instead of training."""
+    data = torch.randn(48, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    state = None
+    if bps.rank() == 0:
+        ahead = bps.DynamicBatchSampler(48, 4, seed=1)
+        for _, _ in zip(range(3), ahead):
+            pass
+        state = ahead.state_dict()
+    sampler = bps.DynamicBatchSampler(48, 4, seed=1)
+    if state is not None:
+        sampler.load_state_dict(state)
+    model = Branchy(width=8)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
+    opt = plain if variant == "ddp" else bps.DistributedOptimizer(plain, model.named_parameters())
+    try:
+        for indices in sampler:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(data[indices]), torch.zeros(len(indices), dtype=torch.long)).backward()
+            opt.step()
+    except TensorMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def frozen_mid_training(variant: str, where: str) -> dict:
     """Two steps, then ``middle`` is frozen on rank 1 only (``where="one"``: every rank must raise
     TensorMismatchError, none abort or hang) or on every rank (``"all"``: the next steps match

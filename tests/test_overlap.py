@@ -43,6 +43,13 @@ def test_a_different_model_on_one_rank_raises_on_every_rank(variant):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_samplers_out_of_step_raise_on_every_rank(variant):
+    for message in ok(run_workers(2, "overlap_cases:out_of_step_samplers", variant)):
+        assert "rank 0: step 3, rank 1: step 0" in message and "on every worker" in message, message
+
+
+@pytest.mark.timeout(120)
 def test_a_different_backward_passes_per_step_on_one_rank_raises_on_every_rank():
     for message in ok(run_workers(2, "overlap_cases:different_passes_per_step")):
         assert "backward_passes_per_step=2" in message and "backward_passes_per_step=1" in message, message

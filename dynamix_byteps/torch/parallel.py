@@ -93,7 +93,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._forwards = 0
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
-                                      self._take_samples, on_backward_end=self._step_path.end)
+                                      self._take_samples, lambda: self._step_path.trained_step,
+                                      on_backward_end=self._step_path.end)
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 
