@@ -142,7 +142,9 @@ class DistributedDataParallel(torch.nn.Module):
         after it reduces everything accumulated (as PyTorch's and BytePS's ``no_sync``).
 
         Use it alike on every worker, as with PyTorch's DDP: reductions pair up in order, so a
-        worker that skips one the others make pairs each later step with their previous one."""
+        worker that skips one the others make pairs each later step with their previous one
+        (with a ``DynamicBatchSampler`` feeding the workers, that step raises
+        ``TensorMismatchError`` on every worker, naming each one's sampler step)."""
         previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield
