@@ -253,7 +253,8 @@ def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Super
         scratch = [started] + ([config.temporary_run_dir] if config.temporary_run_dir is not None else [])
         # Once a collective failed, the failure spread: the others need no time to fail on their own.
         code, supervisor = _supervise_once(config, specs, scratch, lambda: bool(_collective_failures(started)))
-        own = {w: c for w, c in supervisor.self_failed.items() if w not in _collective_failures(started)}
+        victims = _collective_failures(started)
+        own = {w: c for w, c in supervisor.self_failed.items() if w not in victims}
         return code, supervisor, any(started.iterdir()), own
     finally:
         shutil.rmtree(started, ignore_errors=True)
