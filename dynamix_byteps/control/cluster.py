@@ -459,6 +459,11 @@ class Cluster:
                 return self.current, None
             self.intervals.pop(rank, None)
             self.ready.discard(rank)
+            if self.next_step is not None:
+                # The step it had reported was bogus (or it rewound): the next decision is due at this
+                # report, not at one the rank reports far in the future (forged 2**53 steps from every
+                # rank stopped the decisions for good).
+                self.next_step = min(self.next_step, record.step)
         self.last_step[rank] = record.step
         self.last_report[rank] = record
         self.intervals.setdefault(rank, _Interval()).add(record)
