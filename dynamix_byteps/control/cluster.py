@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +39,10 @@ MAX_VERSION = 2**53  # assignment versions, so that version + 1 always fits the 
 # with other bounds (a restarted job); before that, such a re-registration is refused.
 LIVE_RANK_S = 60.0
 LOSS_HISTORY_LEN = 256  # decision intervals kept for ClusterState.loss_history
+# Batch-size vectors of the current job remembered (its initial one and its newest changes): every
+# rank coming back from a restart with one of them, past the job's first change, is the same job
+# resumed from a checkpoint; with any other vector it is a new job (see Cluster.register_locked).
+SIZES_HISTORY_LEN = 64
 # Weight of the newest interval in each worker's throughput θ_i (an exponentially weighted mean
 # over decision intervals). One interval's θ on a shared machine varies by ±20%; with 0.3 the
 # spread falls to about ±8% (variance × α/(2-α)), so the policies stop chasing noise (measured:
@@ -124,6 +129,12 @@ class WorkerRecord:
     def clamp(self, batch: int) -> int:
         batch = max(self.min_batch, batch)
         return batch if self.max_batch is None else min(self.max_batch, batch)
+
+    def job_signature(self) -> tuple:
+        """What a restart of the same job keeps: the engine, the bounds, the dataset, the model and
+        the optimizer (not the host: a restarted worker may run elsewhere)."""
+        return (self.engine, self.min_batch, self.max_batch, self.dataset_size, self.model_family,
+                self.optimizer_family)
 
 
 @dataclass(frozen=True)
@@ -277,6 +288,15 @@ class _Interval:
 
 
 @dataclass(frozen=True)
+class _CameBack:
+    """A rank that registered behind the step it had reached: its worker process started again."""
+
+    previous: WorkerRecord  # its registration before it came back (the current job's)
+    reached: int  # the newest step it had registered or reported before
+    answer: AssignmentRecord  # what it is told meanwhile: no batch sizes
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Everything a decision needs, taken out of the state under the lock."""
 
@@ -289,6 +309,7 @@ class Snapshot:
     dataset_size: int | None
     node_metrics: dict = field(default_factory=dict)
     throughput: tuple[float, ...] = ()
+    job: int = 1  # Cluster.jobs when it was taken: a decision on an earlier job is never installed
 
 
 @dataclass
@@ -303,6 +324,13 @@ class Cluster:
         base_version: version of the newest assignment already published by an earlier
             scheduler of this run (read from its decision log), so versions never go back.
         clock: seconds, monotonic; when each rank was last heard from (:data:`LIVE_RANK_S`).
+
+    One scheduler may serve several jobs one after the other (a standalone ``dynamix scheduler``
+    under torchrun): a rank that registers behind the step it had reached (its process started
+    again) gets no batch sizes until every rank has come back or it is seen training in step
+    with the others; when every rank has come back, either the same job resumed from a
+    checkpoint (it goes on with the assignment in force) or a new job began, and the state starts
+    over from the new workers' own batch sizes (:meth:`register_locked`).
     """
 
     num_workers: int | None
@@ -325,6 +353,12 @@ class Cluster:
         self.throughput: dict[int, float] = {}  # θ_i smoothed over intervals (THROUGHPUT_SMOOTHING)
         self.loss_history: list[float] = []
         self.node_metrics: dict[int, dict] = {}  # rank -> newest metrics from its node agent
+        self.registered_step: dict[int, int] = {}  # rank -> the step of its newest registration
+        self.came_back: dict[int, _CameBack] = {}  # ranks restarted behind the job; told no sizes meanwhile
+        self.sizes_history: deque[tuple[int, ...]] = deque(maxlen=SIZES_HISTORY_LEN)  # this job's vectors
+        self.first_change_step: int | None = None  # effective step of this job's first published change
+        self.jobs = 1  # jobs this scheduler has served: one more each time it starts over for a new job
+        self.notice: str | None = None  # what the last registration changed about the job, for the log
         self.decisions = 0
         self.current = self._partial_assignment()
 
@@ -337,6 +371,12 @@ class Cluster:
     def awaits_others(self, rank: int) -> bool:
         """``rank`` has reported for the next decision and other ranks have not yet."""
         return rank in self.ready and len(self.ready) < (self.world_size or 0)
+
+    def assignment_for_locked(self, rank: int) -> AssignmentRecord:
+        """The assignment to answer ``rank`` with: the one in force, or none (no batch sizes) while
+        the rank came back from a restart and it is not known yet whether a new job began."""
+        held = self.came_back.get(rank)
+        return self.current if held is None else held.answer
 
     def worker(self, rank: int) -> WorkerRecord:
         """The registered worker ``rank``; raises :class:`Rejected` if out of range or unknown."""
@@ -379,6 +419,25 @@ class Cluster:
     def register_locked(self, info) -> AssignmentRecord:
         """Record a (re-)registration; returns the assignment the worker should start from.
 
+        A worker registers at its first report and again whenever its client lost the scheduler,
+        always further on than before. A registration *behind* the step its rank had reached
+        (a step > 0 that is older than the rank's last registration, or not newer than its last
+        report) comes from a worker process that started again: the whole job restarted (from a
+        checkpoint, or from scratch) or a new job uses this scheduler. Such a rank is answered
+        without batch sizes until the cases can be told apart: once every rank has come back,
+
+        * the same job resumed from a checkpoint (the same engine, bounds, dataset, model and
+          optimizer, the batch sizes of one of its assignments, past its first change of sizes)
+          goes on with the assignment in force, as before;
+        * anything else (other sizes, other bounds, or a start before the job's first change: a
+          rerun from scratch) is a new job: the assignment, the initial sizes, the throughput and
+          loss history and the decision step start over from the new workers' own batch sizes,
+          and :attr:`notice` says so.
+
+        A rank that came back alone and then trains in step with the others (a bogus registration)
+        is answered as before from the next decision on. A registration without a step (0, the
+        proto's default) gives no evidence and is taken as before.
+
         Raises:
             Rejected: an invalid ``WorkerInfo``, or one that changes the host or bounds of a rank
                 heard from in the last :data:`LIVE_RANK_S` seconds.
@@ -386,35 +445,101 @@ class Cluster:
         record = validate_worker_info(info, self.world_size)
         rank = record.rank
         self._check_takeover(record)
-        again = rank in self.workers
+        previous = self.workers.get(rank)
+        reached = max(self.registered_step.get(rank, 0), self.last_step.get(rank, 0))
+        behind = record.step > 0 and (record.step < self.registered_step.get(rank, 0)
+                                      or record.step <= self.last_step.get(rank, -1))
         self.world_size = record.world_size
         self.workers[rank] = record
+        self.registered_step[rank] = record.step
         self.last_heard[rank] = self.clock()
         self.last_step.pop(rank, None)  # a restarted worker may resume from an earlier step
         self.last_report.pop(rank, None)
         self.intervals.pop(rank, None)
         self.ready.discard(rank)
+        self.notice = None
         if self.initial_batch_sizes is None:
             if self.complete:
-                self.initial_batch_sizes = tuple(self.workers[r].batch_size for r in range(self.world_size))
-                start = min(w.step for w in self.workers.values())  # one bogus huge step cannot stall decisions
-                self.next_step = start + self.decision_interval
-                self.current = AssignmentRecord(
-                    version=self.base_version,
-                    effective_step=start,
-                    batch_sizes=self.initial_batch_sizes,
-                    lr_scale=1.0,
-                    policy=self.policy_name,
-                    reason="initial allocation: the workers' own batch sizes",
-                )
-                self._ready_from_last_reports()
+                self._start_job("initial allocation: the workers' own batch sizes")
             else:
                 self.current = self._partial_assignment()
-        elif again:
+        elif previous is not None:
             # Worker restarted (or the job rewound to a checkpoint): do not wait for steps it will not report.
             self.next_step = min(self.next_step, record.step + self.decision_interval)
             self._ready_from_last_reports()
-        return self.current
+            if behind and rank not in self.came_back:
+                self.came_back[rank] = _CameBack(previous, reached, self._held_answer(rank, record.step, reached))
+            if len(self.came_back) == self.world_size:
+                self._every_rank_came_back()
+        return self.assignment_for_locked(rank)
+
+    def _held_answer(self, rank: int, step: int, reached: int) -> AssignmentRecord:
+        return AssignmentRecord(
+            version=self.current.version,
+            effective_step=0,
+            batch_sizes=(),
+            lr_scale=1.0,
+            policy=self.policy_name,
+            reason=(f"rank {rank} came back at step {step}, behind step {reached} it had reached: no batch sizes "
+                    "until the other ranks show whether a new job began (it then starts from its own sizes)"),
+        )
+
+    def _start_job(self, reason: str) -> None:
+        """Every rank has registered: the job starts from the workers' own batch sizes."""
+        self.initial_batch_sizes = tuple(self.workers[r].batch_size for r in range(self.world_size))
+        start = min(w.step for w in self.workers.values())  # one bogus huge step cannot stall decisions
+        self.next_step = start + self.decision_interval
+        self.current = AssignmentRecord(
+            version=self.base_version,
+            effective_step=start,
+            batch_sizes=self.initial_batch_sizes,
+            lr_scale=1.0,
+            policy=self.policy_name,
+            reason=reason,
+        )
+        self.sizes_history.clear()
+        self.sizes_history.append(self.initial_batch_sizes)
+        self.first_change_step = None
+        self._ready_from_last_reports()
+
+    def _every_rank_came_back(self) -> None:
+        """Every rank registered behind the step it had reached: the same job resumed, or a new job."""
+        n = self.world_size
+        sizes = tuple(self.workers[r].batch_size for r in range(n))
+        step = min(self.workers[r].step for r in range(n))
+        changed = [r for r in range(n) if self.workers[r].job_signature() != self.came_back[r].previous.job_signature()]
+        if changed:
+            why = (f"rank{'s' if len(changed) > 1 else ''} {', '.join(map(str, changed[:8]))} registered another "
+                   "engine, batch bounds, dataset size, model or optimizer")
+        elif sizes not in self.sizes_history:
+            why = f"batch sizes {list(sizes)}, which the previous job never ran"
+        elif self.first_change_step is None:
+            why = f"from step {step}, and the previous job never changed its batch sizes"
+        elif step < self.first_change_step:
+            why = f"from step {step}, before the previous job's first change of batch sizes (step {self.first_change_step})"
+        else:
+            self.came_back.clear()
+            self.notice = (f"every rank registered again from step {step} with the batch sizes {list(sizes)} of an "
+                           f"earlier assignment: the same job resumed from a checkpoint; it goes on with version "
+                           f"{self.current.version} {list(self.current.batch_sizes)}")
+            return
+        old = self.current
+        self.jobs += 1
+        self.base_version = old.version  # versions never go back
+        self.last_step.clear()
+        self.last_report.clear()
+        self.intervals = {}
+        self.ready = set()
+        self.throughput = {}
+        self.loss_history = []
+        self.node_metrics = {}
+        self.came_back.clear()
+        self._start_job(f"a new job registered: its own batch sizes ({why})")
+        bounds = sorted({(w.min_batch, w.max_batch) for w in self.workers.values()}, key=str)
+        shown = ", ".join(f"[{lo}, {hi if hi is not None else '-'}]" for lo, hi in bounds[:4])
+        self.notice = (f"a new job registered ({n} workers, {why}; bounds {shown}): starting over from its batch "
+                       f"sizes {list(sizes)} at step {step}; the previous job's assignment (version {old.version}, "
+                       f"{list(old.batch_sizes)}), initial sizes, throughput and loss history are dropped")
 
     def _ready_from_last_reports(self) -> None:
         """Mark ready every rank whose last report already reaches ``next_step``, that report
@@ -427,9 +552,20 @@ class Cluster:
                     self.intervals[rank] = _Interval()
                     self.intervals[rank].add(last)
 
-    def _decision_due(self) -> tuple[AssignmentRecord, Snapshot | None]:
+    def _decision_due(self, rank: int) -> tuple[AssignmentRecord, Snapshot | None]:
+        """The answer to ``rank`` and, when every rank is ready, a snapshot to decide on. A rank that
+        came back from a restart alone and has caught up with the others (the newest step of the
+        slowest of them) trains in step with them: it is the job's again. While another stays apart,
+        nothing is decided (its interval may be another job's)."""
         if self.world_size is None or self.next_step is None or len(self.ready) < self.world_size:
-            return self.current, None
+            return self.assignment_for_locked(rank), None
+        if self.came_back:
+            others = [step for r, step in self.last_step.items() if r not in self.came_back]
+            for r in list(self.came_back):
+                if others and self.last_step.get(r, -1) >= min(others):
+                    del self.came_back[r]
+            if self.came_back:
+                return self.assignment_for_locked(rank), None
         return self.current, self._take_snapshot()
 
     def node_report_locked(self, report) -> None:
@@ -456,7 +592,7 @@ class Cluster:
         last = self.last_step.get(rank)
         if last is not None and record.step <= last:
             if record.step + self.decision_interval >= last:
-                return self.current, None
+                return self.assignment_for_locked(rank), None
             self.intervals.pop(rank, None)
             self.ready.discard(rank)
             if self.next_step is not None:
@@ -468,9 +604,9 @@ class Cluster:
         self.last_report[rank] = record
         self.intervals.setdefault(rank, _Interval()).add(record)
         if self.next_step is None or record.step < self.next_step:
-            return self.current, None
+            return self.assignment_for_locked(rank), None
         self.ready.add(rank)
-        return self._decision_due()
+        return self._decision_due(rank)
 
     def _take_snapshot(self) -> Snapshot:
         n = self.world_size
@@ -497,6 +633,7 @@ class Cluster:
             dataset_size=max(datasets) if datasets else None,
             node_metrics={rank: dict(node) for rank, node in self.node_metrics.items()},
             throughput=tuple(self.throughput.get(r, iv.samples_per_s / iv.count) for r, iv in enumerate(intervals)),
+            job=self.jobs,
         )
         self.intervals = {}
         self.next_step = step + self.decision_interval
@@ -511,8 +648,15 @@ class Cluster:
         at the first step none of them has drawn by then (later when loaders prefetch more deeply).
         """
         self.decisions += 1
+        if snap.job != self.jobs:  # a new job registered while the policy decided for the previous one
+            return snap.current
         if batch_sizes == self.current.batch_sizes:
             return self.current
+        if batch_sizes in self.sizes_history:
+            self.sizes_history.remove(batch_sizes)
+        self.sizes_history.append(batch_sizes)
+        if self.first_change_step is None:
+            self.first_change_step = snap.step + self.decision_interval
         self.current = AssignmentRecord(
             version=self.current.version + 1,
             effective_step=snap.step + self.decision_interval,

@@ -488,11 +488,15 @@ class SchedulerServer:
         with self.cluster.lock:
             current = self.cluster.register_locked(info)
             registered = len(self.cluster.workers)
+            notice, held = self.cluster.notice, info.rank in self.cluster.came_back
         if self.metrics is not None:
             self.metrics.registered.set(registered)
             self.metrics.assignment(current)
-        log.info("rank %d registered from %r (batch %d, bounds [%d, %s]); %d workers registered",
-                 info.rank, info.host, info.batch_size, info.min_batch or 1, info.max_batch or "-", registered)
+        log.info("rank %d registered from %r (batch %d, bounds [%d, %s], step %d); %d workers registered%s",
+                 info.rank, info.host, info.batch_size, info.min_batch or 1, info.max_batch or "-", info.step,
+                 registered, f"; {current.reason}" if held else "")
+        if notice:
+            log.info("%s", notice)
         return dynamix_pb2.RegisterReply(assignment=_to_proto(current), decision_interval=self.decision_interval)
 
     def report_node(self, report) -> dynamix_pb2.NodeReportReply:
@@ -541,7 +545,7 @@ class SchedulerServer:
             finally:
                 with self.cluster.lock:
                     self._rank0_waiting = False
-            current = self.cluster.current
+                    current = self.cluster.assignment_for_locked(0)
         cached, data = self._cached
         if cached is not current:
             data = _to_proto(current).SerializeToString()
