@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 import pytest
-from test_scheduler import K, ScriptedPolicy, info, report, running, stub_for
+from test_scheduler import K, ScriptedPolicy, code_of, info, report, running, stub_for
 
 from dynamix_byteps.control.cluster import MAX_STEP, Cluster
 
@@ -158,6 +159,14 @@ def test_reports_forged_at_step_2_to_the_53_from_every_rank_do_not_stop_the_deci
             interval(stub, step, [32, 32])
         assert [s.step for s in policy.states] == [2 * K, MAX_STEP, 3 * K, 4 * K, 5 * K]
 
+
+@pytest.mark.timeout(60)
+def test_a_job_of_another_size_is_refused_telling_to_start_another_scheduler():
+    with running(ScriptedPolicy()) as server, stub_for(server) as (stub, _, _channel):
+        register(stub, 0, K, 32)
+        code, details = code_of(stub.Register, info(0, 3, step=K))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "serves a job of 2 workers; start another scheduler (or restart this one)" in details
 
 
 def test_a_decision_taken_for_the_previous_job_is_not_installed_in_the_new_one():

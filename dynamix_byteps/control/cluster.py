@@ -173,7 +173,9 @@ def validate_worker_info(info, world_size: int | None) -> WorkerRecord:
     if not 1 <= info.world_size <= MAX_WORLD_SIZE:
         raise _invalid(f"world_size={info.world_size} must be between 1 and {MAX_WORLD_SIZE}")
     if world_size is not None and info.world_size != world_size:
-        raise _invalid(f"world_size={info.world_size} does not match the job's world_size={world_size}")
+        raise _invalid(f"world_size={info.world_size} does not match the job's world_size={world_size}: this "
+                       f"scheduler serves a job of {world_size} workers; start another scheduler (or restart this "
+                       f"one) for a job of {info.world_size}")
     if info.rank >= info.world_size:
         raise _invalid(f"rank={info.rank} must be < world_size={info.world_size}")
     min_batch = info.min_batch or 1  # proto3 default 0 = not set
