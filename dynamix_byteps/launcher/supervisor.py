@@ -3,7 +3,9 @@
 Each child runs in its own process group (so a signal to the group reaches its own children
 too) with ``PR_SET_PDEATHSIG=SIGTERM`` (so it dies with the launcher even when the launcher
 is SIGKILLed). A small guardian process (:mod:`._guardian`) watches the launcher and kills
-the children's groups, grandchildren included, if the launcher dies without cleaning up.
+the children's groups, grandchildren included, if the launcher dies without cleaning up. A
+grandchild that leaves its group (``setsid``, ``Popen(start_new_session=True)``) is not followed,
+as with torchrun: the script that starts one stops it.
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
 with a ``[label] `` prefix (:mod:`.output`), and raw to the child's log file when one is
