@@ -44,6 +44,7 @@ from dynamix_byteps.data.partition import (
 from dynamix_byteps.errors import ConfigurationError
 
 _HISTORY_STEPS = 4096
+MAX_EPOCH = 2**53 - 1  # epochs travel in the float64 gradient trailer, exact up to 2**53
 
 
 def _initial_sizes(batch_size, num_replicas: int) -> list[int]:
@@ -64,6 +65,21 @@ def _initial_sizes(batch_size, num_replicas: int) -> list[int]:
         return [size(value) for value in batch_size]
     except TypeError:
         raise ConfigurationError(f"batch_size must be an integer or one integer per worker, got {batch_size!r}") from None
+
+
+def _epoch_number(epoch) -> int:
+    """``epoch`` as a Python int for ``set_epoch``; ValueError naming set_epoch when it is not an
+    integer in ``[0, 2**53)``."""
+    try:
+        if isinstance(epoch, bool):
+            raise TypeError
+        number = operator.index(epoch)
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number <= MAX_EPOCH:
+        raise ValueError(f"set_epoch takes an integer epoch >= 0 (below 2**53), the same on every worker; got "
+                         f"{epoch!r} ({type(epoch).__name__})")
+    return number
 
 
 class DynamicBatchSampler:
@@ -131,17 +147,31 @@ class DynamicBatchSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning; a no-op for the epoch in progress (so resuming
-        mid-epoch keeps its place). Epochs also advance by themselves when one is exhausted."""
+        mid-epoch keeps its place). Epochs also advance by themselves when one is exhausted.
+
+        The epoch seeds the permutation, so every worker must call it with the same epoch at the
+        same point (or none may call it): workers that train the same step of different epochs
+        raise TensorMismatchError on every worker, naming each rank's epoch and step.
+
+        Raises:
+            ValueError: ``epoch`` is not an integer in ``[0, 2**53)`` (numpy and 0-dim torch
+                integers are integers; floats and bools are not); the sampler is unchanged.
+        """
+        epoch = _epoch_number(epoch)
         if epoch != self._position.epoch:
-            self._position = Position(int(epoch), 0, self._position.step)
+            self._position = Position(epoch, 0, self._position.step)
             self._unfinished_from = None
 
     def __iter__(self) -> Iterator[list[int]]:
         self._rewind_untrained_draws()
         self._unfinished_from = self._position
-        order = permutation(self.dataset_size, self.seed, self._position.epoch, self.shuffle)
+        order_epoch = self._position.epoch
+        order = permutation(self.dataset_size, self.seed, order_epoch, self.shuffle)
         while True:
             position = self._position
+            if position.epoch != order_epoch:  # set_epoch during the pass: draw the new epoch's order
+                order_epoch = position.epoch
+                order = permutation(self.dataset_size, self.seed, order_epoch, self.shuffle)
             planned = plan_step(position, self.schedule.at(position.step).batch_sizes,
                                 self.dataset_size, self.drop_last)
             if planned is None:
@@ -255,6 +285,8 @@ class DynamicBatchSampler:
         fields = {name: saved[name] for name in ("epoch", "offset", "step")}
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in fields.values()):
             raise ValueError(f"position {fields} is not three integers >= 0")
+        if fields["epoch"] > MAX_EPOCH:
+            raise ValueError(f"position epoch {fields['epoch']} is not below 2**53")
         if fields["offset"] > self.dataset_size:
             raise ValueError(f"position offset {fields['offset']} is past the dataset's {self.dataset_size} samples")
         return Position(**fields)
