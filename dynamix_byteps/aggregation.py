@@ -15,12 +15,13 @@ with steady batch sizes the sums need no division afterwards). Each bucket's sum
 starts as soon as the bucket is full (the PyTorch frontend does this from the backward hooks,
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
-norm |g_i|², the digest of its bucket plan and the sampler step it trains. When the round
-finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so holds g
-exactly; the trailer's digests turn a mismatched plan, and its steps workers out of step with
-each other (a checkpoint loaded on one worker only), into :class:`TensorMismatchError` on every
-worker. One collective per bucket
-and one trailer per step.
+norm |g_i|², the digest of its bucket plan, and the sampler step it trains with that step's
+epoch (:class:`SamplerStep`; the epoch seeds the permutation the batch came from). When the
+round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so holds g
+exactly; the trailer's digests turn a mismatched plan, and its steps and epochs workers out of
+step with each other (a checkpoint loaded on one worker only, ``set_epoch`` called with
+different epochs), into :class:`TensorMismatchError` on every worker. One collective per
+bucket and one trailer per step.
 
 The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
 extra passes over every gradient. They are measured on every ``noise_every``-th round only
@@ -54,8 +55,29 @@ DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
 
-_SAMPLES, _SQ_NORM, _DIGEST, _STEP = range(4)  # the trailer's columns
-_COLUMNS = 4
+_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH = range(5)  # the trailer's columns
+_COLUMNS = 5
+
+
+class SamplerStep(int):
+    """A sampler's global step (this int) and the epoch it was drawn in (:attr:`epoch`): what a
+    round trains (:attr:`TrainingStep.trained_step <dynamix_byteps.training_step.TrainingStep>`).
+
+    It passes for the step wherever an int is expected (arithmetic gives plain ints), so the
+    frontends hand it to :meth:`GradientAggregator.open_round` unchanged, and the trailer carries
+    both: workers at the same step of different epochs draw from different permutations.
+    Both are below 2**53 (the sampler refuses larger epochs), exact in the float64 trailer.
+    """
+
+    epoch: int
+
+    def __new__(cls, step: int, epoch: int = UNSET):
+        value = super().__new__(cls, step)
+        value.epoch = int(epoch)
+        return value
+
+    def __getnewargs__(self) -> tuple[int, int]:
+        return int(self), self.epoch
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,6 +194,7 @@ class Round:
         measure: whether this round measures the squared norms for the gradient noise scale
             (decided by the round count, so the same on every worker).
         step: the sampler's global step the round trains; None without a sampler.
+        epoch: the sampler epoch of that step (a :class:`SamplerStep`'s); None when unknown.
     """
 
     samples: int
@@ -179,10 +202,34 @@ class Round:
     reference: float
     measure: bool = True
     step: int | None = None
+    epoch: int | None = None
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
     counts: np.ndarray | None = None  # after finish: the per-tensor counts of close(), summed over workers
+
+
+def _check_sampler_positions(steps: np.ndarray, epochs: np.ndarray) -> None:
+    """Raise TensorMismatchError unless the workers that know the sampler step (epoch) of the
+    round agree on it; :data:`UNSET` marks a worker that does not (no sampler feeds it)."""
+    def differ(values: np.ndarray) -> bool:
+        known = values[values != UNSET]
+        return bool(known.size) and not np.all(known == known[0])
+
+    if differ(epochs):
+        listed = ", ".join(f"rank {rank}: " + (f"epoch {e} step {s}" if e != UNSET else f"step {s}")
+                           for rank, (s, e) in enumerate(zip(steps, epochs)) if s != UNSET)
+        raise TensorMismatchError(
+            f"workers drew the same round's batches from different epochs of their samplers ({listed}), so "
+            "they draw from different permutations: some samples twice, others never. Call set_epoch with "
+            "the same epoch at the same point on every worker (set_epoch(epoch), not set_epoch(epoch + rank)), "
+            "or on none, and load a checkpoint on every worker, not only on rank 0")
+    if differ(steps):
+        listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
+        raise TensorMismatchError(
+            f"workers reduced different steps of their samplers in the same round ({listed}); every worker "
+            "must train the same steps: load a checkpoint on every worker, not only on rank 0, and use "
+            "no_sync() (or backward passes) alike on every worker")
 
 
 class GradientAggregator:
@@ -254,11 +301,13 @@ class GradientAggregator:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);
         ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round;
         ``step``: the sampler's global step the round trains (None: no sampler), which must be
-        the same on every worker that has one."""
+        the same on every worker that has one, as must its epoch when it is a :class:`SamplerStep`."""
         effective = 1 if samples == UNSET else samples
         measure = measure and self._rounds % self.noise_every == 0
         self._rounds += 1
-        return Round(samples, effective / self._reference, self._reference, measure, step)
+        epoch = getattr(step, "epoch", UNSET) if step is not None else UNSET
+        return Round(samples, effective / self._reference, self._reference, measure, step,
+                     None if epoch == UNSET else epoch)
 
     def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
         """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
@@ -274,8 +323,9 @@ class GradientAggregator:
 
     def close(self, step: Round, description: str, counts: np.ndarray | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
-        squared norm and plan digest (``description``'s), and ``counts`` (float64, one per
-        tensor, e.g. 1 for a gradient this worker had), summed over the workers into ``step.counts``."""
+        squared norm, plan digest (``description``'s), sampler step and epoch, and ``counts``
+        (float64, one per tensor, e.g. 1 for a gradient this worker had), summed over the workers
+        into ``step.counts``."""
         self.before_send()
         engine = self.engine
         # Filled on the host and sent to the device in one copy: element writes into a CUDA
@@ -285,6 +335,7 @@ class GradientAggregator:
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = plan_digest(description)
         rows[engine.rank, _STEP] = UNSET if step.step is None else step.step
+        rows[engine.rank, _EPOCH] = UNSET if step.epoch is None else step.epoch
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
@@ -313,7 +364,8 @@ class GradientAggregator:
             description: the plan's description, gathered only to explain a mismatch.
 
         Raises:
-            TensorMismatchError: workers reduced different plans (every worker raises).
+            TensorMismatchError: workers reduced different plans, or different sampler steps or
+                epochs (every worker raises).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
@@ -329,14 +381,7 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
-        steps = table[:, _STEP].astype(np.int64)
-        known = steps[steps != UNSET]
-        if known.size and not np.all(known == known[0]):
-            listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
-            raise TensorMismatchError(
-                f"workers reduced different steps of their samplers in the same round ({listed}); every worker "
-                "must train the same steps: load a checkpoint on every worker, not only on rank 0, and use "
-                "no_sync() (or backward passes) alike on every worker")
+        _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)
         effective_total = self.engine.size if total is None else total

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import tensorboard_scalars
-from dynamix_byteps.aggregation import UNSET, GradientAggregator
+from dynamix_byteps.aggregation import UNSET, GradientAggregator, SamplerStep
 from dynamix_byteps.control.step_monitor import StepMonitor
 
 
@@ -40,8 +40,10 @@ class TrainingStep:
         aggregator: as given.
         monitor: the :class:`StepMonitor` this frontend owns.
         next_step: the global step after the last one taken from the plan (None before one).
-        trained_step: the global step the last :meth:`take_samples` drew (its last batch's);
-            None when it drew none (no sampler feeds the frontend).
+        trained_step: the global step the last :meth:`take_samples` drew (its last batch's), a
+            :class:`~dynamix_byteps.aggregation.SamplerStep` that also names the epoch it was
+            drawn in (the round's trailer checks both on every worker); None when it drew none
+            (no sampler feeds the frontend).
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).
@@ -72,8 +74,10 @@ class TrainingStep:
         """This step's local sample count: ``declared`` if set, else the sum of the next
         ``passes`` batches the sampler handed out, else :data:`~dynamix_byteps.aggregation.UNSET`.
         Consumes those draws from the plan either way."""
-        drawn = self.plan().take_draws(passes, as_default=self._given is None)
-        self.trained_step = drawn[-1][0] if drawn else None
+        plan = self.plan()
+        drawn = plan.take_draws(passes, as_default=self._given is None)
+        # trained_position() is the newest taken draw's (epoch, samples): drawn[-1]'s epoch.
+        self.trained_step = SamplerStep(drawn[-1][0], plan.trained_position()[0]) if drawn else None
         if drawn:
             self.next_step = self.trained_step + 1
         if declared != UNSET:

@@ -1,0 +1,133 @@
+"""Worker functions for tests/test_epoch_agreement.py: every worker must draw from the same
+epoch's permutation of the same sampler, else every worker raises TensorMismatchError at the
+first step that differs (the round's trailer carries each worker's epoch and step)."""
+
+from __future__ import annotations
+
+import torch
+
+import dynamix_byteps.torch as bps
+from dynamix_byteps.errors import TensorMismatchError
+
+SIZE, BATCH, EPOCHS = 100, 10, 3
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    x = torch.randn(SIZE, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    return torch.utils.data.TensorDataset(x, torch.arange(SIZE))
+
+
+def _frontend(variant: str, model: torch.nn.Module):
+    plain = torch.optim.SGD(model.parameters(), lr=0.01)
+    if variant == "ddp":
+        return bps.DistributedDataParallel(model), plain
+    return model, bps.DistributedOptimizer(plain, model.named_parameters())
+
+
+def _epoch_for(mode: str, epoch: int, rank: int) -> int | None:
+    """The epoch ``mode`` hands ``set_epoch`` before ``epoch`` on ``rank`` (None: no call)."""
+    if mode in ("same", "mid_epoch"):
+        return epoch
+    if mode == "rank_dependent":
+        return epoch + rank
+    if mode == "rank0_only":
+        return epoch * 2 if rank == 0 else None
+    raise ValueError(mode)
+
+
+def train_epochs(mode: str, variant: str, loader_workers: int = 0) -> dict:
+    """The tester's script: 3 epochs over 100 samples, 10 per worker and step, through a
+    DataLoader. ``mode``: ``same`` (set_epoch(epoch) everywhere), ``rank_dependent``
+    (set_epoch(epoch + rank)), ``rank0_only`` (set_epoch(2 * epoch) on rank 0, no call
+    elsewhere), ``mid_epoch`` (as ``same``, and rank 0 calls set_epoch(5) after its second step).
+    Returns the indices this rank trained by epoch, the steps it took and the error it raised."""
+    rank, data = bps.rank(), _dataset()
+    torch.manual_seed(0)
+    sampler = bps.DynamicBatchSampler(data, BATCH, seed=1)
+    extra = {"num_workers": loader_workers, "prefetch_factor": 2} if loader_workers else {}
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, **extra)
+    model = torch.nn.Linear(4, 1).double()
+    net, opt = _frontend(variant, model)
+    seen: dict[int, list[int]] = {}
+    steps = 0
+    try:
+        for epoch in range(EPOCHS):
+            chosen = _epoch_for(mode, epoch, rank)
+            if chosen is not None:
+                sampler.set_epoch(chosen)
+            for x, index in loader:
+                opt.zero_grad()
+                net(x).sum().backward()
+                opt.step()
+                steps += 1
+                seen.setdefault(epoch, []).extend(index.tolist())
+                if mode == "mid_epoch" and rank == 0 and epoch == 0 and steps == 2:
+                    sampler.set_epoch(5)
+    except TensorMismatchError as exc:
+        return {"error": str(exc), "steps": steps, "seen": seen}
+    return {"error": None, "steps": steps, "seen": seen}
+
+
+def resumed_from_checkpoint(where: str) -> dict:
+    """A job stopped 3 steps into epoch 1 resumes from its sampler's state: loaded on every
+    worker (``where="every"``: the resumed sampler keeps the saved epoch, so set_epoch(1) in the
+    resumed loop is a no-op, the workers agree, and epochs 1 and 2 are each covered exactly once)
+    or on rank 0 only (``"rank0"``: every worker raises at the first step)."""
+    rank, data = bps.rank(), _dataset()
+    seen: dict[int, list[int]] = {}
+    ahead = bps.DynamicBatchSampler(data, BATCH, seed=1)
+    for epoch in range(2):
+        ahead.set_epoch(epoch)
+        for step, indices in enumerate(ahead):
+            seen.setdefault(epoch, []).extend(indices)
+            if epoch == 1 and step == 2:
+                break
+    state = ahead.state_dict()
+    sampler = bps.DynamicBatchSampler(data, BATCH, seed=1)
+    if where == "every" or rank == 0:
+        sampler.load_state_dict(state)
+    model = torch.nn.Linear(4, 1).double()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
+                                   batch_plan=sampler.batch_plan)
+    try:
+        for epoch in range(1, 3):
+            sampler.set_epoch(epoch)
+            for indices in sampler:
+                opt.zero_grad()
+                model(data.tensors[0][indices]).sum().backward()
+                opt.step()
+                seen.setdefault(epoch, []).extend(indices)
+    except TensorMismatchError as exc:
+        return {"error": str(exc), "seen": seen}
+    return {"error": None, "seen": seen}
+
+
+def tensorflow_tape(mode: str) -> dict:
+    """TensorFlow's DistributedGradientTape fed by a sampler (the frontend takes its batch
+    sizes from the sampler's draws, as the torch ones do): ``same`` trains 2 epochs,
+    ``rank_dependent`` (set_epoch(epoch + rank)) raises on every worker at the first step."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    import dynamix_byteps.tensorflow as tbps
+
+    rank = tbps.rank()
+    x_all = np.random.default_rng(3).normal(size=(SIZE, 4))
+    w = tf.Variable(tf.zeros((4, 1), tf.float64))
+    sampler = tbps.DynamicBatchSampler(SIZE, BATCH, seed=1)
+    seen: dict[int, list[int]] = {}
+    try:
+        for epoch in range(2):
+            sampler.set_epoch(epoch + rank if mode == "rank_dependent" else epoch)
+            for indices in sampler:
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.constant(x_all[indices]) @ w)
+                (grad,) = tbps.DistributedGradientTape(tape).gradient(loss, [w])
+                w.assign_sub(0.01 * grad)
+                seen.setdefault(epoch, []).extend(indices)
+    except TensorMismatchError as exc:
+        return {"error": str(exc), "seen": seen}
+    return {"error": None, "seen": seen}
