@@ -39,6 +39,11 @@ class TensorMismatchError(DynamixError, RuntimeError):
     """Workers submitted different names, shapes or dtypes to the same collective round."""
 
 
+class GradientReductionError(DynamixError, RuntimeError):
+    """This worker's reduction of a step's gradients was disturbed: a gradient was changed or
+    replaced while in flight, or the backward pass that started the reduction raised before its end."""
+
+
 _communication_failed = False  # see CommunicationError
 _on_communication_failure: Callable[[], None] | None = None
 

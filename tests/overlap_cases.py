@@ -346,3 +346,179 @@ def scheduler_after_load() -> list[float]:
         scheduler.step()
         rates.append(opt.param_groups[0]["lr"])
     return rates
+
+
+def _worker_batches(total: int = 10, first: int = 3):
+    """The global batch and this rank's part of it (rank 0: ``first`` samples, rank 1: the rest)."""
+    x, y = _data(total, 1, 1)[0][0]
+    mine = slice(0, first) if bps.rank() == 0 else slice(first, total)
+    return x, y, mine, [slice(0, first), slice(first, total)]
+
+
+def _weighted_reference(x, y, parts, change=lambda g: g) -> dict[str, torch.Tensor]:
+    """Σ_i b_i · change(g_i) / Σ_i b_i over the workers' parts, g_i each one's mean gradient."""
+    total = {}
+    for part in parts:
+        model = Branchy()
+        torch.nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                total[name] = total.get(name, 0) + change(p.grad) * (part.stop - part.start) / len(y)
+    return total
+
+
+def _grad_error(model, expected: dict[str, torch.Tensor]) -> float:
+    return max(_error(p.grad, expected[name]) for name, p in model.named_parameters() if name in expected)
+
+
+def gradients_changed_during_reduction(variant: str) -> dict:
+    """From the second step on, buckets are in flight when backward returns. A user's gradient
+    hook registered after wrapping must see the local gradient (as with PyTorch's DDP); a gradient
+    changed in place or replaced before step() must raise on the worker that did it, not leave it
+    with a sum the others do not have; the documented recipes stay exact."""
+    x, y, mine, parts = _worker_batches()
+    model, out = Branchy(), {}
+    if variant == "ddp":
+        net = bps.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    else:
+        net = model
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    def backward():
+        if variant != "ddp":
+            opt.set_local_batch_size(mine.stop - mine.start)
+        torch.nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+
+    def clamp(param):
+        param.grad.clamp_(-0.01, 0.01)
+
+    handles = [p.register_post_accumulate_grad_hook(clamp) for p in model.parameters()]
+    clamped = _weighted_reference(x, y, parts, lambda g: g.clamp(-0.01, 0.01))
+    errors = []
+    for _ in range(3):
+        opt.zero_grad()
+        backward()
+        opt.step()
+        errors.append(_grad_error(model, clamped))
+    out["hook_errors"] = errors
+    for handle in handles:
+        handle.remove()
+    if variant == "ddp":
+        return out
+
+    plain = _weighted_reference(x, y, parts)
+    for name, change in [("clipped", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)),
+                         ("replaced", lambda: setattr(model.last.bias, "grad", model.last.bias.grad * 2))]:
+        opt.zero_grad()
+        backward()
+        change()
+        try:
+            opt.step()
+            out[name] = "no error"
+        except bps.GradientReductionError as exc:
+            out[name] = str(exc)
+    opt.zero_grad()  # the recipe: reduce, clip the mean, step without reducing again
+    backward()
+    opt.synchronize()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+    with opt.skip_synchronize():
+        opt.step()
+    out["recipe_error"] = _grad_error(model, plain)
+    out["recipe_norm_error"] = abs(norm - float(torch.stack([g.norm() for g in plain.values()]).norm()))
+
+    opt.zero_grad()  # a gradient made by hand is reduced when set before backward
+    model.unused.bias.grad = torch.full((3,), float(bps.rank() + 1), dtype=torch.float64)
+    backward()
+    opt.step()
+    out["hand_made"] = model.unused.bias.grad.tolist()
+    return out
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises once when armed: an out-of-memory in the middle of backward."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("out of memory (simulated)")
+        return grad
+
+
+def backward_that_raises(variant: str) -> dict:
+    """A backward pass raising half-way (after the reduction began) on every worker: the DDP
+    wrapper refuses to go on (as PyTorch's DDP does); the optimizer refuses until zero_grad()
+    drops the incomplete round, then is exact again."""
+    x, y, mine, parts = _worker_batches()
+    model, out = Branchy(), {}
+    model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
+    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
+    opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant == "ddp" else
+           bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters()))
+
+    def train_step():
+        if variant != "ddp":
+            opt.set_local_batch_size(mine.stop - mine.start)
+        torch.nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+        opt.step()
+
+    train_step()
+    opt.zero_grad()
+    _FailOnce.armed = True
+    try:
+        train_step()
+    except RuntimeError as exc:
+        out["first"] = str(exc)
+    try:  # again without zero_grad(): the incomplete round is still there
+        train_step()
+        out["retry"] = "no error"
+    except bps.GradientReductionError as exc:
+        out["retry"] = str(exc)
+    if variant == "ddp":
+        return out
+    opt.zero_grad()
+    train_step()
+    out["after_zero_grad_error"] = _grad_error(model, _weighted_reference(x, y, parts))
+    return out
+
+
+def sparse_gradient_after_the_first_step() -> str:
+    """An embedding with sparse gradients first used on the second step is refused by name."""
+    emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)
+    named = [("emb." + n, p) for n, p in emb.named_parameters()] + [("lin." + n, p) for n, p in lin.named_parameters()]
+    opt = bps.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            h = emb(torch.tensor([1, 2])) if step else torch.ones(2, 4)
+            lin(h).sum().backward()
+            opt.step()
+    except TypeError as exc:
+        return f"step {step}: {exc}"
+    return "no error"
+
+
+def create_graph_backward() -> dict:
+    """backward(create_graph=True) (second-order optimizers) reduces exactly, with a warning."""
+    import warnings
+
+    x, y, mine, parts = _worker_batches()
+    model = Branchy()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    expected = _weighted_reference(x, y, parts)
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            opt.set_local_batch_size(mine.stop - mine.start)
+            torch.nn.functional.cross_entropy(model(x[mine]), y[mine]).backward(create_graph=True)
+            opt.step()
+            errors.append(_grad_error(model, expected))
+    return {"errors": errors, "warnings": [str(w.message) for w in caught if "carry no autograd graph" in str(w.message)]}

@@ -116,3 +116,42 @@ def test_a_failed_reduction_is_named_for_the_user_not_by_its_internal_tensor():
     assert describe_collective("Gradient.bucket.3") == "the gradient reduction of bucket 3"
     assert describe_collective("Gradient.trailer").startswith("the gradient reduction's trailer")
     assert describe_collective("loss") == "push_pull of 'loss'"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_gradients_changed_while_in_flight_raise_and_the_users_hooks_see_local_gradients(variant):
+    for result in ok(run_workers(2, "overlap_cases:gradients_changed_during_reduction", variant)):
+        assert max(result["hook_errors"]) < 1e-12, result["hook_errors"]  # from the second step too
+        if variant == "ddp":
+            continue
+        assert "changed in place" in result["clipped"] and "optimizer.synchronize() first" in result["clipped"]
+        assert "replaced (Gradient.last.bias)" in result["replaced"]
+        assert result["recipe_error"] < 1e-12 and result["recipe_norm_error"] < 1e-12
+        assert result["hand_made"] == pytest.approx([1.7] * 3)  # rank 0's 1 and rank 1's 2 weighted by 3 and 7 samples
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_a_backward_that_raised_half_way_is_not_reduced_as_if_complete(variant):
+    for result in ok(run_workers(2, "overlap_cases:backward_that_raises", variant)):
+        assert result["first"] == "out of memory (simulated)"
+        assert "a backward pass raised before its end" in result["retry"]
+        if variant == "ddp":
+            assert "restart the job" in result["retry"]
+        else:
+            assert "optimizer.zero_grad()" in result["retry"]
+            assert result["after_zero_grad_error"] < 1e-12
+
+
+@pytest.mark.timeout(120)
+def test_a_sparse_gradient_first_seen_after_the_first_step_is_refused_by_name():
+    for result in ok(run_workers(2, "overlap_cases:sparse_gradient_after_the_first_step")):
+        assert result.startswith("step 1: sparse gradients are not supported (Gradient.emb.weight)")
+
+
+@pytest.mark.timeout(120)
+def test_backward_with_create_graph_is_reduced_exactly_with_one_warning():
+    for result in ok(run_workers(2, "overlap_cases:create_graph_backward")):
+        assert max(result["errors"]) < 1e-12
+        assert len(result["warnings"]) == 1

@@ -24,6 +24,7 @@ from dynamix_byteps.control.step_monitor import report_loss
 from dynamix_byteps.errors import (
     CommunicationError,
     ConfigurationError,
+    GradientReductionError,
     InvalidAssignmentError,
     TensorMismatchError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicBatchSampler",
+    "GradientReductionError",
     "InvalidAssignmentError",
     "Sum",
     "TensorMismatchError",

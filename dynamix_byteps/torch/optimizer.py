@@ -127,9 +127,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ValueError: ``samples`` is not an integer >= 0.
             ConfigurationError: this step's gradients already started reducing during backward
                 with the size known then; declare before ``loss.backward()``.
+            GradientReductionError: the backward pass that started this step's reduction raised
+                before its end; ``zero_grad()`` drops that round.
         """
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples <= MAX_BATCH:
             raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_BATCH}], got {samples!r}")
+        self._reducer.refuse_if_incomplete()
         if self._reducer.reducing:
             raise ConfigurationError(
                 "set_local_batch_size() was called after this step's gradients had started reducing during "
@@ -148,6 +151,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             TensorMismatchError: workers have different parameters or settings.
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
             TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
+            GradientReductionError: a gradient was changed in place or replaced between
+                ``backward()`` and this call (reduce first, then change it), or the backward pass
+                that started the reduction raised before its end.
             CommunicationError: a peer failed.
         """
         try:

@@ -1,10 +1,12 @@
-"""Gradients reduced during backward: buckets launched from the post-accumulate-grad hooks.
+"""Gradients reduced during backward: buckets launched from the gradient accumulators' hooks.
 
 :class:`BucketReducer` serves both ``DistributedOptimizer`` and ``DistributedDataParallel``.
 As PyTorch DDP's reducer does, it groups the parameters into buckets in reverse registration
 order (roughly the order backward produces their gradients), up to ``fusion_bytes`` each, and
-makes every gradient a view of its bucket, so nothing is copied back after the reduction. When
-the last gradient of a bucket has been accumulated, and buckets are launched in plan order, the
+makes every gradient a view of its bucket, so nothing is copied back after the reduction. Its
+hook runs after each parameter's gradient accumulator (as DDP's and Horovod's do), so the user's
+own ``register_post_accumulate_grad_hook`` hooks see the local gradient first. When the last
+gradient of a bucket has been accumulated, and buckets are launched in plan order, the
 bucket's batch-weighted all-reduce starts (:meth:`GradientAggregator.launch`) while backward
 goes on; at the end of backward the buckets still open (parameters that got no gradient, which
 contribute zeros) are launched; :meth:`finish` only waits.
@@ -17,10 +19,16 @@ everywhere, and a change on all is reduced again with the new plan). Rounds wher
 launch (no plan yet, or a job whose batch sizes become known only after backward) are reduced
 whole in :meth:`finish` instead: correct, without the overlap. A backward nested in another's
 node (reentrant activation checkpointing) ends the round only when the outermost one ends.
+
+Between the end of backward and :meth:`finish` the buckets are in flight: a gradient changed in
+place or replaced there, or a backward pass that raised before its end, leaves this worker's
+reduction different from the others', so :meth:`finish` (or the next backward) raises
+``GradientReductionError`` instead of returning a wrong mean.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -30,7 +38,7 @@ import numpy as np
 import torch
 
 from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, plan_buckets
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
 
 # Parameter attribute holding (hook handle, weak reference to its reducer): a new reducer of the
@@ -44,7 +52,15 @@ class _Bucket:
     buffer: torch.Tensor  # flat, one dtype and device
     params: list[torch.Tensor]
     views: list[torch.Tensor]  # views of buffer shaped like each parameter
+    names: list[str]
     pending: set = field(default_factory=set)  # parameters whose gradient is not in the bucket yet
+    # The engine reduces an alias with a version counter of its own, so the buffer's counts only
+    # writes through the gradients' views: a change after the launch is a change in flight.
+    wire: torch.Tensor = field(init=False)
+    launched_version: int = -1
+
+    def __post_init__(self):
+        self.wire = self.buffer.data
 
 
 class _Plan:
@@ -54,6 +70,7 @@ class _Plan:
         self.key = _key(named)
         ordered = list(reversed(named))
         self.params = [p for _, p in ordered]
+        self.names = [name for name, _ in ordered]
         self.index = {p: i for i, p in enumerate(self.params)}
         groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit,
                               min(limit, FIRST_BUCKET_BYTES))
@@ -67,7 +84,7 @@ class _Plan:
                 views.append(buffer[offset:offset + p.numel()].view_as(p))
                 self.slot[p] = (number, views[-1])
                 offset += p.numel()
-            self.buckets.append(_Bucket(buffer, params, views))
+            self.buckets.append(_Bucket(buffer, params, views, [ordered[i][0] for i in group]))
         digest = fingerprint(describe(name, p) for name, p in ordered)
         self.description = (f"gradient buckets over {len(named)} parameters (digest {digest:016x}), "
                             f"{len(self.buckets)} buckets, {settings}")
@@ -120,6 +137,10 @@ class BucketReducer:
         self._next_bucket = 0
         self._passes = 0  # backward passes completed since the last reduction
         self._in_backward = False
+        self._backward_alive: weakref.ref | None = None  # dies with the backward pass that began the round
+        self._backward_failed = False  # that pass raised before its end: this worker's round is incomplete
+        self._launched_in_backward = False
+        self._warned_create_graph = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
         self._register_hooks(p for _, p in parameters())
 
@@ -131,8 +152,12 @@ class BucketReducer:
                     handle, reducer = previous
                     self._refuse_a_second_kind(reducer())
                     handle.remove()
-                self._hooks[p] = p.register_post_accumulate_grad_hook(self._on_gradient)
-                setattr(p, _HOOK_ATTR, (self._hooks[p], weakref.ref(self)))
+                # The accumulator is held: a parameter keeps only a weak reference to it.
+                with torch.enable_grad():
+                    accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                handle = accumulator.register_hook(functools.partial(self._after_accumulation, p))
+                self._hooks[p] = (accumulator, handle)
+                setattr(p, _HOOK_ATTR, (handle, weakref.ref(self)))
 
     @property
     def kind(self) -> str:
@@ -145,13 +170,14 @@ class BucketReducer:
                 f"{self.kind} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
-    def _on_gradient(self, param: torch.Tensor) -> None:
+    def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
+        self.refuse_if_incomplete()
         if not self._in_backward:
             self._begin_backward()
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
-        self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
+        self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
@@ -162,7 +188,9 @@ class BucketReducer:
                 f"backward_passes_per_step={self.passes_per_step}; call step() (or zero_grad()) after every "
                 f"{self.passes_per_step} backward passes or raise backward_passes_per_step")
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        alive = _BackwardPass()  # owned by the queued callback: freed unrun when backward raises
+        self._backward_alive = weakref.ref(alive, self._on_backward_gone)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, alive))
         if not (self.sync and self._passes + 1 == self.passes_per_step):
             return
         self._samples = self._step_samples()
@@ -170,6 +198,7 @@ class BucketReducer:
         if self._launching:
             self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples, step=self._trained_step())
+            self._launched_in_backward = True
             self._had_gradient = np.zeros(len(self._plan.params))
             self._next_bucket = 0
             for bucket in self._plan.buckets:
@@ -178,15 +207,25 @@ class BucketReducer:
     def _launch_ready(self) -> None:
         buckets = self._plan.buckets
         while self._next_bucket < len(buckets) and not buckets[self._next_bucket].pending:
-            self.aggregator.launch(self._round, self._next_bucket, buckets[self._next_bucket].buffer)
+            self._launch(self._next_bucket)
             self._next_bucket += 1
 
-    def _end_backward(self) -> None:
+    def _launch(self, number: int) -> None:
+        bucket = self._plan.buckets[number]
+        self.aggregator.launch(self._round, number, bucket.wire)
+        bucket.launched_version = bucket.buffer._version
+
+    def _on_backward_gone(self, alive: weakref.ref) -> None:
+        if alive is self._backward_alive and self._in_backward:  # it raised: its end callback never ran
+            self._in_backward = False
+            self._backward_failed = self._launching  # only a pass that launched buckets leaves them unpaired
+
+    def _end_backward(self, alive: _BackwardPass) -> None:
         outer_node = torch._C._current_autograd_node()
         if outer_node is not None:
             # This backward ran inside a node of another (reentrant activation checkpointing):
             # the gradients after that node's are still to come.
-            _queue_after(outer_node, self._end_backward)
+            _queue_after(outer_node, functools.partial(self._end_backward, alive))
             return
         self._in_backward = False
         if not self.sync:
@@ -196,13 +235,17 @@ class BucketReducer:
             self._launching = False
             for bucket in self._plan.buckets[self._next_bucket:]:
                 for param in bucket.pending:  # no gradient this pass: its own, or zeros
-                    self._had_gradient[self._plan.index[param]] = _move_into_bucket(
-                        param, self._plan.slot[param][1], self._round.scale)
+                    self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, self._plan.slot[param][1])
                 bucket.pending.clear()
             self._launch_ready()
             self.aggregator.close(self._round, self._round_description(), self._had_gradient)
         if self._on_backward_end is not None and self._passes == self.passes_per_step:
             self._on_backward_end(self.finish())
+
+    def refuse_if_incomplete(self) -> None:
+        """Raise ``GradientReductionError`` when a backward pass that launched buckets raised before its end."""
+        if self._backward_failed:
+            raise self._incomplete_round_error()
 
     @property
     def reducing(self) -> bool:
@@ -225,12 +268,19 @@ class BucketReducer:
             TensorMismatchError: workers have different parameters or settings.
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             TypeError: a gradient is sparse.
+            GradientReductionError: a gradient was changed in place or replaced after the backward
+                pass that launched its bucket, or that pass raised before its end.
             CommunicationError: a peer failed.
         """
+        if self._backward_failed:
+            self.discard()
+            raise self._incomplete_round_error()
         if self._round is None:
             self._reduce_whole_round(declared)
         step = self._round
         try:
+            if self._launched_in_backward:
+                self._refuse_changes_in_flight(step)
             self.aggregator.finish(step, self._round_description())
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
                 self._adopt_plan(self._next_plan, step.samples, late=not self._overlap)
@@ -239,9 +289,38 @@ class BucketReducer:
                 self.aggregator.finish(step, self._round_description())
         finally:
             self._round, self._samples, self._passes = None, None, 0
+            self._launched_in_backward = False
         for i in np.flatnonzero(step.counts == 0):  # no worker had a gradient: None, as in one process
             self._plan.params[i].grad = None
         return step.samples
+
+    def _refuse_changes_in_flight(self, step: Round) -> None:
+        """Raise when a gradient was written to, or replaced, after its bucket was launched: the
+        sum would hold a partly changed value, and a replaced gradient would not get the mean."""
+        replaced = [name for bucket in self._plan.buckets for name, p, view in zip(bucket.names, bucket.params, bucket.views)
+                    if p.grad is not view]
+        written = [name for bucket in self._plan.buckets if bucket.buffer._version != bucket.launched_version
+                   for name in bucket.names]
+        if not (replaced or written):
+            return
+        self.aggregator.drain(step)
+        what = (f"replaced ({_listed(replaced)})" if replaced else "") + (" and " if replaced and written else "") + (
+            f"changed in place ({_listed(written)}, e.g. by clip_grad_norm_)" if written else "")
+        raise GradientReductionError(
+            f"gradients were {what} between backward() and step(), while they were being reduced: this worker's "
+            "share of the sum would be partly changed and the result would differ from the other workers'. Call "
+            "optimizer.synchronize() first, change the gradients, then step inside optimizer.skip_synchronize() (as "
+            "with Horovod); a gradient set by hand is reduced when it is set before loss.backward()")
+
+    def _incomplete_round_error(self) -> GradientReductionError:
+        remedy = ("call optimizer.zero_grad() before the next backward to drop this worker's incomplete round (the "
+                  "reductions stay paired only if every worker's backward failed alike)"
+                  if self._on_backward_end is None else
+                  "as with PyTorch's DDP, training cannot go on after that: restart the job (from a checkpoint, e.g. "
+                  "bpslaunch --restart-on-failure)")
+        return GradientReductionError(
+            "a backward pass raised before its end (e.g. out of memory, or an error in a hook), so this worker's "
+            f"gradient reduction for that step is incomplete while the other workers' went on; {remedy}")
 
     def _notice_new_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """When the parameters requiring gradients changed, this round still reduces the agreed
@@ -267,8 +346,7 @@ class BucketReducer:
         named = self._parameters()
         sparse = [name for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
         if sparse:
-            raise TypeError(f"sparse gradients are not supported ({', '.join(sparse)}); use dense ones, "
-                            "e.g. nn.Embedding(..., sparse=False)")
+            raise _sparse_error(sparse)
         if self._samples is None:
             self._samples = self._step_samples()
         samples = self._samples if declared is None else declared
@@ -288,8 +366,8 @@ class BucketReducer:
         self._had_gradient = np.zeros(len(self._plan.params))
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
-                self._had_gradient[self._plan.index[param]] = _move_into_bucket(param, view, self._round.scale)
-            self.aggregator.launch(self._round, number, bucket.buffer)
+                self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
+            self._launch(number)
         self.aggregator.close(self._round, self._round_description(), self._had_gradient)
 
     def discard(self) -> None:
@@ -298,7 +376,49 @@ class BucketReducer:
         if self._round is not None:
             self.aggregator.drain(self._round)
         self._round, self._samples, self._passes = None, None, 0
-        self._launching = self._in_backward = False
+        self._launching = self._in_backward = self._launched_in_backward = self._backward_failed = False
+
+    def _move_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> bool:
+        """Make ``param.grad`` its bucket ``view``, holding the round's scale times the gradient
+        (zeros for a parameter without one), in one pass over the memory; returns whether it had one.
+
+        Raises:
+            TypeError: the gradient is sparse.
+        """
+        grad, scale = param.grad, self._round.scale
+        if grad is not None and grad.layout != torch.strided:
+            raise _sparse_error([self._plan.names[self._plan.index[param]]])
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True)
+            if not self._warned_create_graph:
+                self._warned_create_graph = True
+                warnings.warn("backward(create_graph=True): the reduced gradients carry no autograd graph (as with "
+                              "PyTorch's DDP); take higher-order terms with torch.autograd.grad(..., create_graph=True) "
+                              "before the backward pass that reduces", stacklevel=2)
+            grad = grad.detach()
+        if grad is view:
+            if scale != 1.0:
+                view.mul_(scale)
+        elif grad is None:
+            view.zero_()
+        elif scale == 1.0:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, scale, out=view)
+        param.grad = view
+        return grad is not None
+
+
+class _BackwardPass:
+    """A token whose life is that of the backward pass holding it (see ``BucketReducer._on_backward_gone``)."""
+
+
+def _sparse_error(names: list[str]) -> TypeError:
+    return TypeError(f"sparse gradients are not supported ({', '.join(names)}); use dense ones, "
+                     "e.g. nn.Embedding(..., sparse=False)")
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _queue_after(node, callback: Callable[[], None]) -> None:
@@ -310,21 +430,3 @@ def _queue_after(node, callback: Callable[[], None]) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
     handles.append(node.register_hook(after_node))
-
-
-def _move_into_bucket(param: torch.Tensor, view: torch.Tensor, scale: float) -> bool:
-    """Make ``param.grad`` its bucket ``view``, holding ``scale`` times the gradient (zeros for a
-    parameter without one), in one pass over the memory; returns whether it had one."""
-    grad = param.grad
-    if grad is view:
-        if scale != 1.0:
-            view.mul_(scale)
-    elif grad is None:
-        view.zero_()
-    elif scale == 1.0:
-        view.copy_(grad)
-    else:
-        torch.mul(grad, scale, out=view)
-    param.grad = view
-    return grad is not None
-
