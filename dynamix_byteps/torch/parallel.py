@@ -4,19 +4,26 @@ Like ``byteps.torch.parallel.DistributedDataParallel`` and PyTorch's DDP: wrap t
 it with any plain torch optimizer, and ``loss.backward()`` returns with every gradient replaced
 by its mean over the workers. It runs on the same reducer as ``DistributedOptimizer``
 (:class:`~dynamix_byteps.torch.reducer.BucketReducer`), so the mean is batch-weighted,
-Σ b_i · g_i / Σ b_i, with b_i from the ``DynamicBatchSampler`` or else the leading dimension
-of the inputs each forward pass saw. The learning rate is not scaled (use
-``DistributedOptimizer`` for ``lr_scaling``).
+Σ b_i · g_i / Σ b_i, with b_i from the ``DynamicBatchSampler``, or else counted by the rule
+"a forward pass counts for the backward passes that go through its outputs": b_i is the sum of
+the batch sizes (leading dimension of the first tensor input) of the forward passes whose
+outputs the backward passes since the last reduction reached, in training or eval mode. The
+learning rate is not scaled (use ``DistributedOptimizer`` for ``lr_scaling``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import warnings
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.aggregation import UNSET, GradientAggregator
+from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
 from dynamix_byteps.torch.reducer import BucketReducer
@@ -31,10 +38,54 @@ def _leading_dimension(inputs, kwargs) -> int | None:
     return None
 
 
+def _output_tensors(value, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output: itself, or inside tuples, lists, dicts and dataclasses."""
+    if isinstance(value, torch.Tensor):
+        yield value
+        return
+    if depth >= 16:
+        return
+    if isinstance(value, Mapping):
+        items = value.values()
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    else:
+        return
+    for item in items:
+        yield from _output_tensors(item, depth + 1)
+
+
+class _Forward:
+    """One forward pass's count, owned by the hooks on its outputs' autograd nodes: it is freed
+    with the graph (a discarded output, or after backward), so nothing accumulates."""
+
+    __slots__ = ("samples", "task", "after_take")
+
+    def __init__(self, samples: int | None, after_take: bool):
+        self.samples = samples  # None: no input had a batch dimension
+        self.task = -1  # the last backward pass (graph task) that counted it
+        self.after_take = after_take  # run inside the reducing backward, after its weight was taken
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` for data-parallel training: gradients are reduced during ``backward()``.
 
     The constructor is a collective: rank 0's parameters and buffers are broadcast to every worker.
+
+    Each worker's gradient is weighted by its batch size b_i (Σ b_i · g_i / Σ b_i): the
+    ``DynamicBatchSampler``'s batches when one feeds the job, else the forward passes it counted
+    since the last reduction. A forward pass counts for the backward passes that go through its
+    outputs: its batch size (dimension 0 of its first tensor input, in samples) is added for
+    every ``backward()`` that reaches one of its outputs (a tensor, or tensors in tuples, lists,
+    dicts or dataclasses) and computes gradients of the module's parameters, in ``train()`` and
+    ``eval()`` mode alike. A forward under ``torch.no_grad()``, one whose outputs no backward
+    reaches (a metric computed with gradients enabled), or one reached only by
+    ``torch.autograd.grad`` counts for nothing; a forward reached by two backward passes
+    (``retain_graph=True``) counts for each; passes inside :meth:`no_sync` add up until the
+    backward that reduces. A step no worker counted anything for gets BytePS's plain mean; one
+    that only some workers counted for raises ``ConfigurationError`` on every worker.
 
     Args:
         module: the model; its parameters must be the same on every worker (names, shapes, dtypes).
@@ -69,6 +120,14 @@ class DistributedDataParallel(torch.nn.Module):
         TypeError: ``batch_plan`` is not a ``BatchPlan``.
         TensorMismatchError: the workers' modules differ.
         NotInitializedError: ``init()`` was not called.
+        ConfigurationError: from ``backward()``, once its reduction has completed, when that
+            backward reached a forward's outputs only after a parameter's gradient was complete
+            and the step's weight taken (a parameter of the module used outside its forward,
+            e.g. directly in the loss; or two forward passes summed into one loss, the later one
+            using parameters the earlier does not, or checkpointing them with
+            ``use_reentrant=True``): the step was weighted without that forward (with a
+            ``DynamicBatchSampler``, raised only when that changed the number of sampler draws
+            the step took).
     """
 
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
@@ -89,12 +148,23 @@ class DistributedDataParallel(torch.nn.Module):
         self._step_path = TrainingStep(self._aggregator, "sgd", batch_plan)
         if bucket_cap_mb is not None:
             self._aggregator.fusion_bytes = max(int(bucket_cap_mb * 2**20), 1)
-        self._forward_samples: int | None = None  # None: no forward input had a batch dimension
-        self._forwards = 0
+        # Forward passes reached by the backward passes since the last reduction, and their samples
+        # (None: no forward input had a batch dimension).
+        self._reached_samples: int | None = None
+        self._reached_forwards = 0
+        self._weight_taken = False  # inside the reducing backward (or one nested in it), after its weight was taken
+        self._taken_at = None  # the gradient accumulator whose hook took it
+        self._taken_from_sampler = False
+        self._taken_forwards = 0
+        self._late_samples: int | None = None  # reached after the take, in the reducing backward
+        self._late_forwards = 0
+        self._checked_task, self._task_updates_parameters = -1, False
+        self._accumulators: dict[torch.Tensor, object] = {}
+        self._warned_output = False
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
                                       self._take_samples, lambda: self._step_path.trained_step,
-                                      on_backward_end=self._step_path.end)
+                                      on_backward_end=self._backward_ended)
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 
@@ -102,22 +172,107 @@ class DistributedDataParallel(torch.nn.Module):
         return [(f"Gradient.{name}", p) for name, p in self.module.named_parameters() if p.requires_grad]
 
     def _take_samples(self) -> int:
-        samples = self._step_path.take_samples(UNSET, max(self._forwards, 1))
-        if samples == UNSET and self._forward_samples is not None:
-            samples = self._forward_samples
-        self._forward_samples, self._forwards = None, 0
+        """This step's weight, when the reducing backward starts (its first parameter gradient)."""
+        self._weight_taken = torch._C._current_graph_task_id() >= 0
+        self._taken_at = torch._C._current_autograd_node()
+        self._late_forwards, self._late_samples = 0, None  # left over only if the last reducing backward raised
+        self._taken_forwards = self._reached_forwards
+        samples = self._step_path.take_samples(UNSET, max(self._reached_forwards, 1))
+        self._taken_from_sampler = samples != UNSET
+        if samples == UNSET and self._reached_samples is not None:
+            samples = self._reached_samples
+        self._reached_samples, self._reached_forwards = None, 0
         return samples
 
     def forward(self, *inputs, **kwargs):
-        if torch.is_grad_enabled():
-            if self.broadcast_buffers:
-                self._broadcast_buffers()
-            if self.training:
-                batch = _leading_dimension(inputs, kwargs)
-                if batch is not None:
-                    self._forward_samples = (self._forward_samples or 0) + batch
-                self._forwards += 1
-        return self.module(*inputs, **kwargs)
+        counting = torch.is_grad_enabled()
+        if counting and self.broadcast_buffers:
+            self._broadcast_buffers()
+        output = self.module(*inputs, **kwargs)
+        if counting:
+            self._count_through(output, _leading_dimension(inputs, kwargs))
+        return output
+
+    def _count_through(self, output, samples: int | None) -> None:
+        """Hook the autograd nodes of ``output``'s tensors: the backward passes reaching them count
+        this forward pass's ``samples``, once each."""
+        nodes, found = {}, False
+        for tensor in _output_tensors(output):
+            found = True
+            if tensor.requires_grad and tensor.grad_fn is not None:  # not a leaf: its hooks would outlive the pass
+                nodes.setdefault(id(tensor.grad_fn), tensor.grad_fn)
+        if not found and not self._warned_output and any(p.requires_grad for p in self.module.parameters()):
+            self._warned_output = True
+            warnings.warn(f"DistributedDataParallel found no tensor in the module's output ({type(output).__name__}), "
+                          "so its batch cannot weight the backward passes through it: return tensors, or tuples, "
+                          "lists, dicts or dataclasses of them", stacklevel=3)
+        if not nodes:
+            return
+        if torch._C._current_graph_task_id() < 0:  # outside every backward: the last reducing one has ended
+            self._weight_taken = False
+        record = _Forward(samples, after_take=self._weight_taken)
+        hook = functools.partial(self._reached, record)
+        for node in nodes.values():
+            node.register_prehook(hook)
+
+    def _reached(self, record: _Forward, grad_outputs) -> None:
+        """A backward pass reached an output of ``record``'s forward pass: count it for that pass."""
+        task = torch._C._current_graph_task_id()
+        if record.task == task or not self._updates_parameters(task):
+            return
+        record.task = task
+        if record.after_take or self._weight_taken:
+            self._late_samples = _add(self._late_samples, record.samples)
+            self._late_forwards += 1
+        else:
+            self._reached_samples = _add(self._reached_samples, record.samples)
+            self._reached_forwards += 1
+
+    def _updates_parameters(self, task: int) -> bool:
+        """Whether the running backward pass computes gradients of the module's parameters (not
+        ``torch.autograd.grad``, nor ``backward(inputs=...)`` of other tensors)."""
+        if task != self._checked_task:
+            self._checked_task, self._task_updates_parameters = task, False
+            for p in self.module.parameters():
+                if not p.requires_grad:
+                    continue
+                if p not in self._accumulators:  # held, so that every graph uses this one
+                    self._accumulators[p] = torch.autograd.graph.get_gradient_edge(p).node
+                try:
+                    if torch._C._will_engine_execute_node(self._accumulators[p]):
+                        self._task_updates_parameters = True
+                        break
+                except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
+                    break
+        return self._task_updates_parameters
+
+    def _backward_ended(self, samples: int) -> None:
+        """The reducing backward pass and its reduction are complete: end the step, then refuse a
+        weight that left out forward passes this backward reached after the weight was taken."""
+        self._step_path.end(samples)
+        late_forwards, late_samples, taken_at = self._late_forwards, self._late_samples, self._taken_at
+        self._late_forwards, self._late_samples, self._taken_at, self._weight_taken = 0, None, None, False
+        taken = self._taken_forwards
+        if self._taken_from_sampler:  # its batch sizes weight the step; only its draw count can be off
+            if max(taken, 1) == max(taken + late_forwards, 1):
+                return
+            effect = f"{max(taken, 1)} sampler draw(s) were taken for this step instead of {taken + late_forwards}"
+        else:
+            if late_samples is None:
+                return
+            had = "no count (the plain mean)" if samples == UNSET else f"{samples} samples"
+            effect = (f"the step weighted this worker's gradient by {had} instead of "
+                      f"{(0 if samples == UNSET else samples) + late_samples} samples")
+        names = [name for name, p in self.module.named_parameters() if p is getattr(taken_at, "variable", None)]
+        where = f"the gradient of parameter {names[0]!r}" if names else "a parameter's gradient"
+        raise ConfigurationError(
+            f"DistributedDataParallel: this backward pass reached the outputs of {late_forwards} forward "
+            f"pass(es) only after {where} was complete and the step's weight was taken, so {effect}. This "
+            "happens when a parameter of the module gets its gradient without going through the outputs (e.g. "
+            "used directly in the loss), or when several forward passes are summed into one loss and the later "
+            "one uses parameters the earlier does not, or checkpoints them with use_reentrant=True. Use every "
+            "parameter inside the module's forward, run one backward per forward pass (all but the last inside "
+            "no_sync())" + ("" if self._taken_from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
 
     def _broadcast_buffers(self) -> None:
         """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
@@ -154,3 +309,7 @@ class DistributedDataParallel(torch.nn.Module):
     def synchronize(self) -> None:
         """BytePS's explicit wait after ``backward()``; the reduction already completes inside
         backward here, so this only exists for compatibility."""
+
+
+def _add(total: int | None, samples: int | None) -> int | None:
+    return total if samples is None else (total or 0) + samples
