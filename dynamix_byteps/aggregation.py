@@ -16,7 +16,7 @@ starts as soon as the bucket is full (the PyTorch frontend does this from the ba
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
 norm |g_i|², the digest of its bucket plan, and the sampler step it trains with that step's
-epoch (:class:`SamplerStep`; the epoch seeds the permutation the batch came from). When the
+epoch (:class:`SamplerPosition`; the epoch seeds the permutation the batch came from). When the
 round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so holds g
 exactly; the trailer's digests turn a mismatched plan, and its steps and epochs workers out of
 step with each other (a checkpoint loaded on one worker only, ``set_epoch`` called with
@@ -59,25 +59,16 @@ _SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH = range(5)  # the trailer's columns
 _COLUMNS = 5
 
 
-class SamplerStep(int):
-    """A sampler's global step (this int) and the epoch it was drawn in (:attr:`epoch`): what a
-    round trains (:attr:`TrainingStep.trained_step <dynamix_byteps.training_step.TrainingStep>`).
+@dataclass(frozen=True)
+class SamplerPosition:
+    """What a round trains (:attr:`TrainingStep.trained_position
+    <dynamix_byteps.training_step.TrainingStep>`): the sampler's global ``step`` and the ``epoch``
+    whose permutation its batches came from. The trailer carries both, since workers at the same
+    step of different epochs draw different samples; both are below 2**53 (the sampler refuses
+    larger epochs), exact in the float64 trailer."""
 
-    It passes for the step wherever an int is expected (arithmetic gives plain ints), so the
-    frontends hand it to :meth:`GradientAggregator.open_round` unchanged, and the trailer carries
-    both: workers at the same step of different epochs draw from different permutations.
-    Both are below 2**53 (the sampler refuses larger epochs), exact in the float64 trailer.
-    """
-
+    step: int
     epoch: int
-
-    def __new__(cls, step: int, epoch: int = UNSET):
-        value = super().__new__(cls, step)
-        value.epoch = int(epoch)
-        return value
-
-    def __getnewargs__(self) -> tuple[int, int]:
-        return int(self), self.epoch
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -193,16 +184,14 @@ class Round:
         reference: R, the same on every worker.
         measure: whether this round measures the squared norms for the gradient noise scale
             (decided by the round count, so the same on every worker).
-        step: the sampler's global step the round trains; None without a sampler.
-        epoch: the sampler epoch of that step (a :class:`SamplerStep`'s); None when unknown.
+        position: the sampler step and epoch the round trains; None without a sampler.
     """
 
     samples: int
     scale: float
     reference: float
     measure: bool = True
-    step: int | None = None
-    epoch: int | None = None
+    position: SamplerPosition | None = None
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
@@ -297,17 +286,15 @@ class GradientAggregator:
         self._reference = float(np.where(table[:, 1] == UNSET, 1, table[:, 1]).sum() or 1)
         return table[:, 0]
 
-    def open_round(self, samples: int, measure: bool = True, step: int | None = None) -> Round:
+    def open_round(self, samples: int, measure: bool = True, position: SamplerPosition | None = None) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);
         ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round;
-        ``step``: the sampler's global step the round trains (None: no sampler), which must be
-        the same on every worker that has one, as must its epoch when it is a :class:`SamplerStep`."""
+        ``position``: the sampler step and epoch the round trains (None: no sampler), which must
+        be the same on every worker that has one."""
         effective = 1 if samples == UNSET else samples
         measure = measure and self._rounds % self.noise_every == 0
         self._rounds += 1
-        epoch = getattr(step, "epoch", UNSET) if step is not None else UNSET
-        return Round(samples, effective / self._reference, self._reference, measure, step,
-                     None if epoch == UNSET else epoch)
+        return Round(samples, effective / self._reference, self._reference, measure, position)
 
     def launch(self, step: Round, bucket: int, flat: torch.Tensor) -> None:
         """Start the sum all-reduce of bucket number ``bucket`` of the plan: ``flat`` (contiguous,
@@ -334,8 +321,10 @@ class GradientAggregator:
         rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = plan_digest(description)
-        rows[engine.rank, _STEP] = UNSET if step.step is None else step.step
-        rows[engine.rank, _EPOCH] = UNSET if step.epoch is None else step.epoch
+        if step.position is not None:
+            rows[engine.rank, _STEP], rows[engine.rank, _EPOCH] = step.position.step, step.position.epoch
+        else:
+            rows[engine.rank, _STEP] = rows[engine.rank, _EPOCH] = UNSET
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import tensorboard_scalars
-from dynamix_byteps.aggregation import UNSET, GradientAggregator, SamplerStep
+from dynamix_byteps.aggregation import UNSET, GradientAggregator, SamplerPosition
 from dynamix_byteps.control.step_monitor import StepMonitor
 
 
@@ -40,10 +40,9 @@ class TrainingStep:
         aggregator: as given.
         monitor: the :class:`StepMonitor` this frontend owns.
         next_step: the global step after the last one taken from the plan (None before one).
-        trained_step: the global step the last :meth:`take_samples` drew (its last batch's), a
-            :class:`~dynamix_byteps.aggregation.SamplerStep` that also names the epoch it was
-            drawn in (the round's trailer checks both on every worker); None when it drew none
-            (no sampler feeds the frontend).
+        trained_position: the sampler step and epoch the last :meth:`take_samples` drew (its
+            last batch's), a :class:`~dynamix_byteps.aggregation.SamplerPosition` the round's
+            trailer checks on every worker; None when it drew none (no sampler feeds the frontend).
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).
@@ -57,7 +56,7 @@ class TrainingStep:
         self.monitor = StepMonitor(engine, engine.env, optimizer_family, tensorboard_scalars.worker_writer())
         aggregator.before_send = self.monitor.stretch
         self.next_step: int | None = None
-        self.trained_step: int | None = None
+        self.trained_position: SamplerPosition | None = None
         self._plan: _batch_plan.BatchPlan | None = None
         self.plan()
 
@@ -77,9 +76,9 @@ class TrainingStep:
         plan = self.plan()
         drawn = plan.take_draws(passes, as_default=self._given is None)
         # trained_position() is the newest taken draw's (epoch, samples): drawn[-1]'s epoch.
-        self.trained_step = SamplerStep(drawn[-1][0], plan.trained_position()[0]) if drawn else None
+        self.trained_position = SamplerPosition(drawn[-1][0], plan.trained_position()[0]) if drawn else None
         if drawn:
-            self.next_step = self.trained_step + 1
+            self.next_step = drawn[-1][0] + 1
         if declared != UNSET:
             return declared
         return sum(samples for _, samples in drawn) if drawn else UNSET

@@ -158,7 +158,7 @@ class GradientReducer:
             # reverse). Its collectives must still line up with the others': it announces the
             # new plan in a round of the agreed one (zeros, not measured). Unless every worker
             # changed alike, every worker's finish then raises TensorMismatchError naming both plans.
-            step = self.aggregator.open_round(samples, measure=False, step=self._step.trained_step)
+            step = self.aggregator.open_round(samples, measure=False, position=self._step.trained_position)
             zeros = [torch.zeros(length, dtype=dtype) for dtype, (_, length) in
                      zip(self._agreed.dtypes, self._agreed.layouts)]
             self._reduce_round(step, zeros, plan.description)
@@ -168,7 +168,7 @@ class GradientReducer:
             # of paying a round of the previous set's size at each change.
             self._agree_every_step = True
         self._agreed = plan
-        step = self.aggregator.open_round(samples, step=self._step.trained_step)
+        step = self.aggregator.open_round(samples, position=self._step.trained_position)
         flats = [_fuse([views[i] for i in bucket], offsets, length, step.scale)
                  for bucket, (offsets, length) in zip(plan.buckets, plan.layouts)]
         self._reduce_round(step, flats, plan.description)

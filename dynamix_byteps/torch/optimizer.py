@@ -53,7 +53,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._reducer = BucketReducer(
             self._aggregator, self._gradient_params, f"compression={compression.name}",
             lambda: self._step_path.take_samples(self._samples, self._reducer.passes_per_step),
-            lambda: self._step_path.trained_step, int(backward_passes_per_step))
+            lambda: self._step_path.trained_position, int(backward_passes_per_step))
 
     # The step's statistics, kept by the shared aggregator.
     gradient_noise = property(lambda self: self._aggregator.gradient_noise,

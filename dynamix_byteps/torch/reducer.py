@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, plan_buckets
+from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, SamplerPosition, plan_buckets
 from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
 
@@ -105,8 +105,8 @@ class BucketReducer:
         step_samples: called once per round, when its last backward pass starts (or at
             :meth:`finish` when none did); returns this worker's samples in the step
             (:data:`UNSET` when unknown).
-        trained_step: called right after ``step_samples``; the sampler's global step the round
-            trains (None without a sampler), checked to be the same on every worker.
+        trained_position: called right after ``step_samples``; the sampler step and epoch the
+            round trains (None without a sampler), checked to be the same on every worker.
         passes_per_step: backward passes accumulated before a reduction (``backward_passes_per_step``).
         on_backward_end: when given, the round is finished at the end of its last backward pass
             (as DDP does) and this is called afterwards with the step's local batch size; else
@@ -117,13 +117,13 @@ class BucketReducer:
     """
 
     def __init__(self, aggregator: GradientAggregator, parameters: Callable[[], list], settings: str,
-                 step_samples: Callable[[], int], trained_step: Callable[[], int | None],
+                 step_samples: Callable[[], int], trained_position: Callable[[], SamplerPosition | None],
                  passes_per_step: int = 1, on_backward_end: Callable[[int], None] | None = None):
         self.aggregator = aggregator
         self._parameters = parameters
         self._settings = settings
         self._step_samples = step_samples
-        self._trained_step = trained_step
+        self._trained_position = trained_position
         self.passes_per_step = passes_per_step
         self._on_backward_end = on_backward_end
         self.sync = True
@@ -197,7 +197,7 @@ class BucketReducer:
         self._launching = self._overlap and self._plan is not None
         if self._launching:
             self._notice_new_parameters(self._parameters())
-            self._round = self.aggregator.open_round(self._samples, step=self._trained_step())
+            self._round = self.aggregator.open_round(self._samples, position=self._trained_position())
             self._launched_in_backward = True
             self._had_gradient = np.zeros(len(self._plan.params))
             self._next_bucket = 0
@@ -362,7 +362,7 @@ class BucketReducer:
         self._launch_whole_round(samples)
 
     def _launch_whole_round(self, samples: int) -> None:
-        self._round = self.aggregator.open_round(samples, step=self._trained_step())
+        self._round = self.aggregator.open_round(samples, position=self._trained_position())
         self._had_gradient = np.zeros(len(self._plan.params))
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
