@@ -138,6 +138,15 @@ def _input_gradient(models, rank):
     return SIZES[rank]
 
 
+def _learnable_loss_weight(models, rank):
+    """A parameter used only in the loss (a learnable loss weight, as in uncertainty weighting):
+    its gradient is complete before the backward reaches the forward's output."""
+    x, y = _batch(rank, SIZES[rank], 14)
+    temperature = getattr(models[0], "module", models[0]).temperature
+    (_loss(models[0](x), y) * torch.exp(-temperature) + temperature).backward()
+    return SIZES[rank]
+
+
 def _head(width_in: int = 3):
     torch.manual_seed(1)
     return torch.nn.Sequential(torch.nn.Linear(width_in, 5), torch.nn.Tanh()).double()
@@ -153,6 +162,7 @@ CASES = {
     "dict_output": (lambda: [Net(dict_output=True)], _dict_output),
     "two_models_one_loss": (lambda: [_head(), Net()], _two_models),
     "input_gradient_on_rank_0": (lambda: [Net(norm=False)], _input_gradient),
+    "learnable_loss_weight": (lambda: [Net()], _learnable_loss_weight),
 }
 
 
@@ -198,23 +208,25 @@ def weighting(names: list[str], steps: int = 2) -> dict[str, float]:
 
 
 def parameter_used_only_in_the_loss() -> dict:
-    """``temperature`` scales the loss outside the module's forward, then (``"later_forward"``)
-    only the second of two forwards summed into one loss: its gradient is complete before the
-    backward reaches the (first) forward's output, so the step's weight missed that forward.
-    Every rank must raise after the reduction, naming the parameter; the wrapper then trains on
-    exactly."""
+    """``temperature`` scales only the second of two forwards summed into one loss
+    (``"later_forward"``): its gradient is complete once the backward reached that forward's
+    output only, so the step's weight missed the other. Or it scales the loss outside the
+    module's forward while the output of another forward with gradients is kept
+    (``"kept_output"``): the weight, taken before any output was reached, counted that one too.
+    Every rank must raise after the reduction; the wrapper then trains on exactly."""
     rank = bps.rank()
     model = Net(norm=False)
     net = bps.DistributedDataParallel(model)
     x, y = _batch(rank, SIZES[rank], 13)
     messages = {}
-    for case in ("in_the_loss", "later_forward"):
+    for case in ("later_forward", "kept_output"):
         model.zero_grad(set_to_none=True)
         try:
-            if case == "in_the_loss":
-                (_loss(net(x), y) * model.temperature).backward()
-            else:
+            if case == "later_forward":
                 (_loss(net(x), y) + _loss(net(x, scaled=True), y)).backward()
+            else:
+                kept = net(x)  # noqa: F841 - an output no backward goes through, alive during it
+                (_loss(net(x), y) * model.temperature).backward()
             messages[case] = "no error"
         except ConfigurationError as exc:
             messages[case] = str(exc)

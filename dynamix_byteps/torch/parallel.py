@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -61,11 +62,12 @@ class _Forward:
     """One forward pass's count, owned by the hooks on its outputs' autograd nodes: it is freed
     with the graph (a discarded output, or after backward), so nothing accumulates."""
 
-    __slots__ = ("samples", "task", "after_take")
+    __slots__ = ("samples", "task", "seen", "after_take", "__weakref__")
 
     def __init__(self, samples: int | None, after_take: bool):
         self.samples = samples  # None: no input had a batch dimension
         self.task = -1  # the last backward pass (graph task) that counted it
+        self.seen = -1  # the last backward pass that reached its outputs
         self.after_take = after_take  # run inside the reducing backward, after its weight was taken
 
 
@@ -122,12 +124,14 @@ class DistributedDataParallel(torch.nn.Module):
         NotInitializedError: ``init()`` was not called.
         ConfigurationError: from ``backward()``, once its reduction has completed, when that
             backward reached a forward's outputs only after a parameter's gradient was complete
-            and the step's weight taken (a parameter of the module used outside its forward,
-            e.g. directly in the loss; or two forward passes summed into one loss, the later one
+            and the step's weight taken (two forward passes summed into one loss, the later one
             using parameters the earlier does not, or checkpointing them with
             ``use_reentrant=True``): the step was weighted without that forward (with a
             ``DynamicBatchSampler``, raised only when that changed the number of sampler draws
-            the step took).
+            the step took). A parameter whose gradient comes from the loss alone (a learnable
+            loss weight) is complete before any output is reached: the weight then counts the
+            forward passes alive and not yet counted, and this is raised if the backward did not
+            go through one of them (an output kept from a forward this loss does not use).
     """
 
     def __init__(self, module: torch.nn.Module, device_ids=None, broadcast_buffers: bool = True,
@@ -159,6 +163,12 @@ class DistributedDataParallel(torch.nn.Module):
         self._late_samples: int | None = None  # reached after the take, in the reducing backward
         self._late_forwards = 0
         self._checked_task, self._task_updates_parameters = -1, False
+        # Forward passes whose graphs are alive; a weight taken before the backward reached any
+        # (a parameter whose gradient comes from the loss only, e.g. a learnable loss weight, is
+        # complete first) counts those never counted, and the end of backward checks it reached them.
+        self._live: weakref.WeakSet[_Forward] = weakref.WeakSet()
+        self._assumed: list[_Forward] = []
+        self._assumed_task = -1
         self._accumulators: dict[torch.Tensor, object] = {}
         self._warned_output = False
         broadcast_parameters(self.module.state_dict(), root_rank=0)
@@ -176,6 +186,14 @@ class DistributedDataParallel(torch.nn.Module):
         self._weight_taken = torch._C._current_graph_task_id() >= 0
         self._taken_at = torch._C._current_autograd_node()
         self._late_forwards, self._late_samples = 0, None  # left over only if the last reducing backward raised
+        task = torch._C._current_graph_task_id()
+        self._assumed_task = task
+        self._assumed = [r for r in self._live if r.task == -1 and not r.after_take] if (
+            task >= 0 and self._reached_forwards == 0) else []
+        for record in self._assumed:
+            record.task = task
+            self._reached_samples = _add(self._reached_samples, record.samples)
+            self._reached_forwards += 1
         self._taken_forwards = self._reached_forwards
         samples = self._step_path.take_samples(UNSET, max(self._reached_forwards, 1))
         self._taken_from_sampler = samples != UNSET
@@ -211,6 +229,7 @@ class DistributedDataParallel(torch.nn.Module):
         if torch._C._current_graph_task_id() < 0:  # outside every backward: the last reducing one has ended
             self._weight_taken = False
         record = _Forward(samples, after_take=self._weight_taken)
+        self._live.add(record)
         hook = functools.partial(self._reached, record)
         for node in nodes.values():
             node.register_prehook(hook)
@@ -218,7 +237,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _reached(self, record: _Forward, grad_outputs) -> None:
         """A backward pass reached an output of ``record``'s forward pass: count it for that pass."""
         task = torch._C._current_graph_task_id()
-        if record.task == task or not self._updates_parameters(task):
+        if record.seen == task or not self._updates_parameters(task):
+            return
+        record.seen = task
+        if record.task == task:  # counted when the weight was taken
             return
         record.task = task
         if record.after_take or self._weight_taken:
@@ -250,6 +272,15 @@ class DistributedDataParallel(torch.nn.Module):
         """The reducing backward pass and its reduction are complete: end the step, then refuse a
         weight that left out forward passes this backward reached after the weight was taken."""
         self._step_path.end(samples)
+        unreached, self._assumed = [r for r in self._assumed if r.seen != self._assumed_task], []
+        if unreached:
+            raise ConfigurationError(
+                f"DistributedDataParallel: this backward pass's weight was taken before it reached any forward "
+                f"pass's outputs (a parameter got its gradient from the loss alone), so it counted the "
+                f"{len(unreached)} uncounted forward pass(es) still alive, and did not reach "
+                f"{'it' if len(unreached) == 1 else 'them'}: a kept output of a forward pass this loss does not "
+                "use (e.g. a metric). Compute such outputs under torch.no_grad(), or give the batch sizes with a "
+                "DynamicBatchSampler")
         late_forwards, late_samples, taken_at = self._late_forwards, self._late_samples, self._taken_at
         self._late_forwards, self._late_samples, self._taken_at, self._weight_taken = 0, None, None, False
         taken = self._taken_forwards
@@ -268,11 +299,9 @@ class DistributedDataParallel(torch.nn.Module):
         raise ConfigurationError(
             f"DistributedDataParallel: this backward pass reached the outputs of {late_forwards} forward "
             f"pass(es) only after {where} was complete and the step's weight was taken, so {effect}. This "
-            "happens when a parameter of the module gets its gradient without going through the outputs (e.g. "
-            "used directly in the loss), or when several forward passes are summed into one loss and the later "
-            "one uses parameters the earlier does not, or checkpoints them with use_reentrant=True. Use every "
-            "parameter inside the module's forward, run one backward per forward pass (all but the last inside "
-            "no_sync())" + ("" if self._taken_from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
+            "happens when several forward passes are summed into one loss and the later one uses parameters the "
+            "earlier does not, or checkpoints them with use_reentrant=True. Run one backward per forward pass "
+            "(all but the last inside no_sync())" + ("" if self._taken_from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
 
     def _broadcast_buffers(self) -> None:
         """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
