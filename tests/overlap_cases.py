@@ -522,3 +522,21 @@ def create_graph_backward() -> dict:
             opt.step()
             errors.append(_grad_error(model, expected))
     return {"errors": errors, "warnings": [str(w.message) for w in caught if "carry no autograd graph" in str(w.message)]}
+
+
+def parameter_inside_and_outside_a_reentrant_checkpoint() -> str:
+    """A layer used before a reentrant checkpoint and inside it gets two gradients in one backward:
+    from the second step (reduced during backward) that is refused by name, not summed twice scaled."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).double()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), layer.named_parameters())
+    x = torch.randn(5, 4, dtype=torch.float64)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            h = layer(x)
+            torch.utils.checkpoint.checkpoint(lambda t: layer(torch.tanh(t)), h, use_reentrant=True).sum().backward()
+            opt.step()
+    except bps.GradientReductionError as exc:
+        return f"step {step}: {exc}"
+    return "no error"

@@ -155,3 +155,9 @@ def test_backward_with_create_graph_is_reduced_exactly_with_one_warning():
     for result in ok(run_workers(2, "overlap_cases:create_graph_backward")):
         assert max(result["errors"]) < 1e-12
         assert len(result["warnings"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_name():
+    for result in ok(run_workers(2, "overlap_cases:parameter_inside_and_outside_a_reentrant_checkpoint")):
+        assert result.startswith("step 1: Gradient.") and "got a gradient twice in one backward pass" in result, result

@@ -177,6 +177,11 @@ class BucketReducer:
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
+        if param not in self._plan.buckets[number].pending:
+            raise GradientReductionError(
+                f"{self._plan.names[self._plan.index[param]]} got a gradient twice in one backward pass (a parameter "
+                "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True)); the first part was "
+                "already scaled for the reduction. Use use_reentrant=False (PyTorch's DDP refuses this case too)")
         self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
