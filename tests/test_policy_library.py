@@ -9,8 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from dynamix_byteps.argtypes import key_value
 from dynamix_byteps.cli import main
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.cli.scheduler import build_policy
+from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.policy import make_policy
 from dynamix_byteps.policy.ppo import library
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES
@@ -63,6 +65,15 @@ def test_an_unknown_name_lists_the_library():
     assert all(name in str(caught.value) for name in REQUIRED)
     with pytest.raises(ConfigurationError, match="only ppo takes :NAME"):
         make_policy("static:small-cnn-sgd")
+
+
+@pytest.mark.parametrize("option, why", [("seed=1.7", "seed must be a whole number >= 0, got 1.7"),
+                                         ("seed=-1", "seed must be >= 0, got -1")])
+def test_a_seed_that_is_not_a_whole_number_from_0_is_refused_by_name(option, why):
+    # 1.7 was truncated to 1; -1 failed in numpy with "expected non-negative integer"
+    with pytest.raises(UsageError, match=f"invalid options for policy 'ppo': {why}"):
+        build_policy("ppo:small-cnn-sgd", dict([key_value(option)]), max_change=2.0, hysteresis=0.05)
+    assert build_policy("ppo:small-cnn-sgd", dict([key_value("seed=7")]), max_change=2.0, hysteresis=0.05)
 
 
 def test_an_incompatible_library_entry_is_refused_with_the_library_listed(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.policy.base import ClusterState, Decision, Policy
+from dynamix_byteps.policy.base import ClusterState, Decision, Policy, integer_option
 from dynamix_byteps.policy.ppo.features import NUM_FEATURES, observation
 from dynamix_byteps.policy.ppo.mdp import apply_actions
 from dynamix_byteps.policy.ppo.policy_format import INPUT, OUTPUT, POLICY_FILE, policy_directory, read_metadata
@@ -56,10 +56,11 @@ class PPOPolicy(Policy):
         explore: draw each worker's ladder step from softmax(logits) instead of the greedy one
             (online fine-tuning: the logged ``logp`` is then the behaviour policy's); ``true`` /
             ``false`` strings are accepted (``--policy-option explore=true``).
-        seed: seeds the draws of ``explore``.
+        seed: seeds the draws of ``explore``, a whole number >= 0.
         name: instead of ``path``, a policy of the packaged library (:mod:`.library`, ``ppo:NAME``).
 
     Raises:
+        ValueError: ``seed`` is not a whole number >= 0 (``1.7`` is refused, not truncated).
         ConfigurationError: the directory is not a valid policy for this version (see
             :func:`read_metadata`), an unknown or unusable library ``name`` (the message lists
             the library), or onnxruntime is not installed (names ``pip install
@@ -70,6 +71,7 @@ class PPOPolicy(Policy):
     reports_gain = False
 
     def __init__(self, *, path=None, explore=False, seed=None, name=None):
+        seed = None if seed is None else integer_option("seed", seed, 0)
         if name is not None:  # ppo:NAME, a policy of the packaged library
             if path is not None:
                 raise ConfigurationError("policy 'ppo' takes a library name (ppo:NAME) or a path, not both")
@@ -85,7 +87,7 @@ class PPOPolicy(Policy):
         except ImportError:
             raise ConfigurationError(f"policy 'ppo' needs onnxruntime: {RL_EXTRA}") from None
         self.explore = _flag(explore, "explore")
-        self._rng = np.random.default_rng(None if seed is None else int(seed))
+        self._rng = np.random.default_rng(seed)
         self.root = policy_directory(path)
         self._stamp = _stamp(self.root / MANIFEST)
         self._swapper: threading.Thread | None = None
