@@ -1,10 +1,20 @@
-"""argparse ``type=`` converters for numbers in a range and output paths, shared by ``bpslaunch`` and ``dynamix``."""
+"""argparse ``type=`` converters for numbers in a range, addresses and output paths, shared by ``bpslaunch``
+and ``dynamix``, and the address rule the workers apply to ``DYNAMIX_SCHEDULER``."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+MAX_PORT = 65535
+ADDRESS_FORM = "HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:50051 or [::1]:50051"
 
 
 def int_in(low: int, high: int | None = None, what: str = "value"):
@@ -36,6 +46,55 @@ def float_in(low: float, high: float = math.inf, *, low_open: bool = False, unit
     return parse
 
 
+def argument_type(check: Callable[[str], T]) -> Callable[[str], T]:
+    """``check`` as an argparse ``type=``: its ``ValueError`` becomes the argument's error message
+    (argparse itself would print only ``invalid check value``)."""
+    def parse(text: str) -> T:
+        try:
+            return check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse
+
+
+def dial_address(text: str) -> str:
+    """``text`` when it is an address a client can connect to: ``HOST:PORT``, ``HOST`` a name or an
+    IPv4 address, or an IPv6 address in brackets (``[::1]:50051``), ``PORT`` in 1..65535.
+
+    Raises:
+        ValueError: any other text; the message quotes it and gives the valid form.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit():
+        why = "no :PORT at its end"
+    elif not 1 <= int(port) <= MAX_PORT:
+        why = f"port {int(port)} is outside 1..{MAX_PORT}"
+    elif not host:
+        why = "no host before the port"
+    elif host.startswith("[") and host.endswith("]"):
+        why = None if _is_ipv6(host[1:-1]) else f"{host} is not an IPv6 address in brackets"
+    elif any(c in host for c in ":[]"):
+        why = "an IPv6 address goes in brackets"
+    elif any(c.isspace() for c in host):
+        why = f"{host!r} is not a host name"
+    else:
+        why = None
+    if why is not None:
+        raise ValueError(f"{text!r} is not {ADDRESS_FORM} ({why})")
+    return text
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
+host_port = argument_type(dial_address)
+
+
 def key_value(text: str) -> tuple[str, object]:
     """Parse ``KEY=VALUE`` (``KEY`` an identifier); VALUE becomes a bool (``true``/``false``, any
     case), an int or a float where it reads as one, else stays text."""
@@ -58,8 +117,10 @@ def output_path(kind: str, example: str = "out"):
 
     Refused at parse time, so that the command exits 2 naming the flag before it starts anything:
     a file path that is an existing directory, a directory path that is an existing non-directory,
-    and a path under an existing non-directory (``x.json/out``), which would only fail later with
-    a bare ``OSError`` naming no flag."""
+    a path under an existing non-directory (``x.json/out``), and a path whose nearest existing
+    directory nothing can be created in (not writable, read-only, ``/proc``), which would only
+    fail later with a bare ``OSError`` naming no flag. To tell the last, the parse creates and
+    removes an empty directory there."""
     if kind not in ("file", "dir"):
         raise ValueError(f"output_path kind must be 'file' or 'dir', not {kind!r}")
 
@@ -69,11 +130,19 @@ def output_path(kind: str, example: str = "out"):
             raise argparse.ArgumentTypeError(f"{text} is a directory; give the path of a file in it, e.g. {path / example}")
         if kind == "dir" and path.exists() and not path.is_dir():
             raise argparse.ArgumentTypeError(f"{text} is a file; give a directory (it is created if missing)")
-        for parent in path.absolute().parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    raise argparse.ArgumentTypeError(f"{text}: {parent} is a file, not a directory; give a path "
-                                                     "under a directory")
-                break
+        folder = _nearest_existing(path if kind == "dir" else path.absolute().parent)
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"{text}: {folder} is a file, not a directory; give a path under a directory")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".dynamix-probe-", dir=folder))
+        except OSError as error:
+            raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {folder} ({error.strerror}); "
+                                             "give a path in a directory you can write") from None
         return path
     return parse
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` (made absolute) or its closest ancestor that exists."""
+    path = path.absolute()
+    return next(p for p in (path, *path.parents) if p.exists())

@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from dynamix_byteps.argtypes import MAX_PORT, dial_address
 from dynamix_byteps.errors import ConfigurationError
 
 ENGINES = ("gloo", "nccl", "byteps", "ps", "auto")
@@ -125,7 +126,8 @@ class WorkerEnv:
         engine: communication engine (``DYNAMIX_ENGINE``), one of :data:`ENGINES` but ``auto``,
             which :func:`resolve_engine` has replaced.
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
-        scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``); None = no control plane.
+        scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``; ``[v6]:port`` for an IPv6
+            address, port 1..65535); None = no control plane.
         token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
         tls_ca: PEM CA file that verifies a TLS scheduler (``DYNAMIX_TLS_CA``); None = plaintext.
         decision_interval: steps between reports and assignment boundaries (``DYNAMIX_DECISION_INTERVAL``).
@@ -199,8 +201,11 @@ class WorkerEnv:
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise ConfigurationError(f"DYNAMIX_TIMEOUT={timeout_s} must be > 0 and <= {MAX_TIMEOUT_S:.0f} seconds (7 days)")
         scheduler = env.get("DYNAMIX_SCHEDULER") or None
-        if scheduler is not None and not scheduler.rpartition(":")[2].isdigit():
-            raise ConfigurationError(f"DYNAMIX_SCHEDULER={scheduler!r} is not HOST:PORT")
+        if scheduler is not None:
+            try:
+                dial_address(scheduler)
+            except ValueError as error:
+                raise ConfigurationError(f"DYNAMIX_SCHEDULER: {error}") from None
         optional_int(env, "DYNAMIX_BATCH_SIZE", 1, MAX_BATCH)  # read by scripts; 0 would fail far from its cause
         try:
             slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
@@ -230,7 +235,7 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     local_rank = optional_int(env, "BYTEPS_LOCAL_RANK", 0)
     rank_offset = optional_int(env, "DYNAMIX_RANK_OFFSET", 0)
     world_size = optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
-    root_port = optional_int(env, "DMLC_PS_ROOT_PORT", 1, 65535)
+    root_port = optional_int(env, "DMLC_PS_ROOT_PORT", 1, MAX_PORT)
     if world_size is not None:
         size = world_size
     else:
@@ -261,7 +266,7 @@ def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     rank = optional_int(env, "RANK", 0)
     local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1)
     local_rank = optional_int(env, "LOCAL_RANK", 0)
-    root_port = optional_int(env, "MASTER_PORT", 1, 65535)
+    root_port = optional_int(env, "MASTER_PORT", 1, MAX_PORT)
     _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, {
         "WORLD_SIZE": True, "RANK": world_size != 1, "LOCAL_WORLD_SIZE": local_rank is not None,
         "LOCAL_RANK": (local_size or 1) > 1, "MASTER_ADDR": world_size != 1, "MASTER_PORT": world_size != 1})

@@ -1,12 +1,15 @@
 """Output paths a careless user gives the ``dynamix`` subcommands: a directory where a file goes,
-a file where a directory goes, a path under a file. Each exits 2 with one line naming the flag
-and the fix, before anything starts, instead of a bare ``OSError`` (or none at all) later."""
+a file where a directory goes, a path under a file, a path in /proc. Each exits 2 with one line naming
+the flag and the fix, before anything starts, instead of a bare ``OSError`` (or none at all) later.
+So do values the command could never work with (a job name the workers refuse, a port out of range)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from dynamix_byteps.cli import main
+from dynamix_byteps.cli import build_parser, main
 from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.launcher.cli import parse_args
 
@@ -24,6 +27,7 @@ def paths(tmp_path, monkeypatch):
 DIR_FOR_FILE = "adir is a directory; give the path of a file in it, e.g. adir/"
 FILE_FOR_DIR = "afile is a file; give a directory (it is created if missing)"
 UNDER_FILE = "afile/x: {}/afile is a file, not a directory; give a path under a directory"
+NOT_WRITABLE = "/proc/x: cannot create anything in /proc ("
 
 CASES = [
     (["scheduler", "--port-file", "adir"], "--port-file", DIR_FOR_FILE + "out"),
@@ -36,6 +40,9 @@ CASES = [
     (["policy", "train", "--scenario", "homogeneous", "--out", "afile"], "--out", FILE_FOR_DIR),
     (["policy", "export", "adir", "--out", "afile/x"], "--out", UNDER_FILE),
     (["policy", "eval", "adir", "--scenario", "homogeneous", "--json", "adir"], "--json", DIR_FOR_FILE + "out"),
+    # nothing can be created in /proc, not even by root: a bare "[Errno 2] ... '/proc/x'" came later
+    (["scheduler", "--run-dir", "/proc/x"], "--run-dir", NOT_WRITABLE),
+    (["sim", "fit", "run", "--out", "/proc/x/sim.json"], "--out", "/proc/x/sim.json" + NOT_WRITABLE[len("/proc/x"):]),
 ]
 
 
@@ -73,3 +80,28 @@ def test_report_on_a_run_whose_event_file_is_empty_or_damaged_says_so(paths, cap
 def test_dynamix_without_a_command_or_with_an_unknown_flag_names_what_is_wrong(capsys, argv, why):
     assert main(argv) == 2  # `dynamix --bogus` said "required: COMMAND"
     assert f"dynamix: error: {why}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["agent", "--job", "../../etc/x", "--scheduler", "127.0.0.1:1"],
+     "argument --job: job name '../../etc/x' must be non-empty and use only [A-Za-z0-9_-]"),
+    (["agent", "--job", "", "--scheduler", "127.0.0.1:1"], "argument --job: job name '' must be non-empty"),
+    (["agent", "--job", "j", "--scheduler", "garbage"],
+     "argument --scheduler: 'garbage' is not HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:50051 or [::1]:50051"),
+    (["agent", "--job", "j", "--scheduler", "[::1]:99999"], "(port 99999 is outside 1..65535)"),
+    (["scheduler", "--max-change", "1"], "argument --max-change: 1 must be a finite number > 1"),
+])
+def test_a_value_the_command_could_never_work_with_is_refused_naming_the_flag(capsys, argv, why):
+    # each was accepted: the agent then monitored nothing forever, the scheduler could change no size
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_policy_train_refuses_an_unknown_scenario_before_importing_ray(paths, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "dynamix_byteps.policy.ppo.train", None)  # importing it now fails
+    assert main(["policy", "train", "--scenario", "homogeneous,nope", "--out", "out"]) == 2
+    err = capsys.readouterr().err
+    assert "error: argument --scenario: unknown scenario 'nope'; choose one of homogeneous," in err, err

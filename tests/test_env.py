@@ -60,6 +60,28 @@ def test_bad_variables_are_named(variables, named):
         WorkerEnv.from_environ(variables)
 
 
+@pytest.mark.parametrize("value, why", [
+    ("[::1]:99999", "port 99999 is outside 1..65535"),  # the workers waited for it to come back, forever
+    ("h0:0", "port 0 is outside 1..65535"),
+    (":5", "no host before the port"),
+    ("h0:", "no :PORT at its end"),
+    ("h0:5x", "no :PORT at its end"),
+    ("::1:50051", "an IPv6 address goes in brackets"),
+    ("[h0]:50051", "[h0] is not an IPv6 address in brackets"),
+    ("h 0:50051", "'h 0' is not a host name"),
+])
+def test_a_scheduler_address_that_cannot_be_dialled_is_refused_with_the_valid_form(value, why):
+    with pytest.raises(ConfigurationError) as caught:
+        WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": value})
+    assert str(caught.value) == (f"DYNAMIX_SCHEDULER: {value!r} is not HOST:PORT with a port in 1..65535, "
+                                 f"e.g. 10.0.0.1:50051 or [::1]:50051 ({why})")
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:50051", "h0.example:1", "[::1]:65535", "[fe80::1%eth0]:50051"])
+def test_scheduler_addresses_a_client_can_dial_are_kept(value):
+    assert WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": value}).scheduler == value
+
+
 def test_queries_before_init_raise():
     assert not bps.is_initialized()
     with pytest.raises(NotInitializedError, match="bps.init"):

@@ -96,6 +96,14 @@ def _ebpf_refuses(monkeypatch):
     monkeypatch.setattr(ebpf.EbpfCollector, "__init__", refuse)
 
 
+@pytest.mark.parametrize("job, scheduler, why", [("../../etc/x", "127.0.0.1:1", "job name '../../etc/x'"),
+                                                 ("", "127.0.0.1:1", "job name ''"),
+                                                 ("j", "garbage", "'garbage' is not HOST:PORT")])
+def test_a_job_the_workers_refuse_or_an_address_that_is_not_host_port_is_refused(job, scheduler, why):
+    with pytest.raises(ValueError, match=why):  # it monitored nothing, forever
+        NodeAgent(job, scheduler, monitor="off")
+
+
 @pytest.mark.timeout(60)
 def test_monitor_ebpf_that_cannot_load_exits_2_with_the_reason(monkeypatch, capsys):
     from dynamix_byteps import cli

@@ -33,10 +33,11 @@ import grpc
 from dynamix_byteps.agent.base import CollectorUnavailable, NetworkCollector, ProcessNetStats
 from dynamix_byteps.agent.gpu import GpuMonitor
 from dynamix_byteps.agent.procfs import HostMonitor, ProcCollector
+from dynamix_byteps.argtypes import dial_address
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
 from dynamix_byteps.control.cluster import Rejected, validate_node
-from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes
+from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name
 from dynamix_byteps.control.security import open_channel
 
 log = logging.getLogger(__name__)
@@ -121,10 +122,19 @@ def node_metrics(rank: int, metrics: dict, refused: set[tuple[int, str]]) -> dyn
 
 
 class NodeAgent:
-    """Samples the workers of ``job`` on this host and reports to the scheduler at ``scheduler``."""
+    """Samples the workers of ``job`` on this host and reports to the scheduler at ``scheduler``.
+
+    Raises:
+        ValueError: ``job`` is not a name the workers accept (``[A-Za-z0-9_-]``, see
+            :func:`~dynamix_byteps.control.mailbox.mailbox_name`) or ``scheduler`` is not
+            ``HOST:PORT`` (:func:`~dynamix_byteps.argtypes.dial_address`).
+        CollectorUnavailable: ``monitor`` cannot run here.
+    """
 
     def __init__(self, job: str, scheduler: str, token: str | None = None, monitor: str = "auto",
                  interval_s: float = 1.0, tls_ca: str | None = None):
+        mailbox_name(job, 0)  # the workers' rule: they refuse any other job name, so it has nothing to find
+        dial_address(scheduler)
         self.job = job
         self.interval_s = interval_s
         self.collector = make_collector(monitor)

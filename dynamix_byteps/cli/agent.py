@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from dynamix_byteps.agent.base import MONITORS
-from dynamix_byteps.argtypes import float_in, output_path
+from dynamix_byteps.argtypes import argument_type, float_in, host_port, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import UsageError
 
@@ -40,14 +40,24 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("--job", required=True, metavar="JOB", help="job id the workers got in DYNAMIX_JOB_ID")
-    p.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's address")
+    p.add_argument("--job", type=argument_type(_job_name), required=True, metavar="JOB",
+                   help="job id the workers got in DYNAMIX_JOB_ID ([A-Za-z0-9_-])")
+    p.add_argument("--scheduler", type=host_port, required=True, metavar="HOST:PORT",
+                   help="the scheduler's address ([V6]:PORT for an IPv6 address)")
     p.add_argument("--monitor", choices=MONITORS, default="auto")
     p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")
     p.add_argument("--ready-file", type=output_path("file"), metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate of a TLS scheduler (default: $DYNAMIX_TLS_CA)")
     p.set_defaults(run=run)
+
+
+def _job_name(text: str) -> str:
+    """``--job``: a name the workers accept for their mailboxes (ValueError otherwise)."""
+    from dynamix_byteps.control.mailbox import mailbox_name
+
+    mailbox_name(text, 0)
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from dynamix_byteps.policy.ppo.imitate import DEADBAND, TEACHERS
 from dynamix_byteps.policy.ppo.mdp import LADDERS
 from dynamix_byteps.policy.ppo.policy_format import read_metadata
 from dynamix_byteps.policy.ppo.served import prepare_served
-from dynamix_byteps.scenarios import load_scenarios
+from dynamix_byteps.scenarios import load_scenarios, scenario
 
 __all__ = ["add_parser", "format_table", "run_eval", "run_export", "run_finetune", "run_list", "run_train", "trainer_argv"]
 
@@ -217,6 +217,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     if (args.scenario is None) == (args.profiles is None) or (args.profiles and args.sim_params):
         raise UsageError("give either --scenario (with --sim-params, optionally) or --profiles FILE")
+    try:  # before Ray's import, which takes seconds
+        for name in args.scenario or ():
+            scenario(name, args.scenario_file)
+    except ConfigurationError as error:
+        raise UsageError(f"argument --scenario: {error}") from None
     try:
         weights = RewardWeights.from_dict(dict(args.reward))
         params = _base_params(args.sim_params)
@@ -271,7 +276,6 @@ def run_eval(args: argparse.Namespace) -> int:
     from dynamix_byteps.policy.sim.env import scenario_params
     from dynamix_byteps.policy.sim.evaluate import compare
     from dynamix_byteps.policy.sim.params import SimParams, from_scenario
-    from dynamix_byteps.scenarios import scenario
 
     try:
         ppo = PPOPolicy(path=library.resolve(args.policy_dir))

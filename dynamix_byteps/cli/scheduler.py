@@ -53,7 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=DEFAULT_DECISION_INTERVAL, metavar="K", help=f"steps between decisions (default {DEFAULT_DECISION_INTERVAL}, as the workers')")
     p.add_argument("--run-dir", type=output_path("dir"), metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
     p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
-    p.add_argument("--max-change", type=float_in(1.0), default=2.0, metavar="X", help="largest factor a batch size may change by per decision (default 2.0)")
+    p.add_argument("--max-change", type=float_in(1.0, low_open=True), default=2.0, metavar="X",
+                   help="largest factor a batch size may change by per decision, > 1 (1 would freeze every size; "
+                   "default 2.0)")
     p.add_argument("--hysteresis", type=float_in(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")
     p.set_defaults(run=run)
 
