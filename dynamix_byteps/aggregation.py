@@ -16,12 +16,13 @@ starts as soon as the bucket is full (the PyTorch frontend does this from the ba
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
 norm |g_i|², the digest of its bucket plan, and the sampler step it trains with that step's
-epoch (:class:`SamplerPosition`; the epoch seeds the permutation the batch came from). When the
-round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so holds g
-exactly; the trailer's digests turn a mismatched plan, and its steps and epochs workers out of
-step with each other (a checkpoint loaded on one worker only, ``set_epoch`` called with
-different epochs), into :class:`TensorMismatchError` on every worker. One collective per
-bucket and one trailer per step.
+epoch and the digest of the sampler's settings (:class:`SamplerPosition`; epoch, seed, dataset
+size, shuffling, ``drop_last`` and the number of workers fix the permutation the batch came from
+and each worker's slice of it). When the round finishes every worker divides the sums by Σ b_i / R (when that is
+not 1) and so holds g exactly; the trailer's digests turn a mismatched plan or samplers built
+differently (``seed=rank``), and its steps and epochs workers out of step with each other (a
+checkpoint loaded on one worker only, ``set_epoch`` called with different epochs), into
+:class:`TensorMismatchError` on every worker. One collective per bucket and one trailer per step.
 
 The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
 extra passes over every gradient. They are measured on every ``noise_every``-th round only
@@ -53,22 +54,26 @@ DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
-DIGEST_MASK = (1 << 52) - 1  # plan digests travel as float64, exact below 2**53
+DIGEST_MASK = (1 << 52) - 1  # digests travel as float64, exact below 2**53
 
-_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH = range(5)  # the trailer's columns
-_COLUMNS = 5
+_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER = range(6)  # the trailer's columns
+_COLUMNS = 6
 
 
 @dataclass(frozen=True)
 class SamplerPosition:
     """What a round trains (:attr:`TrainingStep.trained_position
-    <dynamix_byteps.training_step.TrainingStep>`): the sampler's global ``step`` and the ``epoch``
-    whose permutation its batches came from. The trailer carries both, since workers at the same
-    step of different epochs draw different samples; both are below 2**53 (the sampler refuses
-    larger epochs), exact in the float64 trailer."""
+    <dynamix_byteps.training_step.TrainingStep>`): the sampler's global ``step``, the ``epoch``
+    whose permutation its batches came from, and the ``sampler``'s settings that fix that
+    permutation and each worker's slice of it, as ``'name value'`` items joined by ``', '``
+    (``'dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2'``). Workers at
+    the same step of different epochs or samplers draw different samples, so the trailer carries
+    the step, the epoch (below 2**53: the sampler refuses larger epochs, exact in float64) and
+    the settings' 52-bit digest (a seed may be any integer)."""
 
     step: int
     epoch: int
+    sampler: str
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -168,8 +173,9 @@ def plan_buckets(items: Sequence[tuple[int, Hashable]], limit: int, first_limit:
     return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
 
 
-def plan_digest(description: str) -> int:
-    """The 52-bit digest of a plan's description that the trailer carries."""
+def trailer_digest(description: str) -> int:
+    """The 52-bit digest of a description (a bucket plan's, a sampler's settings) that the
+    trailer carries, exact in float64."""
     return fingerprint([description]) & DIGEST_MASK
 
 
@@ -184,7 +190,7 @@ class Round:
         reference: R, the same on every worker.
         measure: whether this round measures the squared norms for the gradient noise scale
             (decided by the round count, so the same on every worker).
-        position: the sampler step and epoch the round trains; None without a sampler.
+        position: the sampler step, epoch and settings the round trains; None without a sampler.
     """
 
     samples: int
@@ -196,6 +202,33 @@ class Round:
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
     counts: np.ndarray | None = None  # after finish: the per-tensor counts of close(), summed over workers
+
+
+def _differing_settings(settings: dict[int, str]) -> str:
+    """Each setting whose value differs between ranks, as ``'rank 0: seed 42, rank 1: seed 1'``,
+    joined by ``'; '``. ``settings``: rank -> its sampler's ``'name value'`` items joined by ``', '``
+    (a rank without an item, e.g. no seed when not shuffling, shows ``'no seed'``)."""
+    items = {rank: {item.split(" ", 1)[0]: item for item in text.split(", ")} for rank, text in settings.items()}
+    names = dict.fromkeys(name for by_name in items.values() for name in by_name)
+    return "; ".join(", ".join(f"rank {rank}: {by_name.get(name, 'no ' + name)}" for rank, by_name in items.items())
+                     for name in names if len({by_name.get(name) for by_name in items.values()}) > 1)
+
+
+def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]]) -> None:
+    """Raise TensorMismatchError unless the workers whose sampler feeds the round built it with the
+    same settings; :data:`UNSET` marks a worker without a sampler. ``digests``: int64, one per rank
+    (:func:`trailer_digest` of its settings); ``gather_settings()``: every rank's settings text,
+    a collective called only on a mismatch (which every worker sees in the same trailer)."""
+    known = np.flatnonzero(digests != UNSET)
+    if np.all(digests[known] == digests[known[:1]]):
+        return
+    texts = gather_settings()
+    listed = _differing_settings({int(rank): texts[rank] for rank in known})
+    raise TensorMismatchError(
+        f"workers drew the same round's batches from samplers built with different settings ({listed}), so "
+        "they cut different permutations of the dataset: some samples are trained twice per epoch, others never. "
+        "Build the DynamicBatchSampler with the same dataset (length), seed, shuffle, drop_last and num_replicas "
+        "on every worker: a fixed seed (seed=42), not seed=rank or a random one")
 
 
 def _check_sampler_positions(steps: np.ndarray, epochs: np.ndarray) -> None:
@@ -289,8 +322,8 @@ class GradientAggregator:
     def open_round(self, samples: int, measure: bool = True, position: SamplerPosition | None = None) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);
         ``measure=False`` keeps it out of the gradient noise statistics even on a measuring round;
-        ``position``: the sampler step and epoch the round trains (None: no sampler), which must
-        be the same on every worker that has one."""
+        ``position``: the sampler step, epoch and settings the round trains (None: no sampler),
+        which must be the same on every worker that has one."""
         effective = 1 if samples == UNSET else samples
         measure = measure and self._rounds % self.noise_every == 0
         self._rounds += 1
@@ -310,7 +343,7 @@ class GradientAggregator:
 
     def close(self, step: Round, description: str, counts: np.ndarray | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
-        squared norm, plan digest (``description``'s), sampler step and epoch, and ``counts``
+        squared norm, plan digest (``description``'s), sampler step, epoch and settings digest, and ``counts``
         (float64, one per tensor, e.g. 1 for a gradient this worker had), summed over the workers
         into ``step.counts``."""
         self.before_send()
@@ -320,11 +353,13 @@ class GradientAggregator:
         host = torch.zeros(engine.size * _COLUMNS + (0 if counts is None else counts.size), dtype=torch.float64)
         rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
         rows[engine.rank, _SAMPLES] = step.samples
-        rows[engine.rank, _DIGEST] = plan_digest(description)
-        if step.position is not None:
-            rows[engine.rank, _STEP], rows[engine.rank, _EPOCH] = step.position.step, step.position.epoch
+        rows[engine.rank, _DIGEST] = trailer_digest(description)
+        position = step.position
+        if position is not None:
+            rows[engine.rank, _STEP], rows[engine.rank, _EPOCH] = position.step, position.epoch
+            rows[engine.rank, _SAMPLER] = trailer_digest(position.sampler)
         else:
-            rows[engine.rank, _STEP] = rows[engine.rank, _EPOCH] = UNSET
+            rows[engine.rank, _STEP] = rows[engine.rank, _EPOCH] = rows[engine.rank, _SAMPLER] = UNSET
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
@@ -353,8 +388,8 @@ class GradientAggregator:
             description: the plan's description, gathered only to explain a mismatch.
 
         Raises:
-            TensorMismatchError: workers reduced different plans, or different sampler steps or
-                epochs (every worker raises).
+            TensorMismatchError: workers reduced different plans, or drew from samplers with
+                different settings, steps or epochs (every worker raises).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
@@ -370,6 +405,8 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
+        settings = "" if step.position is None else step.position.sampler
+        _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
         _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)

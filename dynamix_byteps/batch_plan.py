@@ -40,17 +40,21 @@ class BatchPlan:
     Args:
         schedule: the sampler's assignment schedule; None for a plan without a sampler (its
             frontends use the batch sizes declared by ``set_local_batch_size``).
+        sampler_settings: what fixes the sampler's permutations and each worker's slice of them,
+            as ``'name value'`` items joined by ``', '``; every worker's must be the same.
 
     Attributes:
         schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule`, or None.
+        sampler_settings: as given.
         monitor: the :class:`~dynamix_byteps.control.step_monitor.StepMonitor` of the newest frontend
             training on this plan (the one ``bps.step_statistics``, ``bps.untimed``,
             ``bps.report_loss`` and ``bps.log_scalar`` reach); None before one exists.
         gradient_noise: that frontend's :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale`.
     """
 
-    def __init__(self, schedule: AssignmentSchedule | None = None):
+    def __init__(self, schedule: AssignmentSchedule | None = None, sampler_settings: str = ""):
         self.schedule = schedule
+        self.sampler_settings = sampler_settings
         self.monitor = None
         self.gradient_noise = None
         self._lock = threading.Lock()

@@ -40,9 +40,10 @@ class TrainingStep:
         aggregator: as given.
         monitor: the :class:`StepMonitor` this frontend owns.
         next_step: the global step after the last one taken from the plan (None before one).
-        trained_position: the sampler step and epoch the last :meth:`take_samples` drew (its
-            last batch's), a :class:`~dynamix_byteps.aggregation.SamplerPosition` the round's
-            trailer checks on every worker; None when it drew none (no sampler feeds the frontend).
+        trained_position: the sampler step, epoch and sampler settings the last
+            :meth:`take_samples` drew (its last batch's), a
+            :class:`~dynamix_byteps.aggregation.SamplerPosition` the round's trailer checks on
+            every worker; None when it drew none (no sampler feeds the frontend).
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).
@@ -76,7 +77,8 @@ class TrainingStep:
         plan = self.plan()
         drawn = plan.take_draws(passes, as_default=self._given is None)
         # trained_position() is the newest taken draw's (epoch, samples): drawn[-1]'s epoch.
-        self.trained_position = SamplerPosition(drawn[-1][0], plan.trained_position()[0]) if drawn else None
+        self.trained_position = (SamplerPosition(drawn[-1][0], plan.trained_position()[0], plan.sampler_settings)
+                                 if drawn else None)
         if drawn:
             self.next_step = drawn[-1][0] + 1
         if declared != UNSET:

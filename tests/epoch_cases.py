@@ -1,6 +1,7 @@
 """Worker functions for tests/test_epoch_agreement.py: every worker must draw from the same
 epoch's permutation of the same sampler, else every worker raises TensorMismatchError at the
-first step that differs (the round's trailer carries each worker's epoch and step)."""
+first step that differs (the round's trailer carries each worker's epoch, step and the digest of
+its sampler's settings)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _frontend(variant: str, model: torch.nn.Module):
 
 def _epoch_for(mode: str, epoch: int, rank: int) -> int | None:
     """The epoch ``mode`` hands ``set_epoch`` before ``epoch`` on ``rank`` (None: no call)."""
-    if mode in ("same", "mid_epoch"):
+    if mode in ("same", "mid_epoch", "rank_seed", "rank_seed_and_size"):
         return epoch
     if mode == "rank_dependent":
         return epoch + rank
@@ -39,11 +40,14 @@ def train_epochs(mode: str, variant: str, loader_workers: int = 0) -> dict:
     """The tester's script: 3 epochs over 100 samples, 10 per worker and step, through a
     DataLoader. ``mode``: ``same`` (set_epoch(epoch) everywhere), ``rank_dependent``
     (set_epoch(epoch + rank)), ``rank0_only`` (set_epoch(2 * epoch) on rank 0, no call
-    elsewhere), ``mid_epoch`` (as ``same``, and rank 0 calls set_epoch(5) after its second step).
-    Returns the indices this rank trained by epoch, the steps it took and the error it raised."""
+    elsewhere), ``mid_epoch`` (as ``same``, and rank 0 calls set_epoch(5) after its second step),
+    ``rank_seed`` (as ``same`` with seed=rank), ``rank_seed_and_size`` (as ``rank_seed``, and rank
+    r samples the first 100 - 10r). Returns the indices this rank trained by epoch, the steps it
+    took and the error it raised."""
     rank, data = bps.rank(), _dataset()
     torch.manual_seed(0)
-    sampler = bps.DynamicBatchSampler(data, BATCH, seed=1)
+    length = SIZE - 10 * rank if mode == "rank_seed_and_size" else SIZE
+    sampler = bps.DynamicBatchSampler(length, BATCH, seed=rank if mode.startswith("rank_seed") else 1)
     extra = {"num_workers": loader_workers, "prefetch_factor": 2} if loader_workers else {}
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, **extra)
     model = torch.nn.Linear(4, 1).double()
@@ -105,7 +109,8 @@ def resumed_from_checkpoint(where: str) -> dict:
 def tensorflow_tape(mode: str) -> dict:
     """TensorFlow's DistributedGradientTape fed by a sampler (the frontend takes its batch
     sizes from the sampler's draws, as the torch ones do): ``same`` trains 2 epochs,
-    ``rank_dependent`` (set_epoch(epoch + rank)) raises on every worker at the first step."""
+    ``rank_dependent`` (set_epoch(epoch + rank)) raises on every worker at the first step, and
+    then (``seed_error``) so does one step from a new sampler built with seed=rank."""
     import os
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -117,17 +122,25 @@ def tensorflow_tape(mode: str) -> dict:
     rank = tbps.rank()
     x_all = np.random.default_rng(3).normal(size=(SIZE, 4))
     w = tf.Variable(tf.zeros((4, 1), tf.float64))
-    sampler = tbps.DynamicBatchSampler(SIZE, BATCH, seed=1)
     seen: dict[int, list[int]] = {}
-    try:
-        for epoch in range(2):
-            sampler.set_epoch(epoch + rank if mode == "rank_dependent" else epoch)
-            for indices in sampler:
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tf.constant(x_all[indices]) @ w)
-                (grad,) = tbps.DistributedGradientTape(tape).gradient(loss, [w])
-                w.assign_sub(0.01 * grad)
-                seen.setdefault(epoch, []).extend(indices)
-    except TensorMismatchError as exc:
-        return {"error": str(exc), "seen": seen}
-    return {"error": None, "seen": seen}
+
+    def train(sampler, epochs: dict[int, int]) -> str | None:
+        """Train the epochs ``epochs`` maps to what set_epoch gets; the TensorMismatchError's text."""
+        try:
+            for epoch, chosen in epochs.items():
+                sampler.set_epoch(chosen)
+                for indices in sampler:
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_sum(tf.constant(x_all[indices]) @ w)
+                    (grad,) = tbps.DistributedGradientTape(tape).gradient(loss, [w])
+                    w.assign_sub(0.01 * grad)
+                    seen.setdefault(epoch, []).extend(indices)
+        except TensorMismatchError as exc:
+            return str(exc)
+        return None
+
+    shift = rank if mode == "rank_dependent" else 0
+    result = {"error": train(tbps.DynamicBatchSampler(SIZE, BATCH, seed=1), {e: e + shift for e in range(2)})}
+    if mode == "rank_dependent":
+        result["seed_error"] = train(tbps.DynamicBatchSampler(SIZE, BATCH, seed=rank), {0: 0})
+    return {**result, "seen": seen}

@@ -1,14 +1,18 @@
 """Workers drawing from different epochs of their samplers (set_epoch(epoch + rank), set_epoch
-on some workers only, a checkpoint loaded on one worker) raise TensorMismatchError on every
-worker at the first step, naming each rank's epoch and step; equal epochs train every sample
-exactly once per epoch. Real worker processes over loopback (cases in tests/epoch_cases.py)."""
+on some workers only, a checkpoint loaded on one worker), or from samplers built differently
+(seed=rank, another dataset size), raise TensorMismatchError on every worker at the first step,
+naming each rank's epoch and step or setting; equal epochs train every sample exactly once per
+epoch. Real worker processes over loopback (cases in tests/epoch_cases.py)."""
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from epoch_cases import EPOCHS, SIZE
 from multiworker import ok, run_workers
 
+from dynamix_byteps.aggregation import _COLUMNS, _SAMPLER, UNSET, _check_samplers, trailer_digest
+from dynamix_byteps.errors import TensorMismatchError
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
 
@@ -35,6 +39,63 @@ def test_rank_dependent_epochs_raise_on_every_rank_at_the_first_step(variant):
         assert result["steps"] == 0, result
         message = result["error"] or ""
         assert "rank 0: epoch 0 step 0, rank 1: epoch 1 step 0" in message and "set_epoch" in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("mode", "variant", "listed"), [
+    ("rank_seed", "optimizer", "rank 0: seed 0, rank 1: seed 1"),
+    ("rank_seed_and_size", "ddp", "rank 0: dataset_size 100, rank 1: dataset_size 90; rank 0: seed 0, rank 1: seed 1"),
+])
+def test_samplers_built_differently_raise_on_every_rank_at_the_first_step(mode, variant, listed):
+    for result in ok(run_workers(2, "epoch_cases:train_epochs", mode, variant)):
+        assert result["steps"] == 0, result
+        message = result["error"] or ""
+        assert f"different settings ({listed})" in message and "not seed=rank" in message, message
+
+
+def _settings_rows(*settings: str | None) -> np.ndarray:
+    """Synthetic trailer rows, one per rank, whose sampler column holds the digest of ``settings``
+    (None: no sampler)."""
+    rows = np.zeros((len(settings), _COLUMNS))
+    rows[:, _SAMPLER] = [UNSET if text is None else trailer_digest(text) for text in settings]
+    return rows
+
+
+def _check_rows(*settings: str | None) -> None:
+    rows = _settings_rows(*settings)
+    _check_samplers(rows[:, _SAMPLER].astype(np.int64), lambda: [text or "" for text in settings])
+
+
+def test_sampler_settings_check_names_every_rank_value_of_what_differs():
+    a = "dataset_size 100, seed 42, shuffle True, drop_last False, num_replicas 3"
+    b = "dataset_size 90, seed 1, shuffle True, drop_last False, num_replicas 3"
+    c = "dataset_size 100, shuffle False, drop_last True, num_replicas 3"
+    with pytest.raises(TensorMismatchError) as raised:
+        _check_rows(a, None, b)
+    assert "(rank 0: dataset_size 100, rank 2: dataset_size 90; rank 0: seed 42, rank 2: seed 1)" in str(raised.value)
+    with pytest.raises(TensorMismatchError) as raised:
+        _check_rows(a, c, a)
+    assert ("(rank 0: seed 42, rank 1: no seed, rank 2: seed 42; rank 0: shuffle True, rank 1: shuffle False, "
+            "rank 2: shuffle True; rank 0: drop_last False, rank 1: drop_last True, rank 2: drop_last False)"
+            ) in str(raised.value)
+
+
+@pytest.mark.parametrize("settings", [("s", "s", "s"), ("s", None, "s"), (None, None, None), (None, "s", None)])
+def test_sampler_settings_check_passes_equal_samplers_and_workers_without_one(settings):
+    rows = _settings_rows(*settings)
+    _check_samplers(rows[:, _SAMPLER].astype(np.int64), lambda: pytest.fail("gathered without a mismatch"))
+
+
+def test_sampler_settings_leave_out_the_seed_without_shuffling_and_survive_a_resume():
+    def settings(**kwargs) -> str:
+        return DynamicBatchSampler(100, 10, num_replicas=2, rank=1, **kwargs).batch_plan.sampler_settings
+
+    assert settings(seed=1) == "dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2"
+    assert settings(seed=0, shuffle=False) == settings(seed=1, shuffle=False)  # one order for any seed
+    saved = DynamicBatchSampler(100, 10, num_replicas=4, rank=0, seed=1, drop_last=True)
+    resumed = DynamicBatchSampler(100, 10, num_replicas=2, rank=1, seed=1)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.batch_plan.sampler_settings == settings(seed=1)
 
 
 @pytest.mark.timeout(120)
@@ -77,12 +138,13 @@ def test_a_checkpoint_resumed_on_rank_0_only_raises_on_every_rank():
 
 
 @pytest.mark.timeout(300)
-def test_tensorflow_tape_checks_the_epoch_too():
+def test_tensorflow_tape_checks_the_epoch_and_the_seed_too():
     same = ok(run_workers(2, "epoch_cases:tensorflow_tape", "same", timeout=280))
     assert [r["error"] for r in same] == [None, None]
     _every_sample_once(same, [0, 1])
     for result in ok(run_workers(2, "epoch_cases:tensorflow_tape", "rank_dependent", timeout=280)):
         assert "rank 0: epoch 0 step 0, rank 1: epoch 1 step 0" in (result["error"] or ""), result
+        assert "rank 0: seed 0, rank 1: seed 1" in (result["seed_error"] or ""), result
 
 
 @pytest.mark.parametrize("epoch", [-1, 1.5, 2.0, "3", True, None, 2**53])

@@ -89,6 +89,11 @@ class DynamicBatchSampler:
     prefetching loader drew ahead, and, before the first step, every batch of a pass left
     unfinished (``next(iter(loader))`` to peek at shapes), so no sample of the epoch is lost.
 
+    Every worker must build its sampler with the same dataset length, ``seed`` (when shuffling),
+    ``shuffle``, ``drop_last`` and ``num_replicas``, since they fix the permutation the workers
+    share and its cut: otherwise the first optimizer step raises TensorMismatchError on every
+    worker, naming each rank's value of what differs.
+
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
         batch_size: local batch size, one for all workers or one per rank.
@@ -138,8 +143,16 @@ class DynamicBatchSampler:
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
-        self.batch_plan = _batch_plan.BatchPlan(self.schedule)
+        self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings())
         _batch_plan.make_default(self.batch_plan)
+
+    def _settings(self) -> str:
+        """What fixes this sampler's permutations and this worker's slice of them, as the
+        ``'name value'`` items every worker's must match; no seed without shuffling, where every
+        seed gives the same order."""
+        seed = [f"seed {self.seed}"] if self.shuffle else []
+        return ", ".join([f"dataset_size {self.dataset_size}", *seed, f"shuffle {self.shuffle}",
+                          f"drop_last {self.drop_last}", f"num_replicas {self.num_replicas}"])
 
     @property
     def epoch(self) -> int:
