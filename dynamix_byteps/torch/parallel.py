@@ -169,7 +169,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._live: weakref.WeakSet[_Forward] = weakref.WeakSet()
         self._assumed: list[_Forward] = []
         self._assumed_task = -1
-        self._accumulators: dict[torch.Tensor, object] = {}
         self._warned_output = False
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
@@ -251,21 +250,9 @@ class DistributedDataParallel(torch.nn.Module):
             self._reached_forwards += 1
 
     def _updates_parameters(self, task: int) -> bool:
-        """Whether the running backward pass computes gradients of the module's parameters (not
-        ``torch.autograd.grad``, nor ``backward(inputs=...)`` of other tensors)."""
+        """Whether backward pass ``task`` computes gradients of the module's parameters."""
         if task != self._checked_task:
-            self._checked_task, self._task_updates_parameters = task, False
-            for p in self.module.parameters():
-                if not p.requires_grad:
-                    continue
-                if p not in self._accumulators:  # held, so that every graph uses this one
-                    self._accumulators[p] = torch.autograd.graph.get_gradient_edge(p).node
-                try:
-                    if torch._C._will_engine_execute_node(self._accumulators[p]):
-                        self._task_updates_parameters = True
-                        break
-                except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
-                    break
+            self._checked_task, self._task_updates_parameters = task, self._reducer.backward_writes_gradients()
         return self._task_updates_parameters
 
     def _backward_ended(self, samples: int) -> None:

@@ -153,11 +153,20 @@ class BucketReducer:
                     self._refuse_a_second_kind(reducer())
                     handle.remove()
                 # The accumulator is held: a parameter keeps only a weak reference to it.
-                with torch.enable_grad():
-                    accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                accumulator = torch.autograd.graph.get_gradient_edge(p).node
                 handle = accumulator.register_hook(functools.partial(self._after_accumulation, p))
                 self._hooks[p] = (accumulator, handle)
                 setattr(p, _HOOK_ATTR, (handle, weakref.ref(self)))
+
+    def backward_writes_gradients(self) -> bool:
+        """Whether the running backward pass writes the ``.grad`` of a parameter being reduced
+        (False for ``torch.autograd.grad`` and for ``backward(inputs=...)`` of other tensors)."""
+        named = self._parameters()
+        self._register_hooks(p for _, p in named)
+        try:
+            return any(torch._C._will_engine_execute_node(self._hooks[p][0]) for _, p in named)
+        except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
+            return False
 
     @property
     def kind(self) -> str:
