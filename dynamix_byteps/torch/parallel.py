@@ -71,6 +71,31 @@ class _Forward:
         self.after_take = after_take  # run inside the reducing backward, after its weight was taken
 
 
+@dataclasses.dataclass
+class _Count:
+    """Forward passes counted, and their samples (None: no input of theirs had a batch dimension)."""
+
+    forwards: int = 0
+    samples: int | None = None
+
+    def add(self, record: _Forward) -> None:
+        self.forwards += 1
+        if record.samples is not None:
+            self.samples = (self.samples or 0) + record.samples
+
+
+@dataclasses.dataclass
+class _Weight:
+    """A step's weight, taken when its reducing backward pass completed its first parameter gradient."""
+
+    task: int  # that backward pass (graph task); -1 when taken outside one
+    taken_at: object  # the gradient accumulator whose hook took it
+    from_sampler: bool  # the sampler's batch sizes, not the counted forwards
+    counted: int  # forward passes it counted
+    assumed: list[_Forward]  # counted without being reached: taken before any output was
+    late: _Count = dataclasses.field(default_factory=_Count)  # reached by that pass after the take
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module`` for data-parallel training: gradients are reduced during ``backward()``.
 
@@ -152,23 +177,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._step_path = TrainingStep(self._aggregator, "sgd", batch_plan)
         if bucket_cap_mb is not None:
             self._aggregator.fusion_bytes = max(int(bucket_cap_mb * 2**20), 1)
-        # Forward passes reached by the backward passes since the last reduction, and their samples
-        # (None: no forward input had a batch dimension).
-        self._reached_samples: int | None = None
-        self._reached_forwards = 0
-        self._weight_taken = False  # inside the reducing backward (or one nested in it), after its weight was taken
-        self._taken_at = None  # the gradient accumulator whose hook took it
-        self._taken_from_sampler = False
-        self._taken_forwards = 0
-        self._late_samples: int | None = None  # reached after the take, in the reducing backward
-        self._late_forwards = 0
+        self._reached_count = _Count()  # reached by the backward passes since the last reduction
+        self._weight: _Weight | None = None  # of the reducing backward pass, from its take to its end
         self._checked_task, self._task_updates_parameters = -1, False
         # Forward passes whose graphs are alive; a weight taken before the backward reached any
         # (a parameter whose gradient comes from the loss only, e.g. a learnable loss weight, is
         # complete first) counts those never counted, and the end of backward checks it reached them.
         self._live: weakref.WeakSet[_Forward] = weakref.WeakSet()
-        self._assumed: list[_Forward] = []
-        self._assumed_task = -1
         self._warned_output = False
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
@@ -182,24 +197,22 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _take_samples(self) -> int:
         """This step's weight, when the reducing backward starts (its first parameter gradient)."""
-        self._weight_taken = torch._C._current_graph_task_id() >= 0
-        self._taken_at = torch._C._current_autograd_node()
-        self._late_forwards, self._late_samples = 0, None  # left over only if the last reducing backward raised
         task = torch._C._current_graph_task_id()
-        self._assumed_task = task
-        self._assumed = [r for r in self._live if r.task == -1 and not r.after_take] if (
-            task >= 0 and self._reached_forwards == 0) else []
-        for record in self._assumed:
+        assumed = [r for r in self._live if r.task == -1 and not r.after_take] if (
+            task >= 0 and self._reached_count.forwards == 0) else []
+        for record in assumed:
             record.task = task
-            self._reached_samples = _add(self._reached_samples, record.samples)
-            self._reached_forwards += 1
-        self._taken_forwards = self._reached_forwards
-        samples = self._step_path.take_samples(UNSET, max(self._reached_forwards, 1))
-        self._taken_from_sampler = samples != UNSET
-        if samples == UNSET and self._reached_samples is not None:
-            samples = self._reached_samples
-        self._reached_samples, self._reached_forwards = None, 0
+            self._reached_count.add(record)
+        reached, self._reached_count = self._reached_count, _Count()
+        samples = self._step_path.take_samples(UNSET, max(reached.forwards, 1))
+        self._weight = _Weight(task, torch._C._current_autograd_node(), samples != UNSET, reached.forwards, assumed)
+        if samples == UNSET and reached.samples is not None:
+            samples = reached.samples
         return samples
+
+    def _after_take(self) -> bool:
+        """Inside the reducing backward pass (or one nested in it), after its weight was taken."""
+        return self._weight is not None and self._weight.task >= 0
 
     def forward(self, *inputs, **kwargs):
         counting = torch.is_grad_enabled()
@@ -226,8 +239,8 @@ class DistributedDataParallel(torch.nn.Module):
         if not nodes:
             return
         if torch._C._current_graph_task_id() < 0:  # outside every backward: the last reducing one has ended
-            self._weight_taken = False
-        record = _Forward(samples, after_take=self._weight_taken)
+            self._weight = None
+        record = _Forward(samples, after_take=self._after_take())
         self._live.add(record)
         hook = functools.partial(self._reached, record)
         for node in nodes.values():
@@ -242,12 +255,10 @@ class DistributedDataParallel(torch.nn.Module):
         if record.task == task:  # counted when the weight was taken
             return
         record.task = task
-        if record.after_take or self._weight_taken:
-            self._late_samples = _add(self._late_samples, record.samples)
-            self._late_forwards += 1
-        else:
-            self._reached_samples = _add(self._reached_samples, record.samples)
-            self._reached_forwards += 1
+        if not (record.after_take or self._after_take()):
+            self._reached_count.add(record)
+        elif self._weight is not None:
+            self._weight.late.add(record)
 
     def _updates_parameters(self, task: int) -> bool:
         """Whether backward pass ``task`` computes gradients of the module's parameters."""
@@ -259,7 +270,8 @@ class DistributedDataParallel(torch.nn.Module):
         """The reducing backward pass and its reduction are complete: end the step, then refuse a
         weight that left out forward passes this backward reached after the weight was taken."""
         self._step_path.end(samples)
-        unreached, self._assumed = [r for r in self._assumed if r.seen != self._assumed_task], []
+        weight, self._weight = self._weight, None
+        unreached = [r for r in weight.assumed if r.seen != weight.task]
         if unreached:
             raise ConfigurationError(
                 f"DistributedDataParallel: this backward pass's weight was taken before it reached any forward "
@@ -268,27 +280,25 @@ class DistributedDataParallel(torch.nn.Module):
                 f"{'it' if len(unreached) == 1 else 'them'}: a kept output of a forward pass this loss does not "
                 "use (e.g. a metric). Compute such outputs under torch.no_grad(), or give the batch sizes with a "
                 "DynamicBatchSampler")
-        late_forwards, late_samples, taken_at = self._late_forwards, self._late_samples, self._taken_at
-        self._late_forwards, self._late_samples, self._taken_at, self._weight_taken = 0, None, None, False
-        taken = self._taken_forwards
-        if self._taken_from_sampler:  # its batch sizes weight the step; only its draw count can be off
-            if max(taken, 1) == max(taken + late_forwards, 1):
+        late, taken = weight.late, weight.counted
+        if weight.from_sampler:  # its batch sizes weight the step; only its draw count can be off
+            if max(taken, 1) == max(taken + late.forwards, 1):
                 return
-            effect = f"{max(taken, 1)} sampler draw(s) were taken for this step instead of {taken + late_forwards}"
+            effect = f"{max(taken, 1)} sampler draw(s) were taken for this step instead of {taken + late.forwards}"
         else:
-            if late_samples is None:
+            if late.samples is None:
                 return
             had = "no count (the plain mean)" if samples == UNSET else f"{samples} samples"
             effect = (f"the step weighted this worker's gradient by {had} instead of "
-                      f"{(0 if samples == UNSET else samples) + late_samples} samples")
-        names = [name for name, p in self.module.named_parameters() if p is getattr(taken_at, "variable", None)]
+                      f"{(0 if samples == UNSET else samples) + late.samples} samples")
+        names = [name for name, p in self.module.named_parameters() if p is getattr(weight.taken_at, "variable", None)]
         where = f"the gradient of parameter {names[0]!r}" if names else "a parameter's gradient"
         raise ConfigurationError(
-            f"DistributedDataParallel: this backward pass reached the outputs of {late_forwards} forward "
+            f"DistributedDataParallel: this backward pass reached the outputs of {late.forwards} forward "
             f"pass(es) only after {where} was complete and the step's weight was taken, so {effect}. This "
             "happens when several forward passes are summed into one loss and the later one uses parameters the "
             "earlier does not, or checkpoints them with use_reentrant=True. Run one backward per forward pass "
-            "(all but the last inside no_sync())" + ("" if self._taken_from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
+            "(all but the last inside no_sync())" + ("" if weight.from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
 
     def _broadcast_buffers(self) -> None:
         """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
@@ -325,7 +335,3 @@ class DistributedDataParallel(torch.nn.Module):
     def synchronize(self) -> None:
         """BytePS's explicit wait after ``backward()``; the reduction already completes inside
         backward here, so this only exists for compatibility."""
-
-
-def _add(total: int | None, samples: int | None) -> int | None:
-    return total if samples is None else (total or 0) + samples
