@@ -8,9 +8,12 @@ does not reap orphans).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -319,6 +322,153 @@ def test_daemon_holding_the_pipes_delays_exit_by_one_grace_period_only(tmp_path)
         assert elapsed < 20, f"bpslaunch took {elapsed:.1f} s to exit: one grace period per pipe?"
     finally:
         kill_all(None, pids)
+
+
+# ---- processes a worker starts in a session of their own ---------------------------------------
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the launcher adopts orphans on Linux only")
+PIDS_LINE = re.compile(rb"^\[\d+\] pids ([\d ]+)\n", re.MULTILINE)
+
+
+def unique_marker() -> str:
+    """Digits no other process has in its arguments: this test's sleeps run ``sleep 3xx.<marker>``."""
+    return f"{os.getpid()}{secrets.randbelow(10**9):09d}"
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """The processes with ``marker`` in their arguments (a zombie has no arguments left)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if any(marker in arg for arg in p.info["cmdline"] or ())]
+
+
+def kill_marked(marker: str) -> None:
+    for process in marked(marker):
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def left_behind(pids: list[int], marker: str) -> list[int]:
+    """The processes still running with ``marker``, and those of ``pids`` left unreaped (zombies:
+    this container's PID 1 does not reap what the launcher leaves it)."""
+    left = {p.pid for p in marked(marker)}
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                left.add(pid)
+    return sorted(left)
+
+
+def printed_pids(stdout: bytes) -> list[int]:
+    """The pids of every complete ``[rank] pids A B C`` line."""
+    return [int(pid) for line in PIDS_LINE.findall(stdout) for pid in line.split()]
+
+
+def orphaning_worker(marker: str, then: str) -> list[str]:
+    """A worker that starts `sleep`s with ``marker`` (in its group, in a session of its own, in its
+    group ignoring SIGTERM, in a session of its own ignoring SIGTERM), prints their pids, then runs
+    the shell command ``then``."""
+    return ["bash", "-c", f'sleep 311.{marker} & a=$!; setsid sleep 312.{marker} & b=$!; '
+                          f'(trap "" TERM; exec sleep 313.{marker}) & c=$!; '
+                          f'setsid bash -c \'trap "" TERM; exec sleep 314.{marker}\' & d=$!; '
+                          f'echo "pids $a $b $c $d"; {then}']
+
+
+@linux_only
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("end", ["workers-exit-0", "sigterm-to-bpslaunch"])
+def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path, end):
+    marker, proc = unique_marker(), None
+    out = tmp_path / "launcher.out"
+    try:
+        proc = start_launcher(["-n", "2", "--grace-period", "2", "--",
+                               *orphaning_worker(marker, "exit 0" if end == "workers-exit-0" else "wait")], tmp_path)
+        assert wait_until(lambda: len(printed_pids(out.read_bytes())) == 8), out.read_bytes()
+        if end == "sigterm-to-bpslaunch":
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == (0 if end == "workers-exit-0" else 143), (tmp_path / "launcher.err").read_bytes()
+        assert left_behind(printed_pids(out.read_bytes()), marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_a_failing_worker_s_start_new_session_child_ends_with_the_job(tmp_path):
+    marker, proc = unique_marker(), None
+    try:
+        proc = start_launcher(["-n", "2", "--grace-period", "2", "--", sys.executable, WORKER, "daemon", str(tmp_path),
+                               f"300.{marker}", "3"], tmp_path)
+        assert proc.wait(timeout=40) == 3, (tmp_path / "launcher.err").read_bytes()
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pids")]
+        assert len(pids) == 2
+        assert left_behind(pids, marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+def restarting_worker(marker: str, folder: Path) -> list[str]:
+    """On the first run, each worker starts a `sleep` in a session of its own and records its pid in
+    ``folder``; rank 1 then fails, rank 0 waits to be stopped. On the restart, the worker prints
+    which of those sleeps still run, then ``checked``."""
+    return ["bash", "-c", f"""
+rank=$((DYNAMIX_RANK_OFFSET + BYTEPS_LOCAL_RANK))
+if [ "$DYNAMIX_RESTART" = 0 ]; then
+    setsid sleep 312.{marker} & echo "pids $!"; echo $! > {folder}/orphan-$rank.pid
+    touch "$DYNAMIX_STARTED_DIR/$rank"
+    if [ $rank = 1 ]; then exit 1; fi
+    wait
+else
+    for pid in $(cat {folder}/orphan-*.pid); do kill -0 $pid 2>/dev/null && echo "run 0's $pid still runs"; done
+    echo checked
+fi"""]
+
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_run_s_orphans_are_gone_before_the_restart(tmp_path):
+    marker, proc = unique_marker(), None
+    try:
+        proc = start_launcher(["-n", "2", "--grace-period", "2", "--restart-on-failure", "1", "--checkpoint",
+                               str(tmp_path / "ckpt.pt"), "--", *restarting_worker(marker, tmp_path)], tmp_path)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "launcher.err").read_bytes()
+        out = (tmp_path / "launcher.out").read_bytes()
+        assert b"[0] checked" in out and b"still runs" not in out, out
+        assert left_behind(printed_pids(out), marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+EMBEDDED = """
+import ctypes, os, subprocess, sys
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+marker = sys.argv[1]
+own = subprocess.Popen(["sleep", f"301.{marker}"])  # the embedding program's own child
+worker = ChildSpec("0", ["bash", "-c", f"setsid sleep 302.{marker} & echo pids $!"], dict(os.environ))
+code = Supervisor([worker], grace_s=2).run()
+subreaper = ctypes.c_int(-1)
+ctypes.CDLL(None).prctl(37, ctypes.byref(subreaper), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+print(f"code {code}, own child running {own.poll() is None}, subreaper {subreaper.value}", flush=True)
+own.kill()
+own.wait()
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subreaper_flag():
+    marker, proc = unique_marker(), None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", EMBEDDED, marker], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=40)
+        assert proc.returncode == 0, err
+        assert b"code 0, own child running True, subreaper 0" in out, out + err
+        assert left_behind(printed_pids(out), marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
 
 
 @pytest.mark.timeout(60)

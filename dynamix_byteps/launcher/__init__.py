@@ -9,7 +9,8 @@ Modules: ``launch`` (entry point), ``cli`` (flags into a frozen ``LaunchConfig``
 ``config``), ``topology`` (hosts, interfaces, ports), ``specs`` and ``services`` (the processes
 of a run and their environment; BytePS environment mode), ``elastic`` (the restart loop and the
 agreement of several hosts' launchers), ``supervisor`` (spawn, output prefixing, failure
-propagation, teardown), ``_guardian`` (kills the job if the launcher dies).
+propagation, teardown), ``_subreaper`` (adopts and stops what the workers leave in sessions of
+their own), ``_guardian`` (kills the job if the launcher dies).
 """
 
 from dynamix_byteps.launcher.launch import main

@@ -42,6 +42,11 @@ class Guardian:
         self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(self.grace_s)],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
 
+    @property
+    def pid(self) -> int:
+        """The guardian's process id (after :meth:`start`)."""
+        return self._proc.pid
+
     def tell(self, message: str) -> None:
         if self._proc is None or self._proc.stdin is None:
             return

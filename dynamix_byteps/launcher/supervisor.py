@@ -3,9 +3,12 @@
 Each child runs in its own process group (so a signal to the group reaches its own children
 too) with ``PR_SET_PDEATHSIG=SIGTERM`` (so it dies with the launcher even when the launcher
 is SIGKILLed). A small guardian process (:mod:`._guardian`) watches the launcher and kills
-the children's groups, grandchildren included, if the launcher dies without cleaning up. A
-grandchild that leaves its group (``setsid``, ``Popen(start_new_session=True)``) is not followed,
-as with torchrun: the script that starts one stops it.
+the children's groups, grandchildren included, if the launcher dies without cleaning up. While
+:meth:`Supervisor.run` runs, the launcher is a child subreaper (Linux, :mod:`._subreaper`): a
+descendant that left its child's group (``setsid``, ``Popen(start_new_session=True)``, a daemon)
+becomes the launcher's child once its parent exits, instead of init's, and is stopped and reaped
+when the job ends, as the groups are (SIGTERM, SIGKILL after ``grace_s``); so are the orphans of
+those. What a SIGKILLed launcher leaves in sessions of their own, the guardian does not reach.
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
 with a ``[label] `` prefix (:mod:`.output`), and raw to the child's log file when one is
@@ -21,11 +24,9 @@ every group the same way (at once, also during ``settle_s``) and the launcher re
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,18 +35,13 @@ from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
 from dynamix_byteps.launcher._guardian import Guardian, group_alive, valid_scratch
+from dynamix_byteps.launcher._subreaper import PRCTL, adopting, children, stop_adopted
 from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
 SETTLE_S = 5.0  # the longest wait, after a failure, for the other workers to exit by themselves
-
-try:  # Linux only; elsewhere children still get their own group and the guardian.
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    _PRCTL = _LIBC.prctl if _LIBC is not None else None
-except (OSError, AttributeError):  # pragma: no cover - exotic libc
-    _PRCTL = None
 
 
 @dataclass(frozen=True)
@@ -108,8 +104,8 @@ def _signal_name(signum: int) -> str:
 def _preexec(parent_pid: int) -> None:
     """Runs in the child between fork and exec: new process group, die with the launcher."""
     os.setpgid(0, 0)
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if PRCTL is not None:  # elsewhere children still get their own group and the guardian
+        PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent_pid:  # the launcher died before prctl took effect
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -149,6 +145,12 @@ class Supervisor:
     failure) to that code, and ``killed`` lists the workers that died of a signal the launcher did
     not send; ``failed_service`` is the label of the essential service whose failure ended the job
     instead (then ``failed_worker`` is None).
+
+    While :meth:`run` runs, this whole process is a child subreaper (the flag's previous value is
+    restored at the end), and each child of it that :meth:`run` did not start and that was not running
+    when :meth:`run` began counts as an orphan of the job, stopped when the job ends. A program that
+    embeds the launcher runs one Supervisor at a time and starts no other process meanwhile (from
+    another thread), or that process is stopped with the job.
     """
 
     def __init__(
@@ -179,6 +181,7 @@ class Supervisor:
         self._children: list[_Child] = []
         self._pumps: list[threading.Thread] = []
         self._guardian = Guardian(grace_s)
+        self._not_orphans: set[int] = set()  # children of this process that are not the job's: see _run
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
@@ -243,34 +246,43 @@ class Supervisor:
             got signal N; 126/127 when a command could not be executed.
         """
         previous = self._install_handlers()
+        with adopting() as not_adopting:
+            try:
+                return self._run(not_adopting)
+            finally:
+                self._cleanup()
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    def _run(self, not_adopting: str | None) -> int:
+        self._not_orphans.update(children())  # the embedding program's own
+        if not_adopting is not None:
+            self.output.note(f"warning: the launcher cannot adopt orphaned processes ({not_adopting}); a process "
+                             "a worker starts in a session of its own (setsid) outlives the job")
         try:
-            try:
-                self._guardian.start()
-            except OSError as error:  # pragma: no cover - python itself cannot start
-                self.output.note(f"warning: guardian process not started ({error}); "
-                                 "a SIGKILLed launcher may leave grandchildren")
-            for folder in self.scratch_dirs:
-                self._guardian.tell(f"scratch {folder}")
-            try:
-                for spec in self.specs:
+            self._guardian.start()
+            self._not_orphans.add(self._guardian.pid)
+        except OSError as error:  # pragma: no cover - python itself cannot start
+            self.output.note(f"warning: guardian process not started ({error}); "
+                             "a SIGKILLed launcher may leave grandchildren")
+        for folder in self.scratch_dirs:
+            self._guardian.tell(f"scratch {folder}")
+        try:
+            for spec in self.specs:
+                if self._signum is not None:
+                    break
+                self._children.append(self._spawn(spec))
+                self._start_pumps(self._children[-1])  # a service's startup error must be shown
+                if spec.ready_file is not None and not self._await_ready(self._children[-1]):
                     if self._signum is not None:
-                        break
-                    self._children.append(self._spawn(spec))
-                    self._start_pumps(self._children[-1])  # a service's startup error must be shown
-                    if spec.ready_file is not None and not self._await_ready(self._children[-1]):
-                        if self._signum is not None:
-                            break  # _wait reports the signal and stops what started
-                        self._stop_all(signal.SIGTERM)
-                        return 1
-            except SpawnError as error:
-                self.output.note(str(error))
-                self._stop_all(signal.SIGTERM)
-                return error.exit_code
-            return self._wait()
-        finally:
-            self._cleanup()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                        break  # _wait reports the signal and stops what started
+                    self._stop_all(signal.SIGTERM)
+                    return 1
+        except SpawnError as error:
+            self.output.note(str(error))
+            self._stop_all(signal.SIGTERM)
+            return error.exit_code
+        return self._wait()
 
     def _start_pumps(self, child: _Child) -> None:
         for pipe, sink in ((child.proc.stdout, self.output.out), (child.proc.stderr, self.output.err)):
@@ -402,6 +414,9 @@ class Supervisor:
         self._stop_all(signal.SIGTERM)
         for child in self._children:
             child.proc.wait()
+        # The job's children are reaped, so the other children left are orphans of the job (the
+        # workers' are adopted once the workers are gone), apart from _not_orphans.
+        stop_adopted(self._not_orphans, self.grace_s, self.poll_s)
         # One deadline for all: a daemonised grandchild may hold every pipe open.
         deadline = time.monotonic() + self.grace_s
         for thread in self._pumps:

@@ -8,8 +8,10 @@ Usage:
                                             DIR/<rank>.pids = "<own pid> <grandchild pid>", then
                                             sleep; rank FAIL_RANK instead exits CODE once every
                                             rank has written its file
-    launcher_worker.py daemon DIR           start a `sleep` in its own session that keeps the
-                                            output pipes open, write DIR/<rank>.pids, exit 0
+    launcher_worker.py daemon DIR [SECONDS CODE]
+                                            start a `sleep SECONDS` (default 60) in its own session
+                                            that keeps the output pipes open, write DIR/<rank>.pids,
+                                            exit CODE (default 0)
     launcher_worker.py output DIR           write progress pieces ending in \r, wait for
                                             DIR/go, then a 1 MiB line and a last unterminated one
 """
@@ -59,12 +61,12 @@ def job_mode(directory: str, fail_rank: int, code: int) -> int:
     return 0
 
 
-def daemon_mode(directory: str) -> int:
-    daemon = subprocess.Popen(["sleep", "60"], start_new_session=True)  # inherits stdout/stderr
+def daemon_mode(directory: str, seconds: str, code: int) -> int:
+    daemon = subprocess.Popen(["sleep", seconds], start_new_session=True)  # inherits stdout/stderr
     with open(os.path.join(directory, f"{rank()}.pids"), "w") as f:
         f.write(f"{daemon.pid}")
     print(f"done {rank()}", flush=True)
-    return 0
+    return code
 
 
 def output_mode(directory: str) -> int:
@@ -83,7 +85,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "env":
         sys.exit(env_mode(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
     if sys.argv[1] == "daemon":
-        sys.exit(daemon_mode(sys.argv[2]))
+        seconds, code = (sys.argv[3], int(sys.argv[4])) if len(sys.argv) > 4 else ("60", 0)
+        sys.exit(daemon_mode(sys.argv[2], seconds, code))
     if sys.argv[1] == "output":
         sys.exit(output_mode(sys.argv[2]))
     fail_rank, code = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, 0)
