@@ -7,9 +7,11 @@ a rank taken over by another client, an unauthenticated ``/metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,10 +20,10 @@ import grpc
 import pytest
 from test_scheduler import TOKEN, K, ScriptedPolicy, code_of, decisions, info, register_all, report, running, stub_for
 
-from dynamix_byteps.control import dynamix_pb2
+from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import SchedulerClient
 from dynamix_byteps.control.cluster import LIVE_RANK_S, MAX_STEP
-from dynamix_byteps.control.scheduler import DECISION_LOG, _encode_line
+from dynamix_byteps.control.scheduler import DECISION_LOG, SERVICE, _encode_line
 
 HUGE = 1e308  # finite, but two of them overflow a sum
 
@@ -155,6 +157,40 @@ def test_a_burst_of_rank_0_reports_does_not_starve_the_other_ranks():
         assert time.monotonic() - started < 2
 
 
+async def _answered_beside_stalled_calls(address: str, stalled: int) -> tuple[list, list[grpc.StatusCode]]:
+    """Open ``stalled`` Register calls that send their headers and never their request, then a
+    normal Register and ReportMetrics on the same connection; their answers, then the codes of
+    the stalled calls once cancelled."""
+    async def never_sends():
+        await asyncio.Event().wait()
+        yield b""
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        open_register = channel.stream_unary(f"/{SERVICE}/Register")  # raw bytes, headers first
+        calls = [open_register(never_sends()) for _ in range(stalled)]
+        try:
+            await asyncio.gather(*(call.wait_for_connection() for call in calls))
+            stub = dynamix_pb2_grpc.SchedulerStub(channel)
+            answers = [await stub.Register(info(0, world=1), timeout=10),
+                       await stub.ReportMetrics(report(0, K // 2), timeout=10)]
+        finally:
+            for call in calls:
+                call.cancel()
+        return answers, [await call.code() for call in calls]
+
+
+@pytest.mark.timeout(60)
+def test_calls_that_never_send_their_request_do_not_stop_the_scheduler_answering():
+    """Each stalled call used to hold one of the handler threads while it waited for its request,
+    so max_threads of them left registrations and reports unanswered (DEADLINE_EXCEEDED)."""
+    threads_before = set(threading.enumerate())
+    with running(ScriptedPolicy(), max_threads=4) as server:
+        (registered, reported), stalled = asyncio.run(_answered_beside_stalled_calls(f"127.0.0.1:{server.port}", 3 * 4))
+        assert registered.decision_interval == K and list(reported.batch_sizes) == [32]
+        assert stalled == [grpc.StatusCode.CANCELLED] * 3 * 4
+    assert not [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("dynamix")]
+
+
 # ---- 9: a live rank cannot be taken over -----------------------------------------------------
 
 
@@ -243,8 +279,10 @@ def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
         _wait_for(lambda: server.queue_watch.slow_calls == 5)
     assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}
     first, at_stop = [r.getMessage() for r in caplog.records if "handler threads" in r.getMessage()]
-    assert first.startswith("1 call(s) waited up to 1.") and "more calls at once" in first
-    assert at_stop.startswith("4 call(s) waited up to 1.")  # within 10 s of the first: said when the scheduler stops
+    assert first.startswith("1 call(s) waited up to ") and "1 of them dropped unanswered" in first
+    assert "more calls at once" in first
+    # within 10 s of the first: said when the scheduler stops
+    assert at_stop.startswith("4 call(s) waited up to ") and "4 of them dropped unanswered" in at_stop
 
 
 # ---- 16: the decision log says when the workers switch ------------------------------------------

@@ -16,6 +16,11 @@ so never a half line; a torn tail left by a crash is cut off at start), then Ten
 in ``<run_dir>/tensorboard/scheduler`` by the same thread (:mod:`dynamix_byteps.tensorboard_scalars`), and
 Prometheus gauges are served on ``metrics_port``.
 
+Threading: calls are served by a ``grpc.aio`` server on the scheduler's own event-loop thread. A
+call's request is awaited there, holding no thread, so clients that open calls and never send
+their request cannot keep the others unanswered; once the request has arrived its handler runs on
+one of ``max_threads`` handler threads.
+
 Robustness: requests are parsed in the handler (so malformed bytes get INVALID_ARGUMENT, not
 INTERNAL), validated completely before the state changes, and any handler exception is turned
 into a status without touching the server. See :mod:`.security` for the token and size limits.
@@ -30,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -50,6 +56,7 @@ from google.protobuf.message import DecodeError
 from dynamix_byteps.control import dynamix_pb2
 from dynamix_byteps.control.cluster import (
     DECISION_LOG,
+    INVALID_ARGUMENT,
     MAX_VERSION,
     MAX_WORLD_SIZE,
     AssignmentRecord,
@@ -62,7 +69,7 @@ from dynamix_byteps.control.decision_record import DecisionRecord
 from dynamix_byteps.control.security import (
     MAX_CONCURRENT_RPCS,
     SERVER_OPTIONS,
-    TokenInterceptor,
+    AsyncTokenInterceptor,
     grpc_address,
     is_loopback,
     listen,
@@ -83,11 +90,12 @@ MAX_REASON_LEN = 1000
 # same boundary arrive within milliseconds): the new sizes then apply one interval sooner.
 # Bounded well below the client's RPC timeout; the client thread waits, training does not.
 ANSWER_WAIT_S = 0.5
-# A call that waits longer than this for a handler thread is at risk: the workers' deadline is
-# 2 s, and gRPC drops a call whose deadline passed in the queue without a trace on the server; the
-# client sees DEADLINE_EXCEEDED, or CANCELLED when the server's timer fires first. Measured on the
-# 2-core test machine: the server answers ~800 Register calls/s, so of 2000 sent at once by one
-# asyncio client with a 2 s deadline, 241 ended DEADLINE_EXCEEDED and 117 CANCELLED.
+# A call whose request has arrived and that waits longer than this for a handler thread is at
+# risk: the workers' deadline is 2 s, and a call whose deadline passes in the queue is dropped
+# unanswered (the client sees DEADLINE_EXCEEDED, or CANCELLED when the server's timer fires first).
+# Both are counted and logged. Measured on the 2-core test machine with the thread-per-call server
+# this replaced: it answered ~800 Register calls/s, so of 2000 sent at once by one asyncio client
+# with a 2 s deadline, 241 ended DEADLINE_EXCEEDED and 117 CANCELLED.
 QUEUE_WARN_S = 0.5
 QUEUE_WARN_EVERY_S = 10.0  # at most one warning about slow queues per this many seconds
 
@@ -285,22 +293,24 @@ class SchedulerMetrics:
 
 
 class _QueueWatch:
-    """Counts calls that waited more than :data:`QUEUE_WARN_S` for a handler thread and says so
-    in the log (at most every :data:`QUEUE_WARN_EVERY_S`): gRPC itself drops the ones whose
-    deadline passed in the queue without a trace on the server."""
+    """Counts calls, their request received, that waited more than :data:`QUEUE_WARN_S` for a
+    handler thread or were dropped while waiting (their client's deadline passed or it gave up),
+    and says so in the log (at most every :data:`QUEUE_WARN_EVERY_S`)."""
 
     def __init__(self, threads: int, clock=time.monotonic):
         self.threads, self._clock = threads, clock
         self._lock = threading.Lock()
         self.slow_calls = 0  # since the scheduler started
-        self._unsaid, self._longest_s, self._said_at = 0, 0.0, -math.inf
+        self._unsaid, self._unsaid_dropped, self._longest_s, self._said_at = 0, 0, 0.0, -math.inf
 
-    def waited(self, seconds: float) -> None:
-        if seconds <= QUEUE_WARN_S:
+    def waited(self, seconds: float, dropped: bool = False) -> None:
+        """Note a call that waited ``seconds`` for a thread; ``dropped``: it was cancelled before getting one."""
+        if seconds <= QUEUE_WARN_S and not dropped:
             return
         with self._lock:
             self.slow_calls += 1
             self._unsaid += 1
+            self._unsaid_dropped += dropped
             self._longest_s = max(self._longest_s, seconds)
             if self._clock() - self._said_at < QUEUE_WARN_EVERY_S:
                 return
@@ -311,15 +321,17 @@ class _QueueWatch:
         with self._lock:
             if not self._unsaid:
                 return
-            count, longest, self._unsaid, self._longest_s, self._said_at = self._unsaid, self._longest_s, 0, 0.0, self._clock()
-        log.warning("%d call(s) waited up to %.2f s for one of the scheduler's %d handler threads; a client whose "
-                    "deadline passes in the queue gets DEADLINE_EXCEEDED or CANCELLED and its call is dropped "
-                    "unanswered: the scheduler got more calls at once than it answers within the deadline",
-                    count, longest, self.threads)
+            count, dropped, longest = self._unsaid, self._unsaid_dropped, self._longest_s
+            self._unsaid, self._unsaid_dropped, self._longest_s, self._said_at = 0, 0, 0.0, self._clock()
+        log.warning("%d call(s) waited up to %.2f s, their request received, for one of the scheduler's %d handler "
+                    "threads; %d of them dropped unanswered (the client's deadline passed: DEADLINE_EXCEEDED or "
+                    "CANCELLED, or it gave up): the scheduler got more calls at once than it answers within the "
+                    "deadline", count, longest, self.threads, dropped)
 
 
 class _WatchedExecutor(futures.ThreadPoolExecutor):
-    """A thread pool that tells a :class:`_QueueWatch` how long each job waited for a thread."""
+    """A thread pool that tells a :class:`_QueueWatch` how long each job waited for a thread, and
+    which jobs were cancelled before getting one."""
 
     def __init__(self, watch: _QueueWatch):
         super().__init__(max_workers=watch.threads, thread_name_prefix="dynamix-scheduler")
@@ -332,7 +344,13 @@ class _WatchedExecutor(futures.ThreadPoolExecutor):
             self._watch.waited(time.monotonic() - queued)
             return fn(*args, **kwargs)
 
-        return super().submit(timed)
+        def note_if_dropped(future: futures.Future) -> None:
+            if future.cancelled():
+                self._watch.waited(time.monotonic() - queued, dropped=True)
+
+        future = super().submit(timed)
+        future.add_done_callback(note_if_dropped)
+        return future
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -363,8 +381,9 @@ class SchedulerServer:
         run_dir: directory of ``decisions.jsonl`` and ``tensorboard/scheduler``; None = neither.
         metrics_port: Prometheus port, 0 = pick, None = off; with ``token``, a scrape must send
             ``Authorization: Bearer <token>``.
-        max_threads: handler threads; one may wait up to ``ANSWER_WAIT_S`` for a decision. Calls that
-            queue longer than ``QUEUE_WARN_S`` for a thread are counted and logged as a warning.
+        max_threads: handler threads, taken by a call once its request has arrived; one may wait up
+            to ``ANSWER_WAIT_S`` for a decision. Calls that queue longer than ``QUEUE_WARN_S`` for a
+            thread, or are dropped while queued, are counted and logged as a warning.
 
     Raises:
         ConfigurationError: bad arguments (non-loopback bind without a token, K < 1, one of
@@ -388,7 +407,7 @@ class SchedulerServer:
         self.policy = policy
         self.policy_name = getattr(policy, "name", type(policy).__name__)
         self.bind, self._port, self.token = bind, port, token or None
-        self._interceptors = (TokenInterceptor(token),) if token else ()
+        self._interceptors = (AsyncTokenInterceptor(token),) if token else ()
         self._credentials = server_credentials(tls_cert, tls_key)
         self.tls = self._credentials is not None
         self.decision_interval = decision_interval
@@ -403,7 +422,7 @@ class SchedulerServer:
         self._tickets = self._serving = 0
         self._rank0_waiting = False  # a rank-0 report is held for the decision (one at a time)
         self.queue_watch = _QueueWatch(max_threads)
-        self._server: grpc.Server | None = None
+        self._grpc_loop: tuple[threading.Thread, asyncio.Future] | None = None  # the loop's thread, its stop signal
         self._cached: tuple[AssignmentRecord | None, bytes] = (None, b"")
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -411,28 +430,60 @@ class SchedulerServer:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> int:
-        server = grpc.server(
-            _WatchedExecutor(self.queue_watch),
-            handlers=[self._generic_handler()],
-            interceptors=self._interceptors,
-            options=SERVER_OPTIONS,
-            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
-        )
+        """Bind the gRPC port (and the metrics port) and serve from a background thread; returns the port.
+
+        Raises:
+            SchedulerStartError: a port cannot be bound.
+        """
+        started: futures.Future = futures.Future()
+        thread = threading.Thread(target=asyncio.run, args=(self._serve(started),), name="dynamix-scheduler-grpc",
+                                  daemon=True)
+        thread.start()
         try:
-            port = listen(server, self.bind, self._port, self._credentials)
+            port, stop_requested = started.result()
         except OSError as error:
+            thread.join()
             raise SchedulerStartError(str(error)) from None
+        self._grpc_loop, self.port = (thread, stop_requested), port
         if self.metrics is not None:
-            self.metrics_port = self.metrics.serve(self.bind, self._metrics_port, self.token)
-        server.start()
-        self._server, self.port = server, port
+            try:
+                self.metrics_port = self.metrics.serve(self.bind, self._metrics_port, self.token)
+            except SchedulerStartError:
+                self._stop_grpc(None)
+                raise
         return port
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
+    async def _serve(self, started: futures.Future) -> None:
+        """The event loop's life: serve, tell ``started`` the port and the stop signal (or why it
+        cannot bind), and once :meth:`stop` sets the signal to the grace period, stop and let the
+        handlers still running finish."""
+        executor = _WatchedExecutor(self.queue_watch)
+        try:
+            server = grpc.aio.server(handlers=[self._generic_handler(executor)], interceptors=self._interceptors,
+                                     options=SERVER_OPTIONS, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+            port = listen(server, self.bind, self._port, self._credentials)
+            await server.start()
+        except Exception as error:
+            executor.shutdown()
+            started.set_exception(error)
+            return
+        stop_requested = asyncio.get_running_loop().create_future()
+        started.set_result((port, stop_requested))
+        await server.stop(await stop_requested)
+        await asyncio.to_thread(executor.shutdown)
+
+    def _stop_grpc(self, grace: float | None) -> None:
+        if self._grpc_loop is not None:
+            thread, stop_requested = self._grpc_loop
+            stop_requested.get_loop().call_soon_threadsafe(stop_requested.set_result, grace)
+            thread.join()
+            self._grpc_loop = None
             self.queue_watch.flush()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving: calls still running after ``grace`` seconds (None: at once) are cancelled;
+        then close the metrics endpoint, the decision log and the TensorBoard writer. Leaves no thread."""
+        self._stop_grpc(grace)
         if self.metrics is not None:
             self.metrics.close()
         if self.decision_log is not None:
@@ -441,7 +492,16 @@ class SchedulerServer:
             self.summaries.close()
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._server.wait_for_termination(timeout) if self._server else True
+        """Block until another thread stops the scheduler, or ``timeout`` seconds pass (None: no limit).
+
+        Returns:
+            True if it is still serving (the timeout passed first), else False.
+        """
+        if self._grpc_loop is None:
+            return False
+        thread, _ = self._grpc_loop
+        thread.join(timeout)
+        return thread.is_alive()
 
     def __enter__(self) -> "SchedulerServer":
         self.start()
@@ -456,10 +516,13 @@ class SchedulerServer:
 
     # ---- the service ----------------------------------------------------------------------
 
-    def _generic_handler(self):
+    def _generic_handler(self, executor: futures.Executor):
         def method(fn, request_type, serialize):
-            def handle(raw: bytes, context):
-                return self._call(fn, request_type, raw, context)
+            async def handle(raw: bytes, context):
+                try:
+                    return await asyncio.get_running_loop().run_in_executor(executor, self._answer, fn, request_type, raw)
+                except Rejected as refusal:
+                    await context.abort(grpc.StatusCode[refusal.code], refusal.message)
             # Raw bytes in: parsing in the handler lets malformed input get INVALID_ARGUMENT (gRPC says INTERNAL).
             return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None, response_serializer=serialize)
 
@@ -469,19 +532,25 @@ class SchedulerServer:
             "ReportNode": method(self.report_node, dynamix_pb2.NodeReport, dynamix_pb2.NodeReportReply.SerializeToString),
         })
 
-    def _call(self, fn, request_type, raw, context):
+    def _answer(self, fn, request_type, raw: bytes):
+        """``fn``'s answer to the serialized ``request_type`` message ``raw`` (on a handler thread).
+
+        Raises:
+            Rejected: malformed bytes (INVALID_ARGUMENT), a refused request, or a failure of
+                ``fn`` (INTERNAL, logged).
+        """
         try:
             return fn(request_type.FromString(raw))
         except DecodeError as error:
-            code, text = grpc.StatusCode.INVALID_ARGUMENT, f"malformed {request_type.DESCRIPTOR.name} message: {error}"
+            refusal = Rejected(INVALID_ARGUMENT, f"malformed {request_type.DESCRIPTOR.name} message: {error}")
         except Rejected as rejected:
-            code, text = grpc.StatusCode[rejected.code], rejected.message
+            refusal = rejected
         except Exception:  # never let a handler bug reach gRPC as a crash
             log.exception("scheduler handler failed")
-            code, text = grpc.StatusCode.INTERNAL, "internal error in the scheduler; see its log"
+            refusal = Rejected("INTERNAL", "internal error in the scheduler; see its log")
         if self.metrics is not None:
-            self.metrics.rejected.labels(code=code.name).inc()
-        context.abort(code, text)
+            self.metrics.rejected.labels(code=refusal.code).inc()
+        raise refusal
 
     def register(self, info) -> dynamix_pb2.RegisterReply:
         """``Register``: record the worker, answer with the assignment in force and K."""

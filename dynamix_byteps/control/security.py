@@ -184,14 +184,22 @@ def open_channel(address: str, ca: str | os.PathLike | None = None, options=()) 
     return grpc.secure_channel(address, credentials, options=list(options))
 
 
+_UNAUTHENTICATED = f"missing or wrong {TOKEN_METADATA_KEY} metadata"
+
+
 def _reject_unauthenticated(requests, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong {TOKEN_METADATA_KEY} metadata")
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+
+async def _reject_unauthenticated_async(requests, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
 
 
 # Request-streaming, so that the refusal is sent without reading the request: a unary handler's
 # thread first waits for the whole request, and clients that send headers but never a message
 # would hold every handler thread of the server (the rendezvous has 2·hosts + 4) unanswered.
 _REJECT = grpc.stream_unary_rpc_method_handler(_reject_unauthenticated)
+_REJECT_ASYNC = grpc.stream_unary_rpc_method_handler(_reject_unauthenticated_async)
 
 
 def require_bearer_token(app, token: str):
@@ -213,17 +221,32 @@ def require_bearer_token(app, token: str):
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Lets a call through only if its metadata carries the shared token."""
+    """Lets a call through only if its metadata carries the shared token (a ``grpc.server``)."""
 
     def __init__(self, token: str):
         self._token = check_token(token).encode("ascii")
 
-    def intercept_service(self, continuation, handler_call_details):
+    def carries_token(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
+        """Whether the call's metadata holds the token (compared in constant time)."""
         supplied = b""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_METADATA_KEY:
                 supplied = value.encode("utf-8", "replace") if isinstance(value, str) else bytes(value)
                 break
-        if hmac.compare_digest(supplied, self._token):
-            return continuation(handler_call_details)
-        return _REJECT
+        return hmac.compare_digest(supplied, self._token)
+
+    def intercept_service(self, continuation, handler_call_details):
+        return continuation(handler_call_details) if self.carries_token(handler_call_details) else _REJECT
+
+
+class AsyncTokenInterceptor(grpc.aio.ServerInterceptor):
+    """:class:`TokenInterceptor` for a ``grpc.aio`` server: a call without the token is refused
+    on the event loop, before its request is read."""
+
+    def __init__(self, token: str):
+        self._check = TokenInterceptor(token)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if self._check.carries_token(handler_call_details):
+            return await continuation(handler_call_details)
+        return _REJECT_ASYNC
