@@ -24,6 +24,7 @@ from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import SchedulerClient
 from dynamix_byteps.control.cluster import LIVE_RANK_S, MAX_STEP
 from dynamix_byteps.control.scheduler import DECISION_LOG, SERVICE, _encode_line
+from dynamix_byteps.env import MAX_BATCH
 
 HUGE = 1e308  # finite, but two of them overflow a sum
 
@@ -68,6 +69,17 @@ def test_a_registration_beyond_any_real_run_is_refused(field):
         setattr(bad, field, 2**64 - 1)
         code, details = code_of(stub.Register, bad, metadata=md)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details
+
+
+@pytest.mark.timeout(60)
+def test_an_unbounded_worker_registering_a_batch_size_no_report_may_carry_is_refused():
+    """With max_batch=0 (no limit) a size beyond MAX_BATCH used to be accepted as the rank's
+    initial size, and every report the worker then sent at that size was refused."""
+    with running(ScriptedPolicy(), num_workers=1) as server, stub_for(server) as (stub, md, _):
+        code, details = code_of(stub.Register, info(0, world=1, hi=0, batch=2**32 - 1), metadata=md)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "batch_size" in details and str(MAX_BATCH) in details
+        assert list(stub.Register(info(0, world=1, hi=0, batch=MAX_BATCH), metadata=md).assignment.batch_sizes) == [MAX_BATCH]
+        assert stub.ReportMetrics(report(0, K // 2, batch=MAX_BATCH), metadata=md).batch_sizes
 
 
 @pytest.mark.timeout(60)

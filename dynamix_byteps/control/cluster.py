@@ -184,8 +184,8 @@ def validate_worker_info(info, world_size: int | None) -> WorkerRecord:
     max_batch = info.max_batch or None  # 0 = no limit
     if max_batch is not None and not min_batch <= max_batch <= MAX_BATCH:
         raise _invalid(f"max_batch={info.max_batch} must be 0 (no limit) or between min_batch={min_batch} and {MAX_BATCH}")
-    if info.batch_size < 1:
-        raise _invalid(f"batch_size={info.batch_size} must be >= 1")
+    if not 1 <= info.batch_size <= MAX_BATCH:
+        raise _invalid(f"batch_size={info.batch_size} must be between 1 and {MAX_BATCH}")
     if info.batch_size < min_batch or (max_batch is not None and info.batch_size > max_batch):
         raise _invalid(f"batch_size={info.batch_size} is outside [min_batch={min_batch}, max_batch={max_batch or 'unbounded'}]")
     return WorkerRecord(
