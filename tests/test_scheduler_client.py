@@ -1,5 +1,5 @@
 """The worker's scheduler client (dynamix_byteps.control.client) against a real gRPC server that
-holds every call until told to answer."""
+holds every call until told to answer, and against a real scheduler."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from concurrent import futures
 
 import grpc
 import pytest
+from test_scheduler import ScriptedPolicy, info, running
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import RPC_TIMEOUT_S, SchedulerClient
@@ -86,3 +87,26 @@ def test_close_cancels_a_call_the_scheduler_holds_past_the_grace_and_drops_later
     assert not client._thread.is_alive()
     assert servicer.calls == 1
     assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_registration_says_that_the_policy_is_not_applied(caplog):
+    with running(ScriptedPolicy(), num_workers=4) as server, \
+            caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
+        client = SchedulerClient(f"127.0.0.1:{server.port}", None, lambda: info(0, world=2))
+        try:
+            for _ in range(2):  # said once, not at every report
+                client.submit(_report())
+                _wait_until(lambda: not client._sending and client._pending is None)
+        finally:
+            client.close()
+    [refusal] = [r for r in caplog.records if "world_size=2 does not match" in r.getMessage()]
+    assert refusal.levelno == logging.ERROR and "registration" in refusal.getMessage()
+    assert "policy is NOT applied" in refusal.getMessage()
+
+
+def _wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)

@@ -5,7 +5,8 @@ and returns. The thread registers (again after a scheduler restart, and after a 
 which may mean that the scheduler holds another registration of this rank), sends the newest report,
 and keeps the newest assignment it was answered with. When the scheduler is slow, restarting
 or gone, one warning is logged, training goes on with the last assignment, and gRPC's channel
-reconnects with exponential backoff by itself.
+reconnects with exponential backoff by itself. A refused registration (e.g. another job size) is
+logged once as an error: the scheduler's policy is not applied while it refuses.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class SchedulerClient:
         self._latest: dynamix_pb2.Assignment | None = None
         self.joined_version: int | None = None
         self._registered = False
+        self._registering = False  # the call in flight (or that failed last) is Register
+        self._registration_refused = False  # said until a registration is accepted
         self._failing = False
         self._tls_failed = False
         self._stopped = False
@@ -125,8 +128,9 @@ class SchedulerClient:
 
     def _send(self, report: dynamix_pb2.Report) -> None:
         if not self._registered:
+            self._registering = True
             reply = self._stub.Register(self._worker_info(), timeout=RPC_TIMEOUT_S, metadata=self._metadata)
-            self._registered = True
+            self._registered, self._registering, self._registration_refused = True, False, False
             if self.joined_version is None:
                 self.joined_version = reply.assignment.version
             self._keep(reply.assignment)
@@ -159,6 +163,12 @@ class SchedulerClient:
             if not self._failing:
                 log.warning("scheduler at %s is unreachable (%s); training continues with the last "
                             "assignment and reconnects when it is back", self.address, exc.code().name)
+        elif self._registering:
+            if not self._registration_refused:
+                log.error("scheduler at %s refused this worker's registration: %s %s. The scheduler's policy is NOT "
+                          "applied while it refuses (the registration is retried with every report); training "
+                          "continues with the last assignment", self.address, exc.code().name, exc.details())
+            self._registration_refused = True
         elif not self._failing:
             log.warning("scheduler at %s refused a report: %s %s", self.address, exc.code().name, exc.details())
         self._failing = True
