@@ -657,8 +657,6 @@ class Cluster:
         if batch_sizes in self.sizes_history:
             self.sizes_history.remove(batch_sizes)
         self.sizes_history.append(batch_sizes)
-        if self.first_change_step is None:
-            self.first_change_step = snap.step + self.decision_interval
         self.current = AssignmentRecord(
             version=self.current.version + 1,
             effective_step=snap.step + self.decision_interval,
@@ -667,6 +665,8 @@ class Cluster:
             policy=self.policy_name,
             reason=reason,
         )
+        if self.first_change_step is None:
+            self.first_change_step = self.current.effective_step
         return self.current
 
 
