@@ -81,7 +81,18 @@ def group_alive(pgid: int) -> bool:
         return False
     if not os.path.isdir("/proc/self"):
         return True
-    for name in os.listdir("/proc"):
+    return any(len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X")
+               for _, fields in process_stats())
+
+
+def process_stats():
+    """``(pid, fields)`` of every process in ``/proc`` (none without it): ``fields`` are the
+    ``/proc/<pid>/stat`` fields after the command name, as bytes (state, ppid, pgrp, ...)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    for name in names:
         if not name.isdigit():
             continue
         try:
@@ -89,10 +100,7 @@ def group_alive(pgid: int) -> bool:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+        yield int(name), stat[stat.rfind(b")") + 2 :].split()
 
 
 def _signal_all(pgids, sig) -> None:

@@ -21,6 +21,8 @@ import sys
 import time
 from collections.abc import Collection, Iterator
 
+from dynamix_byteps.launcher._guardian import process_stats
+
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -74,23 +76,8 @@ def adopting() -> Iterator[str | None]:
 
 def children() -> list[int]:
     """The pids of this process's children, zombies included, read from ``/proc`` (empty without it)."""
-    me, found = os.getpid(), []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return found
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(name))
-    return found
+    me = os.getpid()
+    return [pid for pid, fields in process_stats() if len(fields) > 1 and int(fields[1]) == me]
 
 
 def _reaped(pid: int) -> bool:
