@@ -3,6 +3,7 @@ holds every call until told to answer, and against a real scheduler."""
 
 from __future__ import annotations
 
+import http.server
 import logging
 import threading
 import time
@@ -103,6 +104,29 @@ def test_a_refused_registration_says_that_the_policy_is_not_applied(caplog):
     [refusal] = [r for r in caplog.records if "world_size=2 does not match" in r.getMessage()]
     assert refusal.levelno == logging.ERROR and "registration" in refusal.getMessage()
     assert "policy is NOT applied" in refusal.getMessage()
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_is_not_a_grpc_server_is_said_once_as_an_error(caplog):
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    serving = threading.Thread(target=web.serve_forever, daemon=True)
+    serving.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
+            client = SchedulerClient(f"127.0.0.1:{web.server_address[1]}", None, lambda: info(0, world=2))
+            try:
+                for _ in range(2):  # said once, not at every report
+                    client.submit(_report())
+                    _wait_until(lambda: not client._sending and client._pending is None)
+            finally:
+                client.close()
+    finally:
+        web.shutdown()
+        web.server_close()
+        serving.join(10)
+    [record] = [r for r in caplog.records if r.name == "dynamix_byteps.control.client"]
+    assert record.levelno == logging.ERROR, record.getMessage()
+    assert "not as a gRPC server" in record.getMessage() and "DYNAMIX_SCHEDULER" in record.getMessage()
 
 
 def _wait_until(condition, timeout_s=10.0):

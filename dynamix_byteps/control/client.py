@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 2.0
 _TLS_FAILURE = "handshake failed"  # in gRPC's UNAVAILABLE details, e.g. "Ssl handshake failed: ... CERTIFICATE_VERIFY_FAILED"
+# In gRPC's UNAVAILABLE details when the peer does not speak HTTP/2, e.g. an HTTP/1 server:
+# "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)"
+_NOT_GRPC = "failed parsing http/2"
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -62,7 +65,7 @@ class SchedulerClient:
         self._registering = False  # the call in flight (or that failed last) is Register
         self._registration_refused = False  # said until a registration is accepted
         self._failing = False
-        self._tls_failed = False
+        self._misconfigured = False  # a TLS or address mistake was logged
         self._stopped = False
         self._sending = False
         self._thread = threading.Thread(target=self._run, name="dynamix-scheduler-client", daemon=True)
@@ -149,14 +152,21 @@ class SchedulerClient:
                 self._latest = assignment
 
     def _note_failure(self, exc: grpc.RpcError) -> None:
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE in (exc.details() or "").lower():
+        details = (exc.details() or "").lower()
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and (_TLS_FAILURE in details or _NOT_GRPC in details):
             self._registered = False
-            if not self._tls_failed:  # a configuration mistake, not an outage: said once, as an error
-                log.error("TLS handshake with the scheduler at %s fails (%s): the scheduler's policy is NOT applied "
-                          "and training continues with the last assignment. Check --tls-ca (the CA that signed the "
-                          "scheduler's --tls-cert) and that the certificate names %s", self.address, exc.details(),
-                          self.address.rsplit(":", 1)[0])
-            self._tls_failed = self._failing = True
+            if not self._misconfigured:  # a configuration mistake, not an outage: said once, as an error
+                if _TLS_FAILURE in details:
+                    log.error("TLS handshake with the scheduler at %s fails (%s): the scheduler's policy is NOT "
+                              "applied and training continues with the last assignment. Check --tls-ca (the CA that "
+                              "signed the scheduler's --tls-cert) and that the certificate names %s", self.address,
+                              exc.details(), self.address.rsplit(":", 1)[0])
+                else:
+                    log.error("%s answers, but not as a gRPC server (%s): the scheduler's policy is NOT applied and "
+                              "training continues with the last assignment. Check that DYNAMIX_SCHEDULER names the "
+                              "port of a dynamix scheduler (bpslaunch --scheduler-port), not another service's",
+                              self.address, exc.details())
+            self._misconfigured = self._failing = True
             return
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             self._registered = False
