@@ -7,6 +7,7 @@ float64, so every rank checks the exact answer.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.utils.checkpoint
@@ -329,23 +330,26 @@ def found_by_a_tester() -> dict:
     return out
 
 
-def scheduler_after_load() -> list[float]:
-    """A StepLR built before wrapping keeps halving the learning rate after load_state_dict."""
+def scheduler_after_load() -> dict:
+    """A StepLR built before wrapping keeps halving the learning rate after load_state_dict, and
+    warns of nothing: its optimizer's step is the wrapper's."""
     model = Branchy()
     base = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
     opt = bps.DistributedOptimizer(base, model.named_parameters())
     x, y = _data(4, 1, 1)[0][0]
     rates = []
-    for step in range(4):
-        if step == 2:
-            opt.load_state_dict(opt.state_dict())
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-        scheduler.step()
-        rates.append(opt.param_groups[0]["lr"])
-    return rates
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            if step == 2:
+                opt.load_state_dict(opt.state_dict())
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            scheduler.step()
+            rates.append(opt.param_groups[0]["lr"])
+    return {"rates": rates, "warnings": [str(w.message) for w in caught]}
 
 
 def _worker_batches(total: int = 10, first: int = 3):

@@ -14,7 +14,9 @@ reduction completes (:class:`~dynamix_byteps.training_step.TrainingStep`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
+import weakref
 
 import numpy as np
 import torch
@@ -260,9 +262,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     # One attribute dict for both objects: an LR scheduler built on ``optimizer`` keeps editing the
     # learning rates the wrapper steps with, also after ``load_state_dict`` rebinds ``param_groups``
     # (a copy of the dict lost the schedule there). The scheduler's patched instance ``step``
-    # would bypass the aggregation, so it goes; the scheduler does not need it.
+    # would bypass the aggregation, so it is replaced by one that steps the wrapper.
     wrapped.__dict__ = optimizer.__dict__
-    wrapped.__dict__.pop("step", None)
+    if hasattr(wrapped.__dict__.pop("step", None), "_wrapped_by_lr_sched"):
+        wrapped.step = _step_seen_by_lr_scheduler(wrapped)
     wrapped._init_distributed(named_parameters, compression, backward_passes_per_step, lr_scaling, base_batch_size,
                               batch_plan)
     return wrapped
+
+
+def _step_seen_by_lr_scheduler(optimizer: torch.optim.Optimizer):
+    """``optimizer``'s own ``step``, marked as torch's LR schedulers mark the ``step`` of the
+    optimizer they were built on: they check both marks, and without them their first ``step()``
+    warns that ``optimizer.step()`` was overridden or not called (PyTorch issue 20124)."""
+    owner = weakref.ref(optimizer)
+
+    @functools.wraps(type(optimizer).step)
+    def step(*args, **kwargs):
+        wrapped = owner()
+        wrapped._opt_called = True
+        return type(wrapped).step(wrapped, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
