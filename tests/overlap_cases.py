@@ -544,3 +544,51 @@ def parameter_inside_and_outside_a_reentrant_checkpoint() -> str:
     except bps.GradientReductionError as exc:
         return f"step {step}: {exc}"
     return "no error"
+
+
+class _ChannelsLastConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(2, 4, 3)
+        self.head = torch.nn.Linear(4, 3)
+        self.double()
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def channels_last_gradients_kept_between_steps(variant: str) -> dict:
+    """A channels_last conv whose gradients are zeroed in place (``zero_grad(set_to_none=False)``):
+    every gradient keeps its parameter's strides, autograd warns of nothing, and each is the
+    batch-weighted mean (rank 0: 3 samples, rank 1: 7)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 2, 5, 5, generator=g, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 3, (10,), generator=g)
+    parts = [slice(0, 3), slice(3, 10)]
+    mine = parts[bps.rank()]
+    expected = {}
+    for part in parts:
+        reference = _ChannelsLastConv()
+        torch.nn.functional.cross_entropy(reference(x[part]), y[part]).backward()
+        for name, p in reference.named_parameters():
+            expected[name] = expected.get(name, 0) + p.grad * (part.stop - part.start) / len(y)
+    model = _ChannelsLastConv()
+    if variant == "ddp":
+        net, opt = bps.DistributedDataParallel(model), torch.optim.SGD(model.parameters(), lr=0.0)
+    else:
+        net = model
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    errors = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad(set_to_none=False)
+            if variant != "ddp":
+                opt.set_local_batch_size(mine.stop - mine.start)
+            torch.nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+            opt.step()
+            errors.append(_grad_error(model, expected))
+    return {"errors": errors, "warnings": [str(w.message) for w in caught],
+            "strides_kept": all(p.grad.stride() == p.stride() for p in model.parameters())}

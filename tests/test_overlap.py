@@ -121,6 +121,14 @@ def test_a_failed_reduction_is_named_for_the_user_not_by_its_internal_tensor():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
+def test_channels_last_gradients_keep_their_layout_in_the_buckets(variant):
+    for result in ok(run_workers(2, "overlap_cases:channels_last_gradients_kept_between_steps", variant)):
+        assert result["warnings"] == [] and result["strides_kept"], result
+        assert max(result["errors"]) < 1e-12, result["errors"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_gradients_changed_while_in_flight_raise_and_the_users_hooks_see_local_gradients(variant):
     for result in ok(run_workers(2, "overlap_cases:gradients_changed_during_reduction", variant)):
         assert max(result["hook_errors"]) < 1e-12, result["hook_errors"]  # from the second step too

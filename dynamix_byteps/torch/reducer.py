@@ -81,13 +81,26 @@ class _Plan:
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
             for p in params:
-                views.append(buffer[offset:offset + p.numel()].view_as(p))
+                views.append(_bucket_view(buffer, offset, p))
                 self.slot[p] = (number, views[-1])
                 offset += p.numel()
             self.buckets.append(_Bucket(buffer, params, views, [ordered[i][0] for i in group]))
         digest = fingerprint(describe(name, p) for name, p in ordered)
         self.description = (f"gradient buckets over {len(named)} parameters (digest {digest:016x}), "
                             f"{len(self.buckets)} buckets, {settings}")
+
+
+def _bucket_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient slot in ``buffer`` from ``offset``: with ``param``'s strides where it is
+    dense (a channels_last or transposed weight), since autograd keeps a gradient strided like its
+    parameter and warns when a ``.grad`` it accumulates into is not (as DDP lays out its buckets);
+    contiguous otherwise."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(param.shape, param.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return buffer[offset:offset + param.numel()].view_as(param)
+        expected *= size
+    return buffer.as_strided(param.shape, param.stride(), offset)
 
 
 def _key(named: list[tuple[str, torch.Tensor]]) -> tuple:
