@@ -135,7 +135,7 @@ def test_gradients_changed_while_in_flight_raise_and_the_users_hooks_see_local_g
         if variant == "ddp":
             continue
         assert "changed in place" in result["clipped"] and "optimizer.synchronize() first" in result["clipped"]
-        assert "replaced (Gradient.last.bias)" in result["replaced"]
+        assert "replaced (last.bias)" in result["replaced"]
         assert result["recipe_error"] < 1e-12 and result["recipe_norm_error"] < 1e-12
         assert result["hand_made"] == pytest.approx([1.7] * 3)  # rank 0's 1 and rank 1's 2 weighted by 3 and 7 samples
 
@@ -156,7 +156,7 @@ def test_a_backward_that_raised_half_way_is_not_reduced_as_if_complete(variant):
 @pytest.mark.timeout(120)
 def test_a_sparse_gradient_first_seen_after_the_first_step_is_refused_by_name():
     for result in ok(run_workers(2, "overlap_cases:sparse_gradient_after_the_first_step")):
-        assert result.startswith("step 1: sparse gradients are not supported (Gradient.emb.weight)")
+        assert result.startswith("step 1: sparse gradients are not supported (emb.weight)")
 
 
 @pytest.mark.timeout(120)
@@ -169,4 +169,4 @@ def test_backward_with_create_graph_is_reduced_exactly_with_one_warning():
 @pytest.mark.timeout(120)
 def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_name():
     for result in ok(run_workers(2, "overlap_cases:parameter_inside_and_outside_a_reentrant_checkpoint")):
-        assert result.startswith("step 1: Gradient.") and "got a gradient twice in one backward pass" in result, result
+        assert result.startswith(("step 1: weight got", "step 1: bias got")) and "a gradient twice in one backward pass" in result, result

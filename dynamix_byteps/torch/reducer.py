@@ -70,7 +70,7 @@ class _Plan:
         self.key = _key(named)
         ordered = list(reversed(named))
         self.params = [p for _, p in ordered]
-        self.names = [name for name, _ in ordered]
+        self.names = [_parameter_name(name) for name, _ in ordered]  # for messages
         self.index = {p: i for i, p in enumerate(self.params)}
         groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit,
                               min(limit, FIRST_BUCKET_BYTES))
@@ -84,7 +84,7 @@ class _Plan:
                 views.append(_bucket_view(buffer, offset, p))
                 self.slot[p] = (number, views[-1])
                 offset += p.numel()
-            self.buckets.append(_Bucket(buffer, params, views, [ordered[i][0] for i in group]))
+            self.buckets.append(_Bucket(buffer, params, views, [self.names[i] for i in group]))
         digest = fingerprint(describe(name, p) for name, p in ordered)
         self.description = (f"gradient buckets over {len(named)} parameters (digest {digest:016x}), "
                             f"{len(self.buckets)} buckets, {settings}")
@@ -101,6 +101,11 @@ def _bucket_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torc
             return buffer[offset:offset + param.numel()].view_as(param)
         expected *= size
     return buffer.as_strided(param.shape, param.stride(), offset)
+
+
+def _parameter_name(tensor_name: str) -> str:
+    """The name users know a parameter by, from its gradient's tensor name (``Gradient.fc.weight``: ``fc.weight``)."""
+    return tensor_name.removeprefix("Gradient.")
 
 
 def _key(named: list[tuple[str, torch.Tensor]]) -> tuple:
@@ -371,7 +376,7 @@ class BucketReducer:
 
     def _reduce_whole_round(self, declared: int | None) -> None:
         named = self._parameters()
-        sparse = [name for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
+        sparse = [_parameter_name(name) for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
         if sparse:
             raise _sparse_error(sparse)
         if self._samples is None:
