@@ -127,6 +127,16 @@ def test_a_batch_size_beyond_the_largest_is_a_usage_error(capsys):
     assert "--batch-size: batch size 100000000000000000000 must be between 1 and 2147483647" in capsys.readouterr().err
 
 
+def test_a_batch_size_per_worker_is_refused_saying_where_per_worker_sizes_go(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["-n", "2", "--batch-size", "32,96", "--", "true"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --batch-size: '32,96' is one size per worker" in err
+    assert "one size for every worker" in err and "DYNAMIX_BATCH_SIZE" in err
+    assert "-- python train.py --batch-size 32,96" in err
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "-n", "2"], b"--num-workers 2 disagrees"),
     (["--hosts", "127.0.0.1,127.0.0.1", "--node-rank", "1"], b"needs --num-workers"),

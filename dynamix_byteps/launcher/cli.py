@@ -36,6 +36,7 @@ from dynamix_byteps.scaling.lr_scaling import RULES
 __all__ = ["DEFAULT_GRACE_S", "PROG", "LaunchConfig", "build_parser", "config_from_args", "parse_args", "parse_hosts"]
 
 _positive_int = int_in(1)
+_one_batch_size = int_in(1, MAX_BATCH, "batch size")
 _num_workers = int_in(1, MAX_WORKERS, "number of workers")
 _seconds = float_in(0.0, MAX_TIMEOUT_S, low_open=True, unit=" seconds (at most 7 days)")
 _port = int_in(1, 65535, "TCP port")
@@ -95,8 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine ps and --hosts: server i runs on the (i mod n)-th of these hosts, each one of --hosts "
         "(its bpslaunch starts it); default: the first of --hosts",
     )
-    parser.add_argument("--batch-size", type=int_in(1, MAX_BATCH, "batch size"), metavar="B", help="initial local batch size per worker (DYNAMIX_BATCH_SIZE)")
-    parser.add_argument("--log-dir", type=Path, metavar="DIR", help="write each worker's output to DIR/worker-<rank>.log (DYNAMIX_LOG_DIR)")
+    parser.add_argument("--batch-size", type=_batch_size, metavar="B",
+                        help="initial local batch size, one for every worker (DYNAMIX_BATCH_SIZE); for one per "
+                        "worker, give them to the script (the example's --batch-size 32,96)")
+    parser.add_argument(
+        "--log-dir", type=Path, metavar="DIR",
+        help="the run's folder, which `dynamix report DIR` reads: each worker's output (DIR/worker-<rank>.log) "
+        "and TensorBoard scalars (DIR/tensorboard/; the workers get DYNAMIX_LOG_DIR=DIR), and with --policy the "
+        "scheduler's decisions.jsonl, scheduler.log and agent.log",
+    )
     parser.add_argument(
         "--port", type=_port, metavar="P",
         help="rendezvous port (local mode default: a free port on 127.0.0.1; overrides DMLC_PS_ROOT_PORT)",
@@ -158,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "--restart-on-failure")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program each worker runs, after '--'")
     return parser
+
+
+def _batch_size(text: str) -> int:
+    """``--batch-size``: one size for every worker; a list is refused, saying where one goes."""
+    if "," in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is one size per worker, but bpslaunch passes one size for every worker (the workers "
+            "check DYNAMIX_BATCH_SIZE as a single integer at bps.init); give per-worker sizes to a script "
+            f"that takes them instead, e.g. bpslaunch ... -- python train.py --batch-size {text} "
+            "(dynamix_byteps.assignment.add_batch_arguments adds that flag)")
+    return _one_batch_size(text)
 
 
 def _slowdown(text: str) -> tuple[int, str]:
