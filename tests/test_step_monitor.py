@@ -1,6 +1,7 @@
 """The worker's step monitor: per-interval loss mean (what the divergence guardrail sees),
 untimed sections and the straggler emulation."""
 
+import logging
 import math
 
 import pytest
@@ -138,3 +139,31 @@ def test_a_steps_exposed_communication_is_its_own_transfers_inside_the_wait():
     assert monitor.totals.exposed_comm_s == pytest.approx(0.02)
     assert monitor.totals.push_s + monitor.totals.pull_s == pytest.approx(0.05)
     assert monitor.totals.push_pull_s == pytest.approx(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_reports_no_loss_is_told_once(caplog):
+    """Without bps.report_loss the policy sees no loss: the first report interval without one
+    says so, once; a worker that reports its loss hears nothing."""
+    from dynamix_byteps.control.step_monitor import StepMonitor
+    from dynamix_byteps.env import WorkerEnv
+    from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
+
+    def train(steps: int, loss: bool) -> list[str]:
+        caplog.clear()
+        env = WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": "127.0.0.1:9", "DYNAMIX_DECISION_INTERVAL": "2"})
+        monitor = StepMonitor(OneWorkerEngine(), env, "sgd")
+        batch_plan.default().attach(monitor, None)
+        try:
+            with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.step_monitor"):
+                for _ in range(steps):
+                    if loss:
+                        report_loss(0.5)
+                    monitor.after_step(8, GradientNoiseScale())
+        finally:
+            monitor.close()
+        return [r.getMessage() for r in caplog.records if "report_loss" in r.getMessage()]
+
+    [told] = train(6, loss=False)
+    assert "no training loss" in told and "bps.report_loss(loss) every step" in told
+    assert train(6, loss=True) == []

@@ -135,6 +135,7 @@ class StepMonitor:
         self._scheduler_version_seen = -1
         self._declared_batch = 0  # samples per step of the last interval, without a sampler; 0 = unknown
         self._said_unapplied = self._said_unknown_batch = False
+        self._loss_seen = False  # a report carried a loss, or this worker was told that none did
         self._client = None
         self._mailbox = None
         self._losses_lock = threading.Lock()
@@ -277,6 +278,7 @@ class StepMonitor:
             grad_sq=math.nan if noise.grad_sq is None else noise.grad_sq,
             trace_cov=math.nan if noise.trace_cov is None else noise.trace_cov,
         )
+        self._say_if_no_loss(loss)
         if self.engine.name == "ps":
             report.push_s, report.pull_s = iv.push_s / iv.steps, iv.pull_s / iv.steps
             report.exposed_comm_s = iv.exposed_comm_s / iv.steps
@@ -292,6 +294,13 @@ class StepMonitor:
                       "draw batches with a DynamicBatchSampler, or call optimizer.set_local_batch_size(n) "
                       "every step; until then this worker sends the scheduler no reports")
             self._said_unknown_batch = True
+
+    def _say_if_no_loss(self, loss: float | None) -> None:
+        if loss is None and not self._loss_seen:
+            log.warning("this worker reported no training loss in a whole report interval, so the scheduler's policy "
+                        "sees none: its divergence guardrail cannot act, the PPO policy's loss features read 0, and "
+                        "dynamix report shows no loss. Call bps.report_loss(loss) every step")
+        self._loss_seen = True
 
     def _step_index(self) -> int:
         schedule = self._schedule()
