@@ -25,6 +25,7 @@ from tcp_peers import (
     move_bytes,
 )
 
+from dynamix_byteps.agent import gpu
 from dynamix_byteps.agent.base import NetworkCollector
 from dynamix_byteps.agent.gpu import GpuMonitor, GpuStats
 from dynamix_byteps.agent.procfs import (
@@ -211,7 +212,7 @@ def _assert_all_unavailable(st: GpuStats) -> None:
 def test_gpu_monitor_without_nvml(error, caplog):
     pynvml = pytest.importorskip("pynvml")
     init_fails = mock.patch.object(pynvml, "nvmlInit", side_effect=pynvml.NVMLError(getattr(pynvml, error)))
-    with init_fails, caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent.gpu"):
+    with init_fails, caplog.at_level(logging.INFO, logger="dynamix_byteps.agent.gpu"):
         mon = GpuMonitor()
         assert mon.available is False
         assert mon.reason and ("Not Found" in mon.reason or "Not Loaded" in mon.reason), mon.reason
@@ -223,6 +224,34 @@ def test_gpu_monitor_without_nvml(error, caplog):
         assert mon.devices() == []
         mon.close()
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("gpu_visible, level", [(False, logging.INFO), (True, logging.WARNING)])
+def test_gpu_unavailable_is_a_warning_only_on_a_host_that_shows_an_nvidia_gpu(gpu_visible, level, caplog):
+    pynvml = pytest.importorskip("pynvml")
+    init_fails = mock.patch.object(pynvml, "nvmlInit", side_effect=pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND))
+    with init_fails, mock.patch.object(gpu, "_nvidia_gpu_visible", return_value=gpu_visible), \
+            caplog.at_level(logging.DEBUG, logger="dynamix_byteps.agent.gpu"):
+        GpuMonitor().close()
+    (record,) = [r for r in caplog.records if "unavailable" in r.getMessage()]
+    assert record.levelno == level, record
+    assert ("shows no NVIDIA GPU" in record.getMessage()) is not gpu_visible
+
+
+@pytest.mark.parametrize("device, driver_entry, visible", [
+    (None, None, False), ("nvidiactl", None, False), ("nvidia0", None, True), (None, "0000:17:00.0", True)])
+def test_an_nvidia_gpu_shows_as_a_device_node_or_in_the_drivers_gpu_list(tmp_path, monkeypatch, device,
+                                                                           driver_entry, visible):
+    dev, gpus = tmp_path / "dev", tmp_path / "gpus"
+    dev.mkdir()
+    if device:
+        (dev / device).touch()
+    if driver_entry:
+        (gpus / driver_entry).mkdir(parents=True)
+    monkeypatch.setattr(gpu, "DEVICE_DIR", dev)
+    monkeypatch.setattr(gpu, "DRIVER_GPUS_DIR", gpus)
+    assert gpu._nvidia_gpu_visible() is visible
 
 
 @pytest.mark.timeout(60)

@@ -2,8 +2,10 @@
 
 Without the NVML library or a driver (``NVMLError_LibraryNotFound``, ``NVMLError_DriverNotLoaded``,
 or ``pynvml`` not installed) the monitor is unavailable: ``available`` is False, ``reason`` says
-why (logged once, never retried), and :meth:`GpuMonitor.sample` returns all fields None. No
-NVML error escapes this module: a field NVML refuses (MIG, old GPUs, missing permissions) is None.
+why (logged once, never retried), and :meth:`GpuMonitor.sample` returns all fields None. That is
+logged at INFO on a host that shows no NVIDIA GPU (a CPU-only machine, where it is expected) and
+as a WARNING where one shows (an NVIDIA device node or the driver's GPU list). No NVML error
+escapes this module: a field NVML refuses (MIG, old GPUs, missing permissions) is None.
 """
 
 from __future__ import annotations
@@ -12,10 +14,20 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from dynamix_byteps.extras import import_extra
 
 log = logging.getLogger(__name__)
+
+DEVICE_DIR = Path("/dev")  # the driver's device nodes: nvidia0, nvidia1, ...
+DRIVER_GPUS_DIR = Path("/proc/driver/nvidia/gpus")  # one entry per GPU the driver found
+
+
+def _nvidia_gpu_visible() -> bool:
+    """Whether this host shows an NVIDIA GPU: a device node ``/dev/nvidia<N>`` or an entry in the
+    driver's ``/proc/driver/nvidia/gpus``."""
+    return any(DEVICE_DIR.glob("nvidia[0-9]*")) or any(DRIVER_GPUS_DIR.glob("*"))
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,10 @@ class GpuMonitor:
     def _unavailable(self, reason: str) -> None:
         self.available = False
         self.reason = reason
-        log.warning("gpu: unavailable (%s)", reason)
+        if _nvidia_gpu_visible():
+            log.warning("gpu: unavailable (%s)", reason)
+        else:
+            log.info("gpu: unavailable (%s); this host shows no NVIDIA GPU", reason)
 
     def _shutdown(self) -> None:
         if self._nvml is not None:
