@@ -1,7 +1,8 @@
 """``dynamix report RUN_DIR``: PNG plots and a summary table from a run's TensorBoard events.
 
 Reads ``RUN_DIR/tensorboard/worker-<rank>/`` and ``RUN_DIR/tensorboard/scheduler/`` (written
-by :mod:`dynamix_byteps.tensorboard_scalars` when the job ran with ``bpslaunch --log-dir RUN_DIR``) with
+by :mod:`dynamix_byteps.tensorboard_scalars` when the job ran with ``bpslaunch --log-dir RUN_DIR``, or
+its workers with ``DYNAMIX_LOG_DIR=RUN_DIR`` and its scheduler with ``--run-dir RUN_DIR`` under torchrun) with
 tensorboard's ``EventAccumulator`` and writes, with matplotlib's Agg canvas:
 
 - ``batch_size.png``: each worker's local batch size against wall time, and the global batch
@@ -117,8 +118,10 @@ def _no_events(run_dir: Path, why: str) -> RunDirError:
     return RunDirError(
         f"{run_dir} {why}; expected TensorBoard event files in "
         f"{run_dir / TENSORBOARD_DIR / (WORKER_RUN_PREFIX + '<rank>')}/events.out.tfevents.*. "
-        f"Record a run with `bpslaunch --log-dir {run_dir} ... -- python train.py` (the workers write "
-        "their scalars every --decision-interval steps), then run `dynamix report` on it"
+        f"Record a run with `bpslaunch --log-dir {run_dir} ... -- python train.py`, or under torchrun with "
+        f"DYNAMIX_LOG_DIR={run_dir} in the workers' environment (and `dynamix scheduler --run-dir {run_dir}` "
+        "for the decisions); the workers write their scalars every --decision-interval steps. Then run "
+        "`dynamix report` on it"
     )
 
 

@@ -97,6 +97,7 @@ def test_an_empty_directory_is_a_usage_error_that_says_how_to_record_a_run(tmp_p
     assert result.returncode == 2
     assert "has no TensorBoard event files" in result.stderr
     assert "tensorboard/worker-<rank>" in result.stderr and "bpslaunch --log-dir" in result.stderr
+    assert f"under torchrun with DYNAMIX_LOG_DIR={tmp_path} in the workers' environment" in result.stderr
     assert not list(tmp_path.iterdir()), "nothing may be written on error"
 
 

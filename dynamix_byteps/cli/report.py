@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
         "report",
         help="draw PNG plots and print a summary table of a recorded run",
         description=(
-            "Read the TensorBoard scalars of a run recorded with `bpslaunch --log-dir RUN_DIR` and write\n"
+            "Read the TensorBoard scalars of a run recorded with `bpslaunch --log-dir RUN_DIR` (under torchrun:\n"
+            "DYNAMIX_LOG_DIR=RUN_DIR in the workers' environment, `dynamix scheduler --run-dir RUN_DIR`) and write\n"
             "batch_size.png (batch size per worker over wall time), loss_accuracy.png (loss and logged\n"
             "accuracy against wall time) and step_time.png (step time per worker); print per-worker means\n"
             "and the job's wall time, steps and final accuracy/loss."
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir (or its tensorboard/ folder)")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --log-dir or DYNAMIX_LOG_DIR (or its tensorboard/ folder)")
     p.add_argument("--out", type=output_path("dir"), metavar="DIR", help="where the PNGs go (default: RUN_DIR)")
     p.set_defaults(run=run)
 
