@@ -592,3 +592,23 @@ def channels_last_gradients_kept_between_steps(variant: str) -> dict:
             errors.append(_grad_error(model, expected))
     return {"errors": errors, "warnings": [str(w.message) for w in caught],
             "strides_kept": all(p.grad.stride() == p.stride() for p in model.parameters())}
+
+
+def ddp_global_batch_changes(later_sizes: list[int]) -> list[str]:
+    """bps.DistributedDataParallel trained from a sampler of 4 samples per worker whose assignment
+    changes to ``later_sizes`` at step 2; returns the warnings about the learning rate."""
+    from dynamix_byteps.assignment import Assignment
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 6, dtype=torch.float64), torch.randint(0, 3, (64,)))
+    sampler = bps.DynamicBatchSampler(data, batch_size=4, seed=3)
+    sampler.schedule.apply(Assignment(tuple(later_sizes), 2, 1))
+    net = bps.DistributedDataParallel(Branchy())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in zip(range(4), torch.utils.data.DataLoader(data, batch_sampler=sampler)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    return [str(w.message) for w in caught if "learning rate" in str(w.message)]

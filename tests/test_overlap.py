@@ -120,6 +120,14 @@ def test_a_failed_reduction_is_named_for_the_user_not_by_its_internal_tensor():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("later_sizes, told", [([8, 8], 1), ([2, 6], 0)])
+def test_the_ddp_wrapper_says_once_that_it_does_not_scale_the_lr_for_a_new_global_batch(later_sizes, told):
+    for warned in ok(run_workers(2, "overlap_cases:ddp_global_batch_changes", later_sizes)):
+        assert len(warned) == told, warned
+        assert all("global batch is now 16 samples (8 at the first step)" in w and "lr_scaling" in w for w in warned)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("variant", ["optimizer", "ddp"])
 def test_channels_last_gradients_keep_their_layout_in_the_buckets(variant):
     for result in ok(run_workers(2, "overlap_cases:channels_last_gradients_kept_between_steps", variant)):

@@ -185,6 +185,7 @@ class DistributedDataParallel(torch.nn.Module):
         # complete first) counts those never counted, and the end of backward checks it reached them.
         self._live: weakref.WeakSet[_Forward] = weakref.WeakSet()
         self._warned_output = False
+        self._warned_learning_rate = False
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
                                       self._take_samples, lambda: self._step_path.trained_position,
@@ -270,6 +271,7 @@ class DistributedDataParallel(torch.nn.Module):
         """The reducing backward pass and its reduction are complete: end the step, then refuse a
         weight that left out forward passes this backward reached after the weight was taken."""
         self._step_path.end(samples)
+        self._warn_if_the_global_batch_changed()
         weight, self._weight = self._weight, None
         unreached = [r for r in weight.assumed if r.seen != weight.task]
         if unreached:
@@ -299,6 +301,21 @@ class DistributedDataParallel(torch.nn.Module):
             "happens when several forward passes are summed into one loss and the later one uses parameters the "
             "earlier does not, or checkpoints them with use_reentrant=True. Run one backward per forward pass "
             "(all but the last inside no_sync())" + ("" if weight.from_sampler else ", or give the batch sizes with a DynamicBatchSampler"))
+
+    def _warn_if_the_global_batch_changed(self) -> None:
+        """Once: the sampler's global batch for the step just taken differs from its first step's,
+        and this wrapper does not scale the learning rate."""
+        schedule = self._step_path.plan().schedule
+        if self._warned_learning_rate or schedule is None or self._step_path.next_step is None:
+            return
+        first = schedule.at(0).global_batch_size
+        now = schedule.at(self._step_path.next_step - 1).global_batch_size
+        if now != first:
+            self._warned_learning_rate = True
+            warnings.warn(f"the global batch is now {now} samples ({first} at the first step) and "
+                          "bps.DistributedDataParallel keeps the learning rate as it is: scale it yourself, use "
+                          "bps.DistributedOptimizer(..., lr_scaling='linear', 'sqrt' or 'adascale') with a plain "
+                          "model, or a policy that keeps the global batch (proportional)", stacklevel=2)
 
     def _broadcast_buffers(self) -> None:
         """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
