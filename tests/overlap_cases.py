@@ -216,15 +216,16 @@ def out_of_step_samplers(variant: str) -> str:
 def frozen_mid_training(variant: str, where: str) -> dict:
     """Two steps, then ``middle`` is frozen on rank 1 only (``where="one"``: every rank must raise
     TensorMismatchError, none abort or hang) or on every rank (``"all"``: the next steps match
-    one process that froze it at the same step)."""
+    one process that froze it at the same step, where the frozen and the unused parameters get no
+    gradient and so no momentum or weight-decay update)."""
     os.environ["DYNAMIX_FUSION_BYTES"] = "64"
     rank, sizes, steps = bps.rank(), [5, 7], 4
     data = _data(sum(sizes), steps, 1)
     mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
     reference = Branchy()
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     model = Branchy()
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     net = bps.DistributedDataParallel(model) if variant == "ddp" else model
     opt = plain if variant == "ddp" else bps.DistributedOptimizer(plain, model.named_parameters())
     for step, ((x, y),) in enumerate(data):

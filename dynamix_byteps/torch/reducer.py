@@ -315,6 +315,7 @@ class BucketReducer:
                 self._refuse_changes_in_flight(step)
             self.aggregator.finish(step, self._round_description())
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
+                self._forget_missing_gradients(step)
                 self._adopt_plan(self._next_plan, step.samples, late=not self._overlap)
                 self._launch_whole_round(step.samples)
                 step = self._round
@@ -322,9 +323,14 @@ class BucketReducer:
         finally:
             self._round, self._samples, self._passes = None, None, 0
             self._launched_in_backward = False
-        for i in np.flatnonzero(step.counts == 0):  # no worker had a gradient: None, as in one process
-            self._plan.params[i].grad = None
+        self._forget_missing_gradients(step)
         return step.samples
+
+    def _forget_missing_gradients(self, step: Round) -> None:
+        """``.grad = None`` where no worker had a gradient in ``step`` (its bucket slot held zeros),
+        as in one process: an optimizer then leaves the parameter alone (no momentum, no weight decay)."""
+        for i in np.flatnonzero(step.counts == 0):
+            self._plan.params[i].grad = None
 
     def _refuse_changes_in_flight(self, step: Round) -> None:
         """Raise when a gradient was written to, or replaced, after its bucket was launched: the
