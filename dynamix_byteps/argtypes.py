@@ -14,7 +14,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 MAX_PORT = 65535
-ADDRESS_FORM = "HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:50051 or [::1]:50051"
+ADDRESS_FORM = ("HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:50051 or [::1]:50051, or a gRPC target "
+                "dns:///HOST:PORT, ipv4:IP:PORT or ipv6:[IP]:PORT")
+GRPC_SCHEMES = ("dns", "ipv4", "ipv6")  # the schemes of a gRPC target that dials TCP
+TCP_LESS_SCHEMES = ("unix", "unix-abstract", "vsock")
 
 
 def int_in(low: int, high: int | None = None, what: str = "value"):
@@ -58,38 +61,81 @@ def argument_type(check: Callable[[str], T]) -> Callable[[str], T]:
 
 
 def dial_address(text: str) -> str:
-    """``text`` when it is an address a client can connect to: ``HOST:PORT``, ``HOST`` a name or an
-    IPv4 address, or an IPv6 address in brackets (``[::1]:50051``), ``PORT`` in 1..65535.
+    """``text`` when it is an address a client can connect to: ``HOST:PORT`` (``HOST`` a name, an IPv4
+    address, or an IPv6 address in brackets: ``[::1]:50051``; ``PORT`` in 1..65535), or a gRPC target
+    of one such address: ``dns:///HOST:PORT`` (``dns://DNS_SERVER:PORT/HOST:PORT`` to ask that server),
+    ``ipv4:IP:PORT`` or ``ipv6:[IP]:PORT``.
 
     Raises:
-        ValueError: any other text; the message quotes it and gives the valid form.
+        ValueError: any other text (``unix:`` targets too: the scheduler listens on TCP only); the
+            message quotes it and gives the valid forms.
     """
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isascii() or not port.isdigit():
-        why = "no :PORT at its end"
-    elif not 1 <= int(port) <= MAX_PORT:
-        why = f"port {int(port)} is outside 1..{MAX_PORT}"
-    elif not host:
-        why = "no host before the port"
-    elif host.startswith("[") and host.endswith("]"):
-        why = None if _is_ipv6(host[1:-1]) else f"{host} is not an IPv6 address in brackets"
-    elif any(c in host for c in ":[]"):
-        why = "an IPv6 address goes in brackets"
-    elif any(c.isspace() for c in host):
-        why = f"{host!r} is not a host name"
-    else:
-        why = None
+    why = _target_problem(text)
     if why is not None:
         raise ValueError(f"{text!r} is not {ADDRESS_FORM} ({why})")
     return text
 
 
-def _is_ipv6(text: str) -> bool:
+def dial_host(address: str) -> str:
+    """The host of an address :func:`dial_address` accepts, as a TLS certificate of the server must
+    name it: ``ps0`` for ``dns:///ps0:50051``, ``::1`` for ``[::1]:50051``."""
+    return _split_target(address)[2].rpartition(":")[0].strip("[]")
+
+
+def _split_target(text: str) -> tuple[str, str, str]:
+    """``(scheme, dns_server, host_port)`` of ``text``: its gRPC scheme in lower case (``""`` for
+    none), the DNS server of ``dns://DNS_SERVER/`` (``""`` for none) and the rest."""
+    scheme, sep, rest = text.partition(":")
+    if not sep or scheme.lower() not in GRPC_SCHEMES + TCP_LESS_SCHEMES:
+        return "", "", text
+    server = ""
+    if scheme.lower() == "dns" and rest.startswith("//"):
+        server, _, rest = rest[2:].partition("/")
+    return scheme.lower(), server, rest
+
+
+def _target_problem(text: str) -> str | None:
+    """Why ``text`` is not an address :func:`dial_address` accepts; None when it is."""
+    scheme, server, host_port = _split_target(text)
+    host = host_port.rpartition(":")[0]
+    if scheme in TCP_LESS_SCHEMES:
+        return f"a {scheme}: target; the scheduler listens on TCP only"
+    if server and (why := _host_port_problem(server)):
+        return f"the DNS server {server!r}: {why}"
+    if scheme in ("ipv4", "ipv6") and "," in host_port:
+        return f"{scheme}: lists several addresses; give the scheduler's one"
+    if why := _host_port_problem(host_port):
+        return why
+    if scheme == "ipv4" and not _is_ip(host, ipaddress.IPv4Address):
+        return f"{host!r} is not an IPv4 address"
+    if scheme == "ipv6" and not host.startswith("["):
+        return f"{host!r} is not an IPv6 address in brackets"
+    return None
+
+
+def _host_port_problem(text: str) -> str | None:
+    """Why ``text`` is not ``HOST:PORT`` (a host name, an IPv4 address or ``[IPv6]``); None when it is."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isascii() or not port.isdigit():
+        return "no :PORT at its end"
+    if not 1 <= int(port) <= MAX_PORT:
+        return f"port {int(port)} is outside 1..{MAX_PORT}"
+    if not host:
+        return "no host before the port"
+    if host.startswith("[") and host.endswith("]"):
+        return None if _is_ip(host[1:-1], ipaddress.IPv6Address) else f"{host} is not an IPv6 address in brackets"
+    if _is_ip(host, ipaddress.IPv6Address):
+        return "an IPv6 address goes in brackets"
+    if any(c.isspace() or c in ":[]" for c in host):
+        return f"{host!r} is not a host name"
+    return None
+
+
+def _is_ip(text: str, version: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
     try:
-        ipaddress.IPv6Address(text)
+        return isinstance(ipaddress.ip_address(text), version)
     except ValueError:
         return False
-    return True
 
 
 host_port = argument_type(dial_address)

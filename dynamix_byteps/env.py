@@ -127,7 +127,8 @@ class WorkerEnv:
             which :func:`resolve_engine` has replaced.
         timeout_s: seconds a collective may wait for its peers (``DYNAMIX_TIMEOUT``).
         scheduler: ``host:port`` of the scheduler (``DYNAMIX_SCHEDULER``; ``[v6]:port`` for an IPv6
-            address, port 1..65535); None = no control plane.
+            address, port 1..65535), or a gRPC target of one (``dns:///host:port``, ``ipv4:ip:port``,
+            ``ipv6:[ip]:port``); None = no control plane.
         token: shared secret sent to the scheduler (``DYNAMIX_TOKEN``).
         tls_ca: PEM CA file that verifies a TLS scheduler (``DYNAMIX_TLS_CA``); None = plaintext.
         decision_interval: steps between reports and assignment boundaries (``DYNAMIX_DECISION_INTERVAL``).

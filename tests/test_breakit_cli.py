@@ -89,6 +89,7 @@ def test_dynamix_without_a_command_or_with_an_unknown_flag_names_what_is_wrong(c
     (["agent", "--job", "j", "--scheduler", "garbage"],
      "argument --scheduler: 'garbage' is not HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:50051 or [::1]:50051"),
     (["agent", "--job", "j", "--scheduler", "[::1]:99999"], "(port 99999 is outside 1..65535)"),
+    (["agent", "--job", "j", "--scheduler", "unix:/tmp/s.sock"], "(a unix: target; the scheduler listens on TCP only)"),
     (["scheduler", "--max-change", "1"], "argument --max-change: 1 must be a finite number > 1"),
 ])
 def test_a_value_the_command_could_never_work_with_is_refused_naming_the_flag(capsys, argv, why):
@@ -97,6 +98,12 @@ def test_a_value_the_command_could_never_work_with_is_refused_naming_the_flag(ca
         build_parser().parse_args(argv)
     assert stop.value.code == 2
     assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", ["dns:///127.0.0.1:50051", "ipv4:127.0.0.1:50051", "ipv6:[::1]:50051"])
+def test_the_agent_takes_the_grpc_targets_the_workers_take(target):
+    # DYNAMIX_SCHEDULER and --scheduler share one rule; these were refused as "not HOST:PORT"
+    assert build_parser().parse_args(["agent", "--job", "j", "--scheduler", target]).scheduler == target
 
 
 @pytest.mark.timeout(60)

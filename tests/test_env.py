@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import dynamix_byteps as bps
 from dynamix_byteps import engine
+from dynamix_byteps.argtypes import dial_host
 from dynamix_byteps.env import WorkerEnv, resolve_engine
 from dynamix_byteps.errors import ConfigurationError, EngineUnavailableError, NotInitializedError
 from dynamix_byteps.torch.ops import check_tensor
@@ -69,17 +70,38 @@ def test_bad_variables_are_named(variables, named):
     ("::1:50051", "an IPv6 address goes in brackets"),
     ("[h0]:50051", "[h0] is not an IPv6 address in brackets"),
     ("h 0:50051", "'h 0' is not a host name"),
+    ("x:h0:50051", "'x:h0' is not a host name"),
+    # gRPC targets: the scheduler listens on TCP, at one address
+    ("unix:/tmp/scheduler.sock", "a unix: target; the scheduler listens on TCP only"),
+    ("dns:///h0", "no :PORT at its end"),
+    ("dns:///h0:99999", "port 99999 is outside 1..65535"),
+    ("dns://8.8.8.8/h0:50051", "the DNS server '8.8.8.8': no :PORT at its end"),  # gRPC: "Cannot parse authority"
+    ("ipv4:h0:50051", "'h0' is not an IPv4 address"),
+    ("ipv6:::1:50051", "an IPv6 address goes in brackets"),
+    ("ipv6:10.0.0.1:50051", "'10.0.0.1' is not an IPv6 address in brackets"),
+    ("ipv4:10.0.0.1:1,10.0.0.2:1", "ipv4: lists several addresses; give the scheduler's one"),
 ])
 def test_a_scheduler_address_that_cannot_be_dialled_is_refused_with_the_valid_form(value, why):
     with pytest.raises(ConfigurationError) as caught:
         WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": value})
     assert str(caught.value) == (f"DYNAMIX_SCHEDULER: {value!r} is not HOST:PORT with a port in 1..65535, "
-                                 f"e.g. 10.0.0.1:50051 or [::1]:50051 ({why})")
+                                 "e.g. 10.0.0.1:50051 or [::1]:50051, or a gRPC target dns:///HOST:PORT, "
+                                 f"ipv4:IP:PORT or ipv6:[IP]:PORT ({why})")
 
 
-@pytest.mark.parametrize("value", ["127.0.0.1:50051", "h0.example:1", "[::1]:65535", "[fe80::1%eth0]:50051"])
+@pytest.mark.parametrize("value", ["127.0.0.1:50051", "h0.example:1", "[::1]:65535", "[fe80::1%eth0]:50051",
+                                   # gRPC targets, passed to the channel as they are (they were refused)
+                                   "dns:///h0.example:50051", "dns:h0:1", "DNS:///h0:1", "dns://10.0.0.53:53/h0:1",
+                                   "ipv4:10.0.0.1:50051", "ipv6:[::1]:50051"])
 def test_scheduler_addresses_a_client_can_dial_are_kept(value):
     assert WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": value}).scheduler == value
+
+
+@pytest.mark.parametrize("address, host", [("h0:50051", "h0"), ("[::1]:50051", "::1"), ("dns:///h0:50051", "h0"),
+                                           ("dns://10.0.0.53:53/h0:1", "h0"), ("ipv4:10.0.0.1:5", "10.0.0.1"),
+                                           ("ipv6:[::1]:5", "::1")])
+def test_the_host_a_tls_certificate_must_name_is_the_dialled_one(address, host):
+    assert dial_host(address) == host
 
 
 def test_queries_before_init_raise():

@@ -167,9 +167,10 @@ def test_bpslaunch_runs_a_job_whose_scheduler_and_agent_speak_tls(pki, tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_client_trusting_another_ca_logs_one_tls_error(pki, caplog):
+@pytest.mark.parametrize("target", ["127.0.0.1:{port}", "dns:///127.0.0.1:{port}", "ipv4:127.0.0.1:{port}"])
+def test_a_worker_client_trusting_another_ca_logs_one_tls_error(pki, caplog, target):
     with tls_scheduler(pki) as server:
-        client = SchedulerClient(f"127.0.0.1:{server.port}", TOKEN, info, tls_ca=str(pki["foreign"]["ca"]))
+        client = SchedulerClient(target.format(port=server.port), TOKEN, info, tls_ca=str(pki["foreign"]["ca"]))
         try:
             start = time.monotonic()
             # Several failed reports: the error must still be logged only once.
@@ -183,6 +184,7 @@ def test_a_worker_client_trusting_another_ca_logs_one_tls_error(pki, caplog):
     records = [r for r in caplog.records if r.name == "dynamix_byteps.control.client"]
     assert [r.levelname for r in records] == ["ERROR"], [r.getMessage() for r in records]
     assert "TLS handshake" in records[0].getMessage() and "--tls-ca" in records[0].getMessage()
+    assert records[0].getMessage().endswith("the certificate names 127.0.0.1")  # not dns:///127.0.0.1
     assert client.latest() is None
 
 

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     p.add_argument("--job", type=argument_type(_job_name), required=True, metavar="JOB",
                    help="job id the workers got in DYNAMIX_JOB_ID ([A-Za-z0-9_-])")
     p.add_argument("--scheduler", type=host_port, required=True, metavar="HOST:PORT",
-                   help="the scheduler's address ([V6]:PORT for an IPv6 address)")
+                   help="the scheduler's address ([V6]:PORT for an IPv6 address; gRPC targets dns:///HOST:PORT, "
+                   "ipv4:IP:PORT and ipv6:[IP]:PORT too)")
     p.add_argument("--monitor", choices=MONITORS, default="auto")
     p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
                    help="seconds between samples (default 1)")

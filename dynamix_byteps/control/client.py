@@ -18,6 +18,7 @@ from typing import Callable
 
 import grpc
 
+from dynamix_byteps.argtypes import dial_host
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.security import MAX_MESSAGE_BYTES, TOKEN_METADATA_KEY, open_channel
 
@@ -40,7 +41,7 @@ class SchedulerClient:
     """Reports to the scheduler at ``address`` (``host:port``) and remembers its newest assignment.
 
     Args:
-        address: the scheduler's ``host:port``.
+        address: the scheduler's ``host:port`` or gRPC target (:func:`~dynamix_byteps.argtypes.dial_address`).
         token: shared secret sent as ``x-dynamix-token`` metadata, or None.
         worker_info: called (on the client thread) whenever the worker must (re-)register.
         tls_ca: PEM CA file to verify a TLS scheduler with; None = plaintext.
@@ -160,7 +161,7 @@ class SchedulerClient:
                     log.error("TLS handshake with the scheduler at %s fails (%s): the scheduler's policy is NOT "
                               "applied and training continues with the last assignment. Check --tls-ca (the CA that "
                               "signed the scheduler's --tls-cert) and that the certificate names %s", self.address,
-                              exc.details(), self.address.rsplit(":", 1)[0])
+                              exc.details(), dial_host(self.address))
                 else:
                     log.error("%s answers, but not as a gRPC server (%s): the scheduler's policy is NOT applied and "
                               "training continues with the last assignment. Check that DYNAMIX_SCHEDULER names the "
