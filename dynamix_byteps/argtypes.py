@@ -157,35 +157,53 @@ def key_value(text: str) -> tuple[str, object]:
     return key, raw
 
 
-def output_path(kind: str, example: str = "out"):
+def output_path(kind: str, example: str = "out", *, appends: tuple[str, ...] = ()):
     """Parse a path the command will write: ``kind`` ``"file"`` or ``"dir"`` (created with its parents);
-    ``example`` is the file name the message suggests for a file path that is a directory.
+    ``example`` is the file name the message suggests for a file path that is a directory; ``appends``
+    (``"dir"`` only) the entries in the directory that the command only appends to or writes in
+    when they exist (e.g. ``decisions.jsonl``), so that it needs to create nothing there.
 
-    Refused at parse time, so that the command exits 2 naming the flag before it starts anything:
-    a file path that is an existing directory, a directory path that is an existing non-directory,
-    a path under an existing non-directory (``x.json/out``), and a path whose nearest existing
-    directory nothing can be created in (not writable, read-only, ``/proc``), which would only
-    fail later with a bare ``OSError`` naming no flag. To tell the last, the parse creates and
-    removes an empty directory there."""
+    A symlink is followed, as ``open`` and :func:`~dynamix_byteps.atomic.atomic_write` follow it: the
+    checks apply to where it leads. Refused at parse time, so that the command exits 2 naming the
+    flag before it starts anything: a file path that is an existing directory, a directory path that
+    is an existing non-directory, a path under an existing non-directory (``x.json/out``), and a
+    path whose nearest existing directory nothing can be created in (not writable, read-only,
+    ``/proc``), which would only fail later with a bare ``OSError`` naming no flag, unless it is the
+    directory itself and every entry of ``appends`` in it exists and is writable. To tell whether
+    something can be created, the parse creates and removes an empty directory ``.dynamix-probe-*``
+    there."""
     if kind not in ("file", "dir"):
         raise ValueError(f"output_path kind must be 'file' or 'dir', not {kind!r}")
 
     def parse(text: str) -> Path:
         path = Path(text)
-        if kind == "file" and path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text} is a directory; give the path of a file in it, e.g. {path / example}")
-        if kind == "dir" and path.exists() and not path.is_dir():
-            raise argparse.ArgumentTypeError(f"{text} is a file; give a directory (it is created if missing)")
-        folder = _nearest_existing(path if kind == "dir" else path.absolute().parent)
+        target = Path(os.path.realpath(path))
+        shown = text if target == Path(os.path.abspath(path)) else f"{text} (which leads to {target})"
+        if kind == "file" and target.is_dir():
+            raise argparse.ArgumentTypeError(f"{shown} is a directory; give the path of a file in it, e.g. {path / example}")
+        if kind == "dir" and target.exists() and not target.is_dir():
+            raise argparse.ArgumentTypeError(f"{shown} is a file; give a directory (it is created if missing)")
+        folder = _nearest_existing(target if kind == "dir" else target.parent)
         if not folder.is_dir():
-            raise argparse.ArgumentTypeError(f"{text}: {folder} is a file, not a directory; give a path under a directory")
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".dynamix-probe-", dir=folder))
-        except OSError as error:
-            raise argparse.ArgumentTypeError(f"{text}: cannot create anything in {folder} ({error.strerror}); "
-                                             "give a path in a directory you can write") from None
+            raise argparse.ArgumentTypeError(f"{shown}: {folder} is a file, not a directory; give a path under a directory")
+        if not (folder == target and appends and all(os.access(target / entry, os.W_OK) for entry in appends)):
+            _probe_creating(shown, folder)
         return path
     return parse
+
+
+def _probe_creating(shown: str, folder: Path) -> None:
+    """Create and remove an empty directory in ``folder``; ArgumentTypeError naming ``shown`` when either fails."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".dynamix-probe-", dir=folder)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{shown}: cannot create anything in {folder} ({error.strerror}); "
+                                         "give a path in a directory you can write") from None
+    try:
+        os.rmdir(probe)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{shown}: the empty directory {probe} that this check created cannot be "
+                                         f"removed ({error.strerror}); remove it and run again") from None
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -5,7 +5,11 @@ So do values the command could never work with (a job name the workers refuse, a
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +57,68 @@ def test_an_output_path_that_cannot_be_written_is_usage_naming_the_flag(paths, c
     err = capsys.readouterr().err
     assert f"error: argument {flag}: {why.format(paths)}" in err, err
     assert "Traceback" not in err and not (paths / "afile" / "x").exists()
+
+
+@pytest.fixture
+def unwritable(monkeypatch):
+    """Folders nothing can be created in, as for a user without write permission there (the tests run
+    as root, who may create anywhere but in /proc)."""
+    folders = set()
+    create = tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if Path(dir) in folders:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return create(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    return folders
+
+
+def parse_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_an_output_file_is_checked_where_its_symlink_leads(paths, unwritable, capsys):
+    # The port file is written where the link leads (atomic_write follows it): a link in a folder
+    # the user cannot write was refused, a link into /proc was accepted and failed later.
+    (paths / "ro").mkdir()
+    (paths / "ro" / "port").symlink_to(paths / "adir" / "port")
+    unwritable.add(paths / "ro")
+    assert build_parser().parse_args(["scheduler", "--port-file", "ro/port"]).port_file == Path("ro/port")
+    assert "argument --port-file: ro/port2: cannot create anything in" in parse_error(
+        ["scheduler", "--port-file", "ro/port2"], capsys)
+    (paths / "to_proc").symlink_to("/proc/x/port")
+    assert ("argument --port-file: to_proc (which leads to /proc/x/port): cannot create anything in /proc ("
+            in parse_error(["scheduler", "--port-file", "to_proc"], capsys))
+
+
+def test_a_run_dir_whose_files_can_be_appended_to_is_taken_though_nothing_can_be_created_in_it(
+        paths, unwritable, capsys):
+    # a shared run directory prepared by an admin: decisions.jsonl and tensorboard/scheduler writable
+    (paths / "run" / "tensorboard" / "scheduler").mkdir(parents=True)
+    unwritable.add(paths / "run")
+    assert build_parser().parse_args(["scheduler", "--run-dir", "run"]).run_dir == Path("run")
+    assert "argument --out: run: cannot create anything in" in parse_error(["report", "run", "--out", "run"], capsys)
+    (paths / "run" / "tensorboard" / "scheduler").rmdir()  # the scheduler would have to create it
+    assert "argument --run-dir: run: cannot create anything in" in parse_error(["scheduler", "--run-dir", "run"], capsys)
+
+
+def test_a_check_that_cannot_remove_its_probe_says_so_and_names_it(paths, monkeypatch, capsys):
+    def refuse(path):  # e.g. a sync client dropped a file into it
+        raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY))
+
+    monkeypatch.setattr(os, "rmdir", refuse)
+    err = parse_error(["scheduler", "--port-file", "adir/port"], capsys)
+    monkeypatch.undo()
+    [probe] = (paths / "adir").glob(".dynamix-probe-*")
+    probe.rmdir()
+    # it said "cannot create anything in", the opposite of what happened
+    assert f"argument --port-file: adir/port: the empty directory {probe} that this check created cannot be removed " \
+           "(Directory not empty); remove it and run again" in err, err
 
 
 @pytest.mark.parametrize("count", ["999999999", "1025", "0", "-1"])
