@@ -297,6 +297,33 @@ def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
     assert at_stop.startswith("4 call(s) waited up to ") and "4 of them dropped unanswered" in at_stop
 
 
+@pytest.mark.timeout(60)
+def test_calls_a_client_cancels_or_stop_cuts_are_not_blamed_on_a_full_queue(caplog):
+    with caplog.at_level(logging.WARNING, logger="dynamix_byteps.scheduler"), \
+            running(SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
+        register_all(stub, md)
+        for r in (1, 2, 3):
+            stub.ReportMetrics(report(r, K), metadata=md)
+        deciding = stub.ReportMetrics.future(report(0, K), metadata=md, timeout=30)  # holds the only thread 1.5 s
+        time.sleep(0.2)
+        given_up = stub.Register.future(info(1), metadata=md, timeout=20)
+        cut = [stub.Register.future(info(1), metadata=md, timeout=20) for _ in range(3)]
+        time.sleep(0.3)
+        given_up.cancel()
+        time.sleep(0.2)
+    # stopped at once (grace=None) while the three waited for the thread
+    assert given_up.cancelled() and all(f.exception() is not None for f in cut)
+    assert deciding.exception() is not None
+    assert not [r.getMessage() for r in caplog.records if "dropped unanswered" in r.getMessage()]
+
+
+@pytest.mark.timeout(30)
+def test_starting_a_serving_scheduler_again_is_refused():
+    with running(ScriptedPolicy()) as server:
+        with pytest.raises(RuntimeError, match="already serves on port"):
+            server.start()
+
+
 # ---- 16: the decision log says when the workers switch ------------------------------------------
 
 

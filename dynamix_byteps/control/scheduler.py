@@ -97,6 +97,7 @@ ANSWER_WAIT_S = 0.5
 # this replaced: it answered ~800 Register calls/s, so of 2000 sent at once by one asyncio client
 # with a 2 s deadline, 241 ended DEADLINE_EXCEEDED and 117 CANCELLED.
 QUEUE_WARN_S = 0.5
+DEADLINE_SLACK_S = 0.01  # a call cancelled with less time left than this was cancelled for its deadline
 QUEUE_WARN_EVERY_S = 10.0  # at most one warning about slow queues per this many seconds
 
 
@@ -294,7 +295,7 @@ class SchedulerMetrics:
 
 class _QueueWatch:
     """Counts calls, their request received, that waited more than :data:`QUEUE_WARN_S` for a
-    handler thread or were dropped while waiting (their client's deadline passed or it gave up),
+    handler thread or were dropped while waiting (their deadline passed),
     and says so in the log (at most every :data:`QUEUE_WARN_EVERY_S`)."""
 
     def __init__(self, threads: int, clock=time.monotonic):
@@ -324,14 +325,13 @@ class _QueueWatch:
             count, dropped, longest = self._unsaid, self._unsaid_dropped, self._longest_s
             self._unsaid, self._unsaid_dropped, self._longest_s, self._said_at = 0, 0, 0.0, self._clock()
         log.warning("%d call(s) waited up to %.2f s, their request received, for one of the scheduler's %d handler "
-                    "threads; %d of them dropped unanswered (the client's deadline passed: DEADLINE_EXCEEDED or "
-                    "CANCELLED, or it gave up): the scheduler got more calls at once than it answers within the "
+                    "threads; %d of them dropped unanswered, their deadline passed while they waited (the client "
+                    "got DEADLINE_EXCEEDED or CANCELLED): the scheduler got more calls at once than it answers within the "
                     "deadline", count, longest, self.threads, dropped)
 
 
 class _WatchedExecutor(futures.ThreadPoolExecutor):
-    """A thread pool that tells a :class:`_QueueWatch` how long each job waited for a thread, and
-    which jobs were cancelled before getting one."""
+    """A thread pool that tells a :class:`_QueueWatch` how long each job waited for a thread."""
 
     def __init__(self, watch: _QueueWatch):
         super().__init__(max_workers=watch.threads, thread_name_prefix="dynamix-scheduler")
@@ -344,13 +344,7 @@ class _WatchedExecutor(futures.ThreadPoolExecutor):
             self._watch.waited(time.monotonic() - queued)
             return fn(*args, **kwargs)
 
-        def note_if_dropped(future: futures.Future) -> None:
-            if future.cancelled():
-                self._watch.waited(time.monotonic() - queued, dropped=True)
-
-        future = super().submit(timed)
-        future.add_done_callback(note_if_dropped)
-        return future
+        return super().submit(timed)
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -434,7 +428,10 @@ class SchedulerServer:
 
         Raises:
             SchedulerStartError: a port cannot be bound.
+            RuntimeError: it is already serving.
         """
+        if self._grpc_loop is not None:
+            raise RuntimeError(f"this scheduler already serves on port {self.port}; stop() it before starting it again")
         started: futures.Future = futures.Future()
         thread = threading.Thread(target=asyncio.run, args=(self._serve(started),), name="dynamix-scheduler-grpc",
                                   daemon=True)
@@ -519,10 +516,19 @@ class SchedulerServer:
     def _generic_handler(self, executor: futures.Executor):
         def method(fn, request_type, serialize):
             async def handle(raw: bytes, context):
+                queued = time.monotonic()
+                job = executor.submit(self._answer, fn, request_type, raw)
                 try:
-                    return await asyncio.get_running_loop().run_in_executor(executor, self._answer, fn, request_type, raw)
+                    return await asyncio.wrap_future(job)
                 except Rejected as refusal:
                     await context.abort(grpc.StatusCode[refusal.code], refusal.message)
+                except asyncio.CancelledError:
+                    # Dropped for the queue only when it never got a thread and its deadline passed
+                    # (not a client that gave up, nor a call cut by stop()).
+                    remaining = context.time_remaining()
+                    if job.cancel() and remaining is not None and remaining < DEADLINE_SLACK_S:
+                        self.queue_watch.waited(time.monotonic() - queued, dropped=True)
+                    raise
             # Raw bytes in: parsing in the handler lets malformed input get INVALID_ARGUMENT (gRPC says INTERNAL).
             return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=None, response_serializer=serialize)
 
