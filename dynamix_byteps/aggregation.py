@@ -16,13 +16,15 @@ starts as soon as the bucket is full (the PyTorch frontend does this from the ba
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
 norm |g_i|², the digest of its bucket plan, and the sampler step it trains with that step's
-epoch and the digest of the sampler's settings (:class:`SamplerPosition`; epoch, seed, dataset
-size, shuffling, ``drop_last`` and the number of workers fix the permutation the batch came from
-and each worker's slice of it). When the round finishes every worker divides the sums by Σ b_i / R (when that is
-not 1) and so holds g exactly; the trailer's digests turn a mismatched plan or samplers built
-differently (``seed=rank``), and its steps and epochs workers out of step with each other (a
-checkpoint loaded on one worker only, ``set_epoch`` called with different epochs), into
-:class:`TensorMismatchError` on every worker. One collective per bucket and one trailer per step.
+epoch, the digest of the sampler's settings and the sampler's rank (:class:`SamplerPosition`;
+epoch, seed, dataset size, shuffling, ``drop_last``, the number of workers and their initial
+batch sizes fix the permutation the batch came from and its cut, the rank this worker's slice).
+When the round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so
+holds g exactly; the trailer's digests turn a mismatched plan or samplers built differently
+(``seed=rank``), its sampler ranks two workers drawing one slice (``rank=bps.local_rank()``), and
+its steps and epochs workers out of step with each other (a checkpoint loaded on one worker only,
+``set_epoch`` called with different epochs), into :class:`TensorMismatchError` on every worker.
+One collective per bucket and one trailer per step.
 
 The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
 extra passes over every gradient. They are measured on every ``noise_every``-th round only
@@ -56,24 +58,26 @@ DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
 DIGEST_MASK = (1 << 52) - 1  # digests travel as float64, exact below 2**53
 
-_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER = range(6)  # the trailer's columns
-_COLUMNS = 6
+_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER, _SAMPLER_RANK = range(7)  # the trailer's columns
+_COLUMNS = 7
 
 
 @dataclass(frozen=True)
 class SamplerPosition:
     """What a round trains (:attr:`TrainingStep.trained_position
     <dynamix_byteps.training_step.TrainingStep>`): the sampler's global ``step``, the ``epoch``
-    whose permutation its batches came from, and the ``sampler``'s settings that fix that
-    permutation and each worker's slice of it, as ``'name value'`` items joined by ``', '``
-    (``'dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2'``). Workers at
-    the same step of different epochs or samplers draw different samples, so the trailer carries
-    the step, the epoch (below 2**53: the sampler refuses larger epochs, exact in float64) and
-    the settings' 52-bit digest (a seed may be any integer)."""
+    whose permutation its batches came from, the ``sampler``'s settings that fix that
+    permutation, shared by the workers, and its cut, as ``'name value'`` items joined by ``', '``
+    (``'dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2, batch_size
+    [8,12]'``), and the sampler's ``rank``, the slice this worker draws. Workers at the same step
+    of different epochs or samplers draw different samples, so the trailer carries the step, the
+    epoch (below 2**53: the sampler refuses larger epochs, exact in float64), the settings' 52-bit
+    digest (a seed may be any integer) and the rank, which must be the worker's own."""
 
     step: int
     epoch: int
     sampler: str
+    rank: int
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -227,8 +231,25 @@ def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]
     raise TensorMismatchError(
         f"workers drew the same round's batches from samplers built with different settings ({listed}), so "
         "they cut different permutations of the dataset: some samples are trained twice per epoch, others never. "
-        "Build the DynamicBatchSampler with the same dataset (length), seed, shuffle, drop_last and num_replicas "
-        "on every worker: a fixed seed (seed=42), not seed=rank or a random one")
+        "Build the DynamicBatchSampler with the same dataset (length), seed, shuffle, drop_last, num_replicas and "
+        "batch_size (one size, or the same per-rank list) on every worker: a fixed seed (seed=42), not seed=rank "
+        "or a random one; to shuffle a shard of its own on each worker, give num_replicas=1, rank=0")
+
+
+def _check_sampler_ranks(sampler_ranks: np.ndarray) -> None:
+    """Raise TensorMismatchError unless every worker whose sampler feeds the round draws the slice
+    of its own rank; ``sampler_ranks``: int64, each rank's sampler rank (:data:`UNSET`: no sampler
+    shared with other workers)."""
+    known = np.flatnonzero(sampler_ranks != UNSET)
+    if np.all(sampler_ranks[known] == known):
+        return
+    listed = ", ".join(f"rank {rank}: sampler rank {sampler_ranks[rank]}" for rank in known)
+    raise TensorMismatchError(
+        f"workers drew the slices of other ranks from their samplers ({listed}): a slice two workers draw is "
+        "trained twice per epoch, one no worker draws never, and each batch size goes to another worker. Leave "
+        "the DynamicBatchSampler's rank= out (it defaults to bps.rank(), the worker's rank in the whole job), "
+        "not rank=bps.local_rank() or a constant; to shuffle a shard of its own on each worker, give "
+        "num_replicas=1, rank=0")
 
 
 def _check_sampler_positions(steps: np.ndarray, epochs: np.ndarray) -> None:
@@ -343,7 +364,7 @@ class GradientAggregator:
 
     def close(self, step: Round, description: str, counts: np.ndarray | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
-        squared norm, plan digest (``description``'s), sampler step, epoch and settings digest, and ``counts``
+        squared norm, plan digest (``description``'s), sampler step, epoch, settings digest and rank, and ``counts``
         (float64, one per tensor, e.g. 1 for a gradient this worker had), summed over the workers
         into ``step.counts``."""
         self.before_send()
@@ -358,8 +379,9 @@ class GradientAggregator:
         if position is not None:
             rows[engine.rank, _STEP], rows[engine.rank, _EPOCH] = position.step, position.epoch
             rows[engine.rank, _SAMPLER] = trailer_digest(position.sampler)
+            rows[engine.rank, _SAMPLER_RANK] = position.rank
         else:
-            rows[engine.rank, _STEP] = rows[engine.rank, _EPOCH] = rows[engine.rank, _SAMPLER] = UNSET
+            rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = UNSET
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
@@ -389,7 +411,7 @@ class GradientAggregator:
 
         Raises:
             TensorMismatchError: workers reduced different plans, or drew from samplers with
-                different settings, steps or epochs (every worker raises).
+                different settings, steps or epochs, or from other ranks' slices (every worker raises).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
@@ -407,6 +429,7 @@ class GradientAggregator:
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
         settings = "" if step.position is None else step.position.sampler
         _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
+        _check_sampler_ranks(table[:, _SAMPLER_RANK].astype(np.int64))
         _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)

@@ -40,21 +40,27 @@ class BatchPlan:
     Args:
         schedule: the sampler's assignment schedule; None for a plan without a sampler (its
             frontends use the batch sizes declared by ``set_local_batch_size``).
-        sampler_settings: what fixes the sampler's permutations and each worker's slice of them,
-            as ``'name value'`` items joined by ``', '``; every worker's must be the same.
+        sampler_settings: what fixes the permutations the sampler shares with the other workers
+            and their cut, as ``'name value'`` items joined by ``', '``; every worker's must be
+            the same. None: nothing to compare between workers (no sampler, or one that draws
+            its own shard, ``num_replicas=1``).
+        sampler_rank: the slice of those permutations this worker's sampler draws, which must be
+            the worker's rank; None with ``sampler_settings``.
 
     Attributes:
         schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule`, or None.
         sampler_settings: as given.
+        sampler_rank: as given.
         monitor: the :class:`~dynamix_byteps.control.step_monitor.StepMonitor` of the newest frontend
             training on this plan (the one ``bps.step_statistics``, ``bps.untimed``,
             ``bps.report_loss`` and ``bps.log_scalar`` reach); None before one exists.
         gradient_noise: that frontend's :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale`.
     """
 
-    def __init__(self, schedule: AssignmentSchedule | None = None, sampler_settings: str = ""):
+    def __init__(self, schedule: AssignmentSchedule | None = None, sampler_settings: str | None = None,
+                 sampler_rank: int | None = None):
         self.schedule = schedule
-        self.sampler_settings = sampler_settings
+        self.sampler_settings, self.sampler_rank = sampler_settings, sampler_rank
         self.monitor = None
         self.gradient_noise = None
         self._lock = threading.Lock()

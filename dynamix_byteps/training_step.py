@@ -40,10 +40,11 @@ class TrainingStep:
         aggregator: as given.
         monitor: the :class:`StepMonitor` this frontend owns.
         next_step: the global step after the last one taken from the plan (None before one).
-        trained_position: the sampler step, epoch and sampler settings the last
+        trained_position: the sampler step, epoch, settings and rank the last
             :meth:`take_samples` drew (its last batch's), a
             :class:`~dynamix_byteps.aggregation.SamplerPosition` the round's trailer checks on
-            every worker; None when it drew none (no sampler feeds the frontend).
+            every worker; None when it drew none (no sampler feeds the frontend) or its sampler
+            draws its own shard (``num_replicas=1``), which no other worker's must match.
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).
@@ -77,8 +78,9 @@ class TrainingStep:
         plan = self.plan()
         drawn = plan.take_draws(passes, as_default=self._given is None)
         # trained_position() is the newest taken draw's (epoch, samples): drawn[-1]'s epoch.
-        self.trained_position = (SamplerPosition(drawn[-1][0], plan.trained_position()[0], plan.sampler_settings)
-                                 if drawn else None)
+        self.trained_position = (SamplerPosition(drawn[-1][0], plan.trained_position()[0], plan.sampler_settings,
+                                                 plan.sampler_rank)
+                                 if drawn and plan.sampler_settings is not None else None)
         if drawn:
             self.next_step = drawn[-1][0] + 1
         if declared != UNSET:

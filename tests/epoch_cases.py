@@ -1,7 +1,8 @@
-"""Worker functions for tests/test_epoch_agreement.py: every worker must draw from the same
-epoch's permutation of the same sampler, else every worker raises TensorMismatchError at the
-first step that differs (the round's trailer carries each worker's epoch, step and the digest of
-its sampler's settings)."""
+"""Worker functions for tests/test_epoch_agreement.py: every worker must draw its own slice of
+the same epoch's permutation of the same sampler, else every worker raises TensorMismatchError at
+the first step that differs (the round's trailer carries each worker's epoch, step, the digest of
+its sampler's settings and its sampler's rank); samplers drawing their own shards
+(``num_replicas=1``) are not compared."""
 
 from __future__ import annotations
 
@@ -25,9 +26,29 @@ def _frontend(variant: str, model: torch.nn.Module):
     return model, bps.DistributedOptimizer(plain, model.named_parameters())
 
 
+MISBUILT = ("swapped_sizes", "rank_sizes", "rank_zero", "shards")
+
+
+def _sampler_for(mode: str, rank: int) -> bps.DynamicBatchSampler:
+    """The sampler ``mode`` builds on ``rank``: as the other modes below, or ``swapped_sizes``
+    (batch_size [8, 12] on rank 0, [12, 8] elsewhere), ``rank_sizes`` (batch_size 10 (r + 1)),
+    ``rank_zero`` (rank=0 everywhere), ``shards`` (num_replicas=1, rank=0, seed=rank: each worker
+    shuffles its own copy of the data)."""
+    if mode == "swapped_sizes":
+        return bps.DynamicBatchSampler(SIZE, [8, 12] if rank == 0 else [12, 8], seed=1)
+    if mode == "rank_sizes":
+        return bps.DynamicBatchSampler(SIZE, BATCH * (rank + 1), seed=1)
+    if mode == "rank_zero":
+        return bps.DynamicBatchSampler(SIZE, BATCH, seed=1, rank=0)
+    if mode == "shards":
+        return bps.DynamicBatchSampler(SIZE, BATCH, seed=rank, num_replicas=1, rank=0)
+    length = SIZE - 10 * rank if mode == "rank_seed_and_size" else SIZE
+    return bps.DynamicBatchSampler(length, BATCH, seed=rank if mode.startswith("rank_seed") else 1)
+
+
 def _epoch_for(mode: str, epoch: int, rank: int) -> int | None:
     """The epoch ``mode`` hands ``set_epoch`` before ``epoch`` on ``rank`` (None: no call)."""
-    if mode in ("same", "mid_epoch", "rank_seed", "rank_seed_and_size"):
+    if mode in ("same", "mid_epoch", "rank_seed", "rank_seed_and_size", *MISBUILT):
         return epoch
     if mode == "rank_dependent":
         return epoch + rank
@@ -42,12 +63,11 @@ def train_epochs(mode: str, variant: str, loader_workers: int = 0) -> dict:
     (set_epoch(epoch + rank)), ``rank0_only`` (set_epoch(2 * epoch) on rank 0, no call
     elsewhere), ``mid_epoch`` (as ``same``, and rank 0 calls set_epoch(5) after its second step),
     ``rank_seed`` (as ``same`` with seed=rank), ``rank_seed_and_size`` (as ``rank_seed``, and rank
-    r samples the first 100 - 10r). Returns the indices this rank trained by epoch, the steps it
-    took and the error it raised."""
+    r samples the first 100 - 10r), or one of :data:`MISBUILT` (:func:`_sampler_for`). Returns the
+    indices this rank trained by epoch, the steps it took and the error it raised."""
     rank, data = bps.rank(), _dataset()
     torch.manual_seed(0)
-    length = SIZE - 10 * rank if mode == "rank_seed_and_size" else SIZE
-    sampler = bps.DynamicBatchSampler(length, BATCH, seed=rank if mode.startswith("rank_seed") else 1)
+    sampler = _sampler_for(mode, rank)
     extra = {"num_workers": loader_workers, "prefetch_factor": 2} if loader_workers else {}
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, **extra)
     model = torch.nn.Linear(4, 1).double()
@@ -70,6 +90,11 @@ def train_epochs(mode: str, variant: str, loader_workers: int = 0) -> dict:
     except TensorMismatchError as exc:
         return {"error": str(exc), "steps": steps, "seen": seen}
     return {"error": None, "steps": steps, "seen": seen}
+
+
+def misbuilt_samplers(variant: str) -> dict:
+    """:func:`train_epochs` for each mode of :data:`MISBUILT` in turn, in one job: mode -> result."""
+    return {mode: train_epochs(mode, variant) for mode in MISBUILT}
 
 
 def resumed_from_checkpoint(where: str) -> dict:

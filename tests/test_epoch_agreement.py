@@ -1,17 +1,20 @@
 """Workers drawing from different epochs of their samplers (set_epoch(epoch + rank), set_epoch
-on some workers only, a checkpoint loaded on one worker), or from samplers built differently
-(seed=rank, another dataset size), raise TensorMismatchError on every worker at the first step,
-naming each rank's epoch and step or setting; equal epochs train every sample exactly once per
-epoch. Real worker processes over loopback (cases in tests/epoch_cases.py)."""
+on some workers only, a checkpoint loaded on one worker), from samplers built differently
+(seed=rank, another dataset size or batch sizes), or from other ranks' slices (rank=0 everywhere),
+raise TensorMismatchError on every worker at the first step, naming each rank's epoch and step,
+setting or sampler rank; equal epochs train every sample exactly once per epoch, and samplers
+drawing their own shards (num_replicas=1) are not compared. Real worker processes over loopback
+(cases in tests/epoch_cases.py)."""
 
 from collections import Counter
 
 import numpy as np
 import pytest
-from epoch_cases import EPOCHS, SIZE
+from epoch_cases import BATCH, EPOCHS, SIZE
 from multiworker import ok, run_workers
 
-from dynamix_byteps.aggregation import _COLUMNS, _SAMPLER, UNSET, _check_samplers, trailer_digest
+from dynamix_byteps.aggregation import UNSET, _check_sampler_ranks, _check_samplers, trailer_digest
+from dynamix_byteps.assignment import Assignment
 from dynamix_byteps.errors import TensorMismatchError
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
@@ -53,17 +56,28 @@ def test_samplers_built_differently_raise_on_every_rank_at_the_first_step(mode, 
         assert f"different settings ({listed})" in message and "not seed=rank" in message, message
 
 
-def _settings_rows(*settings: str | None) -> np.ndarray:
-    """Synthetic trailer rows, one per rank, whose sampler column holds the digest of ``settings``
-    (None: no sampler)."""
-    rows = np.zeros((len(settings), _COLUMNS))
-    rows[:, _SAMPLER] = [UNSET if text is None else trailer_digest(text) for text in settings]
-    return rows
+@pytest.mark.timeout(120)
+def test_batch_sizes_or_sampler_ranks_that_differ_raise_at_the_first_step_and_own_shards_are_not_compared():
+    results = ok(run_workers(2, "epoch_cases:misbuilt_samplers", "ddp"))
+    for result in results:
+        for mode, listed in [("swapped_sizes", "settings (rank 0: batch_size [8,12], rank 1: batch_size [12,8])"),
+                             ("rank_sizes", "settings (rank 0: batch_size [10,10], rank 1: batch_size [20,20])"),
+                             ("rank_zero", "samplers (rank 0: sampler rank 0, rank 1: sampler rank 0)")]:
+            assert result[mode]["steps"] == 0 and listed in (result[mode]["error"] or ""), (mode, result[mode])
+        assert "not rank=bps.local_rank()" in result["rank_zero"]["error"]
+        shards = result["shards"]
+        assert shards["error"] is None and shards["steps"] == EPOCHS * SIZE // BATCH, shards
+        assert all(sorted(shards["seen"][str(epoch)]) == list(range(SIZE)) for epoch in range(EPOCHS)), shards
+    assert results[0]["shards"]["seen"] != results[1]["shards"]["seen"]  # seed=rank: each its own order
+
+
+def _digests(*settings: str | None) -> np.ndarray:
+    """Synthetic trailer column, one row per rank: the digest of ``settings`` (None: no sampler)."""
+    return np.array([UNSET if text is None else trailer_digest(text) for text in settings], dtype=np.int64)
 
 
 def _check_rows(*settings: str | None) -> None:
-    rows = _settings_rows(*settings)
-    _check_samplers(rows[:, _SAMPLER].astype(np.int64), lambda: [text or "" for text in settings])
+    _check_samplers(_digests(*settings), lambda: [text or "" for text in settings])
 
 
 def test_sampler_settings_check_names_every_rank_value_of_what_differs():
@@ -82,20 +96,50 @@ def test_sampler_settings_check_names_every_rank_value_of_what_differs():
 
 @pytest.mark.parametrize("settings", [("s", "s", "s"), ("s", None, "s"), (None, None, None), (None, "s", None)])
 def test_sampler_settings_check_passes_equal_samplers_and_workers_without_one(settings):
-    rows = _settings_rows(*settings)
-    _check_samplers(rows[:, _SAMPLER].astype(np.int64), lambda: pytest.fail("gathered without a mismatch"))
+    _check_samplers(_digests(*settings), lambda: pytest.fail("gathered without a mismatch"))
 
 
-def test_sampler_settings_leave_out_the_seed_without_shuffling_and_survive_a_resume():
-    def settings(**kwargs) -> str:
-        return DynamicBatchSampler(100, 10, num_replicas=2, rank=1, **kwargs).batch_plan.sampler_settings
+@pytest.mark.parametrize("sampler_ranks", [(0, 1, 2), (0, UNSET, 2), (UNSET, UNSET, UNSET)])
+def test_sampler_rank_check_passes_samplers_drawing_their_own_slice_and_workers_without_one(sampler_ranks):
+    _check_sampler_ranks(np.array(sampler_ranks, dtype=np.int64))
 
-    assert settings(seed=1) == "dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2"
-    assert settings(seed=0, shuffle=False) == settings(seed=1, shuffle=False)  # one order for any seed
+
+@pytest.mark.parametrize(("sampler_ranks", "listed"), [
+    ((0, 0, 2), "rank 0: sampler rank 0, rank 1: sampler rank 0, rank 2: sampler rank 2"),
+    ((1, 0, UNSET), "rank 0: sampler rank 1, rank 1: sampler rank 0"),
+    ((UNSET, 0, UNSET), "rank 1: sampler rank 0"),
+])
+def test_sampler_rank_check_names_every_workers_sampler_rank_when_one_draws_another_slice(sampler_ranks, listed):
+    with pytest.raises(TensorMismatchError, match=r"Leave the DynamicBatchSampler's rank= out") as raised:
+        _check_sampler_ranks(np.array(sampler_ranks, dtype=np.int64))
+    assert f"({listed})" in str(raised.value)
+
+
+def _settings(batch_size=10, **kwargs) -> str:
+    """The settings text of a sampler of rank 1 of 2 over 100 samples."""
+    return DynamicBatchSampler(100, batch_size, num_replicas=2, rank=1, **kwargs).batch_plan.sampler_settings
+
+
+def test_sampler_settings_hold_the_per_rank_batch_sizes_and_leave_out_the_seed_without_shuffling():
+    assert _settings(seed=1) == ("dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2, "
+                                 "batch_size [10,10]")
+    assert _settings([8, 12]) != _settings([12, 8]) and _settings(10) != _settings(20)
+    assert _settings(10) == _settings([10, 10])  # the same cut however it is written
+    assert _settings(seed=0, shuffle=False) == _settings(seed=1, shuffle=False)  # one order for any seed
+
+
+def test_a_sampler_drawing_its_own_shard_has_nothing_to_compare_and_a_shared_one_sends_its_rank():
+    own = DynamicBatchSampler(100, 10, num_replicas=1, rank=0).batch_plan
+    assert (own.sampler_settings, own.sampler_rank) == (None, None)
+    assert DynamicBatchSampler(100, 10, num_replicas=3, rank=2).batch_plan.sampler_rank == 2
+
+
+def test_sampler_settings_survive_a_resume_and_a_new_assignment():
     saved = DynamicBatchSampler(100, 10, num_replicas=4, rank=0, seed=1, drop_last=True)
     resumed = DynamicBatchSampler(100, 10, num_replicas=2, rank=1, seed=1)
     resumed.load_state_dict(saved.state_dict())
-    assert resumed.batch_plan.sampler_settings == settings(seed=1)
+    resumed.schedule.apply(Assignment((30, 50), 4, resumed.schedule.latest.version + 1))
+    assert resumed.batch_plan.sampler_settings == _settings(seed=1)
 
 
 @pytest.mark.timeout(120)

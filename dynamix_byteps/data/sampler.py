@@ -89,18 +89,26 @@ class DynamicBatchSampler:
     prefetching loader drew ahead, and, before the first step, every batch of a pass left
     unfinished (``next(iter(loader))`` to peek at shapes), so no sample of the epoch is lost.
 
-    Every worker must build its sampler with the same dataset length, ``seed`` (when shuffling),
-    ``shuffle``, ``drop_last`` and ``num_replicas``, since they fix the permutation the workers
-    share and its cut: otherwise the first optimizer step raises TensorMismatchError on every
+    With ``num_replicas > 1`` the workers cut one shared permutation per epoch. Every worker must
+    then build its sampler with the same dataset length, ``seed`` (when shuffling), ``shuffle``,
+    ``drop_last``, ``num_replicas`` and ``batch_size`` (the per-rank sizes it resolves to), since
+    they fix that permutation and its cut, and with its own ``rank`` (the default, ``bps.rank()``),
+    which picks its slice: otherwise the first optimizer step raises TensorMismatchError on every
     worker, naming each rank's value of what differs.
+
+    With ``num_replicas=1, rank=0`` in a job of several workers, each worker draws its own dataset
+    independently (the independent-shard mode: every worker shuffles its own pre-sharded data,
+    e.g. with ``seed=bps.rank()``); nothing is compared between workers then.
 
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
         batch_size: local batch size, one for all workers or one per rank.
-        num_replicas: number of workers (default ``bps.size()``).
-        rank: this worker's rank (default ``bps.rank()``).
+        num_replicas: number of workers sharing each epoch's permutation (default ``bps.size()``);
+            1: this worker draws the whole dataset alone (the independent-shard mode).
+        rank: this worker's rank (default ``bps.rank()``), the slice of the permutation it draws;
+            with ``num_replicas > 1`` it must be the worker's rank in the job.
         shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
-        seed: identical on every worker.
+        seed: identical on every worker (with ``num_replicas > 1``).
         drop_last: skip an epoch's last partial global batch instead of sharing it out.
         min_batch: inclusive lower per-worker bound every assignment must respect (default:
             ``bpslaunch --min-batch`` through ``DYNAMIX_MIN_BATCH``, else 1).
@@ -143,16 +151,21 @@ class DynamicBatchSampler:
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
-        self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings())
+        shared = self.num_replicas > 1
+        self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings(initial) if shared else None,
+                                                self.rank if shared else None)
         _batch_plan.make_default(self.batch_plan)
 
-    def _settings(self) -> str:
-        """What fixes this sampler's permutations and this worker's slice of them, as the
-        ``'name value'`` items every worker's must match; no seed without shuffling, where every
-        seed gives the same order."""
+    def _settings(self, initial_sizes: Sequence[int]) -> str:
+        """What fixes the permutations this sampler shares with the other workers and their cut, as
+        the ``'name value'`` items every worker's must match: fixed at construction (a resume or a
+        new assignment changes the sizes in force on every worker alike), with the per-rank
+        ``initial_sizes``; no seed without shuffling, where every seed gives the same order."""
         seed = [f"seed {self.seed}"] if self.shuffle else []
+        sizes = ",".join(map(str, initial_sizes))
         return ", ".join([f"dataset_size {self.dataset_size}", *seed, f"shuffle {self.shuffle}",
-                          f"drop_last {self.drop_last}", f"num_replicas {self.num_replicas}"])
+                          f"drop_last {self.drop_last}", f"num_replicas {self.num_replicas}",
+                          f"batch_size [{sizes}]"])
 
     @property
     def epoch(self) -> int:
