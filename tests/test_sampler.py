@@ -176,3 +176,30 @@ def test_numpy_and_torch_integers_are_batch_sizes(batch_size, sizes):
 def test_a_batch_size_that_is_no_integer_or_list_of_integers_is_a_configuration_error(batch_size):
     with pytest.raises(ConfigurationError, match="batch_size must be an integer or one integer per worker"):
         DynamicBatchSampler(100, batch_size, num_replicas=2, rank=0)
+
+
+@pytest.mark.parametrize("seed", [-5, 1.5, np.float64(2.0)])
+def test_a_seed_that_is_no_integer_at_least_zero_is_refused_by_name(seed):
+    with pytest.raises(ConfigurationError, match="seed must be an integer >= 0"):
+        DynamicBatchSampler(100, 8, num_replicas=2, rank=0, seed=seed)
+
+
+def test_a_numpy_integer_is_a_dataset_length():
+    sampler = DynamicBatchSampler(np.int64(40), 8, num_replicas=2, rank=1, seed=np.int64(3))
+    assert sampler.dataset_size == 40 and sampler.seed == 3
+    drawn = [i for batch in sampler for i in batch]
+    assert len(drawn) == 20 and len(set(drawn)) == 20  # its half of the epoch, each sample once
+
+
+def test_num_replicas_other_than_the_jobs_size_is_refused(monkeypatch):
+    import dynamix_byteps.torch as bps
+
+    for name in ("DMLC_NUM_WORKER", "BYTEPS_LOCAL_SIZE", "DYNAMIX_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    bps.init()
+    try:
+        with pytest.raises(ConfigurationError, match="num_replicas=4 but the job has 1 workers"):
+            DynamicBatchSampler(100, 8, num_replicas=4, rank=0)
+        DynamicBatchSampler(100, 8, num_replicas=1, rank=0)  # a worker's own shard
+    finally:
+        bps.shutdown()

@@ -103,12 +103,13 @@ class DynamicBatchSampler:
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
         batch_size: local batch size, one for all workers or one per rank.
-        num_replicas: number of workers sharing each epoch's permutation (default ``bps.size()``);
-            1: this worker draws the whole dataset alone (the independent-shard mode).
+        num_replicas: number of workers sharing each epoch's permutation (default ``bps.size()``;
+            any other number above 1 is refused once ``bps.init()`` ran); 1: this worker draws the
+            whole dataset alone (the independent-shard mode).
         rank: this worker's rank (default ``bps.rank()``), the slice of the permutation it draws;
             with ``num_replicas > 1`` it must be the worker's rank in the job.
         shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
-        seed: identical on every worker (with ``num_replicas > 1``).
+        seed: an integer >= 0, identical on every worker (with ``num_replicas > 1``).
         drop_last: skip an epoch's last partial global batch instead of sharing it out.
         min_batch: inclusive lower per-worker bound every assignment must respect (default:
             ``bpslaunch --min-batch`` through ``DYNAMIX_MIN_BATCH``, else 1).
@@ -122,21 +123,29 @@ class DynamicBatchSampler:
             process's default plan.
 
     Raises:
-        ConfigurationError: bad sizes, bounds, rank or an empty dataset.
+        ConfigurationError: bad sizes, bounds, rank, seed, an empty dataset, or a
+            ``num_replicas`` above 1 that is not the job's number of workers.
         InvalidAssignmentError: ``batch_size`` breaks the bounds or exceeds the dataset.
     """
 
     def __init__(self, dataset: Sized | int, batch_size: int | Sequence[int], *, num_replicas: int | None = None,
                  rank: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  min_batch: int | Sequence[int] | None = None, max_batch: int | Sequence[int] | None = None):
-        self.dataset_size = dataset if isinstance(dataset, int) else len(dataset)
+        self.dataset_size = len(dataset) if isinstance(dataset, Sized) else operator.index(dataset)
         if self.dataset_size < 1:
             raise ConfigurationError("DynamicBatchSampler needs a dataset with at least one sample")
         self.num_replicas = _engine.current().size if num_replicas is None else num_replicas
+        if self.num_replicas > 1 and _engine.is_started() and self.num_replicas != _engine.current().size:
+            raise ConfigurationError(
+                f"num_replicas={self.num_replicas} but the job has {_engine.current().size} workers: the slices of "
+                "the workers that do not exist would never be trained. Leave num_replicas out (it defaults to "
+                "bps.size()), or give num_replicas=1, rank=0 for a worker that samples its own shard")
         self.rank = _engine.current().rank if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:
             raise ConfigurationError(f"rank {self.rank} is not in [0, num_replicas={self.num_replicas})")
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        if isinstance(seed, float) or operator.index(seed) < 0:
+            raise ConfigurationError(f"seed must be an integer >= 0 (numpy seeds the permutations with it), got {seed!r}")
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), operator.index(seed), bool(drop_last)
         if min_batch is None:
             min_batch = env_batch_sizes("DYNAMIX_MIN_BATCH", self.num_replicas) or 1
         if max_batch is None:
