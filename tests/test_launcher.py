@@ -471,6 +471,143 @@ def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subr
         kill_marked(marker)
 
 
+def zombie_making_worker(code: int) -> list[str]:
+    """A worker that orphans 50 short `sleep`s (the ``( cmd & )`` idiom), waits up to 15 s for its
+    launcher ($PPID) to have no zombie child left, prints ``zombies N``, then exits ``code``."""
+    return ["bash", "-c", "for i in $(seq 50); do ( sleep 0.01 & ); done; "
+                          "for i in $(seq 300); do z=$(ps -o stat= --ppid $PPID | grep -c Z); "
+                          '[ "$z" = 0 ] && break; sleep 0.05; done; '
+                          f'echo "zombies $z"; exit {code}']
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_orphans_that_exit_while_the_job_runs_are_reaped_at_once(tmp_path):
+    # Before: they stayed the launcher's zombies until the job ended (50 of them here).
+    proc = None
+    try:
+        proc = start_launcher(["-n", "1", "--grace-period", "2", "--", *zombie_making_worker(5)], tmp_path)
+        assert proc.wait(timeout=40) == 5, (tmp_path / "launcher.err").read_bytes()  # the worker's own code
+        assert b"[0] zombies 0\n" in (tmp_path / "launcher.out").read_bytes(), (tmp_path / "launcher.out").read_bytes()
+    finally:
+        kill_tree(proc)
+
+
+EMBEDDED_WITH_A_DAEMON = """
+import os, subprocess, sys
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+marker, folder = sys.argv[1], sys.argv[2]
+# The program's own helper, started before run(): once the job runs, it detaches a daemon and exits.
+helper = subprocess.Popen(["bash", "-c", f"until [ -e {folder}/go ]; do sleep 0.05; done; "
+                           f"setsid sleep 303.{marker} & echo $! > {folder}/d.tmp; mv {folder}/d.tmp {folder}/daemon"])
+# The worker orphans a sleep of its own, then waits until the program has adopted the helper's daemon.
+worker = ChildSpec("0", ["bash", "-c", f"setsid sleep 302.{marker} & echo pids $!; touch {folder}/go; "
+                         f"until [ -e {folder}/daemon ]; do sleep 0.05; done; d=$(cat {folder}/daemon); "
+                         'until [ "$(cut -d" " -f4 /proc/$d/stat)" = "$PPID" ]; do sleep 0.05; done'], dict(os.environ))
+code = Supervisor([worker], grace_s=2).run()
+daemon = int(open(f"{folder}/daemon").read())
+state = open(f"/proc/{daemon}/stat").read().rsplit(") ", 1)[1].split()[0] if os.path.exists(f"/proc/{daemon}") else "gone"
+print(f"code {code}, helper {helper.wait()}, daemon running {state in ('R', 'S')}", flush=True)
+if state != "gone":
+    os.kill(daemon, 9)
+    os.waitpid(daemon, 0)
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_an_embedded_supervisor_leaves_the_daemons_of_the_program_s_own_children_running(tmp_path):
+    # Before: the program adopted its helper's daemon during the job and stopped it as the job's orphan.
+    marker, proc = unique_marker(), None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_WITH_A_DAEMON, marker, str(tmp_path)],
+                                env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=40)
+        assert proc.returncode == 0, err
+        assert b"code 0, helper 0, daemon running True" in out, out + err
+        assert left_behind(printed_pids(out), marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_ends_it(tmp_path):
+    # Before: bpslaunch waited out the whole grace period silently, and signals changed nothing.
+    marker, proc = unique_marker(), None
+    err = tmp_path / "launcher.err"
+    try:
+        proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
+                               f"setsid bash -c 'trap \"\" TERM; exec sleep 315.{marker}' & echo pids $!; exit 0"],
+                              tmp_path)
+        assert wait_until(lambda: b"waiting up to" in err.read_bytes(), timeout=30), err.read_bytes()
+        pid = printed_pids((tmp_path / "launcher.out").read_bytes())[0]
+        note = next(line for line in err.read_bytes().splitlines() if b"waiting up to" in line)
+        assert f"{pid} sleep 315.{marker}".encode() in note and b"SIGKILL" in note, note
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)  # well within the grace period of 120 s
+        assert left_behind([pid], marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_path):
+    # Before: once the workers had exited, a child left in a worker's group that ignores SIGTERM got
+    # the whole grace period, and signals to bpslaunch changed nothing.
+    marker, proc, pid = unique_marker(), None, None
+    try:
+        proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
+                               f"(trap '' TERM; exec sleep 317.{marker}) & echo pids $!; echo worker $$; exit 0"],
+                              tmp_path)
+        out = tmp_path / "launcher.out"
+        assert wait_until(lambda: b"[0] worker " in out.read_bytes()), "the worker never started"
+        pid = printed_pids(out.read_bytes())[0]
+        worker = int(re.search(rb"\[0\] worker (\d+)", out.read_bytes()).group(1))
+        assert wait_until(lambda: not psutil.pid_exists(worker))  # reaped: the launcher now cleans up
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)  # well within the grace period of 120 s
+        assert left_behind([pid], marker) == []
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
+UNKILLABLE_ORPHAN = """
+import os, subprocess, sys
+from dynamix_byteps.launcher import _subreaper
+_subreaper.AFTER_KILL_S = 0.5
+_subreaper._signal = lambda pid, sig: None  # stands in for a process no signal ends (uninterruptible sleep)
+mark = _subreaper.new_mark()
+with _subreaper.adopting():
+    stuck = subprocess.Popen(["sleep", f"316.{sys.argv[1]}"], env={**os.environ, _subreaper.MARK_ENV: mark})
+    notes = []
+    _subreaper.stop_adopted((), mark, 0.5, 0.05, notes.append, lambda: False)
+print(f"stuck {stuck.pid}: {notes}", flush=True)
+stuck.kill()
+stuck.wait()
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path):
+    # Before: the clean-up loop waited for it forever.
+    marker, proc = unique_marker(), None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", UNKILLABLE_ORPHAN, marker], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        pid = re.search(rb"stuck (\d+):", out).group(1)
+        assert b"still run 0.5 s after SIGKILL" in out and pid + b" sleep 316." in out, out
+    finally:
+        kill_tree(proc)
+        kill_marked(marker)
+
+
 @pytest.mark.timeout(60)
 def test_carriage_returns_and_long_lines_are_forwarded_in_bounded_pieces(tmp_path):
     proc = None

@@ -3,8 +3,11 @@
 A process a worker starts in a session of its own (``setsid``, ``Popen(start_new_session=True)``,
 a daemon) leaves the worker's process group, so ``killpg`` misses it, and once its parent exits it
 is re-parented to init. While :func:`adopting` is active, this process is a child subreaper: such
-an orphan becomes this process's child instead, and :func:`stop_adopted` finds it (a child this
-process did not start) and stops it.
+an orphan becomes this process's child instead; :func:`reap_exited` reaps those that exit while the
+job runs, and :func:`stop_adopted` stops the rest at its end. Only the job's are stopped: the job's
+processes carry a mark in their environment (:data:`MARK_ENV`, inherited by what they start), and an
+adopted process without it (a daemon of another child of an embedding program, or one that cleared
+its environment) is reaped once it exits but never signalled.
 
 The flag belongs to the whole process, also when a program embeds the launcher's Python API: it is
 set only while :func:`adopting` is active and its previous value is restored afterwards. Only
@@ -16,15 +19,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import sys
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from dynamix_byteps.launcher._guardian import process_stats
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
+MARK_ENV = "DYNAMIX_LAUNCH_RUN"  # marks every process of one Supervisor run: see carries_mark
+NOTE_AFTER_S = 1.0  # an orphan still running this long after SIGTERM is announced
+AFTER_KILL_S = 5.0  # an orphan still running this long after SIGKILL is given up on
 
 try:  # Linux only; elsewhere nothing is adopted.
     _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -98,30 +105,89 @@ def _signal(pid: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
-def stop_adopted(known: Collection[int], grace_s: float, poll_s: float) -> None:
-    """Stop and reap every adopted orphan: each child of this process whose pid is not in ``known``
-    gets SIGTERM, SIGKILL ``grace_s`` seconds later if it still runs, and is reaped; until none is
-    left, as an orphan's own children are adopted only once it has died. Checks every ``poll_s``
-    seconds. ``known`` must hold every child the caller started and has not reaped yet: a
-    ``Popen``'s child among the orphans would be stopped, and its exit status taken from the ``Popen``.
+def reap_exited(known: Collection[int]) -> None:
+    """Reap every child of this process that has exited and whose pid is not in ``known`` (an orphan
+    adopted while the job runs, which would stay a zombie until the job ends). ``known`` must hold every
+    child the caller reaps itself (its ``Popen``s), whose exit status this would take."""
+    for pid in children():
+        if pid not in known:
+            _reaped(pid)
+
+
+def new_mark() -> str:
+    """A value of :data:`MARK_ENV` no other run has: put it in every process the job starts."""
+    return f"{os.getpid()}.{secrets.token_hex(8)}"
+
+
+def carries_mark(pid: int, mark: str) -> bool:
+    """Whether process ``pid`` was started with ``MARK_ENV=mark`` in its environment (inherited from a
+    process of the job); False when its environment cannot be read (another user's process, gone)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{MARK_ENV}={mark}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _describe(pids: Collection[int]) -> str:
+    """``pid command`` of up to 5 of ``pids``, for a message."""
+    shown = []
+    for pid in sorted(pids)[:5]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = "?"
+        shown.append(f"{pid} {command[:60]}")
+    return ", ".join(shown) + (", ..." if len(pids) > 5 else "")
+
+
+def stop_adopted(known: Collection[int], mark: str, grace_s: float, poll_s: float, note: Callable[[str], None],
+                 interrupted: Callable[[], bool]) -> None:
+    """Stop and reap the job's adopted orphans: each child of this process whose pid is not in ``known``
+    and that carries ``mark`` (:func:`carries_mark`) gets SIGTERM, SIGKILL ``grace_s`` seconds later if
+    it still runs (at once once ``interrupted()`` is true: the user asks for "now"), and is
+    reaped; until none is left, as an orphan's own children are adopted only once it has died. Adopted
+    processes without the mark (a daemon of the embedding program's own children) are reaped if they
+    have exited, never signalled. Checks every ``poll_s`` seconds.
+
+    ``note`` gets one line when an orphan outlives SIGTERM by ``NOTE_AFTER_S`` (what runs, how long it
+    gets), and one naming the orphans still there ``AFTER_KILL_S`` seconds after their SIGKILL (a
+    process in uninterruptible sleep): they are left running and this returns. ``known`` must hold every
+    child the caller started and has not reaped yet: a ``Popen``'s exit status would be taken.
     """
-    kill_at: dict[int, float] = {}  # adopted orphan -> when it gets SIGKILL (inf: it got it)
+    deadline: dict[int, float] = {}  # the job's orphan -> when it gets SIGKILL (once it got it: when we give up)
+    killed: set[int] = set()
+    foreign: set[int] = set()  # adopted without the mark
+    noted = False
     while True:
-        adopted = [pid for pid in children() if pid not in known]
-        live = []
-        for pid in adopted:
-            if _reaped(pid):
-                kill_at.pop(pid, None)
-            else:
-                live.append(pid)
-        if not live:
-            return
+        live = {pid for pid in children() if pid not in known and not _reaped(pid)}
+        # Forget what was reaped: its pid may come back as another process.
+        deadline = {pid: at for pid, at in deadline.items() if pid in live}
+        killed &= live
+        foreign &= live
         now = time.monotonic()
-        for pid in live:
-            if pid not in kill_at:
+        for pid in live - deadline.keys() - foreign:
+            if carries_mark(pid, mark):
                 _signal(pid, signal.SIGTERM)
-                kill_at[pid] = now + grace_s
-            elif now >= kill_at[pid]:
-                _signal(pid, signal.SIGKILL)
-                kill_at[pid] = float("inf")
+                deadline[pid] = now + grace_s
+            else:
+                foreign.add(pid)
+        now_or_never = interrupted()
+        for pid in [pid for pid in deadline if pid not in killed and (now_or_never or now >= deadline[pid])]:
+            _signal(pid, signal.SIGKILL)
+            killed.add(pid)
+            deadline[pid] = now + AFTER_KILL_S
+        stuck = [pid for pid in killed if now >= deadline[pid]]
+        if len(stuck) == len(deadline):
+            if stuck:
+                note(f"warning: {len(stuck)} process(es) the workers left still run {AFTER_KILL_S:g} s after "
+                     f"SIGKILL (in uninterruptible sleep?), left as they are: {_describe(stuck)}")
+            return
+        waiting = [pid for pid in deadline if pid not in killed]
+        if not noted and any(now >= deadline[pid] - grace_s + NOTE_AFTER_S for pid in waiting):
+            noted = True
+            note(f"waiting up to {max(deadline[pid] for pid in waiting) - now:.0f} s for {len(waiting)} process(es) "
+                 f"the workers left, still running after SIGTERM ({_describe(waiting)}), before SIGKILL; "
+                 "a signal to the launcher (Ctrl-C) kills them now")
         time.sleep(poll_s)

@@ -6,9 +6,14 @@ is SIGKILLed). A small guardian process (:mod:`._guardian`) watches the launcher
 the children's groups, grandchildren included, if the launcher dies without cleaning up. While
 :meth:`Supervisor.run` runs, the launcher is a child subreaper (Linux, :mod:`._subreaper`): a
 descendant that left its child's group (``setsid``, ``Popen(start_new_session=True)``, a daemon)
-becomes the launcher's child once its parent exits, instead of init's, and is stopped and reaped
-when the job ends, as the groups are (SIGTERM, SIGKILL after ``grace_s``); so are the orphans of
-those. What a SIGKILLed launcher leaves in sessions of their own, the guardian does not reach.
+becomes the launcher's child once its parent exits, instead of init's; it is reaped every
+``REAP_EVERY_S`` if it has exited, and stopped and reaped when the job ends, as the groups are
+(SIGTERM, SIGKILL after ``grace_s``, at once on a signal to the launcher); so are the orphans of
+those. One still running ``NOTE_AFTER_S`` after SIGTERM is announced; one still running
+``AFTER_KILL_S`` after SIGKILL (uninterruptible sleep) is named and left. Only processes whose
+environment carries the run's mark (``DYNAMIX_LAUNCH_RUN``, set for every child and inherited) are
+stopped: one that clears its environment is not. What a SIGKILLed launcher leaves in sessions of
+their own, the guardian does not reach.
 
 Each line a child writes to stdout or stderr is copied to the launcher's stdout or stderr
 with a ``[label] `` prefix (:mod:`.output`), and raw to the child's log file when one is
@@ -35,13 +40,14 @@ from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
 from dynamix_byteps.launcher._guardian import Guardian, group_alive, valid_scratch
-from dynamix_byteps.launcher._subreaper import PRCTL, adopting, children, stop_adopted
+from dynamix_byteps.launcher._subreaper import MARK_ENV, PRCTL, adopting, children, new_mark, reap_exited, stop_adopted
 from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
 SETTLE_S = 5.0  # the longest wait, after a failure, for the other workers to exit by themselves
+REAP_EVERY_S = 1.0  # how often the job's exited orphans are reaped while it runs (a scan of /proc)
 
 
 @dataclass(frozen=True)
@@ -147,10 +153,13 @@ class Supervisor:
     instead (then ``failed_worker`` is None).
 
     While :meth:`run` runs, this whole process is a child subreaper (the flag's previous value is
-    restored at the end), and each child of it that :meth:`run` did not start and that was not running
-    when :meth:`run` began counts as an orphan of the job, stopped when the job ends. A program that
-    embeds the launcher runs one Supervisor at a time and starts no other process meanwhile (from
-    another thread), or that process is stopped with the job.
+    restored at the end): it adopts the orphans of every process below it, the job's and the embedding
+    program's. Those with the run's mark in their environment (the job's) are stopped when the job
+    ends; the others (a daemon that a child the program started before :meth:`run` detaches meanwhile)
+    are left running, and reaped if they exit before :meth:`run` returns; after it they remain this
+    process's children. A program that embeds the launcher runs one Supervisor at a time and starts no
+    other process meanwhile (from another thread): if that process exits during :meth:`run`, it is
+    reaped as an orphan and its ``Popen`` never learns its exit status.
     """
 
     def __init__(
@@ -182,6 +191,7 @@ class Supervisor:
         self._pumps: list[threading.Thread] = []
         self._guardian = Guardian(grace_s)
         self._not_orphans: set[int] = set()  # children of this process that are not the job's: see _run
+        self._mark = ""  # run() draws one: in the environment of every process of the job, see _subreaper
         self._signum: int | None = None
         self._signal_count = 0
         self.failed_worker: str | None = None
@@ -219,7 +229,7 @@ class Supervisor:
         try:
             proc = subprocess.Popen(
                 list(spec.argv),
-                env=dict(spec.env),
+                env={**spec.env, MARK_ENV: self._mark},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -246,6 +256,7 @@ class Supervisor:
             got signal N; 126/127 when a command could not be executed.
         """
         previous = self._install_handlers()
+        self._mark = new_mark()
         with adopting() as not_adopting:
             try:
                 return self._run(not_adopting)
@@ -315,6 +326,7 @@ class Supervisor:
         signals_at_stop = 0
         killed = False
         stopped_by_a_worker: _Child | None = None
+        reap_at = time.monotonic() + REAP_EVERY_S
         while True:
             if self._signum is not None and exit_code is None:
                 exit_code = 128 + self._signum
@@ -372,6 +384,9 @@ class Supervisor:
                 if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:
                     self._signal_live(signal.SIGKILL)
                     killed = True
+            if time.monotonic() >= reap_at:
+                reap_exited(self._not_orphans | {c.proc.pid for c in self._children if c.proc.returncode is None})
+                reap_at = time.monotonic() + REAP_EVERY_S
             time.sleep(self.poll_s)
 
     def _fail(self, child: _Child, rc: int, why: str = "") -> int:
@@ -398,8 +413,9 @@ class Supervisor:
         groups = [c for c in self._children if group_alive(c.pgid)]
         for child in groups:
             self._killpg(child, sig)
-        deadline = time.monotonic() + self.grace_s
-        while groups and time.monotonic() < deadline:
+        deadline, signals_before = time.monotonic() + self.grace_s, self._signal_count
+        # A signal to the launcher meanwhile means "now", as in _wait.
+        while groups and time.monotonic() < deadline and self._signal_count == signals_before:
             for child in self._children:
                 if child.returncode is None:
                     child.returncode = child.proc.poll()
@@ -410,13 +426,16 @@ class Supervisor:
             self._killpg(child, signal.SIGKILL)
 
     def _cleanup(self) -> None:
+        signals_before = self._signal_count  # one more means "now" here too, as in _wait
         # Grandchildren left behind by a child that already exited (or a half-started job).
         self._stop_all(signal.SIGTERM)
         for child in self._children:
             child.proc.wait()
-        # The job's children are reaped, so the other children left are orphans of the job (the
-        # workers' are adopted once the workers are gone), apart from _not_orphans.
-        stop_adopted(self._not_orphans, self.grace_s, self.poll_s)
+        # The job's children are reaped, so the other children left are adopted orphans (the
+        # workers' are adopted once the workers are gone), apart from _not_orphans; those with the
+        # run's mark are the job's.
+        stop_adopted(self._not_orphans, self._mark, self.grace_s, self.poll_s, self.output.note,
+                     lambda: self._signal_count > signals_before)
         # One deadline for all: a daemonised grandchild may hold every pipe open.
         deadline = time.monotonic() + self.grace_s
         for thread in self._pumps:
