@@ -84,7 +84,7 @@ def test_without_a_sampler_the_declared_batch_is_registered_and_reported(caplog)
     client._latest = dynamix_pb2.Assignment(version=1, batch_sizes=[48])
     with caplog.at_level(logging.ERROR, logger="dynamix_byteps.control.step_monitor"):
         _train(monitor, [32] * (2 * K), plan, first_step=K)
-    [said] = [r.getMessage() for r in caplog.records]
+    [said] = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # not the no-loss warning
     assert "NOT applied" in said and "DynamicBatchSampler" in said
 
 
