@@ -97,13 +97,7 @@ def test_close_cancels_a_call_the_scheduler_holds_past_the_grace_and_drops_later
 def test_a_refused_registration_says_that_the_policy_is_not_applied(caplog):
     with running(ScriptedPolicy(), num_workers=4) as server, \
             caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
-        client = SchedulerClient(f"127.0.0.1:{server.port}", None, lambda: info(0, world=2))
-        try:
-            for _ in range(2):  # said once, not at every report
-                client.submit(_report())
-                _wait_until(lambda: not client._sending and client._pending is None)
-        finally:
-            client.close()
+        _report_twice(f"127.0.0.1:{server.port}")
     [refusal] = [r for r in caplog.records if "world_size=2 does not match" in r.getMessage()]
     assert refusal.levelno == logging.ERROR and "registration" in refusal.getMessage()
     assert "policy is NOT applied" in refusal.getMessage()
@@ -116,13 +110,7 @@ def test_an_address_that_is_not_a_grpc_server_is_said_once_as_an_error(caplog):
     serving.start()
     try:
         with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.client"):
-            client = SchedulerClient(f"127.0.0.1:{web.server_address[1]}", None, lambda: info(0, world=2))
-            try:
-                for _ in range(2):  # said once, not at every report
-                    client.submit(_report())
-                    _wait_until(lambda: not client._sending and client._pending is None)
-            finally:
-                client.close()
+            _report_twice(f"127.0.0.1:{web.server_address[1]}")
     finally:
         web.shutdown()
         web.server_close()
@@ -152,6 +140,18 @@ def test_a_grpc_target_the_workers_accept_reaches_a_real_scheduler(bind, target)
         address = WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": target.format(port=server.port)}).scheduler
         with open_channel(address) as channel:
             dynamix_pb2_grpc.SchedulerStub(channel).Register(info(0, world=1), timeout=10)
+
+
+def _report_twice(address: str) -> None:
+    """Two reports, one after the other, from rank 0 of a 2-worker job to ``address``: a
+    configuration mistake must be said once, not at every report."""
+    client = SchedulerClient(address, None, lambda: info(0, world=2))
+    try:
+        for _ in range(2):
+            client.submit(_report())
+            _wait_until(lambda: not client._sending and client._pending is None)
+    finally:
+        client.close()
 
 
 def _wait_until(condition, timeout_s=10.0):
