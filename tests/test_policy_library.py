@@ -1,6 +1,7 @@
 """The packaged policy library (``--policy ppo:NAME``) and training over several worker counts."""
 
 import json
+import logging
 import math
 import shutil
 import subprocess
@@ -341,3 +342,28 @@ def test_training_on_profiles_records_them_and_the_scenario_held_aside(tmp_path)
     record = read_metadata(tmp_path / "p")[1]["training"]
     assert record["profiles"] == [{"name": n, "scenario": n, "source": f"test fit of {n}"} for n in ("straggler", "interference")]
     assert record["held_out"] == ["swapping-stragglers"] and record["scenarios"] == ["interference", "straggler"]
+
+
+def _job_size_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "dynamix_byteps.policy.ppo" and r.levelno == logging.WARNING and "simulated workers" in r.getMessage()]
+
+
+def test_the_scheduler_warns_at_start_when_the_job_has_fewer_workers_than_the_policy_was_trained_on(caplog):
+    caplog.set_level(logging.WARNING, logger="dynamix_byteps.policy.ppo")
+    build_policy("ppo:small-cnn-sgd", {}, max_change=2.0, hysteresis=0.05, num_workers=4)
+    assert _job_size_warnings(caplog) == []
+    build_policy("ppo:small-cnn-sgd", {}, max_change=2.0, hysteresis=0.05, num_workers=2)
+    [warning] = _job_size_warnings(caplog)
+    for part in ("policy ppo:small-cnn-sgd", "trained on 4, 8, 16, 32 simulated workers", "this job has 2",
+                 "--policy proportional", "dynamix sim fit", "dynamix policy train", "--workers 2"):
+        assert part in warning, warning
+
+
+@pytest.mark.parametrize("workers, warned", [(2, 1), (4, 0), (16, 0)])
+def test_a_policy_without_the_jobs_size_in_advance_warns_once_at_its_first_decision(caplog, workers, warned):
+    policy = make_policy("ppo:small-cnn-sgd")
+    caplog.set_level(logging.WARNING, logger="dynamix_byteps.policy.ppo")
+    for state in recorded_states(workers, count=5):
+        policy.decide(state)
+    assert len(_job_size_warnings(caplog)) == warned, caplog.text

@@ -64,15 +64,17 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def build_policy(name: str, options: dict, *, max_change: float, hysteresis: float):
+def build_policy(name: str, options: dict, *, max_change: float, hysteresis: float, num_workers: int | None = None):
     """``make_policy(name, **options)`` wrapped in the guardrails (``max_change``, ``hysteresis``).
+    With the job's ``num_workers``, a ``ppo`` policy trained on other worker counts warns at once
+    (:meth:`~dynamix_byteps.policy.PPOPolicy.check_job_size`); without, at its first decision.
 
     Raises:
         UsageError: an unknown policy name or an option it does not take (``argument --policy: ...``).
         ConfigurationError: the policies cannot be imported.
     """
     try:
-        from dynamix_byteps.policy import make_policy
+        from dynamix_byteps.policy import PPOPolicy, make_policy
         from dynamix_byteps.policy.guardrails import Guarded
     except ImportError as error:
         raise ConfigurationError(f"the policies cannot be imported: {error}") from error
@@ -80,6 +82,8 @@ def build_policy(name: str, options: dict, *, max_change: float, hysteresis: flo
         policy = make_policy(name, **options)
     except (KeyError, ValueError, TypeError) as error:
         raise UsageError(f"argument --policy: {error}") from None
+    if num_workers is not None and isinstance(policy, PPOPolicy):
+        policy.check_job_size(num_workers)
     return Guarded(policy, max_change=max_change, hysteresis=hysteresis)
 
 
@@ -109,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
             f"argument --bind: {args.bind} is reachable from other hosts, so a shared token is required; "
             "set DYNAMIX_TOKEN (or pass --token), or bind 127.0.0.1"
         )
-    policy = build_policy(args.policy, dict(args.policy_option), max_change=args.max_change, hysteresis=args.hysteresis)
+    policy = build_policy(args.policy, dict(args.policy_option), max_change=args.max_change, hysteresis=args.hysteresis,
+                          num_workers=args.num_workers)
     try:
         server = SchedulerServer(
             policy, num_workers=args.num_workers, decision_interval=args.decision_interval, bind=args.bind,

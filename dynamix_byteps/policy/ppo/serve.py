@@ -59,6 +59,9 @@ class PPOPolicy(Policy):
         seed: seeds the draws of ``explore``, a whole number >= 0.
         name: instead of ``path``, a policy of the packaged library (:mod:`.library`, ``ppo:NAME``).
 
+    A job whose worker count lies outside the range the policy was trained on gets one warning
+    (:meth:`check_job_size`); the policy is served anyway.
+
     Raises:
         ValueError: ``seed`` is not a whole number >= 0 (``1.7`` is refused, not truncated).
         ConfigurationError: the directory is not a valid policy for this version (see
@@ -72,12 +75,14 @@ class PPOPolicy(Policy):
 
     def __init__(self, *, path=None, explore=False, seed=None, name=None):
         seed = None if seed is None else integer_option("seed", seed, 0)
+        label = None
         if name is not None:  # ppo:NAME, a policy of the packaged library
             if path is not None:
                 raise ConfigurationError("policy 'ppo' takes a library name (ppo:NAME) or a path, not both")
             from dynamix_byteps.policy.ppo.library import policy_dir
 
             path = policy_dir(name)
+            label = f"ppo:{name}"
         if path is None or str(path) == "":
             raise ConfigurationError("policy 'ppo' needs a trained policy: --policy ppo:NAME from the library "
                                      "(`dynamix policy list`), --policy-path DIR (bpslaunch) or --policy-option path=DIR "
@@ -89,6 +94,8 @@ class PPOPolicy(Policy):
         self.explore = _flag(explore, "explore")
         self._rng = np.random.default_rng(seed)
         self.root = policy_directory(path)
+        self.label = label or str(self.root)  # how warnings name the policy
+        self._sizes_warned: set[int] = set()
         self._stamp = _stamp(self.root / MANIFEST)
         self._swapper: threading.Thread | None = None
         manifest = read_manifest(self.root)
@@ -129,6 +136,22 @@ class PPOPolicy(Policy):
             return
         log.info("ppo: now serving policy generation %d from %s", self._live.generation, self._live.directory)
 
+    def check_job_size(self, num_workers: int) -> None:
+        """Log one warning (once per count) when a job of ``num_workers`` workers lies outside the
+        range of worker counts the policy was trained on (``features.json``'s ``training.workers``):
+        it names the policy, both counts, and what to use instead. Nothing for a count within the
+        range, or a policy that does not record its counts. Never raises: the policy may still work."""
+        trained = trained_worker_counts(self.metadata)
+        if not trained or trained[0] <= num_workers <= trained[-1] or num_workers in self._sizes_warned:
+            return
+        self._sizes_warned.add(num_workers)
+        log.warning("ppo: policy %s was trained on %s simulated workers, this job has %d: it is served anyway, "
+                    "but its decisions for %d workers were never trained and may move the batch sizes far from "
+                    "what suits the job. Use a heuristic instead (--policy proportional), or fit and train a "
+                    "policy for this job: `dynamix sim fit RUN_DIR`, then `dynamix policy train --scenario "
+                    "homogeneous --sim-params RUN_DIR/sim_params.json --workers %d` (docs/ppo.md, Fitted to your job)",
+                    self.label, ", ".join(map(str, trained)), num_workers, num_workers, num_workers)
+
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Network output for observations ``(B, N, F)`` float32: logits ``(B, N, A)``, A the ladder's length."""
         live = self._live
@@ -153,6 +176,7 @@ class PPOPolicy(Policy):
         self.refresh()
         if not state.workers:
             return Decision((), "ppo: no workers")
+        self.check_job_size(len(state.workers))
         actions = self.actions(state)
         generation, obs, raw, ladder = self._last
         logits = raw[0].astype(np.float64)
@@ -206,6 +230,14 @@ def _load(generation: int, directory: Path) -> _Live:
         raise ConfigurationError(f"{directory / POLICY_FILE} answers {OUTPUT} of shape {shape} for 3 workers, "
                                  f"not (1, 3, {len(ladder)}) for its {len(ladder)}-step ladder; re-export the policy")
     return _Live(int(generation), directory, metadata, session, ladder)
+
+
+def trained_worker_counts(metadata: dict) -> tuple[int, ...]:
+    """The worker counts a policy was trained on, ascending, from its ``features.json`` content
+    (``training.workers``: one count or a list); ``()`` when it records none."""
+    counts = (metadata.get("training") or {}).get("workers")
+    counts = counts if isinstance(counts, list) else [counts]
+    return tuple(sorted(n for n in counts if isinstance(n, int) and not isinstance(n, bool)))
 
 
 def _stamp(path: Path):
