@@ -106,6 +106,14 @@ def test_max_change_with_the_proportional_policy_reaches_the_target_in_two_decis
     assert d2.batch_sizes == (77, 77, 77, 25)
 
 
+def test_a_small_factor_still_moves_every_size_by_one_sample():
+    # --max-change 1.01 held every size below ~100 where it was: ceil(64/1.01) = 64 = floor(64*1.01)
+    s = make_state([64, 3, 64, 3])
+    d = Guarded(Fixed([32, 6, 128, 1]), max_change=1.01, hysteresis=0.0, preserve_global_batch=False).decide(s)
+    assert d.batch_sizes == (63, 4, 65, 2)
+    assert Guarded(Fixed([32, 6, 128, 1]), max_change=1.0, hysteresis=0.0).decide(s).batch_sizes == (64, 3, 64, 3)
+
+
 def test_bounds_win_over_max_change():
     s = make_state([10, 10], min_batch=[64, 1], max_batch=[None, 4])
     d = Guarded(Fixed([10, 10]), max_change=2.0, hysteresis=0.0).decide(s)
@@ -207,6 +215,8 @@ def test_guarded_answers_are_always_valid(data):
         assert type(b) is int and b >= max(1, low)
         assert h is None or b <= h
         c_lo, c_hi = math.ceil(c / max_change - 1e-9), math.floor(c * max_change + 1e-9)
+        if max_change > 1:
+            c_lo, c_hi = max(1, min(c_lo, c - 1)), max(c_hi, c + 1)
         if max(low, c_lo) <= min(h if h is not None else math.inf, c_hi):   # window meets the bounds
             assert c_lo <= b <= c_hi
 

@@ -57,9 +57,8 @@ def add_parser(sub) -> None:
                    metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
     p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
     p.add_argument("--max-change", type=float_in(1.0, low_open=True), default=2.0, metavar="X",
-                   help="largest factor a batch size may change by per decision, > 1 (default 2.0); the limits are "
-                   "whole samples, so a size below about 1/(X-1) cannot change at all (X=1.01: below 100; 1 would "
-                   "freeze every size)")
+                   help="largest factor a batch size may change by per decision, > 1 (default 2.0); a size may "
+                   "always move by one sample (X=1.01 moves a size of 64 by at most 1)")
     p.add_argument("--hysteresis", type=float_in(0.0), default=0.05, metavar="H", help="change only if the predicted gain exceeds H (default 0.05)")
     p.set_defaults(run=run)
 

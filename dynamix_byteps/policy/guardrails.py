@@ -21,7 +21,9 @@ rules, applied in this order:
    missing, non-integer or non-finite proposal (or one with the wrong length, or a policy that
    raised) keeps the current size.
 4. **Maximum change.** Each ``b_i`` stays within ``[ceil(now_i / max_change),
-   floor(now_i × max_change)]`` (and >= 1), intersected with the bounds (bounds win when the two
+   floor(now_i × max_change)]`` (and >= 1), widened to at least one sample each way when
+   ``max_change > 1`` (else a size below about ``1 / (max_change - 1)`` could never move),
+   intersected with the bounds (bounds win when the two
    do not overlap). With ``preserve_global_batch`` (default) what clipping removes or adds is
    spread over the workers that still have room, in proportion to their proposed sizes, so the
    proposal's global batch is kept when the windows allow it (the proportional policy's promise
@@ -91,7 +93,8 @@ class Guarded(Policy):
     Args:
         policy: the policy to guard.
         max_change: largest factor by which one worker's size may grow or shrink per decision
-            (>= 1; ``math.inf`` disables the rule).
+            (>= 1; 1 freezes every size, ``math.inf`` disables the rule); any factor above 1 lets a
+            size move by at least one sample.
         hysteresis: minimum relative predicted gain for a change (>= 0; 0.05 = 5 %).
         divergence_window: consecutive loss increases that trigger the fallback (0 disables the
             rising-loss test; a non-finite loss always triggers it).
@@ -162,8 +165,12 @@ class Guarded(Policy):
     def _windows(self, current: np.ndarray, low: np.ndarray, high: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rule 4's window ``[lo, hi]`` per worker around ``current``, intersected with the bounds."""
         if math.isfinite(self.max_change):
-            c_lo = np.maximum(1.0, np.ceil(current / self.max_change - 1e-9))
-            c_hi = np.maximum(c_lo, np.floor(current * self.max_change + 1e-9))
+            c_lo = np.ceil(current / self.max_change - 1e-9)
+            c_hi = np.floor(current * self.max_change + 1e-9)
+            if self.max_change > 1.0:
+                c_lo, c_hi = np.minimum(c_lo, current - 1), np.maximum(c_hi, current + 1)
+            c_lo = np.maximum(1.0, c_lo)
+            c_hi = np.maximum(c_lo, c_hi)
         else:
             c_lo, c_hi = np.ones(len(current)), np.full(len(current), math.inf)
         lo, hi = np.maximum(low, c_lo), np.minimum(high, c_hi)
