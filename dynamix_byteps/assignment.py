@@ -19,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from dynamix_byteps.env import MAX_BATCH
+from dynamix_byteps.env import env_batch_sizes as env_batch_sizes  # re-exported: samplers and scripts read them here
+from dynamix_byteps.env import parse_batch_sizes
 from dynamix_byteps.errors import ConfigurationError, InvalidAssignmentError
 from dynamix_byteps.scaling.lr_scaling import RULES
 
@@ -188,43 +189,6 @@ class AssignmentSchedule:
             raise ConfigurationError(f"saved assignments are not for {self.size} workers")
         with self._lock:
             self._assignments = assignments
-
-
-def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
-    """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
-
-    Raises:
-        ConfigurationError: not integers, a size below 1 or above :data:`MAX_BATCH`, or a count
-            other than 1 or ``size``.
-    """
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
-    if min(values) < 1:
-        raise ConfigurationError(f"batch sizes {text!r}: {min(values)} is no batch size; each must be at least 1 sample")
-    if max(values) > MAX_BATCH:
-        raise ConfigurationError(f"batch sizes {text!r}: {max(values)} is above the largest batch size, {MAX_BATCH} samples")
-    if len(values) == 1:
-        return values * size
-    if len(values) != size:
-        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {size} workers; give 1 or {size}")
-    return values
-
-
-def env_batch_sizes(variable: str, size: int) -> tuple[int, ...] | None:
-    """:func:`parse_batch_sizes` of environment variable ``variable``, None when unset.
-
-    Raises:
-        ConfigurationError: naming the variable, when its value is malformed.
-    """
-    text = os.environ.get(variable)
-    if not text:
-        return None
-    try:
-        return parse_batch_sizes(text, size)
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"{variable}: {exc}") from None
 
 
 def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...]]]:

@@ -95,6 +95,45 @@ def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int |
     return value
 
 
+def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
+    """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
+
+    Raises:
+        ConfigurationError: not integers, a size below 1 or above :data:`MAX_BATCH`, or a count
+            other than 1 or ``size``.
+    """
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
+    if min(values) < 1:
+        raise ConfigurationError(f"batch sizes {text!r}: {min(values)} is no batch size; each must be at least 1 sample")
+    if max(values) > MAX_BATCH:
+        raise ConfigurationError(f"batch sizes {text!r}: {max(values)} is above the largest batch size, {MAX_BATCH} samples")
+    if len(values) == 1:
+        return values * size
+    if len(values) != size:
+        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {size} workers; give 1 or {size}")
+    return values
+
+
+def env_batch_sizes(variable: str, size: int, env: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """:func:`parse_batch_sizes` of environment variable ``variable`` in ``env`` (default ``os.environ``)
+    for a job of ``size`` workers, None when unset.
+
+    Raises:
+        ConfigurationError: naming the variable, when its value is malformed or has neither 1 nor
+            ``size`` values.
+    """
+    text = (os.environ if env is None else env).get(variable)
+    if not text:
+        return None
+    try:
+        return parse_batch_sizes(text, size)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"{variable}: {exc}") from None
+
+
 def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, ...],
              needed: dict[str, bool]) -> None:
     """Raise one ConfigurationError naming every variable ``needed`` maps to True that is unset."""
@@ -207,7 +246,7 @@ class WorkerEnv:
                 dial_address(scheduler)
             except ValueError as error:
                 raise ConfigurationError(f"DYNAMIX_SCHEDULER: {error}") from None
-        optional_int(env, "DYNAMIX_BATCH_SIZE", 1, MAX_BATCH)  # read by scripts; 0 would fail far from its cause
+        env_batch_sizes("DYNAMIX_BATCH_SIZE", layout.size, env)  # read by scripts; 0 or a wrong count would fail far from its cause
         try:
             slowdown, slowdown_window = parse_slowdown(env.get("DYNAMIX_SLOWDOWN") or "1")
         except ValueError as error:

@@ -166,10 +166,11 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_per_worker_batch_bounds_follow_the_job_down_to_fewer_workers(tmp_path):
-    # Each run's sampler reads its bounds (DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH), one per worker.
+    # Each run's sampler reads its bounds (DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH) and bps.init its starting
+    # sizes (DYNAMIX_BATCH_SIZE), one per worker.
     script = ("import os,sys,time; import dynamix_byteps.torch as bps; bps.init(); bps.DynamicBatchSampler(100, 8); "
               "print('sampler built', flush=True); os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
-    proc = bpslaunch("-n", 2, "--min-batch", "2,3", "--max-batch", "40,50", "--restart-on-failure", 1, "--checkpoint",
+    proc = bpslaunch("-n", 2, "--batch-size", "8,9", "--min-batch", "2,3", "--max-batch", "40,50", "--restart-on-failure", 1, "--checkpoint",
                      tmp_path / "c.pt", "--grace-period", 2, "--", sys.executable, "-c", script, timeout=110)
     assert "restart 1 of 1 with 1 workers" in proc.stderr and "usage:" not in proc.stderr, proc.stderr
     assert proc.stdout.count("[0] sampler built") == 2, proc.stdout  # the restarted rank 0 ran too

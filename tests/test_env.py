@@ -1,6 +1,8 @@
 """The launchers' environment contracts (BytePS's DMLC_*/BYTEPS_*, torchrun's RANK/WORLD_SIZE/...),
 engine selection, and the framework-neutral API."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -126,6 +128,27 @@ def test_slowdown_with_and_without_a_window():
     assert WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "2.5"}).slowdown_window == (0.0, float("inf"))
     env = WorkerEnv.from_environ({"DYNAMIX_SLOWDOWN": "3@40-80.5"})
     assert (env.slowdown, env.slowdown_window) == (3.0, (40.0, 80.5))
+
+
+@pytest.mark.parametrize("variables", [
+    {"DYNAMIX_BATCH_SIZE": "48"},
+    {"DYNAMIX_BATCH_SIZE": "48", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", **ROOT},
+    {"DYNAMIX_BATCH_SIZE": "32,96", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", **ROOT},
+    {"DYNAMIX_BATCH_SIZE": "8,8,8,8,16,16", **TORCHRUN},
+])
+def test_the_starting_batch_size_may_be_one_for_all_or_one_per_worker(variables):
+    assert WorkerEnv.from_environ(variables).engine == "gloo"
+
+
+@pytest.mark.parametrize("variables, message", [
+    ({"DYNAMIX_BATCH_SIZE": "32,96"}, "batch sizes '32,96' give 2 values for 1 workers; give 1 or 1"),
+    ({"DYNAMIX_BATCH_SIZE": "32,64,96", **TORCHRUN}, "batch sizes '32,64,96' give 3 values for 6 workers; give 1 or 6"),
+    ({"DYNAMIX_BATCH_SIZE": "0"}, "batch sizes '0': 0 is no batch size"),
+    ({"DYNAMIX_BATCH_SIZE": "32;96"}, "batch sizes '32;96' are not comma-separated integers"),
+])
+def test_a_starting_batch_size_that_does_not_fit_the_job_is_refused_naming_the_variable(variables, message):
+    with pytest.raises(ConfigurationError, match=re.escape(f"DYNAMIX_BATCH_SIZE: {message}")):
+        WorkerEnv.from_environ(variables)
 
 
 @pytest.mark.parametrize("variables, missing", [

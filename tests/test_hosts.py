@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import kill_tree
+from conftest import clean_env, kill_tree
 from multiworker import free_port
 
 from dynamix_byteps.env import MAX_WORKERS, WorkerEnv
@@ -21,6 +21,7 @@ from dynamix_byteps.launcher.specs import env_mode, local_mode
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_WORKER = str(REPO / "tests" / "scripts" / "rank_worker.py")
+BATCH_SIZE_WORKER = str(REPO / "tests" / "scripts" / "batch_size_worker.py")
 
 
 def specs_for(argv: list[str], env: dict[str, str] | None = None) -> tuple[list, list[str]]:
@@ -111,7 +112,12 @@ def test_slowdown_and_bounds_use_the_uneven_total():
     ([], {"DYNAMIX_BATCH_SIZE": "100", "DYNAMIX_MAX_BATCH": "8"},
      "environment variable DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds [1, 8]"),
     (["--max-batch", "8"], {"DYNAMIX_BATCH_SIZE": "100"}, "DYNAMIX_BATCH_SIZE: 100 is outside rank 0's bounds"),
-    ([], {"DYNAMIX_BATCH_SIZE": str(2**31)}, "DYNAMIX_BATCH_SIZE=2147483648 must be <= 2147483647"),
+    ([], {"DYNAMIX_BATCH_SIZE": str(2**31)},
+     "environment variable DYNAMIX_BATCH_SIZE: batch sizes '2147483648': 2147483648 is above the largest batch size"),
+    (["--batch-size", "32,96", "--max-batch", "128,64"], {}, "argument --batch-size: 96 is outside rank 1's bounds [1, 64]"),
+    (["--batch-size", "8,4", "--min-batch", "2,6"], {}, "argument --batch-size: 4 is outside rank 1's bounds [6, unbounded]"),
+    ([], {"DYNAMIX_BATCH_SIZE": "4,100", "DYNAMIX_MAX_BATCH": "8"},
+     "environment variable DYNAMIX_BATCH_SIZE: 100 is outside rank 1's bounds [1, 8]"),
     (["--min-batch", str(2**31)], {}, "argument --min-batch: batch sizes '2147483648': 2147483648 is above"),
 ])
 def test_bounds_from_flags_or_the_inherited_environment_are_checked_before_any_worker_starts(argv, env, needle):
@@ -120,21 +126,57 @@ def test_bounds_from_flags_or_the_inherited_environment_are_checked_before_any_w
     assert specs_for(["-n", "2", "--min-batch", "2", "--", "true"], {"DYNAMIX_MIN_BATCH": "abc"})  # the flag wins
 
 
-def test_a_batch_size_beyond_the_largest_is_a_usage_error(capsys):
+@pytest.mark.parametrize("text, needle", [
+    (str(10**20), "batch sizes '100000000000000000000': 100000000000000000000 is above the largest batch size"),
+    ("32,x", "batch sizes '32,x' are not comma-separated integers"),
+    ("32,0", "batch sizes '32,0': 0 is no batch size"),
+])
+def test_a_malformed_batch_size_is_a_usage_error_naming_the_flag(capsys, text, needle):
     with pytest.raises(SystemExit) as exit_:
-        parse_args(["-n", "2", "--batch-size", str(10**20), "--", "true"])
+        parse_args(["-n", "2", "--batch-size", text, "--", "true"])
     assert exit_.value.code == 2
-    assert "--batch-size: batch size 100000000000000000000 must be between 1 and 2147483647" in capsys.readouterr().err
+    assert f"argument --batch-size: {needle}" in capsys.readouterr().err
 
 
-def test_a_batch_size_per_worker_is_refused_saying_where_per_worker_sizes_go(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(["-n", "2", "--batch-size", "32,96", "--", "true"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "argument --batch-size: '32,96' is one size per worker" in err
-    assert "one size for every worker" in err and "DYNAMIX_BATCH_SIZE" in err
-    assert "-- python train.py --batch-size 32,96" in err
+def test_a_batch_size_per_worker_reaches_every_worker_as_the_same_text():
+    specs, _ = specs_for(["-n", "2", "--batch-size", "32,96", "--max-batch", "32,96", "--", "true"])
+    assert [s.env["DYNAMIX_BATCH_SIZE"] for s in specs] == ["32,96", "32,96"]
+    specs, _ = specs_for(["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--port", str(free_port()),
+                          "--batch-size", "8,8,8,4", "--", "true"])
+    assert [s.env["DYNAMIX_BATCH_SIZE"] for s in specs] == ["8,8,8,4"]
+    assert worker_envs(specs)[3].size == 4  # bps.init's check of the text passes on rank 3
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-n", "2", "--batch-size", "32,64,96"], "batch sizes '32,64,96' give 3 values for 2 workers; give 1 or 2"),
+    (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--port", "1", "--batch-size", "8,4"],
+     "batch sizes '8,4' give 2 values for 4 workers; give 1 or 4"),
+])
+def test_a_batch_size_list_that_does_not_match_the_job_is_a_usage_error_naming_the_flag(argv, needle):
+    with pytest.raises(UsageError, match=re.escape(f"argument --batch-size: {needle}")):
+        specs_for([*argv, "--", "true"])
+
+
+def test_environment_mode_checks_the_batch_size_list_against_the_job_size():
+    env = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", "BYTEPS_LOCAL_SIZE": "2",
+           "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1234"}
+    specs = env_mode(parse_args(["--batch-size", "1,2,3,4", "--", "true"]), env, [])
+    assert [s.env["DYNAMIX_BATCH_SIZE"] for s in specs] == ["1,2,3,4"] * 2
+    with pytest.raises(UsageError, match=re.escape("argument --batch-size: batch sizes '1,2' give 2 values for 4 workers")):
+        env_mode(parse_args(["--batch-size", "1,2", "--", "true"]), env, [])
+
+
+@pytest.mark.timeout(120)
+def test_two_workers_each_start_at_their_own_batch_size():
+    proc = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--batch-size", "32,96",
+                             "--timeout", "60", "--", sys.executable, BATCH_SIZE_WORKER], env=clean_env(),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output = proc.communicate(timeout=100)[0].decode(errors="replace")
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, output
+    assert "[0] rank 0 starts at 32" in output and "[1] rank 1 starts at 96" in output, output
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -22,9 +22,9 @@ from dynamix_byteps.env import (
     CHECKPOINT_ENV,
     DEFAULT_DECISION_INTERVAL,
     ENGINES,
-    MAX_BATCH,
     MAX_TIMEOUT_S,
     MAX_WORKERS,
+    parse_batch_sizes,
     parse_slowdown,
 )
 from dynamix_byteps.errors import ConfigurationError, UsageError
@@ -36,7 +36,6 @@ from dynamix_byteps.scaling.lr_scaling import RULES
 __all__ = ["DEFAULT_GRACE_S", "PROG", "LaunchConfig", "build_parser", "config_from_args", "parse_args", "parse_hosts"]
 
 _positive_int = int_in(1)
-_one_batch_size = int_in(1, MAX_BATCH, "batch size")
 _num_workers = int_in(1, MAX_WORKERS, "number of workers")
 _seconds = float_in(0.0, MAX_TIMEOUT_S, low_open=True, unit=" seconds (at most 7 days)")
 _port = int_in(1, 65535, "TCP port")
@@ -96,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine ps and --hosts: server i runs on the (i mod n)-th of these hosts, each one of --hosts "
         "(its bpslaunch starts it); default: the first of --hosts",
     )
-    parser.add_argument("--batch-size", type=_batch_size, metavar="B",
-                        help="initial local batch size, one for every worker (DYNAMIX_BATCH_SIZE); for one per "
-                        "worker, give them to the script (the example's --batch-size 32,96)")
+    parser.add_argument("--batch-size", type=_batch_sizes, metavar="B[,B...]",
+                        help="initial local batch size, one for every worker or one per worker in rank order, e.g. "
+                        "32,96 (DYNAMIX_BATCH_SIZE, which dynamix_byteps.assignment.add_batch_arguments reads)")
     parser.add_argument(
         "--log-dir", type=Path, metavar="DIR",
         help="the run's folder, which `dynamix report DIR` reads: each worker's output (DIR/worker-<rank>.log) "
@@ -168,15 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _batch_size(text: str) -> int:
-    """``--batch-size``: one size for every worker; a list is refused, saying where one goes."""
-    if "," in text:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is one size per worker, but bpslaunch passes one size for every worker (the workers "
-            "check DYNAMIX_BATCH_SIZE as a single integer at bps.init); give per-worker sizes to a script "
-            f"that takes them instead, e.g. bpslaunch ... -- python train.py --batch-size {text} "
-            "(dynamix_byteps.assignment.add_batch_arguments adds that flag)")
-    return _one_batch_size(text)
+def _batch_sizes(text: str) -> str:
+    """``--batch-size``: ``64`` for every worker or ``32,96`` one per rank, kept as text (every worker
+    gets the same DYNAMIX_BATCH_SIZE); the count is checked once the job's size is known."""
+    try:
+        parse_batch_sizes(text, text.count(",") + 1)
+    except ConfigurationError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def _slowdown(text: str) -> tuple[int, str]:

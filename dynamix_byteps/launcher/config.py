@@ -29,6 +29,8 @@ class LaunchConfig:
         engine: ``--engine``; None = ``$DYNAMIX_ENGINE``, else gloo.
         num_servers, server_hosts: ``--num-servers K`` and where they run (``--engine ps``).
         hosts: ``--hosts`` as ``((host, slots or None), ...)``; node_rank: ``--node-rank``.
+        batch_size, min_batch, max_batch: ``--batch-size``/``--min-batch``/``--max-batch`` as given,
+            ``"64"`` (every worker) or ``"32,96"`` (one per rank).
         slowdown: ``--slowdown`` as ``((rank, "FACTOR[@START-END]"), ...)``.
         policy_option: ``--policy-option`` as ``((key, value), ...)``, values parsed (bool, int, float, text).
         timeout, grace_period: seconds.
@@ -45,7 +47,7 @@ class LaunchConfig:
     engine: str | None = None
     num_servers: int | None = None
     server_hosts: tuple[str, ...] | None = None
-    batch_size: int | None = None
+    batch_size: str | None = None
     log_dir: Path | None = None
     port: int | None = None
     timeout: float | None = None

@@ -154,19 +154,20 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
 
 def _one_worker_fewer(config: LaunchConfig, failed: str, code: int, started: float) -> LaunchConfig:
     """The next local run after worker ``failed`` was lost: one worker fewer (ranks 0..size-2), the
-    last rank's slowdown and per-worker batch bounds dropped."""
+    last rank's slowdown, per-worker batch size and bounds dropped."""
     restarts, left = config.run + 1, config.num_workers - 1
     print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
           f"{restarts} of {config.restart_on_failure} with {left} workers {_resuming_from(config.checkpoint)}",
           file=sys.stderr, flush=True)
     return dataclasses.replace(config, run=restarts, num_workers=left,
                                slowdown=tuple((r, s) for r, s in config.slowdown if r < left),
+                               batch_size=_first_workers(config.batch_size, left),
                                min_batch=_first_workers(config.min_batch, left),
                                max_batch=_first_workers(config.max_batch, left))
 
 
 def _first_workers(sizes: str | None, workers: int) -> str | None:
-    """A ``--min-batch``/``--max-batch`` value for the first ``workers`` ranks: one value stays, a
+    """A ``--batch-size``/``--min-batch``/``--max-batch`` value for the first ``workers`` ranks: one value stays, a
     list of one per rank is cut to its first ``workers``."""
     if sizes is None or "," not in sizes:
         return sizes

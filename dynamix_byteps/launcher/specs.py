@@ -14,7 +14,6 @@ from dynamix_byteps.env import (
     DEFAULT_ENGINE,
     ENGINES,
     JOB_ID_ENV,
-    MAX_BATCH,
     MAX_WORKERS,
     RESTART_ENV,
     WorkerEnv,
@@ -112,14 +111,12 @@ def worker_specs(config: LaunchConfig, env: Mapping[str, str], *, engine: str, n
         base.pop(variable, None)
     if rank_offset is not None:
         base.update(DYNAMIX_RANK_OFFSET=str(rank_offset), DYNAMIX_SIZE=str(world_size))
-    if config.batch_size is not None:
-        base["DYNAMIX_BATCH_SIZE"] = str(config.batch_size)
     if config.timeout is not None:
         base["DYNAMIX_TIMEOUT"] = repr(config.timeout)
     if config.log_dir is not None:
         base["DYNAMIX_LOG_DIR"] = str(config.log_dir)
-    for flag, variable in (("min_batch", "DYNAMIX_MIN_BATCH"), ("max_batch", "DYNAMIX_MAX_BATCH"),
-                           ("lr_scaling", "DYNAMIX_LR_SCALING")):
+    for flag, variable in (("batch_size", "DYNAMIX_BATCH_SIZE"), ("min_batch", "DYNAMIX_MIN_BATCH"),
+                           ("max_batch", "DYNAMIX_MAX_BATCH"), ("lr_scaling", "DYNAMIX_LR_SCALING")):
         if getattr(config, flag) is not None:
             base[variable] = getattr(config, flag)
     if scheduler is not None:
@@ -222,33 +219,38 @@ def _ps_placement(config: LaunchConfig, topology: Topology) -> list[int]:
 
 def _check_bounds(config: LaunchConfig, env: Mapping[str, str], total: int) -> None:
     """--min-batch/--max-batch (else the DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH the workers inherit) and
-    --batch-size agree, so a bad combination is a usage error here, not a traceback in every worker."""
-    bounds = {}
-    for flag, variable in (("min_batch", "DYNAMIX_MIN_BATCH"), ("max_batch", "DYNAMIX_MAX_BATCH")):
-        given = getattr(config, flag)
-        text, source = (given, f"argument --{flag.replace('_', '-')}") if given is not None else \
-            (env.get(variable), f"environment variable {variable}")
-        if text:
-            try:
-                bounds[flag] = BatchBounds.build(total, **{flag: parse_batch_sizes(text, total)})
-            except ConfigurationError as error:
-                raise UsageError(f"{source}: {error}") from None
+    --batch-size (else DYNAMIX_BATCH_SIZE) agree, rank by rank, so a bad combination is a usage error
+    here, not a traceback in every worker."""
+    lows, _ = _per_rank_sizes(config, env, "min_batch", "DYNAMIX_MIN_BATCH", total)
+    highs, _ = _per_rank_sizes(config, env, "max_batch", "DYNAMIX_MAX_BATCH", total)
     try:
-        bounds = BatchBounds.build(total, bounds["min_batch"].min_batch if "min_batch" in bounds else 1,
-                                   bounds["max_batch"].max_batch if "max_batch" in bounds else None)
+        bounds = BatchBounds.build(total, lows or 1, highs)
     except ConfigurationError as error:
         raise UsageError(f"--min-batch/--max-batch (or DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH): {error}") from None
-    if config.batch_size is not None:
-        batch, source = config.batch_size, "argument --batch-size"
-    else:
-        try:
-            batch, source = optional_int(env, "DYNAMIX_BATCH_SIZE", 1, MAX_BATCH), "environment variable DYNAMIX_BATCH_SIZE"
-        except ConfigurationError as error:
-            raise UsageError(str(error)) from None
-    if batch is not None:
-        for rank, (low, high) in enumerate(zip(bounds.min_batch, bounds.max_batch)):
-            if not low <= batch <= (high or batch):
-                raise UsageError(f"{source}: {batch} is outside rank {rank}'s bounds [{low}, {high or 'unbounded'}]")
+    batches, source = _per_rank_sizes(config, env, "batch_size", "DYNAMIX_BATCH_SIZE", total)
+    for rank, (batch, low, high) in enumerate(zip(batches or (), bounds.min_batch, bounds.max_batch)):
+        if not low <= batch <= (high or batch):
+            raise UsageError(f"{source}: {batch} is outside rank {rank}'s bounds [{low}, {high or 'unbounded'}]")
+
+
+def _per_rank_sizes(config: LaunchConfig, env: Mapping[str, str], flag: str, variable: str,
+                    total: int) -> tuple[tuple[int, ...] | None, str]:
+    """The ``total`` per-rank sizes of flag ``flag`` (``"64"`` or ``"32,96"``), else of the inherited
+    ``variable``, and where they came from; None when neither is given.
+
+    Raises:
+        UsageError: naming the flag or variable, when the text is malformed or has neither 1 nor
+            ``total`` values.
+    """
+    given = getattr(config, flag)
+    text, source = (given, f"argument --{flag.replace('_', '-')}") if given is not None else \
+        (env.get(variable), f"environment variable {variable}")
+    if not text:
+        return None, source
+    try:
+        return parse_batch_sizes(text, total), source
+    except ConfigurationError as error:
+        raise UsageError(f"{source}: {error}") from None
 
 
 def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> list[ChildSpec]:
@@ -289,6 +291,7 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
         notes.append(f"DMLC_NUM_WORKER=1: the workers rendezvous on this machine (127.0.0.1:{root_port}); "
                      f"DMLC_PS_ROOT_URI={root_addr} is not used")
         root_addr = "127.0.0.1"
+    _per_rank_sizes(config, env, "batch_size", "DYNAMIX_BATCH_SIZE", num_nodes * local_size)  # a bad count names the flag
     return worker_specs(
         config, env, engine=engine, num_nodes=num_nodes, node_rank=node_rank, local_size=local_size,
         root_addr=root_addr, root_port=root_port, notes=notes,
