@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from .argtypes import float_in, int_in
 from .atomic import write_atomic
 
-__all__ = ["CURVE_FIELDS", "RunMetrics", "add_run_arguments"]
+__all__ = ["CURVE_FIELDS", "STOP_REASONS", "RunMetrics", "add_run_arguments"]
 
 CURVE_FIELDS = ("train_s", "samples", "test_accuracy", "test_loss")
+STOP_REASONS = ("epochs", "time_budget")  # RunMetrics.stopped_by
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, test_images: int) -> None:
@@ -46,7 +47,8 @@ class RunMetrics:
     Attributes:
         test_accuracy: final accuracy on the (subset of the) test set, in [0, 1].
         test_loss: final mean cross-entropy on it, nats.
-        epochs: epochs asked for (``--epochs``; a time budget may end training sooner).
+        epochs: epochs asked for (``--epochs``; a time budget may end training sooner: see
+            ``stopped_by`` and ``epochs_trained``).
         model: the model's name (``cnn``, ``resnet8``).
         wall_s: seconds from the start of training to the end of the final evaluation.
         train_s: seconds of training, evaluation and clock reads not counted, by the job's clock: the
@@ -64,6 +66,13 @@ class RunMetrics:
         worker_statistics: one dict per rank: ``rank``, ``steps``, ``samples``, ``compute_s``,
             ``push_pull_s``, ``samples_per_s`` (samples over compute seconds).
         mode: how the TensorFlow example trained (``fit`` or ``loop``); None for PyTorch.
+        stopped_by: what ended training: ``time_budget`` (``--time-budget`` ran out) or ``epochs``
+            (all ``epochs`` trained); None when the script does not say.
+        epochs_trained: passes over the training set actually trained, ``samples`` over its size
+            (1.37: the budget ran out in the second epoch); None when the script does not say.
+
+    Raises:
+        ValueError: ``stopped_by`` is not None or one of :data:`STOP_REASONS`.
     """
 
     test_accuracy: float
@@ -83,14 +92,23 @@ class RunMetrics:
     curve: list[tuple[float, int, float, float]] = field(default_factory=list)
     worker_statistics: list[dict] = field(default_factory=list)
     mode: str | None = None
+    stopped_by: str | None = None
+    epochs_trained: float | None = None
+
+    def __post_init__(self):
+        if self.stopped_by is not None and self.stopped_by not in STOP_REASONS:
+            raise ValueError(f"RunMetrics stopped_by={self.stopped_by!r} must be one of {', '.join(STOP_REASONS)}, "
+                             "or None when the script does not say")
 
     def to_json(self) -> dict:
-        """The JSON object: every attribute (``mode`` only when set), each curve point as a dict of
+        """The JSON object: every attribute (``mode``, ``stopped_by`` and ``epochs_trained`` only
+        when set, so files of scripts that do not set them read as before), each curve point as a dict of
         :data:`CURVE_FIELDS`, plus ``samples_per_s`` (samples over ``train_s``; 0 without training)
         and ``steps`` (rank 0's optimizer steps)."""
         record = dataclasses.asdict(self)
-        if self.mode is None:
-            del record["mode"]
+        for optional in ("mode", "stopped_by", "epochs_trained"):
+            if record[optional] is None:
+                del record[optional]
         record["curve"] = [dict(zip(CURVE_FIELDS, point)) for point in self.curve]
         record["samples_per_s"] = self.samples / self.train_s if self.train_s else 0.0
         record["steps"] = self.worker_statistics[0]["steps"] if self.worker_statistics else 0

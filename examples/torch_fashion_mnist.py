@@ -220,7 +220,7 @@ def main():
     next_eval = args.eval_every if args.eval_every else float("inf")
     curve = []  # (seconds of training, global samples, test accuracy, test loss)
     started = time.perf_counter()
-    clock, untimed_s, samples_seen, out_of_time = 0.0, 0.0, 0, False
+    clock, untimed_s, samples_seen, all_steps, out_of_time = 0.0, 0.0, 0, 0, False
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         stats = torch.zeros(2, dtype=torch.float64, device=device)  # [sum of losses, samples] on this worker
@@ -256,11 +256,15 @@ def main():
         stats = bps.push_pull(stats, average=False, name="train_stats").cpu()
         elapsed = time.perf_counter() - t0
         samples_seen += int(stats[1])
+        all_steps += steps
         noise = bps.gradient_noise_scale()
         log(f"epoch {epoch + 1}/{args.epochs} train_loss={stats[0] / max(stats[1], 1):.4f} "
             f"steps={steps} mean_global_batch={stats[1] / max(steps, 1):.0f} time={elapsed:.1f}s "
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
         if out_of_time:
+            log(f"time budget of {args.time_budget:g} s ran out at t={clock:.1f}s of training: stopped in epoch "
+                f"{epoch + 1}/{args.epochs} after {steps} steps of it; {all_steps} steps, {samples_seen} samples "
+                f"({samples_seen / len(train_set):.2f} epochs) trained in all", flush=True)
             break
     trained_s = training_clock(rank, size, time.perf_counter() - started - untimed_s, device)  # without the evaluation below
 
@@ -277,7 +281,8 @@ def main():
                        wall_s=wall, train_s=train_clock, samples=samples_seen, workers=size,
                        batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
                        lr_scaling=args.lr_scaling, warmup_steps=args.warmup_steps, test_samples=len(test_y), curve=curve,
-                       worker_statistics=workers).write(args.output)
+                       worker_statistics=workers, stopped_by="time_budget" if out_of_time else "epochs",
+                       epochs_trained=samples_seen / len(train_set)).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

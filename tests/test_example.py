@@ -50,6 +50,27 @@ def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(stat
     assert "noise_scale=" in stdout
 
 
+@pytest.mark.timeout(300)
+def test_a_run_the_time_budget_ends_says_so_and_records_what_it_trained(tmp_path):
+    metrics, stdout = train(tmp_path, "budget", "--limit-train", "2000", "--eval-subset", "500", "--epochs", "1000",
+                            "--time-budget", "1", launcher_flags=("-n", "2"))
+    assert metrics["epochs"] == 1000 and metrics["stopped_by"] == "time_budget", metrics
+    assert metrics["epochs_trained"] == metrics["samples"] / 2000, metrics
+    [line] = [line for line in stdout.splitlines() if "time budget" in line]
+    stopped_in = int(line.split("stopped in epoch ")[1].split("/")[0])
+    assert stopped_in - 1 < metrics["epochs_trained"] <= stopped_in, (line, metrics)
+    assert "time budget of 1 s ran out at t=" in line and "/1000 after " in line, line
+    assert f"; {metrics['steps']} steps, {metrics['samples']} samples" in line, (line, metrics)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_without_a_time_budget_records_its_epochs_trained_in_full(tmp_path):
+    metrics, stdout = train(tmp_path, "epochs", "--limit-train", "1000", "--eval-subset", "500",
+                            launcher_flags=("-n", "2"))
+    assert metrics["stopped_by"] == "epochs" and metrics["epochs_trained"] == metrics["epochs"] == 1, metrics
+    assert "time budget" not in stdout, stdout
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("example, flag, value, message", [
     ("torch_fashion_mnist.py", "--time-budget", "-3", "--time-budget: -3 must be a finite number > 0 s"),

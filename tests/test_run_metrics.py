@@ -1,6 +1,8 @@
 """RunMetrics: the metrics file the examples write and benchmarks/time_to_accuracy reads."""
 import json
 
+import pytest
+
 from dynamix_byteps.run_metrics import RunMetrics
 
 
@@ -24,3 +26,14 @@ def test_the_file_carries_the_curve_as_points_with_throughput_and_steps(tmp_path
 
 def test_a_run_without_training_time_has_zero_throughput_not_a_division_error():
     assert metrics(train_s=0.0, samples=0, worker_statistics=[]).to_json()["samples_per_s"] == 0.0
+
+
+def test_what_ended_training_is_written_when_the_script_says_and_left_out_when_it_does_not():
+    record = metrics(stopped_by="time_budget", epochs_trained=0.37).to_json()
+    assert record["stopped_by"] == "time_budget" and record["epochs_trained"] == 0.37 and record["epochs"] == 2
+    assert not {"stopped_by", "epochs_trained"} & set(metrics().to_json())
+
+
+def test_an_unknown_stop_reason_is_refused_by_name():
+    with pytest.raises(ValueError, match="stopped_by='budget' must be one of epochs, time_budget"):
+        metrics(stopped_by="budget")
