@@ -113,7 +113,8 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
     if len(values) == 1:
         return values * size
     if len(values) != size:
-        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {size} workers; give 1 or {size}")
+        workers, wanted = ("1 worker", "1") if size == 1 else (f"{size} workers", f"1 or {size}, one per worker")
+        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {workers}; give {wanted}")
     return values
 
 

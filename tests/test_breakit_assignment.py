@@ -17,7 +17,7 @@ from dynamix_byteps.errors import ConfigurationError
     ("3,", "batch sizes '3,' are not comma-separated integers"),
     ("a", "batch sizes 'a' are not comma-separated integers"),
     ("", "batch sizes '' are not comma-separated integers"),
-    ("1,2", "batch sizes '1,2' give 2 values for 4 workers; give 1 or 4"),
+    ("1,2", "batch sizes '1,2' give 2 values for 4 workers; give 1 or 4, one per worker"),
     ("8,2147483648", "batch sizes '8,2147483648': 2147483648 is above the largest batch size, 2147483647 samples"),
 ])
 def test_odd_batch_sizes_are_refused_naming_the_text(text, why):

@@ -141,8 +141,8 @@ def test_the_starting_batch_size_may_be_one_for_all_or_one_per_worker(variables)
 
 
 @pytest.mark.parametrize("variables, message", [
-    ({"DYNAMIX_BATCH_SIZE": "32,96"}, "batch sizes '32,96' give 2 values for 1 workers; give 1 or 1"),
-    ({"DYNAMIX_BATCH_SIZE": "32,64,96", **TORCHRUN}, "batch sizes '32,64,96' give 3 values for 6 workers; give 1 or 6"),
+    ({"DYNAMIX_BATCH_SIZE": "32,96"}, "batch sizes '32,96' give 2 values for 1 worker; give 1"),
+    ({"DYNAMIX_BATCH_SIZE": "32,64,96", **TORCHRUN}, "batch sizes '32,64,96' give 3 values for 6 workers; give 1 or 6, one per worker"),
     ({"DYNAMIX_BATCH_SIZE": "0"}, "batch sizes '0': 0 is no batch size"),
     ({"DYNAMIX_BATCH_SIZE": "32;96"}, "batch sizes '32;96' are not comma-separated integers"),
 ])

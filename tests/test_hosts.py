@@ -148,9 +148,9 @@ def test_a_batch_size_per_worker_reaches_every_worker_as_the_same_text():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["-n", "2", "--batch-size", "32,64,96"], "batch sizes '32,64,96' give 3 values for 2 workers; give 1 or 2"),
+    (["-n", "2", "--batch-size", "32,64,96"], "batch sizes '32,64,96' give 3 values for 2 workers; give 1 or 2, one per worker"),
     (["--hosts", "127.0.0.1:3,127.0.0.1:1", "--node-rank", "1", "--port", "1", "--batch-size", "8,4"],
-     "batch sizes '8,4' give 2 values for 4 workers; give 1 or 4"),
+     "batch sizes '8,4' give 2 values for 4 workers; give 1 or 4, one per worker"),
 ])
 def test_a_batch_size_list_that_does_not_match_the_job_is_a_usage_error_naming_the_flag(argv, needle):
     with pytest.raises(UsageError, match=re.escape(f"argument --batch-size: {needle}")):
