@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -330,11 +331,6 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 PIDS_LINE = re.compile(rb"^\[\d+\] pids ([\d ]+)\n", re.MULTILINE)
 
 
-def unique_marker() -> str:
-    """Digits no other process has in its arguments: this test's sleeps run ``sleep 3xx.<marker>``."""
-    return f"{os.getpid()}{secrets.randbelow(10**9):09d}"
-
-
 def marked(marker: str) -> list[psutil.Process]:
     """The processes with ``marker`` in their arguments (a zombie has no arguments left)."""
     return [p for p in psutil.process_iter(["cmdline"]) if any(marker in arg for arg in p.info["cmdline"] or ())]
@@ -344,6 +340,15 @@ def kill_marked(marker: str) -> None:
     for process in marked(marker):
         with contextlib.suppress(psutil.Error):
             process.kill()
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """Digits no other process has in its arguments: this test's sleeps run ``sleep 3xx.<marker>``.
+    What still carries them after the test (its own ``finally`` has killed the launcher) is killed."""
+    value = f"{os.getpid()}{secrets.randbelow(10**9):09d}"
+    yield value
+    kill_marked(value)
 
 
 def left_behind(pids: list[int], marker: str) -> list[int]:
@@ -375,8 +380,8 @@ def orphaning_worker(marker: str, then: str) -> list[str]:
 @linux_only
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("end", ["workers-exit-0", "sigterm-to-bpslaunch"])
-def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path, end):
-    marker, proc = unique_marker(), None
+def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path, end, marker):
+    proc = None
     out = tmp_path / "launcher.out"
     try:
         proc = start_launcher(["-n", "2", "--grace-period", "2", "--",
@@ -388,13 +393,12 @@ def test_what_a_worker_starts_in_a_session_of_its_own_ends_with_the_job(tmp_path
         assert left_behind(printed_pids(out.read_bytes()), marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 @linux_only
 @pytest.mark.timeout(60)
-def test_a_failing_worker_s_start_new_session_child_ends_with_the_job(tmp_path):
-    marker, proc = unique_marker(), None
+def test_a_failing_worker_s_start_new_session_child_ends_with_the_job(tmp_path, marker):
+    proc = None
     try:
         proc = start_launcher(["-n", "2", "--grace-period", "2", "--", sys.executable, WORKER, "daemon", str(tmp_path),
                                f"300.{marker}", "3"], tmp_path)
@@ -404,7 +408,6 @@ def test_a_failing_worker_s_start_new_session_child_ends_with_the_job(tmp_path):
         assert left_behind(pids, marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 def restarting_worker(marker: str, folder: Path) -> list[str]:
@@ -426,8 +429,8 @@ fi"""]
 
 @linux_only
 @pytest.mark.timeout(90)
-def test_a_run_s_orphans_are_gone_before_the_restart(tmp_path):
-    marker, proc = unique_marker(), None
+def test_a_run_s_orphans_are_gone_before_the_restart(tmp_path, marker):
+    proc = None
     try:
         proc = start_launcher(["-n", "2", "--grace-period", "2", "--restart-on-failure", "1", "--checkpoint",
                                str(tmp_path / "ckpt.pt"), "--", *restarting_worker(marker, tmp_path)], tmp_path)
@@ -437,7 +440,6 @@ def test_a_run_s_orphans_are_gone_before_the_restart(tmp_path):
         assert left_behind(printed_pids(out), marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 EMBEDDED = """
@@ -457,8 +459,8 @@ own.wait()
 
 @linux_only
 @pytest.mark.timeout(60)
-def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subreaper_flag():
-    marker, proc = unique_marker(), None
+def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subreaper_flag(marker):
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-c", EMBEDDED, marker], env=launcher_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -468,7 +470,6 @@ def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subr
         assert left_behind(printed_pids(out), marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 def zombie_making_worker(code: int) -> list[str]:
@@ -516,9 +517,9 @@ if state != "gone":
 
 @linux_only
 @pytest.mark.timeout(60)
-def test_an_embedded_supervisor_leaves_the_daemons_of_the_program_s_own_children_running(tmp_path):
+def test_an_embedded_supervisor_leaves_the_daemons_of_the_program_s_own_children_running(tmp_path, marker):
     # Before: the program adopted its helper's daemon during the job and stopped it as the job's orphan.
-    marker, proc = unique_marker(), None
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_WITH_A_DAEMON, marker, str(tmp_path)],
                                 env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -528,14 +529,13 @@ def test_an_embedded_supervisor_leaves_the_daemons_of_the_program_s_own_children
         assert left_behind(printed_pids(out), marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 @linux_only
 @pytest.mark.timeout(90)
-def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_ends_it(tmp_path):
+def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_ends_it(tmp_path, marker):
     # Before: bpslaunch waited out the whole grace period silently, and signals changed nothing.
-    marker, proc = unique_marker(), None
+    proc = None
     err = tmp_path / "launcher.err"
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
@@ -550,14 +550,13 @@ def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_en
         assert left_behind([pid], marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 @pytest.mark.timeout(90)
-def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_path):
+def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_path, marker):
     # Before: once the workers had exited, a child left in a worker's group that ignores SIGTERM got
     # the whole grace period, and signals to bpslaunch changed nothing.
-    marker, proc, pid = unique_marker(), None, None
+    proc, pid = None, None
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
                                f"(trap '' TERM; exec sleep 317.{marker}) & echo pids $!; echo worker $$; exit 0"],
@@ -572,7 +571,6 @@ def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_pa
         assert left_behind([pid], marker) == []
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 UNKILLABLE_ORPHAN = """
@@ -593,9 +591,9 @@ stuck.wait()
 
 @linux_only
 @pytest.mark.timeout(60)
-def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path):
+def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path, marker):
     # Before: the clean-up loop waited for it forever.
-    marker, proc = unique_marker(), None
+    proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-c", UNKILLABLE_ORPHAN, marker], env=launcher_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -605,7 +603,6 @@ def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path):
         assert b"still run 0.5 s after SIGKILL" in out and pid + b" sleep 316." in out, out
     finally:
         kill_tree(proc)
-        kill_marked(marker)
 
 
 @pytest.mark.timeout(60)
