@@ -215,6 +215,8 @@ class Supervisor:
     # ---- process groups -----------------------------------------------------------------
 
     def _killpg(self, child: _Child, sig: int) -> None:
+        """``sig`` to ``child``'s process group, by its id alone: the group outlives its leader once that
+        is reaped, and the leader's pid may then be another process's (so no fallback to ``os.kill``)."""
         try:
             os.killpg(child.pgid, sig)
         except (ProcessLookupError, PermissionError):
