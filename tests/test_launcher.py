@@ -605,6 +605,81 @@ def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path, mark
         kill_tree(proc)
 
 
+TRACER = """
+import ctypes, os, sys, time
+# PTRACE_SEIZE: the worker runs on, traced; its exit is reported to this process alone, which never waits.
+if ctypes.CDLL(None, use_errno=True).ptrace(0x4206, int(sys.argv[1]), None, None) != 0:
+    print("refused:", os.strerror(ctypes.get_errno()), flush=True)
+    sys.exit(1)
+print("seized", flush=True)
+time.sleep(120)
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_a_worker_whose_exit_is_not_seen_after_sigkill_is_named_and_the_job_s_code_returned(tmp_path):
+    # Before: bpslaunch waited for it forever. A worker in uninterruptible sleep (a dead NFS mount)
+    # cannot be made here without root; a worker traced by a debugger that does not reap it is what
+    # bpslaunch sees the same way, with real processes and nothing patched: SIGKILL ends it, but the
+    # kernel reports a traced process's exit to its tracer only, so bpslaunch's waitpid never does.
+    proc = tracer = None
+    err = tmp_path / "launcher.err"
+    try:
+        proc = start_launcher(["-n", "2", "--grace-period", "1", "--", sys.executable, WORKER, "traced", str(tmp_path),
+                               "3"], tmp_path)
+        assert wait_until(lambda: (tmp_path / "0.pid").exists()), err.read_bytes()
+        worker = int((tmp_path / "0.pid").read_text())
+        tracer = subprocess.Popen([sys.executable, "-c", TRACER, str(worker)], stdout=subprocess.PIPE, text=True)
+        answer = tracer.stdout.readline()
+        if answer != "seized\n":
+            pytest.skip(f"this system does not let a test trace a process: {answer.strip()}")
+        (tmp_path / "traced").touch()  # rank 1 now fails; rank 0 gets SIGTERM, then SIGKILL
+        assert proc.wait(timeout=40) == 3, err.read_bytes()
+        note = next((line for line in err.read_bytes().splitlines() if b"after SIGKILL" in line), err.read_bytes())
+        assert f"[0] {worker} {sys.executable[:40]}".encode() in note, note
+    finally:
+        kill_tree(proc)
+        kill_tree(tracer)
+
+
+SPAWN_FAILS_BESIDE_A_TRACED_WORKER = """
+import os, sys
+from pathlib import Path
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+worker, folder = sys.argv[1], Path(sys.argv[2])
+env = {**os.environ, "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0"}
+traced = ChildSpec("0", [sys.executable, worker, "traced", str(folder), "0"], env, ready_file=folder / "traced")
+missing = ChildSpec("1", [str(folder / "no-such-command")], env)
+print("code", Supervisor([traced, missing], grace_s=1).run(), flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_a_child_whose_exit_is_not_seen_when_the_start_fails_is_named_and_the_code_returned(tmp_path):
+    # Before: the clean-up after a failed start waited for it forever (see the test above for why
+    # a traced worker).
+    proc = tracer = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", SPAWN_FAILS_BESIDE_A_TRACED_WORKER, WORKER, str(tmp_path)],
+                                env=launcher_env(), stdout=open(tmp_path / "out", "wb"), stderr=open(tmp_path / "err", "wb"))
+        assert wait_until(lambda: (tmp_path / "0.pid").exists()), (tmp_path / "err").read_bytes()
+        worker = int((tmp_path / "0.pid").read_text())
+        tracer = subprocess.Popen([sys.executable, "-c", TRACER, str(worker)], stdout=subprocess.PIPE, text=True)
+        answer = tracer.stdout.readline()
+        if answer != "seized\n":
+            pytest.skip(f"this system does not let a test trace a process: {answer.strip()}")
+        (tmp_path / "traced").touch()  # the ready file: the missing command is started next
+        assert proc.wait(timeout=40) == 0, (tmp_path / "err").read_bytes()
+        err = (tmp_path / "err").read_bytes()
+        assert (tmp_path / "out").read_bytes() == b"code 127\n", err
+        assert b"still run 5 s after SIGKILL" in err and f"[0] {worker} ".encode() in err, err
+    finally:
+        kill_tree(proc)
+        kill_tree(tracer)
+
+
 @pytest.mark.timeout(60)
 def test_carriage_returns_and_long_lines_are_forwarded_in_bounded_pieces(tmp_path):
     proc = None

@@ -23,13 +23,17 @@ failing the same way a moment apart are each seen failing on their own rather th
 launcher; the caller's ``settled`` ends that wait early. Then what still runs gets SIGTERM, and
 SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher is forwarded to
 every group the same way (at once, also during ``settle_s``) and the launcher returns
-``128 + signal``.
+``128 + signal``. A child whose exit the launcher has not seen ``AFTER_KILL_S`` after its SIGKILL
+(uninterruptible sleep on a hung file system or device, or a debugger attached to it that does not
+reap it) is named in a warning and left; the job's exit code stands (a worker is SIGKILLed only
+once the job has failed or been signalled, so that code is never 0).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -40,7 +44,16 @@ from typing import BinaryIO, Callable, ContextManager, Mapping, Sequence
 
 from dynamix_byteps.env import JOB_ID_ENV
 from dynamix_byteps.launcher._guardian import Guardian, group_alive, valid_scratch
-from dynamix_byteps.launcher._subreaper import MARK_ENV, PRCTL, adopting, children, new_mark, reap_exited, stop_adopted
+from dynamix_byteps.launcher._subreaper import (
+    AFTER_KILL_S,
+    MARK_ENV,
+    PRCTL,
+    adopting,
+    children,
+    new_mark,
+    reap_exited,
+    stop_adopted,
+)
 from dynamix_byteps.launcher.output import Output
 
 _PR_SET_PDEATHSIG = 1
@@ -124,6 +137,7 @@ class _Child:
         self.log = log
         self.returncode: int | None = None
         self.signalled = False  # the launcher sent it a signal (its exit code may be ours)
+        self.given_up = False  # still there AFTER_KILL_S after SIGKILL: no longer waited for
 
 
 class Supervisor:
@@ -326,7 +340,7 @@ class Supervisor:
         stopping_since: float | None = None
         settle_until: float | None = None  # after a failure: the workers may still exit by themselves until then
         signals_at_stop = 0
-        killed = False
+        killed_at: float | None = None
         stopped_by_a_worker: _Child | None = None
         reap_at = time.monotonic() + REAP_EVERY_S
         while True:
@@ -366,10 +380,7 @@ class Supervisor:
                     self.failed_worker = child.spec.label
                     settle_until, signals_at_stop = time.monotonic() + self.settle_s, self._signal_count
             if self._count_live() == 0:
-                if exit_code is None and stopped_by_a_worker is not None:
-                    return self._fail(stopped_by_a_worker, stopped_by_a_worker.returncode,
-                                      "; a worker stopped it after a collective failed")
-                return 0 if exit_code is None else exit_code
+                return self._end_code(exit_code, stopped_by_a_worker)
             if not services_stopping and all(c.returncode is not None for c in self._children if not c.spec.service):
                 services_stopping, settle_until = True, None
                 self._signal_live(signal.SIGTERM)
@@ -381,15 +392,37 @@ class Supervisor:
                 settle_until = None
                 self._signal_live(signal.SIGTERM)
                 stopping_since, signals_at_stop = time.monotonic(), self._signal_count
-            if not killed and stopping_since is not None:
+            if killed_at is None and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
                 if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:
                     self._signal_live(signal.SIGKILL)
-                    killed = True
+                    killed_at = time.monotonic()
+            elif killed_at is not None and time.monotonic() - killed_at >= AFTER_KILL_S:
+                self._give_up([c for c in self._children if c.returncode is None])
+                return self._end_code(exit_code, stopped_by_a_worker)
             if time.monotonic() >= reap_at:
                 reap_exited(self._not_orphans | {c.proc.pid for c in self._children if c.proc.returncode is None})
                 reap_at = time.monotonic() + REAP_EVERY_S
             time.sleep(self.poll_s)
+
+    def _end_code(self, exit_code: int | None, stopped_by_a_worker: _Child | None) -> int:
+        """The job's exit code once :meth:`_wait` is done: ``exit_code``, or when nothing failed, the
+        failure of the essential service ``stopped_by_a_worker`` (if any), else 0."""
+        if exit_code is None and stopped_by_a_worker is not None:
+            return self._fail(stopped_by_a_worker, stopped_by_a_worker.returncode,
+                              "; a worker stopped it after a collective failed")
+        return 0 if exit_code is None else exit_code
+
+    def _give_up(self, stuck: Sequence[_Child]) -> None:
+        """Name the children of ``stuck`` (SIGKILLed ``AFTER_KILL_S`` ago, exit not seen) in a warning;
+        the clean-up leaves them alone from now on."""
+        if not stuck:
+            return
+        for child in stuck:
+            child.given_up = True
+        named = ", ".join(f"[{c.spec.label}] {c.proc.pid} {shlex.join(c.spec.argv)[:60]}" for c in stuck)
+        self.output.note(f"warning: {len(stuck)} process(es) of the job still run {AFTER_KILL_S:g} s after SIGKILL "
+                         f"(in uninterruptible sleep? held by a debugger?), left as they are: {named}")
 
     def _fail(self, child: _Child, rc: int, why: str = "") -> int:
         """``child``'s exit ``rc`` ends the job: say so; returns the job's exit code (:meth:`_wait`
@@ -412,7 +445,7 @@ class Supervisor:
 
     def _stop_all(self, sig: int) -> None:
         """Send ``sig`` to every group with a live member; SIGKILL whatever outlives the grace period."""
-        groups = [c for c in self._children if group_alive(c.pgid)]
+        groups = [c for c in self._children if not c.given_up and group_alive(c.pgid)]
         for child in groups:
             self._killpg(child, sig)
         deadline, signals_before = time.monotonic() + self.grace_s, self._signal_count
@@ -427,16 +460,26 @@ class Supervisor:
         for child in groups:
             self._killpg(child, signal.SIGKILL)
 
+    def _reap_children(self) -> None:
+        """Reap the children not given up on: :meth:`_stop_all` has SIGKILLed what outlived the grace
+        period, so the ones not gone ``AFTER_KILL_S`` later are given up on."""
+        deadline = time.monotonic() + AFTER_KILL_S
+        for child in self._children:
+            if not child.given_up:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._give_up([c for c in self._children if not c.given_up and c.proc.returncode is None])
+
     def _cleanup(self) -> None:
         signals_before = self._signal_count  # one more means "now" here too, as in _wait
         # Grandchildren left behind by a child that already exited (or a half-started job).
         self._stop_all(signal.SIGTERM)
-        for child in self._children:
-            child.proc.wait()
-        # The job's children are reaped, so the other children left are adopted orphans (the
-        # workers' are adopted once the workers are gone), apart from _not_orphans; those with the
-        # run's mark are the job's.
-        stop_adopted(self._not_orphans, self._mark, self.grace_s, self.poll_s, self.output.note,
+        self._reap_children()
+        # The job's children are reaped or given up on, so the other children left are adopted
+        # orphans (the workers' are adopted once the workers are gone), apart from _not_orphans;
+        # those with the run's mark are the job's.
+        given_up = {c.proc.pid for c in self._children if c.given_up}
+        stop_adopted(self._not_orphans | given_up, self._mark, self.grace_s, self.poll_s, self.output.note,
                      lambda: self._signal_count > signals_before)
         # One deadline for all: a daemonised grandchild may hold every pipe open.
         deadline = time.monotonic() + self.grace_s

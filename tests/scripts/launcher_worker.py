@@ -14,8 +14,12 @@ Usage:
                                             exit CODE (default 0)
     launcher_worker.py output DIR           write progress pieces ending in \r, wait for
                                             DIR/go, then a 1 MiB line and a last unterminated one
+    launcher_worker.py traced DIR CODE      rank 0 lets any process trace it (Yama's
+                                            PR_SET_PTRACER), writes DIR/0.pid, then sleeps; the
+                                            other ranks exit CODE once DIR/traced exists
 """
 
+import ctypes
 import json
 import os
 import subprocess
@@ -81,6 +85,20 @@ def output_mode(directory: str) -> int:
     return 0
 
 
+def traced_mode(directory: str, code: int) -> int:
+    if rank() != 0:
+        deadline = time.monotonic() + 40
+        while not os.path.exists(os.path.join(directory, "traced")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code
+    ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, ANY; fails without Yama
+    with open(os.path.join(directory, ".0.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(directory, ".0.tmp"), os.path.join(directory, "0.pid"))
+    time.sleep(300)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "env":
         sys.exit(env_mode(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
@@ -89,5 +107,7 @@ if __name__ == "__main__":
         sys.exit(daemon_mode(sys.argv[2], seconds, code))
     if sys.argv[1] == "output":
         sys.exit(output_mode(sys.argv[2]))
+    if sys.argv[1] == "traced":
+        sys.exit(traced_mode(sys.argv[2], int(sys.argv[3])))
     fail_rank, code = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, 0)
     sys.exit(job_mode(sys.argv[2], fail_rank, code))
