@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 from dynamix_byteps import engine as _engine
+from dynamix_byteps.batch_plan import SamplerSettings
 from dynamix_byteps.env import optional_int
 from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
@@ -66,18 +67,22 @@ _COLUMNS = 7
 class SamplerPosition:
     """What a round trains (:attr:`TrainingStep.trained_position
     <dynamix_byteps.training_step.TrainingStep>`): the sampler's global ``step``, the ``epoch``
-    whose permutation its batches came from, the ``sampler``'s settings that fix that
-    permutation, shared by the workers, and its cut, as ``'name value'`` items joined by ``', '``
-    (``'dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2, batch_size
-    [8,12]'``), and the sampler's ``rank``, the slice this worker draws. Workers at the same step
-    of different epochs or samplers draw different samples, so the trailer carries the step, the
-    epoch (below 2**53: the sampler refuses larger epochs, exact in float64), the settings' 52-bit
-    digest (a seed may be any integer) and the rank, which must be the worker's own."""
+    whose permutation its batches came from, the ``sampler``'s
+    :class:`~dynamix_byteps.batch_plan.SamplerSettings` that fix that permutation and its cut,
+    and the sampler's ``rank``, the slice this worker draws. Workers at the same step of
+    different epochs or samplers draw different samples, so the trailer carries the step, the
+    epoch (below 2**53: the sampler refuses larger epochs, exact in float64), the 52-bit digest
+    of the settings' canonical text (a seed may be any integer) and the rank, which must be the
+    worker's own."""
 
     step: int
     epoch: int
-    sampler: str
+    sampler: SamplerSettings
     rank: int
+
+    def trailer_columns(self) -> tuple[int, int, int, int]:
+        """The trailer's sampler step, epoch, settings digest and sampler rank for this position."""
+        return self.step, self.epoch, trailer_digest(self.sampler.to_json()), self.rank
 
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
@@ -208,26 +213,25 @@ class Round:
     counts: np.ndarray | None = None  # after finish: the per-tensor counts of close(), summed over workers
 
 
-def _differing_settings(settings: dict[int, str]) -> str:
-    """Each setting whose value differs between ranks, as ``'rank 0: seed 42, rank 1: seed 1'``,
-    joined by ``'; '``. ``settings``: rank -> its sampler's ``'name value'`` items joined by ``', '``
-    (a rank without an item, e.g. no seed when not shuffling, shows ``'no seed'``)."""
-    items = {rank: {item.split(" ", 1)[0]: item for item in text.split(", ")} for rank, text in settings.items()}
-    names = dict.fromkeys(name for by_name in items.values() for name in by_name)
-    return "; ".join(", ".join(f"rank {rank}: {by_name.get(name, 'no ' + name)}" for rank, by_name in items.items())
-                     for name in names if len({by_name.get(name) for by_name in items.values()}) > 1)
+def _differing_settings(settings: dict[int, SamplerSettings]) -> str:
+    """Each field whose value differs between ranks, as ``'rank 0: seed 42, rank 1: seed 1'``,
+    joined by ``'; '`` in the fields' order. ``settings``: rank -> its sampler's settings."""
+    names = [each.name for each in fields(SamplerSettings)]
+    return "; ".join(", ".join(f"rank {rank}: {each.describe(name)}" for rank, each in settings.items())
+                     for name in names if len({getattr(each, name) for each in settings.values()}) > 1)
 
 
 def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]]) -> None:
-    """Raise TensorMismatchError unless the workers whose sampler feeds the round built it with the
-    same settings; :data:`UNSET` marks a worker without a sampler. ``digests``: int64, one per rank
-    (:func:`trailer_digest` of its settings); ``gather_settings()``: every rank's settings text,
-    a collective called only on a mismatch (which every worker sees in the same trailer)."""
+    """Raise TensorMismatchError unless the workers whose sampler feeds the round built it with
+    the same settings; :data:`UNSET` marks a worker without a sampler. ``digests``: int64, one per
+    rank (:func:`trailer_digest` of its settings' :meth:`~SamplerSettings.to_json`);
+    ``gather_settings()``: every rank's settings text, a collective called only on a mismatch
+    (which every worker sees in the same trailer)."""
     known = np.flatnonzero(digests != UNSET)
     if np.all(digests[known] == digests[known[:1]]):
         return
     texts = gather_settings()
-    listed = _differing_settings({int(rank): texts[rank] for rank in known})
+    listed = _differing_settings({int(rank): SamplerSettings.from_json(texts[rank]) for rank in known})
     raise TensorMismatchError(
         f"workers drew the same round's batches from samplers built with different settings ({listed}), so "
         "they cut different permutations of the dataset: some samples are trained twice per epoch, others never. "
@@ -375,13 +379,8 @@ class GradientAggregator:
         rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
         rows[engine.rank, _SAMPLES] = step.samples
         rows[engine.rank, _DIGEST] = trailer_digest(description)
-        position = step.position
-        if position is not None:
-            rows[engine.rank, _STEP], rows[engine.rank, _EPOCH] = position.step, position.epoch
-            rows[engine.rank, _SAMPLER] = trailer_digest(position.sampler)
-            rows[engine.rank, _SAMPLER_RANK] = position.rank
-        else:
-            rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = UNSET
+        sampler_columns = (UNSET,) * 4 if step.position is None else step.position.trailer_columns()
+        rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = torch.tensor(sampler_columns, dtype=torch.float64)
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
@@ -427,7 +426,7 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
-        settings = "" if step.position is None else step.position.sampler
+        settings = "" if step.position is None else step.position.sampler.to_json()
         _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
         _check_sampler_ranks(table[:, _SAMPLER_RANK].astype(np.int64))
         _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))

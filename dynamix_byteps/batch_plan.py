@@ -20,6 +20,8 @@ empty one while no sampler exists (batch sizes then come from ``set_local_batch_
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -32,6 +34,49 @@ from dynamix_byteps.negotiation import negotiate, round_lock
 MAX_UNTRAINED_DRAWS = 4096  # draws kept when no frontend takes them (a sampler used without training)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """What fixes the permutations a ``DynamicBatchSampler`` draws and their cut between workers:
+    fixed at its construction (a resume or a new assignment changes the sizes in force on every
+    worker alike). With ``num_replicas > 1`` every worker's must be the same.
+
+    Attributes:
+        dataset_size: samples in the dataset.
+        seed: the permutations' seed; None without shuffling, where every seed gives one order.
+        shuffle: whether each epoch is a new permutation.
+        drop_last: whether an epoch's last partial global batch is skipped.
+        num_replicas: workers sharing each epoch's permutation; 1: the independent-shard mode.
+        batch_size: the per-rank batch sizes the sampler was built with, one per replica.
+    """
+
+    dataset_size: int
+    seed: int | None
+    shuffle: bool
+    drop_last: bool
+    num_replicas: int
+    batch_size: tuple[int, ...]
+
+    def to_json(self) -> str:
+        """The canonical text of these settings: equal settings give equal texts (and digests)."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> SamplerSettings:
+        """The settings :meth:`to_json` wrote as ``text``."""
+        fields = json.loads(text)
+        return cls(**{**fields, "batch_size": tuple(fields["batch_size"])})
+
+    def describe(self, name: str) -> str:
+        """Field ``name`` as ``'name value'`` (``'seed 42'``, ``'batch_size [8,12]'``; ``'no seed'``
+        when it is None)."""
+        value = getattr(self, name)
+        if value is None:
+            return f"no {name}"
+        if isinstance(value, tuple):
+            value = "[" + ",".join(map(str, value)) + "]"
+        return f"{name} {value}"
+
+
 class BatchPlan:
     """The batches of one training run, shared by its sampler and the frontend training on them.
 
@@ -40,11 +85,10 @@ class BatchPlan:
     Args:
         schedule: the sampler's assignment schedule; None for a plan without a sampler (its
             frontends use the batch sizes declared by ``set_local_batch_size``).
-        sampler_settings: what fixes the permutations the sampler shares with the other workers
-            and their cut, as ``'name value'`` items joined by ``', '``; every worker's must be
-            the same. None: nothing to compare between workers (no sampler, or one that draws
-            its own shard, ``num_replicas=1``).
-        sampler_rank: the slice of those permutations this worker's sampler draws, which must be
+        sampler_settings: the sampler's :class:`SamplerSettings`; every worker's must be the same.
+            None: nothing to compare between workers (no sampler, or one that draws its own
+            shard, ``num_replicas=1``).
+        sampler_rank: the slice of the permutations this worker's sampler draws, which must be
             the worker's rank; None with ``sampler_settings``.
 
     Attributes:
@@ -57,7 +101,7 @@ class BatchPlan:
         gradient_noise: that frontend's :class:`~dynamix_byteps.scaling.gradient_noise.GradientNoiseScale`.
     """
 
-    def __init__(self, schedule: AssignmentSchedule | None = None, sampler_settings: str | None = None,
+    def __init__(self, schedule: AssignmentSchedule | None = None, sampler_settings: SamplerSettings | None = None,
                  sampler_rank: int | None = None):
         self.schedule = schedule
         self.sampler_settings, self.sampler_rank = sampler_settings, sampler_rank

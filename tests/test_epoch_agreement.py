@@ -13,8 +13,15 @@ import pytest
 from epoch_cases import BATCH, EPOCHS, SIZE
 from multiworker import ok, run_workers
 
-from dynamix_byteps.aggregation import UNSET, _check_sampler_ranks, _check_samplers, trailer_digest
+from dynamix_byteps.aggregation import (
+    UNSET,
+    SamplerPosition,
+    _check_sampler_ranks,
+    _check_samplers,
+    trailer_digest,
+)
 from dynamix_byteps.assignment import Assignment
+from dynamix_byteps.batch_plan import SamplerSettings
 from dynamix_byteps.errors import TensorMismatchError
 from dynamix_byteps.torch.sampler import DynamicBatchSampler
 
@@ -71,19 +78,22 @@ def test_batch_sizes_or_sampler_ranks_that_differ_raise_at_the_first_step_and_ow
     assert results[0]["shards"]["seen"] != results[1]["shards"]["seen"]  # seed=rank: each its own order
 
 
-def _digests(*settings: str | None) -> np.ndarray:
+def _digests(*settings: SamplerSettings | None) -> np.ndarray:
     """Synthetic trailer column, one row per rank: the digest of ``settings`` (None: no sampler)."""
-    return np.array([UNSET if text is None else trailer_digest(text) for text in settings], dtype=np.int64)
+    return np.array([UNSET if each is None else trailer_digest(each.to_json()) for each in settings], dtype=np.int64)
 
 
-def _check_rows(*settings: str | None) -> None:
-    _check_samplers(_digests(*settings), lambda: [text or "" for text in settings])
+def _check_rows(*settings: SamplerSettings | None) -> None:
+    _check_samplers(_digests(*settings), lambda: ["" if each is None else each.to_json() for each in settings])
+
+
+SHARED = SamplerSettings(100, 42, True, False, 3, (10, 10, 10))
 
 
 def test_sampler_settings_check_names_every_rank_value_of_what_differs():
-    a = "dataset_size 100, seed 42, shuffle True, drop_last False, num_replicas 3"
-    b = "dataset_size 90, seed 1, shuffle True, drop_last False, num_replicas 3"
-    c = "dataset_size 100, shuffle False, drop_last True, num_replicas 3"
+    a = SHARED
+    b = SamplerSettings(90, 1, True, False, 3, (10, 10, 10))
+    c = SamplerSettings(100, None, False, True, 3, (10, 10, 10))
     with pytest.raises(TensorMismatchError) as raised:
         _check_rows(a, None, b)
     assert "(rank 0: dataset_size 100, rank 2: dataset_size 90; rank 0: seed 42, rank 2: seed 1)" in str(raised.value)
@@ -94,7 +104,7 @@ def test_sampler_settings_check_names_every_rank_value_of_what_differs():
             ) in str(raised.value)
 
 
-@pytest.mark.parametrize("settings", [("s", "s", "s"), ("s", None, "s"), (None, None, None), (None, "s", None)])
+@pytest.mark.parametrize("settings", [(SHARED,) * 3, (SHARED, None, SHARED), (None, None, None), (None, SHARED, None)])
 def test_sampler_settings_check_passes_equal_samplers_and_workers_without_one(settings):
     _check_samplers(_digests(*settings), lambda: pytest.fail("gathered without a mismatch"))
 
@@ -115,23 +125,35 @@ def test_sampler_rank_check_names_every_workers_sampler_rank_when_one_draws_anot
     assert f"({listed})" in str(raised.value)
 
 
-def _settings(batch_size=10, **kwargs) -> str:
-    """The settings text of a sampler of rank 1 of 2 over 100 samples."""
+def _settings(batch_size=10, **kwargs) -> SamplerSettings:
+    """The settings of a sampler of rank 1 of 2 over 100 samples."""
     return DynamicBatchSampler(100, batch_size, num_replicas=2, rank=1, **kwargs).batch_plan.sampler_settings
 
 
 def test_sampler_settings_hold_the_per_rank_batch_sizes_and_leave_out_the_seed_without_shuffling():
-    assert _settings(seed=1) == ("dataset_size 100, seed 1, shuffle True, drop_last False, num_replicas 2, "
-                                 "batch_size [10,10]")
+    assert _settings(seed=1) == SamplerSettings(100, 1, True, False, 2, (10, 10))
+    assert _settings(shuffle=False).seed is None
     assert _settings([8, 12]) != _settings([12, 8]) and _settings(10) != _settings(20)
     assert _settings(10) == _settings([10, 10])  # the same cut however it is written
     assert _settings(seed=0, shuffle=False) == _settings(seed=1, shuffle=False)  # one order for any seed
 
 
-def test_a_sampler_drawing_its_own_shard_has_nothing_to_compare_and_a_shared_one_sends_its_rank():
+def test_settings_text_is_canonical_and_reads_back():
+    settings = _settings([8, 12], seed=7, drop_last=True)
+    assert SamplerSettings.from_json(settings.to_json()) == settings
+    assert settings.to_json() == _settings([8, 12], seed=7, drop_last=True).to_json()
+    assert settings.describe("batch_size") == "batch_size [8,12]" and _settings(shuffle=False).describe("seed") == "no seed"
+
+
+def _columns(plan) -> tuple:
+    return SamplerPosition(3, 1, plan.sampler_settings, plan.sampler_rank).trailer_columns()
+
+
+def test_a_sampler_drawing_its_own_shard_has_nothing_to_compare_and_a_shared_one_sends_its_position_and_rank():
     own = DynamicBatchSampler(100, 10, num_replicas=1, rank=0).batch_plan
     assert (own.sampler_settings, own.sampler_rank) == (None, None)
-    assert DynamicBatchSampler(100, 10, num_replicas=3, rank=2).batch_plan.sampler_rank == 2
+    shared = DynamicBatchSampler(100, 10, num_replicas=3, rank=2).batch_plan
+    assert _columns(shared) == (3, 1, trailer_digest(shared.sampler_settings.to_json()), 2)
 
 
 def test_sampler_settings_survive_a_resume_and_a_new_assignment():

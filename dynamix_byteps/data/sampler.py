@@ -165,16 +165,11 @@ class DynamicBatchSampler:
                                                 self.rank if shared else None)
         _batch_plan.make_default(self.batch_plan)
 
-    def _settings(self, initial_sizes: Sequence[int]) -> str:
-        """What fixes the permutations this sampler shares with the other workers and their cut, as
-        the ``'name value'`` items every worker's must match: fixed at construction (a resume or a
-        new assignment changes the sizes in force on every worker alike), with the per-rank
-        ``initial_sizes``; no seed without shuffling, where every seed gives the same order."""
-        seed = [f"seed {self.seed}"] if self.shuffle else []
-        sizes = ",".join(map(str, initial_sizes))
-        return ", ".join([f"dataset_size {self.dataset_size}", *seed, f"shuffle {self.shuffle}",
-                          f"drop_last {self.drop_last}", f"num_replicas {self.num_replicas}",
-                          f"batch_size [{sizes}]"])
+    def _settings(self, initial_sizes: Sequence[int]) -> _batch_plan.SamplerSettings:
+        """What fixes this sampler's permutations and their cut, with the per-rank ``initial_sizes``;
+        no seed without shuffling, where every seed gives the same order."""
+        return _batch_plan.SamplerSettings(self.dataset_size, self.seed if self.shuffle else None, self.shuffle,
+                                           self.drop_last, self.num_replicas, tuple(initial_sizes))
 
     @property
     def epoch(self) -> int:
