@@ -19,9 +19,11 @@ norm |g_i|², the digest of its bucket plan, and the sampler step it trains with
 epoch, the digest of the sampler's settings and the sampler's rank (:class:`SamplerPosition`;
 epoch, seed, dataset size, shuffling, ``drop_last``, the number of workers and their initial
 batch sizes fix the permutation the batch came from and its cut, the rank this worker's slice).
+A sampler drawing its own shard (``num_replicas=1``) sends only :data:`INDEPENDENT` as its rank.
 When the round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so
 holds g exactly; the trailer's digests turn a mismatched plan or samplers built differently
-(``seed=rank``), its sampler ranks two workers drawing one slice (``rank=bps.local_rank()``), and
+(``seed=rank``), its sampler ranks two workers drawing one slice (``rank=bps.local_rank()``) or
+shared samplers mixed with ones drawing their own shard (``num_replicas=1`` on some workers), and
 its steps and epochs workers out of step with each other (a checkpoint loaded on one worker only,
 ``set_epoch`` called with different epochs), into :class:`TensorMismatchError` on every worker.
 One collective per bucket and one trailer per step.
@@ -57,6 +59,7 @@ DEFAULT_FUSION_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
+INDEPENDENT = -2  # the sampler rank of a sampler drawing its own shard (num_replicas=1)
 DIGEST_MASK = (1 << 52) - 1  # digests travel as float64, exact below 2**53
 
 _SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER, _SAMPLER_RANK = range(7)  # the trailer's columns
@@ -70,10 +73,11 @@ class SamplerPosition:
     whose permutation its batches came from, the ``sampler``'s
     :class:`~dynamix_byteps.batch_plan.SamplerSettings` that fix that permutation and its cut,
     and the sampler's ``rank``, the slice this worker draws. Workers at the same step of
-    different epochs or samplers draw different samples, so the trailer carries the step, the
-    epoch (below 2**53: the sampler refuses larger epochs, exact in float64), the 52-bit digest
-    of the settings' canonical text (a seed may be any integer) and the rank, which must be the
-    worker's own."""
+    different epochs or samplers draw different samples, so for a shared sampler the trailer
+    carries the step, the epoch (below 2**53: the sampler refuses larger epochs, exact in
+    float64), the 52-bit digest of the settings' canonical text (a seed may be any integer) and
+    the rank, which must be the worker's own; for one drawing its own shard only
+    :data:`INDEPENDENT`."""
 
     step: int
     epoch: int
@@ -82,6 +86,8 @@ class SamplerPosition:
 
     def trailer_columns(self) -> tuple[int, int, int, int]:
         """The trailer's sampler step, epoch, settings digest and sampler rank for this position."""
+        if not self.sampler.shared:
+            return UNSET, UNSET, UNSET, INDEPENDENT
         return self.step, self.epoch, trailer_digest(self.sampler.to_json()), self.rank
 
 
@@ -222,8 +228,8 @@ def _differing_settings(settings: dict[int, SamplerSettings]) -> str:
 
 
 def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]]) -> None:
-    """Raise TensorMismatchError unless the workers whose sampler feeds the round built it with
-    the same settings; :data:`UNSET` marks a worker without a sampler. ``digests``: int64, one per
+    """Raise TensorMismatchError unless the workers whose shared sampler feeds the round built it
+    with the same settings; :data:`UNSET` marks a worker without one. ``digests``: int64, one per
     rank (:func:`trailer_digest` of its settings' :meth:`~SamplerSettings.to_json`);
     ``gather_settings()``: every rank's settings text, a collective called only on a mismatch
     (which every worker sees in the same trailer)."""
@@ -240,11 +246,27 @@ def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]
         "or a random one; to shuffle a shard of its own on each worker, give num_replicas=1, rank=0")
 
 
+def _check_sampler_modes(sampler_ranks: np.ndarray) -> None:
+    """Raise TensorMismatchError when some workers draw from a shared sampler and others from one
+    drawing their own shard; ``sampler_ranks``: int64, each rank's sampler rank (:data:`UNSET`: no
+    sampler, allowed with either; :data:`INDEPENDENT`: a sampler drawing its own shard)."""
+    shared, independent = np.flatnonzero(sampler_ranks >= 0), np.flatnonzero(sampler_ranks == INDEPENDENT)
+    if not shared.size or not independent.size:
+        return
+    raise TensorMismatchError(
+        f"ranks {shared.tolist()} draw their slices of a sampler shared by all {sampler_ranks.size} workers "
+        f"(num_replicas={sampler_ranks.size}) while ranks {independent.tolist()} draw a shard of their own "
+        "(num_replicas=1): the shared permutation's slices of the latter are never trained, and what they train "
+        "instead is not cut from it. Build the DynamicBatchSampler with the same num_replicas on every worker: leave "
+        "num_replicas out everywhere (it defaults to bps.size()), or give num_replicas=1, rank=0 everywhere to "
+        "shuffle a shard of its own on each worker")
+
+
 def _check_sampler_ranks(sampler_ranks: np.ndarray) -> None:
-    """Raise TensorMismatchError unless every worker whose sampler feeds the round draws the slice
-    of its own rank; ``sampler_ranks``: int64, each rank's sampler rank (:data:`UNSET`: no sampler
-    shared with other workers)."""
-    known = np.flatnonzero(sampler_ranks != UNSET)
+    """Raise TensorMismatchError unless every worker whose shared sampler feeds the round draws
+    the slice of its own rank; ``sampler_ranks``: int64, each rank's sampler rank (:data:`UNSET`:
+    no sampler, :data:`INDEPENDENT`: one drawing its own shard, neither compared)."""
+    known = np.flatnonzero(sampler_ranks >= 0)
     if np.all(sampler_ranks[known] == known):
         return
     listed = ", ".join(f"rank {rank}: sampler rank {sampler_ranks[rank]}" for rank in known)
@@ -410,7 +432,8 @@ class GradientAggregator:
 
         Raises:
             TensorMismatchError: workers reduced different plans, or drew from samplers with
-                different settings, steps or epochs, or from other ranks' slices (every worker raises).
+                different settings, steps or epochs, from other ranks' slices, or some from a shared
+                sampler and others from their own shards (every worker raises).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
@@ -426,9 +449,11 @@ class GradientAggregator:
             raise TensorMismatchError(
                 "workers reduced different gradients in the same step; every worker must have the same "
                 f"parameters (names, shapes, dtypes) requiring gradients and the same settings:\n{lines}")
+        sampler_ranks = table[:, _SAMPLER_RANK].astype(np.int64)
+        _check_sampler_modes(sampler_ranks)
         settings = "" if step.position is None else step.position.sampler.to_json()
         _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
-        _check_sampler_ranks(table[:, _SAMPLER_RANK].astype(np.int64))
+        _check_sampler_ranks(sampler_ranks)
         _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)

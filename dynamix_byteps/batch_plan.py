@@ -38,7 +38,7 @@ MAX_UNTRAINED_DRAWS = 4096  # draws kept when no frontend takes them (a sampler 
 class SamplerSettings:
     """What fixes the permutations a ``DynamicBatchSampler`` draws and their cut between workers:
     fixed at its construction (a resume or a new assignment changes the sizes in force on every
-    worker alike). With ``num_replicas > 1`` every worker's must be the same.
+    worker alike). With ``num_replicas > 1`` (:attr:`shared`) every worker's must be the same.
 
     Attributes:
         dataset_size: samples in the dataset.
@@ -55,6 +55,11 @@ class SamplerSettings:
     drop_last: bool
     num_replicas: int
     batch_size: tuple[int, ...]
+
+    @property
+    def shared(self) -> bool:
+        """Whether other workers draw their slices of the same permutations (``num_replicas > 1``)."""
+        return self.num_replicas > 1
 
     def to_json(self) -> str:
         """The canonical text of these settings: equal settings give equal texts (and digests)."""
@@ -85,11 +90,11 @@ class BatchPlan:
     Args:
         schedule: the sampler's assignment schedule; None for a plan without a sampler (its
             frontends use the batch sizes declared by ``set_local_batch_size``).
-        sampler_settings: the sampler's :class:`SamplerSettings`; every worker's must be the same.
-            None: nothing to compare between workers (no sampler, or one that draws its own
-            shard, ``num_replicas=1``).
+        sampler_settings: the sampler's :class:`SamplerSettings`; every worker's must be the same
+            when they are :attr:`~SamplerSettings.shared`. None: no sampler.
         sampler_rank: the slice of the permutations this worker's sampler draws, which must be
-            the worker's rank; None with ``sampler_settings``.
+            the worker's rank when shared (0 for one drawing its own shard); None with
+            ``sampler_settings``.
 
     Attributes:
         schedule: the :class:`~dynamix_byteps.assignment.AssignmentSchedule`, or None.

@@ -43,8 +43,7 @@ class TrainingStep:
         trained_position: the sampler step, epoch, settings and rank the last
             :meth:`take_samples` drew (its last batch's), a
             :class:`~dynamix_byteps.aggregation.SamplerPosition` the round's trailer checks on
-            every worker; None when it drew none (no sampler feeds the frontend) or its sampler
-            draws its own shard (``num_replicas=1``), which no other worker's must match.
+            every worker; None when it drew none (no sampler feeds the frontend).
 
     Raises:
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (e.g. the sampler itself was passed).

@@ -2,7 +2,7 @@
 the same epoch's permutation of the same sampler, else every worker raises TensorMismatchError at
 the first step that differs (the round's trailer carries each worker's epoch, step, the digest of
 its sampler's settings and its sampler's rank); samplers drawing their own shards
-(``num_replicas=1``) are not compared."""
+(``num_replicas=1``) are not compared, but may not be mixed with shared ones."""
 
 from __future__ import annotations
 
@@ -26,20 +26,23 @@ def _frontend(variant: str, model: torch.nn.Module):
     return model, bps.DistributedOptimizer(plain, model.named_parameters())
 
 
-MISBUILT = ("swapped_sizes", "rank_sizes", "rank_zero", "shards")
+MISBUILT = ("swapped_sizes", "rank_sizes", "rank_zero", "mixed_shards", "shards")
 
 
 def _sampler_for(mode: str, rank: int) -> bps.DynamicBatchSampler:
     """The sampler ``mode`` builds on ``rank``: as the other modes below, or ``swapped_sizes``
     (batch_size [8, 12] on rank 0, [12, 8] elsewhere), ``rank_sizes`` (batch_size 10 (r + 1)),
     ``rank_zero`` (rank=0 everywhere), ``shards`` (num_replicas=1, rank=0, seed=rank: each worker
-    shuffles its own copy of the data)."""
+    shuffles its own copy of the data), ``mixed_shards`` (rank 0 shuffles its own half of the
+    data with num_replicas=1, the others share a sampler)."""
     if mode == "swapped_sizes":
         return bps.DynamicBatchSampler(SIZE, [8, 12] if rank == 0 else [12, 8], seed=1)
     if mode == "rank_sizes":
         return bps.DynamicBatchSampler(SIZE, BATCH * (rank + 1), seed=1)
     if mode == "rank_zero":
         return bps.DynamicBatchSampler(SIZE, BATCH, seed=1, rank=0)
+    if mode == "mixed_shards" and rank == 0:  # its own half: as many steps per epoch as the shared one's
+        return bps.DynamicBatchSampler(SIZE // 2, BATCH, num_replicas=1, rank=0)
     if mode == "shards":
         return bps.DynamicBatchSampler(SIZE, BATCH, seed=rank, num_replicas=1, rank=0)
     length = SIZE - 10 * rank if mode == "rank_seed_and_size" else SIZE

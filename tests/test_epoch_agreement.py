@@ -1,10 +1,11 @@
 """Workers drawing from different epochs of their samplers (set_epoch(epoch + rank), set_epoch
 on some workers only, a checkpoint loaded on one worker), from samplers built differently
-(seed=rank, another dataset size or batch sizes), or from other ranks' slices (rank=0 everywhere),
-raise TensorMismatchError on every worker at the first step, naming each rank's epoch and step,
-setting or sampler rank; equal epochs train every sample exactly once per epoch, and samplers
-drawing their own shards (num_replicas=1) are not compared. Real worker processes over loopback
-(cases in tests/epoch_cases.py)."""
+(seed=rank, another dataset size or batch sizes), from other ranks' slices (rank=0 everywhere), or
+some from a shared sampler and others from their own shards, raise TensorMismatchError on every
+worker at the first step, naming each rank's epoch and step, setting, sampler rank or sampler
+kind; equal epochs train every sample exactly once per epoch, and samplers drawing their own
+shards (num_replicas=1) everywhere are not compared. Real worker processes over loopback (cases
+in tests/epoch_cases.py)."""
 
 from collections import Counter
 
@@ -14,8 +15,10 @@ from epoch_cases import BATCH, EPOCHS, SIZE
 from multiworker import ok, run_workers
 
 from dynamix_byteps.aggregation import (
+    INDEPENDENT,
     UNSET,
     SamplerPosition,
+    _check_sampler_modes,
     _check_sampler_ranks,
     _check_samplers,
     trailer_digest,
@@ -64,9 +67,14 @@ def test_samplers_built_differently_raise_on_every_rank_at_the_first_step(mode, 
 
 
 @pytest.mark.timeout(120)
-def test_batch_sizes_or_sampler_ranks_that_differ_raise_at_the_first_step_and_own_shards_are_not_compared():
+def test_batch_sizes_sampler_ranks_or_kinds_that_differ_raise_at_the_first_step_and_own_shards_are_not_compared():
     results = ok(run_workers(2, "epoch_cases:misbuilt_samplers", "ddp"))
     for result in results:
+        mixed = result["mixed_shards"]
+        assert mixed["steps"] == 0 and ("ranks [1] draw their slices of a sampler shared by all 2 workers "
+                                        "(num_replicas=2) while ranks [0] draw a shard of their own (num_replicas=1)"
+                                        ) in (mixed["error"] or ""), mixed
+        assert "the same num_replicas on every worker" in mixed["error"]
         for mode, listed in [("swapped_sizes", "settings (rank 0: batch_size [8,12], rank 1: batch_size [12,8])"),
                              ("rank_sizes", "settings (rank 0: batch_size [10,10], rank 1: batch_size [20,20])"),
                              ("rank_zero", "samplers (rank 0: sampler rank 0, rank 1: sampler rank 0)")]:
@@ -109,9 +117,27 @@ def test_sampler_settings_check_passes_equal_samplers_and_workers_without_one(se
     _check_samplers(_digests(*settings), lambda: pytest.fail("gathered without a mismatch"))
 
 
-@pytest.mark.parametrize("sampler_ranks", [(0, 1, 2), (0, UNSET, 2), (UNSET, UNSET, UNSET)])
+@pytest.mark.parametrize("sampler_ranks", [(0, 1, 2), (0, UNSET, 2), (UNSET, UNSET, UNSET), (INDEPENDENT,) * 3])
 def test_sampler_rank_check_passes_samplers_drawing_their_own_slice_and_workers_without_one(sampler_ranks):
     _check_sampler_ranks(np.array(sampler_ranks, dtype=np.int64))
+
+
+@pytest.mark.parametrize("sampler_ranks", [(0, 1, 2), (0, UNSET, 2), (UNSET, UNSET, UNSET), (INDEPENDENT,) * 3,
+                                           (INDEPENDENT, UNSET, INDEPENDENT)])
+def test_sampler_kind_check_passes_one_kind_of_sampler_with_or_without_samplerless_workers(sampler_ranks):
+    _check_sampler_modes(np.array(sampler_ranks, dtype=np.int64))
+
+
+@pytest.mark.parametrize(("sampler_ranks", "listed"), [
+    ((0, INDEPENDENT, 2), "ranks [0, 2] draw their slices of a sampler shared by all 3 workers (num_replicas=3) "
+                          "while ranks [1] draw a shard of their own (num_replicas=1)"),
+    ((INDEPENDENT, UNSET, 2), "ranks [2] draw their slices of a sampler shared by all 3 workers (num_replicas=3) "
+                              "while ranks [0] draw"),
+])
+def test_sampler_kind_check_names_the_ranks_of_shared_and_own_shard_samplers_when_mixed(sampler_ranks, listed):
+    with pytest.raises(TensorMismatchError, match=r"the same num_replicas on every worker") as raised:
+        _check_sampler_modes(np.array(sampler_ranks, dtype=np.int64))
+    assert listed in str(raised.value)
 
 
 @pytest.mark.parametrize(("sampler_ranks", "listed"), [
@@ -149,9 +175,9 @@ def _columns(plan) -> tuple:
     return SamplerPosition(3, 1, plan.sampler_settings, plan.sampler_rank).trailer_columns()
 
 
-def test_a_sampler_drawing_its_own_shard_has_nothing_to_compare_and_a_shared_one_sends_its_position_and_rank():
+def test_a_sampler_drawing_its_own_shard_sends_only_its_kind_and_a_shared_one_its_position_and_rank():
     own = DynamicBatchSampler(100, 10, num_replicas=1, rank=0).batch_plan
-    assert (own.sampler_settings, own.sampler_rank) == (None, None)
+    assert _columns(own) == (UNSET, UNSET, UNSET, INDEPENDENT)
     shared = DynamicBatchSampler(100, 10, num_replicas=3, rank=2).batch_plan
     assert _columns(shared) == (3, 1, trailer_digest(shared.sampler_settings.to_json()), 2)
 

@@ -98,7 +98,9 @@ class DynamicBatchSampler:
 
     With ``num_replicas=1, rank=0`` in a job of several workers, each worker draws its own dataset
     independently (the independent-shard mode: every worker shuffles its own pre-sharded data,
-    e.g. with ``seed=bps.rank()``); nothing is compared between workers then.
+    e.g. with ``seed=bps.rank()``); nothing is compared between workers then, but every worker
+    must use it: a job where some workers share a sampler and others draw their own shard raises
+    TensorMismatchError on every worker at the first optimizer step, naming the ranks of each.
 
     Args:
         dataset: the dataset (or its length); every worker must pass the same length.
@@ -160,9 +162,7 @@ class DynamicBatchSampler:
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
-        shared = self.num_replicas > 1
-        self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings(initial) if shared else None,
-                                                self.rank if shared else None)
+        self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings(initial), self.rank)
         _batch_plan.make_default(self.batch_plan)
 
     def _settings(self, initial_sizes: Sequence[int]) -> _batch_plan.SamplerSettings:
