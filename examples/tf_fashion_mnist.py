@@ -255,13 +255,19 @@ def main():
         with bps.untimed():
             accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples = sum(w["samples"] for w in workers)
+    out_of_time = clock.seconds >= clock.budget
+    if out_of_time:
+        log(f"time budget of {args.time_budget:g} s ran out at t={train_s:.1f}s of training: "
+            f"{workers[0]['steps']} steps, {samples} samples ({samples / len(train_x):.2f} epochs) trained")
     if rank == 0:
         if args.output:
             RunMetrics(test_accuracy=float(accuracy), test_loss=float(test_loss), epochs=args.epochs, model="cnn",
                        wall_s=time.time() - start, train_s=train_s, samples=samples, workers=size,
                        batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
                        lr_scaling=args.lr_scaling, test_samples=len(test_y), curve=clock.curve,
-                       worker_statistics=workers, mode="fit" if args.fit else "loop").write(args.output)
+                       worker_statistics=workers, mode="fit" if args.fit else "loop",
+                       stopped_by="time_budget" if out_of_time else "epochs",
+                       epochs_trained=samples / len(train_x)).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()
 

@@ -30,6 +30,7 @@ def test_custom_loop_trains_four_workers_to_80_percent(tmp_path):
     metrics, stdout = train(tmp_path, "--limit-train", "30000", "--eval-every", "5")  # 0.848 measured: half an epoch
     assert metrics["workers"] == 4 and metrics["mode"] == "loop"
     assert metrics["test_samples"] == 10_000 and metrics["samples"] == 30_000
+    assert metrics["stopped_by"] == "epochs" and metrics["epochs_trained"] == 1.0 and "time budget" not in stdout
     assert metrics["curve"] and all(p["train_s"] >= 5 for p in metrics["curve"])
     assert metrics["test_accuracy"] >= 0.80, metrics
     assert "[0] test_accuracy=" in stdout
@@ -51,8 +52,8 @@ def test_model_fit_under_the_proportional_policy_reaches_80_percent(tmp_path):
 def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_path):
     """Keras epochs of 1,000 samples (4 steps), several of them in 10 s: the budget, not the epochs, ends
     training. (With 6 s, a loaded CI machine spent all of it in the first epoch: 4.6 s tracing the first step.)"""
-    metrics, _ = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "10",
-                       "--eval-every", "1", "--eval-subset", "500")
+    metrics, stdout = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "10",
+                            "--eval-every", "1", "--eval-subset", "500")
     curve = metrics["curve"]
     assert metrics["test_samples"] == 500 and len(curve) >= 3
     times = [p["train_s"] for p in curve]
@@ -61,3 +62,6 @@ def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_p
     assert metrics["samples"] > 1000 and metrics["samples"] == curve[-1]["samples"]  # past the first Keras epoch
     assert sum(w["samples"] for w in metrics["worker_statistics"]) == metrics["samples"]
     assert metrics["steps"] == metrics["worker_statistics"][3]["steps"] > 4
+    assert metrics["stopped_by"] == "time_budget" and metrics["epochs_trained"] == metrics["samples"] / 1000
+    assert "time budget of 10 s ran out at t=" in stdout, stdout[-2000:]
+    assert f"{metrics['steps']} steps, {metrics['samples']} samples" in stdout
