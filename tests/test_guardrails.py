@@ -147,11 +147,29 @@ class Predicting(Fixed):
         return self.gain if tuple(sizes) == self.sizes else 0.01
 
 
-def test_hysteresis_re_evaluates_the_gain_after_clipping():
+def test_hysteresis_judges_the_target_and_the_clipped_step_must_still_gain():
     s = make_state([64, 64])
     assert Guarded(Predicting([100, 28], gain=0.5), max_change=4.0).decide(s).batch_sizes == (100, 28)
     d = Guarded(Predicting([200, 28], gain=0.5), max_change=2.0).decide(s)   # clipped to 128
-    assert d.batch_sizes == (64, 64) and "hysteresis" in d.reason
+    assert d.batch_sizes == (128, 100) and d.predicted_gain == 0.01  # the global batch kept; the step's gain reported
+    assert d.terms["guard"]["predicted_gain_of_target"] == 0.5
+
+    class Worsening(Predicting):  # the clipped step alone would be slower
+        def predict_gain(self, state, sizes):
+            return self.gain if tuple(sizes) == self.sizes else -0.1
+
+    d = Guarded(Worsening([200, 28], gain=0.5), max_change=2.0).decide(s)
+    assert d.batch_sizes == (64, 64) and "is predicted to gain -0.1" in d.reason
+    d = Guarded(Predicting([200, 28], gain=0.02), max_change=2.0).decide(s)  # a target below the threshold
+    assert d.batch_sizes == (64, 64) and "predicted gain 0.02 < 0.05" in d.reason
+
+
+def test_a_factor_near_one_moves_towards_a_worthwhile_target_under_the_default_hysteresis():
+    # --max-change 1.01 with a 3x straggler: each one-sample step gains ~1.5%, below 5%, and was
+    # refused every decision although the target gains ~40%
+    s = make_state([64, 64], thetas=[300.0, 100.0])
+    d = Guarded(ProportionalPolicy(), max_change=1.01).decide(s)
+    assert d.batch_sizes == (65, 63) and 0 < d.predicted_gain < 0.05
 
 
 def test_guarded_reports_the_gain_of_what_it_returns():

@@ -28,11 +28,15 @@ rules, applied in this order:
    spread over the workers that still have room, in proportion to their proposed sizes, so the
    proposal's global batch is kept when the windows allow it (the proportional policy's promise
    "the global batch is unchanged" survives the clip).
-5. **Hysteresis.** The gain of the final sizes is the policy's ``predicted_gain`` when rules 3–4
-   changed nothing, else re-evaluated with the policy's ``predict_gain(state, sizes)`` if it has
-   one. If that gain is below ``hysteresis`` (or not finite) the current sizes are kept, with a
-   reason saying so and ``predicted_gain = 0``. Policies that make no prediction
-   (``reports_gain = False``, e.g. ``static``) skip this rule.
+5. **Hysteresis.** A change is made only when the sizes the policy aims for (its proposal within
+   the bounds, rule 3) are predicted to gain at least ``hysteresis`` and the step rule 4 allows
+   towards them is predicted to gain something (> 0). Each gain is the policy's
+   ``predicted_gain`` for its own proposal, else re-evaluated with the policy's
+   ``predict_gain(state, sizes)`` if it has one. Judging the target rather than the step keeps a
+   small ``max_change`` from freezing the sizes: every step towards a target worth 30 % may
+   itself gain less than the threshold. Otherwise the current sizes are kept, with a reason
+   saying so and ``predicted_gain = 0``; the decision reports the step's gain. Policies that
+   make no prediction (``reports_gain = False``, e.g. ``static``) skip this rule.
 
 The threshold rule follows AdaptDL, which changes the batch size only when the predicted goodput
 speed-up exceeds a threshold (petuum/adaptdl issue #27, ``_speedup_threshold``); the maximum
@@ -54,6 +58,10 @@ from dynamix_byteps.policy.base import ClusterState, Decision, Policy, as_floats
 from dynamix_byteps.policy.proportional import bounded_split
 
 __all__ = ["Guarded"]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -195,6 +203,18 @@ class Guarded(Policy):
         bad = [state.workers[i].rank for i in np.flatnonzero(~ok)]
         return np.where(ok, values, current), [f"{_ranks(bad)}: invalid proposal, kept current size"]
 
+    def _gain(self, state: ClusterState, decision: Decision, raw: list, sizes: tuple[int, ...]) -> float:
+        """Predicted relative gain of ``sizes``: the policy's own for its unchanged proposal ``raw``,
+        else its ``predict_gain`` (nan when it has none and the sizes differ, or it raised)."""
+        if list(sizes) == raw:
+            return decision.predicted_gain
+        if not hasattr(self.policy, "predict_gain"):
+            return decision.predicted_gain
+        try:
+            return float(self.policy.predict_gain(state, list(sizes)))
+        except Exception:  # noqa: BLE001 - the control plane must never stop training
+            return float("nan")
+
     # -- the policy ----------------------------------------------------------------------------
     def decide(self, state: ClusterState) -> Decision:
         workers = state.workers
@@ -248,19 +268,20 @@ class Guarded(Policy):
         final = _ints(sizes)
 
         # 5. hysteresis
-        gain = d.predicted_gain
-        if list(final) != raw and hasattr(self.policy, "predict_gain"):
-            try:
-                gain = float(self.policy.predict_gain(state, list(final)))
-            except Exception:  # noqa: BLE001
-                gain = float("nan")
+        target_gain = self._gain(state, d, raw, _ints(bounded))
+        gain = target_gain if final == _ints(bounded) else self._gain(state, d, raw, final)
         guard = {"proposed": _ints(proposal), "notes": notes, "predicted_gain_after_guard": gain}
+        if final != _ints(bounded):
+            guard["predicted_gain_of_target"] = target_gain
         terms = dict(d.terms, guard=guard)
         reason = d.reason + ("; guard: " + "; ".join(notes) if notes else "")
         if final != now and getattr(self.policy, "reports_gain", True):
-            if not (isinstance(gain, (int, float)) and math.isfinite(gain) and gain >= self.hysteresis):
-                return Decision(now, f"{reason}; hysteresis: predicted gain {gain:.3g} < {self.hysteresis:g}, "
+            if not (_finite(target_gain) and target_gain >= self.hysteresis):
+                return Decision(now, f"{reason}; hysteresis: predicted gain {target_gain:.3g} < {self.hysteresis:g}, "
                                 "keeping current sizes", 0.0, terms)
+            if not (_finite(gain) and gain > 0.0):
+                return Decision(now, f"{reason}; hysteresis: the step the maximum change allows towards a gain of "
+                                f"{target_gain:.3g} is predicted to gain {gain:.3g}, keeping current sizes", 0.0, terms)
         if final == now:
             gain = 0.0
         return Decision(final, reason, float(gain) if math.isfinite(gain) else 0.0, terms)
