@@ -367,3 +367,14 @@ def test_a_policy_without_the_jobs_size_in_advance_warns_once_at_its_first_decis
     for state in recorded_states(workers, count=5):
         policy.decide(state)
     assert len(_job_size_warnings(caplog)) == warned, caplog.text
+
+
+@pytest.mark.parametrize("training", ["x", ["a"], {"workers": [4.0, 8]}, {"workers": "4"}, {"workers": [0, 8]},
+                                      {"workers": []}, {"workers": True}, None])
+def test_worker_counts_recorded_in_another_shape_are_unreadable_not_a_crash(training):
+    # a "training" string crashed the scheduler at start (AttributeError), [4.0, 8] read as "trained on 8"
+    from dynamix_byteps.policy.ppo.serve import trained_worker_counts
+
+    assert trained_worker_counts({"training": training}) == ()
+    assert trained_worker_counts({"training": {"workers": [8, 4]}}) == (4, 8)
+    assert trained_worker_counts({"training": {"workers": 16}}) == (16,)

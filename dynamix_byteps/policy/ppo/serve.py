@@ -234,10 +234,15 @@ def _load(generation: int, directory: Path) -> _Live:
 
 def trained_worker_counts(metadata: dict) -> tuple[int, ...]:
     """The worker counts a policy was trained on, ascending, from its ``features.json`` content
-    (``training.workers``: one count or a list); ``()`` when it records none."""
-    counts = (metadata.get("training") or {}).get("workers")
+    (``training.workers``: one count or a list of them); ``()`` when it records none or the record
+    is not that shape (any entry that is not a whole number >= 1 makes it unreadable: a count
+    dropped silently would narrow the range)."""
+    training = metadata.get("training")
+    counts = training.get("workers") if isinstance(training, dict) else None
     counts = counts if isinstance(counts, list) else [counts]
-    return tuple(sorted(n for n in counts if isinstance(n, int) and not isinstance(n, bool)))
+    if not counts or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+        return ()
+    return tuple(sorted(counts))
 
 
 def _stamp(path: Path):
