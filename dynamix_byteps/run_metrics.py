@@ -20,10 +20,17 @@ from dataclasses import dataclass, field
 from .argtypes import float_in, int_in
 from .atomic import write_atomic
 
-__all__ = ["CURVE_FIELDS", "STOP_REASONS", "RunMetrics", "add_run_arguments"]
+__all__ = ["CURVE_FIELDS", "STOP_REASONS", "RunMetrics", "add_run_arguments", "stop_reason"]
 
 CURVE_FIELDS = ("train_s", "samples", "test_accuracy", "test_loss")
 STOP_REASONS = ("epochs", "time_budget")  # RunMetrics.stopped_by
+
+
+def stop_reason(budget_spent: bool, epochs_trained: float, epochs: int) -> str:
+    """What ended training, for :attr:`RunMetrics.stopped_by`: ``"time_budget"`` when the budget was
+    spent before ``epochs`` passes over the training set were trained, else ``"epochs"`` (a budget
+    that runs out on the last step of the last epoch cut nothing short)."""
+    return "time_budget" if budget_spent and epochs_trained < epochs else "epochs"
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, test_images: int) -> None:

@@ -36,7 +36,7 @@ import dynamix_byteps.tensorflow as bps
 import dynamix_byteps.tensorflow.keras as bps_keras
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.data import add_dataset_arguments, load_fashion_mnist
-from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments
+from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments, stop_reason
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
 TEST_IMAGES = 10_000  # Fashion-MNIST's test set
@@ -255,8 +255,8 @@ def main():
         with bps.untimed():
             accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples = sum(w["samples"] for w in workers)
-    out_of_time = clock.seconds >= clock.budget
-    if out_of_time:
+    stopped_by = stop_reason(clock.seconds >= clock.budget, samples / len(train_x), args.epochs)
+    if stopped_by == "time_budget":
         log(f"time budget of {args.time_budget:g} s ran out at t={train_s:.1f}s of training: "
             f"{workers[0]['steps']} steps, {samples} samples ({samples / len(train_x):.2f} epochs) trained")
     if rank == 0:
@@ -266,7 +266,7 @@ def main():
                        batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
                        lr_scaling=args.lr_scaling, test_samples=len(test_y), curve=clock.curve,
                        worker_statistics=workers, mode="fit" if args.fit else "loop",
-                       stopped_by="time_budget" if out_of_time else "epochs",
+                       stopped_by=stopped_by,
                        epochs_trained=samples / len(train_x)).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()

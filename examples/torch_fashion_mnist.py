@@ -29,7 +29,7 @@ import dynamix_byteps.torch as bps
 from dynamix_byteps.argtypes import int_in
 from dynamix_byteps.assignment import add_batch_arguments, parse_batch_schedule, parse_batch_sizes
 from dynamix_byteps.data import add_dataset_arguments, load_fashion_mnist
-from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments
+from dynamix_byteps.run_metrics import RunMetrics, add_run_arguments, stop_reason
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training pixels, after scaling to [0, 1]
 TEST_IMAGES = 10_000  # Fashion-MNIST's test set
@@ -262,9 +262,10 @@ def main():
             f"steps={steps} mean_global_batch={stats[1] / max(steps, 1):.0f} time={elapsed:.1f}s "
             f"noise_scale={'n/a' if noise is None else f'{noise:.0f}'}", flush=True)
         if out_of_time:
-            log(f"time budget of {args.time_budget:g} s ran out at t={clock:.1f}s of training: stopped in epoch "
-                f"{epoch + 1}/{args.epochs} after {steps} steps of it; {all_steps} steps, {samples_seen} samples "
-                f"({samples_seen / len(train_set):.2f} epochs) trained in all", flush=True)
+            if stop_reason(True, samples_seen / len(train_set), args.epochs) == "time_budget":
+                log(f"time budget of {args.time_budget:g} s ran out at t={clock:.1f}s of training: stopped in epoch "
+                    f"{epoch + 1}/{args.epochs} after {steps} steps of it; {all_steps} steps, {samples_seen} samples "
+                    f"({samples_seen / len(train_set):.2f} epochs) trained in all", flush=True)
             break
     trained_s = training_clock(rank, size, time.perf_counter() - started - untimed_s, device)  # without the evaluation below
 
@@ -281,7 +282,7 @@ def main():
                        wall_s=wall, train_s=train_clock, samples=samples_seen, workers=size,
                        batch_sizes=list(batch_sizes), batch_schedule=args.batch_schedule, lr=lr,
                        lr_scaling=args.lr_scaling, warmup_steps=args.warmup_steps, test_samples=len(test_y), curve=curve,
-                       worker_statistics=workers, stopped_by="time_budget" if out_of_time else "epochs",
+                       worker_statistics=workers, stopped_by=stop_reason(out_of_time, samples_seen / len(train_set), args.epochs),
                        epochs_trained=samples_seen / len(train_set)).write(args.output)
         print(f"test_accuracy={accuracy:.4f} test_loss={test_loss:.4f}", flush=True)
     bps.shutdown()

@@ -37,3 +37,12 @@ def test_what_ended_training_is_written_when_the_script_says_and_left_out_when_i
 def test_an_unknown_stop_reason_is_refused_by_name():
     with pytest.raises(ValueError, match="stopped_by='budget' must be one of epochs, time_budget"):
         metrics(stopped_by="budget")
+
+
+def test_a_budget_spent_on_the_last_step_of_the_last_epoch_cut_nothing_short():
+    from dynamix_byteps.run_metrics import stop_reason
+
+    assert stop_reason(True, 0.37, 2) == "time_budget"
+    assert stop_reason(True, 1.0, 2) == "time_budget"  # at the end of an earlier epoch
+    assert stop_reason(True, 2.0, 2) == "epochs"
+    assert stop_reason(False, 2.0, 2) == "epochs"
