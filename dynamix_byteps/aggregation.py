@@ -259,7 +259,9 @@ def _check_sampler_modes(sampler_ranks: np.ndarray) -> None:
         "(num_replicas=1): the shared permutation's slices of the latter are never trained, and what they train "
         "instead is not cut from it. Build the DynamicBatchSampler with the same num_replicas on every worker: leave "
         "num_replicas out everywhere (it defaults to bps.size()), or give num_replicas=1, rank=0 everywhere to "
-        "shuffle a shard of its own on each worker")
+        "shuffle a shard of its own on each worker. A sampler built later on some workers only (a validation "
+        "sampler on rank 0) replaces the training one there: use a plain DataLoader for it, or hand each optimizer "
+        "its sampler's batch_plan")
 
 
 def _check_sampler_ranks(sampler_ranks: np.ndarray) -> None:

@@ -138,6 +138,7 @@ def test_sampler_kind_check_names_the_ranks_of_shared_and_own_shard_samplers_whe
     with pytest.raises(TensorMismatchError, match=r"the same num_replicas on every worker") as raised:
         _check_sampler_modes(np.array(sampler_ranks, dtype=np.int64))
     assert listed in str(raised.value)
+    assert "a validation sampler on rank 0) replaces the training one there" in str(raised.value)  # the other cause
 
 
 @pytest.mark.parametrize(("sampler_ranks", "listed"), [
