@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dynamix_byteps.env import env_batch_sizes as env_batch_sizes  # re-exported: samplers and scripts read them here
-from dynamix_byteps.env import parse_batch_sizes
+from dynamix_byteps.env import parse_batch_sizes, quoted
 from dynamix_byteps.errors import ConfigurationError, InvalidAssignmentError
 from dynamix_byteps.scaling.lr_scaling import RULES
 
@@ -201,12 +201,13 @@ def parse_batch_schedule(text: str, size: int) -> list[tuple[int, tuple[int, ...
     entries = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         step_text, sep, sizes_text = part.partition(":")
-        if not sep or not step_text.strip().isdigit():
-            raise ConfigurationError(f"schedule entry {part!r} is not STEP:SIZES (e.g. 500:32,64)")
-        entries.append((int(step_text), parse_batch_sizes(sizes_text, size)))
+        step = step_text.strip()
+        if not sep or not (step.isascii() and step.isdigit()):
+            raise ConfigurationError(f"schedule entry {quoted(part)} is not STEP:SIZES (e.g. 500:32,64)")
+        entries.append((int(step), parse_batch_sizes(sizes_text, size)))
     steps = [step for step, _ in entries]
     if len(set(steps)) != len(steps):
-        raise ConfigurationError(f"schedule {text!r} names a step twice")
+        raise ConfigurationError(f"schedule {quoted(text)} names a step twice")
     return sorted(entries)
 
 

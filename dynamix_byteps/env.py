@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -95,26 +96,45 @@ def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int |
     return value
 
 
+_SIZE_FIELD = re.compile(r" *-?[0-9]+ *")  # ASCII digits: every worker, whatever reads it, gets the text as given
+_QUOTED_LIMIT = 60  # characters of a text a message repeats
+
+
+def quoted(text: str) -> str:
+    """``repr(text)`` for a message; a text longer than 60 characters is cut there, with its length said."""
+    if len(text) <= _QUOTED_LIMIT:
+        return repr(text)
+    return f"{text[:_QUOTED_LIMIT]!r}... ({len(text)} characters)"
+
+
 def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
-    """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints.
+    """``"64"`` (all workers) or ``"32,48,64,96"`` (one per rank) as a tuple of ``size`` ints; each
+    value is written in the ASCII digits 0-9, spaces around it allowed.
 
     Raises:
-        ConfigurationError: not integers, a size below 1 or above :data:`MAX_BATCH`, or a count
-            other than 1 or ``size``.
+        ConfigurationError: a value written otherwise (a sign '+', '_', other scripts' digits), a
+            size below 1 or above :data:`MAX_BATCH`, or a count other than 1 or ``size``.
     """
+    shown = quoted(text)
+    fields = text.split(",")
+    malformed = next((field for field in fields if not _SIZE_FIELD.fullmatch(field)), None)
+    if malformed is not None:
+        raise ConfigurationError(f"batch sizes {shown} are not comma-separated integers: {quoted(malformed)} is not "
+                                 "written in the digits 0-9; write each size as plain digits, e.g. 32,96")
     try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ConfigurationError(f"batch sizes {text!r} are not comma-separated integers") from None
+        values = tuple(int(field) for field in fields)
+    except ValueError:  # more digits than int() reads (4300)
+        raise ConfigurationError(f"batch sizes {shown}: a value of over 4300 digits is no batch size; each must be "
+                                 f"1 to {MAX_BATCH} samples") from None
     if min(values) < 1:
-        raise ConfigurationError(f"batch sizes {text!r}: {min(values)} is no batch size; each must be at least 1 sample")
+        raise ConfigurationError(f"batch sizes {shown}: {min(values)} is no batch size; each must be at least 1 sample")
     if max(values) > MAX_BATCH:
-        raise ConfigurationError(f"batch sizes {text!r}: {max(values)} is above the largest batch size, {MAX_BATCH} samples")
+        raise ConfigurationError(f"batch sizes {shown}: {max(values)} is above the largest batch size, {MAX_BATCH} samples")
     if len(values) == 1:
         return values * size
     if len(values) != size:
         workers, wanted = ("1 worker", "1") if size == 1 else (f"{size} workers", f"1 or {size}, one per worker")
-        raise ConfigurationError(f"batch sizes {text!r} give {len(values)} values for {workers}; give {wanted}")
+        raise ConfigurationError(f"batch sizes {shown} give {len(values)} values for {workers}; give {wanted}")
     return values
 
 
