@@ -166,6 +166,19 @@ def test_environment_mode_checks_the_batch_size_list_against_the_job_size():
         env_mode(parse_args(["--batch-size", "1,2", "--", "true"]), env, [])
 
 
+@pytest.mark.parametrize("argv, env, needle", [
+    (["--min-batch", "64", "--batch-size", "32,96"], {}, "argument --batch-size: 32 is outside rank 0's bounds [64, unbounded]"),
+    ([], {"DYNAMIX_BATCH_SIZE": "32,96", "DYNAMIX_MAX_BATCH": "64"},
+     "environment variable DYNAMIX_BATCH_SIZE: 96 is outside rank 1's bounds [1, 64]"),
+    (["--max-batch", "8,8,8"], {}, "argument --max-batch: batch sizes '8,8,8' give 3 values for 2 workers"),
+])
+def test_environment_mode_checks_each_rank_s_batch_size_against_its_bounds(argv, env, needle):
+    cluster = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "2",
+               "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "1234"}
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        env_mode(parse_args([*argv, "--", "true"]), {**cluster, **env}, [])
+
+
 @pytest.mark.timeout(120)
 def test_two_workers_each_start_at_their_own_batch_size():
     proc = subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--batch-size", "32,96",

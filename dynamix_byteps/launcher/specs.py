@@ -291,7 +291,7 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
         notes.append(f"DMLC_NUM_WORKER=1: the workers rendezvous on this machine (127.0.0.1:{root_port}); "
                      f"DMLC_PS_ROOT_URI={root_addr} is not used")
         root_addr = "127.0.0.1"
-    _per_rank_sizes(config, env, "batch_size", "DYNAMIX_BATCH_SIZE", num_nodes * local_size)  # a bad count names the flag
+    _check_bounds(config, env, num_nodes * local_size)
     return worker_specs(
         config, env, engine=engine, num_nodes=num_nodes, node_rank=node_rank, local_size=local_size,
         root_addr=root_addr, root_port=root_port, notes=notes,
