@@ -16,7 +16,8 @@ import pytest
 from conftest import clean_env, kill_tree, run_bpslaunch
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
-from dynamix_byteps.launcher.elastic import RunReport, decide
+from dynamix_byteps.launcher.config import LaunchConfig
+from dynamix_byteps.launcher.elastic import RunReport, _apply_decision, decide
 from dynamix_byteps.testing import netns
 from dynamix_byteps.testing.faults import FAULT_TAG_ENV, job_processes
 
@@ -26,9 +27,9 @@ SAMPLES = 480  # 20 steps of the global batch 24 (4 x 6, then 3 x 8): no epoch t
 NETNS_REASON = netns.available()
 
 
-def bpslaunch(*args, timeout: float) -> subprocess.CompletedProcess:
+def bpslaunch(*args, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)], check=False, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def read_runs(out: Path) -> dict[int, dict[int, list[dict]]]:
@@ -167,14 +168,26 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
 @pytest.mark.timeout(120)
 def test_per_worker_batch_bounds_follow_the_job_down_to_fewer_workers(tmp_path):
     # Each run's sampler reads its bounds (DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH) and bps.init its starting
-    # sizes (DYNAMIX_BATCH_SIZE), one per worker.
+    # sizes (DYNAMIX_BATCH_SIZE), one per worker, whether given as flags or inherited by bpslaunch.
     script = ("import os,sys,time; import dynamix_byteps.torch as bps; bps.init(); bps.DynamicBatchSampler(100, 8); "
-              "print('sampler built', flush=True); os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
-    proc = bpslaunch("-n", 2, "--batch-size", "8,9", "--min-batch", "2,3", "--max-batch", "40,50", "--restart-on-failure", 1, "--checkpoint",
-                     tmp_path / "c.pt", "--grace-period", 2, "--", sys.executable, "-c", script, timeout=110)
+              "print('sampler built with', *(os.environ[f'DYNAMIX_{v}'] for v in ('BATCH_SIZE', 'MIN_BATCH', 'MAX_BATCH')), "
+              "flush=True); os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
+    proc = bpslaunch("-n", 2, "--max-batch", "40,50", "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt",
+                     "--grace-period", 2, "--", sys.executable, "-c", script, timeout=110,
+                     env=clean_env(DYNAMIX_BATCH_SIZE="8,9", DYNAMIX_MIN_BATCH="2,3"))
     assert "restart 1 of 1 with 1 workers" in proc.stderr and "usage:" not in proc.stderr, proc.stderr
-    assert proc.stdout.count("[0] sampler built") == 2, proc.stdout  # the restarted rank 0 ran too
+    assert "[0] sampler built with 8,9 2,3 40,50" in proc.stdout, proc.stdout
+    assert "[0] sampler built with 8 2 40" in proc.stdout, proc.stdout  # the restarted rank 0 ran too, on its own sizes
     assert proc.returncode == 3, proc.stderr
+
+
+def test_a_restart_across_hosts_keeps_the_first_ranks_sizes_given_or_inherited(tmp_path, capsys):
+    config = LaunchConfig(command=("true",), hosts=(("a", 2), ("b", 2)), node_rank=0, batch_size="1,2,3,4",
+                          max_batch="9", restart_on_failure=1, checkpoint=tmp_path / "c.pt")
+    decision = {"slots": [2, 1], "lost": [3], "port": 1}
+    after = _apply_decision(config, {"DYNAMIX_MIN_BATCH": "1,1,2,2"}, decision, time.monotonic(), 3)
+    assert (after.batch_size, after.min_batch, after.max_batch) == ("1,2,3", "1,1,2", "9")
+    assert "restart 1 of 1 with 3 workers" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -13,6 +13,8 @@ from dynamix_byteps.env import DEFAULT_DECISION_INTERVAL
 
 PROG = "bpslaunch"
 DEFAULT_GRACE_S = 5.0
+# The flags of one size for every worker or one per rank, and the variable each sets in the workers' environment.
+PER_RANK_SIZES = {"batch_size": "DYNAMIX_BATCH_SIZE", "min_batch": "DYNAMIX_MIN_BATCH", "max_batch": "DYNAMIX_MAX_BATCH"}
 
 
 def _new_job_id() -> str:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from dynamix_byteps.control.mailbox import remove_job_mailboxes
 from dynamix_byteps.env import COLLECTIVE_FAILED_SUFFIX, STARTED_DIR_ENV
-from dynamix_byteps.launcher.config import PROG, LaunchConfig
+from dynamix_byteps.launcher.config import PER_RANK_SIZES, PROG, LaunchConfig
 from dynamix_byteps.launcher.rendezvous import REPORT_TIMEOUT_S, RendezvousServer, RunReport, end_round, leave
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 from dynamix_byteps.launcher.topology import LOCAL_HOST, Topology, free_port
@@ -118,7 +118,7 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
                 if decision["exit"] != 0:
                     print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
                 return decision["exit"]
-            config = _apply_decision(config, decision, started, code)
+            config = _apply_decision(config, env, decision, started, code)
             if config is None:
                 return 0
         else:
@@ -145,33 +145,36 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
                 print(f"{PROG}: worker {failed} failed and none survives; not restarting", file=sys.stderr, flush=True)
                 return code
             else:
-                config = _one_worker_fewer(config, failed, code, started)
+                config = _one_worker_fewer(config, env, failed, code, started)
         specs = build(config)
         if isinstance(specs, int):
             return code
         specs = [dataclasses.replace(s, append_log=True) for s in specs]
 
 
-def _one_worker_fewer(config: LaunchConfig, failed: str, code: int, started: float) -> LaunchConfig:
+def _one_worker_fewer(config: LaunchConfig, env: Mapping[str, str], failed: str, code: int,
+                      started: float) -> LaunchConfig:
     """The next local run after worker ``failed`` was lost: one worker fewer (ranks 0..size-2), the
-    last rank's slowdown, per-worker batch size and bounds dropped."""
+    last rank's slowdown, per-worker batch size and bounds (given or inherited) dropped."""
     restarts, left = config.run + 1, config.num_workers - 1
     print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
           f"{restarts} of {config.restart_on_failure} with {left} workers {_resuming_from(config.checkpoint)}",
           file=sys.stderr, flush=True)
     return dataclasses.replace(config, run=restarts, num_workers=left,
                                slowdown=tuple((r, s) for r, s in config.slowdown if r < left),
-                               batch_size=_first_workers(config.batch_size, left),
-                               min_batch=_first_workers(config.min_batch, left),
-                               max_batch=_first_workers(config.max_batch, left))
+                               **_first_ranks_sizes(config, env, left))
 
 
-def _first_workers(sizes: str | None, workers: int) -> str | None:
-    """A ``--batch-size``/``--min-batch``/``--max-batch`` value for the first ``workers`` ranks: one value stays, a
-    list of one per rank is cut to its first ``workers``."""
-    if sizes is None or "," not in sizes:
-        return sizes
-    return ",".join(sizes.split(",")[:workers])
+def _first_ranks_sizes(config: LaunchConfig, env: Mapping[str, str], workers: int) -> dict[str, str | None]:
+    """The ``batch_size``/``min_batch``/``max_batch`` fields for a run of the first ``workers`` ranks: each
+    flag's value, else the ``DYNAMIX_BATCH_SIZE``/... the workers inherit from ``env``; a list of one per
+    rank is cut to its first ``workers``, one value stays. An inherited list becomes the flag's, so that
+    the cut replaces it in the restarted workers' environment."""
+    sizes = {}
+    for flag, variable in PER_RANK_SIZES.items():
+        text = getattr(config, flag) if getattr(config, flag) is not None else env.get(variable) or None
+        sizes[flag] = text if text is None or "," not in text else ",".join(text.split(",")[:workers])
+    return sizes
 
 
 def _resuming_from(checkpoint) -> str:
@@ -227,8 +230,10 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
     return decision
 
 
-def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: int) -> LaunchConfig | None:
-    """The config of the next run of ``decision``; None when this host has no worker left in it."""
+def _apply_decision(config: LaunchConfig, env: Mapping[str, str], decision: dict, started: float,
+                    code: int) -> LaunchConfig | None:
+    """The config of the next run of ``decision`` (per-worker batch sizes and bounds of its first ranks);
+    None when this host has no worker left in it."""
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
     slots, mine = decision["slots"], decision["slots"][topology.node_rank]
     total, restarts = sum(slots), config.run + 1
@@ -248,7 +253,8 @@ def _apply_decision(config: LaunchConfig, decision: dict, started: float, code: 
     return dataclasses.replace(
         config, run=restarts, hosts=hosts, node_rank=node_rank, num_workers=num_workers, port=decision["port"],
         scheduler_port=decision.get("scheduler_port", config.scheduler_port),
-        slowdown=tuple((rank, spec) for rank, spec in config.slowdown if rank < total))
+        slowdown=tuple((rank, spec) for rank, spec in config.slowdown if rank < total),
+        **_first_ranks_sizes(config, env, total))
 
 
 def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool, dict[str, int]]:

@@ -21,7 +21,7 @@ from dynamix_byteps.env import (
     resolve_engine,
 )
 from dynamix_byteps.errors import ConfigurationError, UsageError
-from dynamix_byteps.launcher.config import LaunchConfig
+from dynamix_byteps.launcher.config import PER_RANK_SIZES, LaunchConfig
 from dynamix_byteps.launcher.services import (
     agent_spec,
     byteps_role_spec,
@@ -115,8 +115,7 @@ def worker_specs(config: LaunchConfig, env: Mapping[str, str], *, engine: str, n
         base["DYNAMIX_TIMEOUT"] = repr(config.timeout)
     if config.log_dir is not None:
         base["DYNAMIX_LOG_DIR"] = str(config.log_dir)
-    for flag, variable in (("batch_size", "DYNAMIX_BATCH_SIZE"), ("min_batch", "DYNAMIX_MIN_BATCH"),
-                           ("max_batch", "DYNAMIX_MAX_BATCH"), ("lr_scaling", "DYNAMIX_LR_SCALING")):
+    for flag, variable in (*PER_RANK_SIZES.items(), ("lr_scaling", "DYNAMIX_LR_SCALING")):
         if getattr(config, flag) is not None:
             base[variable] = getattr(config, flag)
     if scheduler is not None:
