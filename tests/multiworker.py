@@ -1,42 +1,56 @@
 """Run a function in N real worker processes on loopback, BytePS environment and all.
 
-``run_workers(n, "module:function", *args)`` starts ``n`` interpreters, each with the
-``DMLC_*``/``BYTEPS_*`` variables bpslaunch would set, calls ``bps.init()`` and then
-``function(*args)``, and returns each rank's JSON result. A hard timeout kills every child;
-children are always reaped, also when the test fails. With ``servers=K`` the job runs the ``ps``
-engine: K summation servers (``python -m dynamix_byteps.engine.ps_server``) start first and are
-killed after the workers have exited.
+``run_workers(n, "module:function", *args)`` starts ``n`` worker processes, each with the
+``DMLC_*``/``BYTEPS_*`` variables bpslaunch would set as its environment, calls ``bps.init()`` and
+then ``function(*args)``, and returns each rank's JSON result. The workers are forked from a fork
+server (one per pytest process, started on first use, ending with it) that has imported torch and
+``dynamix_byteps.torch`` already, which spares each worker the seconds those imports take. A hard
+timeout kills every child; children are always reaped, also when the test fails. With
+``servers=K`` the job runs the ``ps`` engine: K summation servers (``python -m
+dynamix_byteps.engine.ps_server``) start first and are killed after the workers have exited.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import importlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from unittest import mock
 
 from dynamix_byteps.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-_ENTRY = r"""
-import importlib, json, sys, traceback, torch
-torch.set_num_threads(1)
-import dynamix_byteps.torch as bps
-target, args_json, out = sys.argv[1], sys.argv[2], sys.argv[3]
-module, func = target.split(":")
-bps.init()
-try:
-    result = {"ok": getattr(importlib.import_module(module), func)(*json.loads(args_json))}
-except Exception as exc:
-    result = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-with open(out, "w") as f:
-    json.dump(result, f)
-bps.shutdown()
-"""
+_ENTRY = "import sys, multiworker; multiworker.run_target(*sys.argv[1:])"
+_PRELOADED = ["torch", "dynamix_byteps.torch", "multiworker"]  # what the fork server imports once
 
+
+def run_target(target: str, args_json: str, out: str) -> None:
+    """A worker's body: join the job, write ``{"ok": target(*args)}`` (or the exception it raised)
+    as JSON to the file ``out``, leave the job."""
+    import torch
+
+    torch.set_num_threads(1)
+    import dynamix_byteps.torch as bps
+
+    module, func = target.split(":")
+    bps.init()
+    try:
+        result = {"ok": getattr(importlib.import_module(module), func)(*json.loads(args_json))}
+    except Exception as exc:
+        result = {"error": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    bps.shutdown()
 
 
 def worker_env(rank: int, size: int, port: int, **extra: str) -> dict[str, str]:
@@ -53,7 +67,8 @@ def worker_env(rank: int, size: int, port: int, **extra: str) -> dict[str, str]:
 
 
 def worker_command(target: str, args: list, out: str) -> list[str]:
-    """The command of one worker that runs ``target(*args)`` and writes its JSON result to ``out``."""
+    """The command of one worker (a fresh interpreter) that runs ``target(*args)`` and writes its
+    JSON result to ``out``; run it with :func:`worker_env`'s environment."""
     return [sys.executable, "-c", _ENTRY, target, json.dumps(args), out]
 
 
@@ -70,37 +85,100 @@ def start_servers(servers: int, workers: int, env: dict[str, str]) -> list[subpr
             for i in range(servers)]
 
 
+@functools.cache
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server with :data:`_PRELOADED` imported. It exits when this process's
+    end of its pipe closes (this process exits); a worker's environment replaces the server's."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOADED)
+    with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):  # OpenBLAS and OpenMP size their pools at import
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def _forked_worker(target: str, args_json: str, out: str, output: str, env: dict[str, str]) -> None:
+    """:func:`run_target` in a child of the fork server, as a fresh worker would run it: ``env`` as
+    its whole environment, stdout and stderr into the file ``output``, exit handlers run at the end."""
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    import numpy
+
+    numpy.random.seed()  # a fresh interpreter draws a seed of its own; forked ones share the server's
+    try:
+        run_target(target, args_json, out)
+    finally:
+        atexit._run_exitfuncs()  # a multiprocessing child ends with os._exit, which skips them
+
+
+def _start_worker(target: str, args: list, files: str, env: dict[str, str]) -> multiprocessing.Process:
+    process = _fork_server().Process(target=_forked_worker,
+                                     args=(target, json.dumps(args), f"{files}.json", f"{files}.out", env))
+    process.start()
+    return process
+
+
+def _exit_codes(workers: list[multiprocessing.Process], timeout: float) -> list[int | None]:
+    """Each worker's exit code once all have exited, None for those still running after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    for process in workers:
+        process.join(max(deadline - time.monotonic(), 0))
+    return [process.exitcode for process in workers]
+
+
+def _end(workers: list[multiprocessing.Process], servers: list[subprocess.Popen]) -> None:
+    """Kill whatever still runs and reap it all."""
+    for process in workers:
+        if process.exitcode is None:
+            process.kill()
+        process.join()
+        process.close()
+    for proc in servers:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _output(files: str) -> str:
+    """What a worker wrote to stdout and stderr."""
+    path = Path(f"{files}.out")
+    return path.read_text(errors="replace") if path.exists() else "(none: it died before it could redirect them)"
+
+
 def run_workers(n: int, target: str, *args, timeout: float = 120, env: dict | None = None,
                 servers: int = 0) -> list[dict]:
-    """Results of ``target(*args)`` on ranks 0..n-1: ``{"ok": value}`` or ``{"error": ..., "message": ...}``."""
+    """Results of ``target(*args)`` on ranks 0..n-1: ``{"ok": value}`` or ``{"error": ..., "message": ...}``.
+
+    Raises:
+        TimeoutError: ranks still ran after ``timeout`` seconds (all are killed); shows their output.
+        AssertionError: a rank exited without a result; shows its exit code and output.
+    """
     port = free_port()
     if servers:
         env = {**ps_env(servers, free_port()), **(env or {})}
     with tempfile.TemporaryDirectory() as tmp:
-        procs, server_procs = [], []
+        files = [os.path.join(tmp, f"rank{rank}") for rank in range(n)]
+        workers, server_procs = [], []
         try:
             if servers:
                 server_procs = start_servers(servers, n, worker_env(0, n, port, **env))
             for rank in range(n):
-                out = os.path.join(tmp, f"rank{rank}.json")
-                procs.append(subprocess.Popen(
-                    worker_command(target, list(args), out),
-                    env=worker_env(rank, n, port, **(env or {})),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                ))
-            deadline = time.monotonic() + timeout
-            outputs = [p.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for p in procs]
+                workers.append(_start_worker(target, list(args), files[rank], worker_env(rank, n, port, **(env or {}))))
+            exit_codes = _exit_codes(workers, timeout)
         finally:
-            for p in procs + server_procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
+            _end(workers, server_procs)
+        late = [rank for rank, code in enumerate(exit_codes) if code is None]
+        if late:
+            raise TimeoutError(f"{target}: ranks {late} still ran after {timeout:g} s and were killed; their output:\n"
+                               + "\n".join(f"rank {rank}:\n{_output(files[rank])}" for rank in late))
         results = []
-        for rank, (proc, output) in enumerate(zip(procs, outputs)):
-            path = os.path.join(tmp, f"rank{rank}.json")
-            if not os.path.exists(path):
-                raise AssertionError(f"rank {rank} exited {proc.returncode} without a result:\n{output}")
-            with open(path) as f:
+        for rank, code in enumerate(exit_codes):
+            if not os.path.exists(f"{files[rank]}.json"):
+                raise AssertionError(f"rank {rank} exited {code} without a result:\n{_output(files[rank])}")
+            with open(f"{files[rank]}.json") as f:
                 results.append(json.load(f))
         return results
 
