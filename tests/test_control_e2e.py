@@ -195,3 +195,19 @@ def test_normal_training_never_gets_a_report_refused(tmp_path, mode, extra):
     # machine's load, so the "NOT applied" warning of the declared port is tested in test_worker_reports;
     # with a sampler the assignment is applied and never warned about.
     assert mode == "declared" or "NOT applied" not in output
+
+
+def test_bpslaunch_passes_the_guardrails_factor_and_threshold_to_its_scheduler(tmp_path):
+    # only `dynamix scheduler` took them: a bpslaunch user could not loosen or tighten the guardrails
+    from dynamix_byteps.cli import build_parser
+
+    config = dataclasses.replace(parse_args(["-n", "2", "--policy", "proportional", "--max-change", "1.5",
+                                             "--hysteresis", "0", "--", "true"]), run_dir=tmp_path)
+    (scheduler,), _ = scheduler_specs(config, {}, ["127.0.0.1"], 0, 2)
+    parsed = build_parser().parse_args(scheduler.argv[scheduler.argv.index("scheduler"):])
+    assert (parsed.max_change, parsed.hysteresis) == (1.5, 0.0)
+    (scheduler,), _ = scheduler_specs(dataclasses.replace(config, max_change=None, hysteresis=None), {},
+                                      ["127.0.0.1"], 0, 2)
+    assert "--max-change" not in scheduler.argv and "--hysteresis" not in scheduler.argv  # the scheduler's defaults
+    with pytest.raises(UsageError, match="--max-change needs --policy"):
+        scheduler_specs(dataclasses.replace(config, policy=None, hysteresis=None), {}, ["127.0.0.1"], 0, 2)

@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "serves and explores with a copy in the run directory, hot-swapping each new generation")
     control.add_argument("--min-batch", metavar="B[,B...]", help="smallest local batch, one or one per worker (DYNAMIX_MIN_BATCH; default 1)")
     control.add_argument("--max-batch", metavar="B[,B...]", help="largest local batch, one or one per worker (DYNAMIX_MAX_BATCH; default: no limit)")
+    control.add_argument("--max-change", type=float_in(1.0, low_open=True), metavar="X",
+                         help="largest factor a worker's batch size may change by per decision, > 1 (the "
+                         "scheduler's; default 2.0)")
+    control.add_argument("--hysteresis", type=float_in(0.0), metavar="H",
+                         help="change sizes only when the policy's target is predicted to gain more than H (the "
+                         "scheduler's; default 0.05)")
     control.add_argument("--decision-interval", type=_positive_int, default=DEFAULT_DECISION_INTERVAL, metavar="K",
                          help=f"steps between reports and decisions (default {DEFAULT_DECISION_INTERVAL})")
     control.add_argument("--lr-scaling", choices=tuple(RULES),

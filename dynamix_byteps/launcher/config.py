@@ -61,6 +61,8 @@ class LaunchConfig:
     min_batch: str | None = None
     max_batch: str | None = None
     decision_interval: int = DEFAULT_DECISION_INTERVAL
+    max_change: float | None = None
+    hysteresis: float | None = None
     lr_scaling: str | None = None
     scheduler_port: int | None = None
     bind: str | None = None

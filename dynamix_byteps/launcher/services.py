@@ -39,7 +39,8 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
     """The scheduler's ChildSpec (on node 0 only, with its fine-tuner) and the ``host:port`` every
     worker reports to; ``([], None)`` without ``--policy``. Raises UsageError for flags that do not fit."""
     if config.policy is None:
-        for flag in ("policy_path", "fine_tune", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca"):
+        for flag in ("policy_path", "fine_tune", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca",
+                     "max_change", "hysteresis"):
             if getattr(config, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         if config.policy_option:
@@ -78,6 +79,9 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
         argv += ["--policy-option", f"path={config.policy_path}"]
     for key, value in config.policy_option:
         argv += ["--policy-option", f"{key}={value}"]
+    for flag in ("max_change", "hysteresis"):
+        if getattr(config, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", repr(getattr(config, flag))]
     if config.tls_cert is not None:
         argv += ["--tls-cert", str(config.tls_cert), "--tls-key", str(config.tls_key)]
     spec = ChildSpec(label="scheduler", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"),
