@@ -37,6 +37,17 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+@pytest.fixture(autouse=True)
+def _no_default_batch_plan_across_tests():
+    """Each test starts without a default batch plan: a sampler a test built and drew from in this
+    process would otherwise feed its pending draws (and its rank) to the next test's frontend."""
+    import dynamix_byteps.batch_plan as batch_plan
+
+    batch_plan._default = None
+    yield
+    batch_plan._default = None
+
+
 class TestTimedOut(BaseException):
     """A test ran past its pytest-timeout limit. A BaseException, unlike pytest-timeout's own
     ``Failed``: Hypothesis takes a ``Failed`` for a failing example and replays and shrinks it, so
