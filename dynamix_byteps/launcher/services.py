@@ -30,6 +30,9 @@ def require_byteps(role: str) -> None:
         )
 
 
+_GUARDRAIL_FLAGS = ("max_change", "hysteresis")  # bpslaunch flags passed on to the scheduler as they are
+
+
 def _log(config: LaunchConfig, name: str) -> Path | None:
     return None if config.log_dir is None else config.log_dir / name
 
@@ -40,7 +43,7 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
     worker reports to; ``([], None)`` without ``--policy``. Raises UsageError for flags that do not fit."""
     if config.policy is None:
         for flag in ("policy_path", "fine_tune", "scheduler_port", "bind", "tls_cert", "tls_key", "tls_ca",
-                     "max_change", "hysteresis"):
+                     *_GUARDRAIL_FLAGS):
             if getattr(config, flag) is not None:
                 raise UsageError(f"--{flag.replace('_', '-')} needs --policy")
         if config.policy_option:
@@ -79,7 +82,7 @@ def scheduler_specs(config: LaunchConfig, env: Mapping[str, str], hosts: list[st
         argv += ["--policy-option", f"path={config.policy_path}"]
     for key, value in config.policy_option:
         argv += ["--policy-option", f"{key}={value}"]
-    for flag in ("max_change", "hysteresis"):
+    for flag in _GUARDRAIL_FLAGS:
         if getattr(config, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", repr(getattr(config, flag))]
     if config.tls_cert is not None:

@@ -204,11 +204,9 @@ class Guarded(Policy):
         return np.where(ok, values, current), [f"{_ranks(bad)}: invalid proposal, kept current size"]
 
     def _gain(self, state: ClusterState, decision: Decision, raw: list, sizes: tuple[int, ...]) -> float:
-        """Predicted relative gain of ``sizes``: the policy's own for its unchanged proposal ``raw``,
-        else its ``predict_gain`` (nan when it has none and the sizes differ, or it raised)."""
-        if list(sizes) == raw:
-            return decision.predicted_gain
-        if not hasattr(self.policy, "predict_gain"):
+        """Predicted relative gain of ``sizes``: the policy's own for its unchanged proposal ``raw``
+        (also when it cannot re-evaluate other sizes), else its ``predict_gain`` (nan if that raised)."""
+        if list(sizes) == raw or not hasattr(self.policy, "predict_gain"):
             return decision.predicted_gain
         try:
             return float(self.policy.predict_gain(state, list(sizes)))
@@ -268,10 +266,11 @@ class Guarded(Policy):
         final = _ints(sizes)
 
         # 5. hysteresis
-        target_gain = self._gain(state, d, raw, _ints(bounded))
-        gain = target_gain if final == _ints(bounded) else self._gain(state, d, raw, final)
+        target = _ints(bounded)
+        target_gain = self._gain(state, d, raw, target)
+        gain = target_gain if final == target else self._gain(state, d, raw, final)
         guard = {"proposed": _ints(proposal), "notes": notes, "predicted_gain_after_guard": gain}
-        if final != _ints(bounded):
+        if final != target:
             guard["predicted_gain_of_target"] = target_gain
         terms = dict(d.terms, guard=guard)
         reason = d.reason + ("; guard: " + "; ".join(notes) if notes else "")
