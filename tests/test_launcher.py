@@ -367,6 +367,12 @@ def printed_pids(stdout: bytes) -> list[int]:
     return [int(pid) for line in PIDS_LINE.findall(stdout) for pid in line.split()]
 
 
+def once_sleeping(pid: str) -> str:
+    """Shell that waits until process ``pid`` runs `sleep`: a ``trap "" TERM`` it set before its
+    ``exec sleep`` is then in force (a SIGTERM that came earlier would end it, and the test)."""
+    return f'until [ "$(cat /proc/{pid}/comm 2>/dev/null)" = sleep ]; do sleep 0.01; done; '
+
+
 def orphaning_worker(marker: str, then: str) -> list[str]:
     """A worker that starts `sleep`s with ``marker`` (in its group, in a session of its own, in its
     group ignoring SIGTERM, in a session of its own ignoring SIGTERM), prints their pids, then runs
@@ -539,7 +545,8 @@ def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_en
     err = tmp_path / "launcher.err"
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
-                               f"setsid bash -c 'trap \"\" TERM; exec sleep 315.{marker}' & echo pids $!; exit 0"],
+                               f"setsid bash -c 'trap \"\" TERM; exec sleep 315.{marker}' & p=$!; "
+                               f"{once_sleeping('$p')}echo pids $p; exit 0"],
                               tmp_path)
         assert wait_until(lambda: b"waiting up to" in err.read_bytes(), timeout=30), err.read_bytes()
         pid = printed_pids((tmp_path / "launcher.out").read_bytes())[0]
@@ -559,7 +566,8 @@ def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_pa
     proc, pid = None, None
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
-                               f"(trap '' TERM; exec sleep 317.{marker}) & echo pids $!; echo worker $$; exit 0"],
+                               f"(trap '' TERM; exec sleep 317.{marker}) & p=$!; {once_sleeping('$p')}"
+                               "echo pids $p; echo worker $$; exit 0"],
                               tmp_path)
         out = tmp_path / "launcher.out"
         assert wait_until(lambda: b"[0] worker " in out.read_bytes()), "the worker never started"
@@ -569,6 +577,44 @@ def test_a_signal_ends_the_wait_for_a_worker_s_group_that_ignores_sigterm(tmp_pa
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)  # well within the grace period of 120 s
         assert left_behind([pid], marker) == []
+    finally:
+        kill_tree(proc)
+
+
+SIGNAL_AS_THE_JOB_ENDS = """
+import os, signal, sys, time
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+marker = sys.argv[1]
+count_live = Supervisor._count_live
+def count_live_then_ctrl_c(self):
+    live = count_live(self)
+    if live == 0 and not getattr(self, "interrupted", False):  # the launcher has just seen the job end
+        self.interrupted = True
+        os.kill(os.getpid(), signal.SIGINT)
+    return live
+Supervisor._count_live = count_live_then_ctrl_c
+worker = ChildSpec("0", ["bash", "-c", f"(trap '' TERM; exec sleep 318.{marker}) & p=$!; "
+                         f"until [ $(cat /proc/$p/comm) = sleep ]; do sleep 0.01; done; echo pids $p; exit 0"],
+                   dict(os.environ))
+start = time.monotonic()
+code = Supervisor([worker], grace_s=60).run()
+print(f"code {code} after {time.monotonic() - start:.0f} s", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_that_comes_as_the_launcher_sees_the_job_end_still_ends_the_clean_up_s_wait(marker):
+    # Before: the clean-up counted signals from its own start, so Ctrl-C in the moment between the
+    # last worker's exit and that start was lost and the group's SIGTERM-proof child got the whole
+    # grace period (a CI run: the launcher ignored SIGINT for over 30 s).
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AS_THE_JOB_ENDS, marker], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=50)
+        assert proc.returncode == 0, err
+        assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err  # well within the 60 s grace period
+        assert left_behind(printed_pids(out), marker) == []
     finally:
         kill_tree(proc)
 

@@ -208,6 +208,10 @@ class Supervisor:
         self._mark = ""  # run() draws one: in the environment of every process of the job, see _subreaper
         self._signum: int | None = None
         self._signal_count = 0
+        # Signals the launcher has acted on (forwarded, or ended a wait with); one beyond means "now".
+        # Counted when acted on, not when a stop begins: a signal that comes while the launcher sees
+        # the job end must still end the clean-up's wait.
+        self._answered = 0
         self.failed_worker: str | None = None
         self.failed_service: str | None = None
         self.failed_at: float | None = None
@@ -220,6 +224,9 @@ class Supervisor:
         if self._signum is None:
             self._signum = signum
         self._signal_count += 1
+
+    def _unanswered(self) -> bool:
+        return self._signal_count > self._answered
 
     def _install_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -339,16 +346,16 @@ class Supervisor:
         services_stopping = False
         stopping_since: float | None = None
         settle_until: float | None = None  # after a failure: the workers may still exit by themselves until then
-        signals_at_stop = 0
         killed_at: float | None = None
         stopped_by_a_worker: _Child | None = None
         reap_at = time.monotonic() + REAP_EVERY_S
         while True:
+            seen = self._signal_count  # read before what it answers: a later one stays unanswered
             if self._signum is not None and exit_code is None:
                 exit_code = 128 + self._signum
                 self.output.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
                 self._signal_live(self._signum)
-                stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                stopping_since, self._answered = time.monotonic(), seen
             # Workers first: a server a lost worker's peers stopped (abort) exits right after it.
             for child in sorted(self._children, key=lambda c: c.spec.service):
                 if child.returncode is not None:
@@ -364,7 +371,7 @@ class Supervisor:
                         continue
                     exit_code = self._fail(child, rc, "; the workers cannot go on without it")
                     self.failed_service = child.spec.label
-                    settle_until, signals_at_stop = time.monotonic() + self.settle_s, self._signal_count
+                    settle_until = time.monotonic() + self.settle_s
                     continue
                 if child.spec.service:
                     expected = rc == 0 and child.spec.ends_with_workers
@@ -378,25 +385,24 @@ class Supervisor:
                 if rc != 0 and exit_code is None:
                     exit_code = self._fail(child, rc)
                     self.failed_worker = child.spec.label
-                    settle_until, signals_at_stop = time.monotonic() + self.settle_s, self._signal_count
+                    settle_until = time.monotonic() + self.settle_s
             if self._count_live() == 0:
                 return self._end_code(exit_code, stopped_by_a_worker)
             if not services_stopping and all(c.returncode is not None for c in self._children if not c.spec.service):
                 services_stopping, settle_until = True, None
                 self._signal_live(signal.SIGTERM)
                 if stopping_since is None:
-                    stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                    stopping_since = time.monotonic()
             # A signal to the launcher ends the wait as well: it means "stop now".
-            if settle_until is not None and (time.monotonic() >= settle_until or self._signal_count > signals_at_stop
-                                             or self.settled()):
+            if settle_until is not None and (time.monotonic() >= settle_until or self._unanswered() or self.settled()):
                 settle_until = None
                 self._signal_live(signal.SIGTERM)
-                stopping_since, signals_at_stop = time.monotonic(), self._signal_count
+                stopping_since, self._answered = time.monotonic(), seen
             if killed_at is None and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
-                if self._signal_count > signals_at_stop or time.monotonic() - stopping_since > self.grace_s:
+                if self._unanswered() or time.monotonic() - stopping_since > self.grace_s:
                     self._signal_live(signal.SIGKILL)
-                    killed_at = time.monotonic()
+                    killed_at, self._answered = time.monotonic(), seen
             elif killed_at is not None and time.monotonic() - killed_at >= AFTER_KILL_S:
                 self._give_up([c for c in self._children if c.returncode is None])
                 return self._end_code(exit_code, stopped_by_a_worker)
@@ -444,13 +450,13 @@ class Supervisor:
                 self._killpg(child, sig)
 
     def _stop_all(self, sig: int) -> None:
-        """Send ``sig`` to every group with a live member; SIGKILL whatever outlives the grace period."""
+        """Send ``sig`` to every group with a live member; SIGKILL whatever outlives the grace period, or
+        at once on a signal to the launcher not answered yet (as in :meth:`_wait`)."""
         groups = [c for c in self._children if not c.given_up and group_alive(c.pgid)]
         for child in groups:
             self._killpg(child, sig)
-        deadline, signals_before = time.monotonic() + self.grace_s, self._signal_count
-        # A signal to the launcher meanwhile means "now", as in _wait.
-        while groups and time.monotonic() < deadline and self._signal_count == signals_before:
+        deadline = time.monotonic() + self.grace_s
+        while groups and time.monotonic() < deadline and not self._unanswered():
             for child in self._children:
                 if child.returncode is None:
                     child.returncode = child.proc.poll()
@@ -471,7 +477,7 @@ class Supervisor:
         self._give_up([c for c in self._children if not c.given_up and c.proc.returncode is None])
 
     def _cleanup(self) -> None:
-        signals_before = self._signal_count  # one more means "now" here too, as in _wait
+        # An unanswered signal means "now" for all of it, as in _wait.
         # Grandchildren left behind by a child that already exited (or a half-started job).
         self._stop_all(signal.SIGTERM)
         self._reap_children()
@@ -480,7 +486,7 @@ class Supervisor:
         # those with the run's mark are the job's.
         given_up = {c.proc.pid for c in self._children if c.given_up}
         stop_adopted(self._not_orphans | given_up, self._mark, self.grace_s, self.poll_s, self.output.note,
-                     lambda: self._signal_count > signals_before)
+                     self._unanswered)
         # One deadline for all: a daemonised grandchild may hold every pipe open.
         deadline = time.monotonic() + self.grace_s
         for thread in self._pumps:
