@@ -76,19 +76,26 @@ def _is_set(env: Mapping[str, str], name: str) -> bool:
     return bool(env.get(name))
 
 
+# ASCII digits only, spaces around allowed: int() also takes '+5', '1_6' and other scripts' digits, which
+# another reader of the same variable (atoi in a C++ process, a shell's test) reads otherwise or refuses.
+_INTEGER_TEXT = re.compile(r" *-?[0-9]+ *")
+_QUOTED_LIMIT = 60  # characters of a text a message repeats
+
+
 def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int | None = None) -> int | None:
     """The integer value of environment variable ``name`` in ``env`` (e.g. ``os.environ``), None when unset.
 
     Raises:
-        ConfigurationError: naming the variable, when it is not an integer in [minimum, maximum].
+        ConfigurationError: naming the variable, when it is not an integer in [minimum, maximum]
+            written in the ASCII digits 0-9 (an optional '-' and spaces around it allowed).
     """
     if not _is_set(env, name):
         return None
     raw = env[name]
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"environment variable {name}={raw!r} is not an integer") from None
+    if not _INTEGER_TEXT.fullmatch(raw) or len(raw) > 4300:  # int() refuses longer digit strings
+        raise ConfigurationError(f"environment variable {name}={quoted(raw)} is not an integer written in the "
+                                 "digits 0-9")
+    value = int(raw)
     if value < minimum:
         raise ConfigurationError(f"environment variable {name}={value} must be >= {minimum}")
     if maximum is not None and value > maximum:
@@ -96,8 +103,6 @@ def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int |
     return value
 
 
-_SIZE_FIELD = re.compile(r" *-?[0-9]+ *")  # ASCII digits: every worker, whatever reads it, gets the text as given
-_QUOTED_LIMIT = 60  # characters of a text a message repeats
 
 
 def quoted(text: str) -> str:
@@ -117,7 +122,7 @@ def parse_batch_sizes(text: str, size: int) -> tuple[int, ...]:
     """
     shown = quoted(text)
     fields = text.split(",")
-    malformed = next((field for field in fields if not _SIZE_FIELD.fullmatch(field)), None)
+    malformed = next((field for field in fields if not _INTEGER_TEXT.fullmatch(field)), None)
     if malformed is not None:
         raise ConfigurationError(f"batch sizes {shown} are not comma-separated integers: {quoted(malformed)} is not "
                                  "written in the digits 0-9; write each size as plain digits, e.g. 32,96")

@@ -47,6 +47,10 @@ def test_global_rank_follows_byteps():
     ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
     ({**TORCHRUN, "WORLD_SIZE": "4097"}, "WORLD_SIZE=4097 must be <= 4096"),
     ({**TORCHRUN, "MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
+    # int() reads these; atoi in another process of the job reads 1, 1 and 0 (or nothing)
+    ({**TORCHRUN, "RANK": "+1"}, r"RANK='\+1' is not an integer written in the digits 0-9"),
+    ({**TORCHRUN, "WORLD_SIZE": "1_6"}, "WORLD_SIZE='1_6' is not an integer"),
+    ({**TORCHRUN, "MASTER_PORT": "\u0662\u0669\u0665\u0660\u0660"}, "MASTER_PORT='٢٩٥٠٠' is not an integer"),
     ({"DYNAMIX_ENGINE": "mpi"}, "DYNAMIX_ENGINE"),
     ({"DYNAMIX_TIMEOUT": "0"}, "DYNAMIX_TIMEOUT"),
     ({"DYNAMIX_TIMEOUT": "nan"}, "DYNAMIX_TIMEOUT"),
