@@ -181,13 +181,23 @@ def test_per_worker_batch_bounds_follow_the_job_down_to_fewer_workers(tmp_path):
     assert proc.returncode == 3, proc.stderr
 
 
-def test_a_restart_across_hosts_keeps_the_first_ranks_sizes_given_or_inherited(tmp_path, capsys):
-    config = LaunchConfig(command=("true",), hosts=(("a", 2), ("b", 2)), node_rank=0, batch_size="1,2,3,4",
-                          max_batch="9", restart_on_failure=1, checkpoint=tmp_path / "c.pt")
-    decision = {"slots": [2, 1], "lost": [3], "port": 1}
-    after = _apply_decision(config, {"DYNAMIX_MIN_BATCH": "1,1,2,2"}, decision, time.monotonic(), 3)
-    assert (after.batch_size, after.min_batch, after.max_batch) == ("1,2,3", "1,1,2", "9")
-    assert "restart 1 of 1 with 3 workers" in capsys.readouterr().err
+@pytest.mark.parametrize("hosts, slots, lost, kept_sizes, kept_low, kept_slowdown", [
+    ("ab", [2, 1], [3], "1,2,3", "1,1,2", ((1, "2.0"), (2, "3.0"))),
+    # Before: the first 3 ranks' settings, so host b's ranks got those of host a's lost rank and each other's.
+    ("ab", [1, 2], [1], "1,3,4", "1,2,2", ((1, "3.0"),)),
+    ("abc", [2, 0, 1], [3, 4], "1,2,5", "1,1,3", ((1, "2.0"),)),
+])
+def test_a_restart_across_hosts_keeps_each_host_s_first_ranks_settings_given_or_inherited(
+        tmp_path, capsys, hosts, slots, lost, kept_sizes, kept_low, kept_slowdown):
+    ranks = 2 * len(hosts)
+    config = LaunchConfig(command=("true",), hosts=tuple((host, 2) for host in hosts), node_rank=0,
+                          batch_size=",".join(str(rank + 1) for rank in range(ranks)), max_batch="9",
+                          slowdown=((1, "2.0"), (2, "3.0")), restart_on_failure=1, checkpoint=tmp_path / "c.pt")
+    inherited = {"DYNAMIX_MIN_BATCH": ",".join(str(rank // 2 + 1) for rank in range(ranks))}  # 1,1,2,2,...
+    after = _apply_decision(config, inherited, {"slots": slots, "lost": lost, "port": 1}, time.monotonic(), 3)
+    assert (after.batch_size, after.min_batch, after.max_batch) == (kept_sizes, kept_low, "9")
+    assert after.slowdown == kept_slowdown
+    assert f"restart 1 of 1 with {sum(slots)} workers" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

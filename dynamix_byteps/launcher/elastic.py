@@ -160,21 +160,32 @@ def _one_worker_fewer(config: LaunchConfig, env: Mapping[str, str], failed: str,
     print(f"{PROG}: worker {failed} failed with code {code} after {time.monotonic() - started:.1f} s; restart "
           f"{restarts} of {config.restart_on_failure} with {left} workers {_resuming_from(config.checkpoint)}",
           file=sys.stderr, flush=True)
-    return dataclasses.replace(config, run=restarts, num_workers=left,
-                               slowdown=tuple((r, s) for r, s in config.slowdown if r < left),
-                               **_first_ranks_sizes(config, env, left))
+    return dataclasses.replace(config, run=restarts, num_workers=left, **_per_rank_settings(config, env, range(left)))
 
 
-def _first_ranks_sizes(config: LaunchConfig, env: Mapping[str, str], workers: int) -> dict[str, str | None]:
-    """The ``batch_size``/``min_batch``/``max_batch`` fields for a run of the first ``workers`` ranks: each
-    flag's value, else the ``DYNAMIX_BATCH_SIZE``/... the workers inherit from ``env``; a list of one per
-    rank is cut to its first ``workers``, one value stays. An inherited list becomes the flag's, so that
-    the cut replaces it in the restarted workers' environment."""
-    sizes = {}
+def _kept_ranks(old_slots: Sequence[int], new_slots: Sequence[int]) -> list[int]:
+    """The ranks of the run of ``old_slots`` workers per host whose settings the run of ``new_slots`` takes:
+    the first ``new_slots[i]`` ranks of each host ``i``, in host order (ranks are numbered in host order,
+    and a host's local ranks are its devices)."""
+    firsts = [sum(old_slots[:host]) for host in range(len(old_slots))]
+    return [first + local for first, n in zip(firsts, new_slots) for local in range(n)]
+
+
+def _per_rank_settings(config: LaunchConfig, env: Mapping[str, str], kept: Sequence[int]) -> dict:
+    """The ``slowdown``, ``batch_size``, ``min_batch`` and ``max_batch`` fields for a run whose rank ``j``
+    takes the settings of rank ``kept[j]`` of this one. A size is the flag's value, else the
+    ``DYNAMIX_BATCH_SIZE``/... the workers inherit from ``env``; a list of one per rank keeps the kept
+    ranks' values, one value stays. An inherited list becomes the flag's, so that it replaces the
+    inherited one in the restarted workers' environment."""
+    new_rank = {old: new for new, old in enumerate(kept)}
+    fields: dict = {"slowdown": tuple((new_rank[r], spec) for r, spec in config.slowdown if r in new_rank)}
     for flag, variable in PER_RANK_SIZES.items():
         text = getattr(config, flag) if getattr(config, flag) is not None else env.get(variable) or None
-        sizes[flag] = text if text is None or "," not in text else ",".join(text.split(",")[:workers])
-    return sizes
+        if text is not None and "," in text:
+            values = text.split(",")
+            text = ",".join(values[old] for old in kept)
+        fields[flag] = text
+    return fields
 
 
 def _resuming_from(checkpoint) -> str:
@@ -232,8 +243,8 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
 
 def _apply_decision(config: LaunchConfig, env: Mapping[str, str], decision: dict, started: float,
                     code: int) -> LaunchConfig | None:
-    """The config of the next run of ``decision`` (per-worker batch sizes and bounds of its first ranks);
-    None when this host has no worker left in it."""
+    """The config of the next run of ``decision`` (each host's first ranks keep their slowdown, batch
+    size and bounds); None when this host has no worker left in it."""
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
     slots, mine = decision["slots"], decision["slots"][topology.node_rank]
     total, restarts = sum(slots), config.run + 1
@@ -253,8 +264,7 @@ def _apply_decision(config: LaunchConfig, env: Mapping[str, str], decision: dict
     return dataclasses.replace(
         config, run=restarts, hosts=hosts, node_rank=node_rank, num_workers=num_workers, port=decision["port"],
         scheduler_port=decision.get("scheduler_port", config.scheduler_port),
-        slowdown=tuple((rank, spec) for rank, spec in config.slowdown if rank < total),
-        **_first_ranks_sizes(config, env, total))
+        **_per_rank_settings(config, env, _kept_ranks(topology.slots, slots)))
 
 
 def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool, dict[str, int]]:
