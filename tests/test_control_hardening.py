@@ -271,27 +271,33 @@ def test_metrics_need_the_schedulers_token():
 
 
 class SlowPolicy(ScriptedPolicy):
+    def __init__(self):
+        super().__init__()
+        self.deciding = threading.Event()
+
     def decide(self, state):
+        self.deciding.set()
         time.sleep(1.5)
         return super().decide(state)
 
 
-def _hold_the_only_thread(stub, md):
+def _hold_the_only_thread(stub, md, policy):
     """Register four workers and report for them, rank 0 last: its decision holds a one-thread
-    scheduler's thread for SlowPolicy's 1.5 s. Returns that call's future."""
+    scheduler's thread for SlowPolicy's 1.5 s. Returns that call's future once the policy decides."""
     register_all(stub, md)
     for r in (1, 2, 3):
         stub.ReportMetrics(report(r, K), metadata=md)
     deciding = stub.ReportMetrics.future(report(0, K), metadata=md, timeout=30)
-    time.sleep(0.2)
+    # A fixed pause here lost the race on a loaded machine: calls sent next could reach the thread first.
+    assert policy.deciding.wait(20), "rank 0's report never reached the policy"
     return deciding
 
 
 @pytest.mark.timeout(60)
 def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="dynamix_byteps.scheduler"), \
-            running(SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
-        deciding = _hold_the_only_thread(stub, md)
+            running(policy := SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
+        deciding = _hold_the_only_thread(stub, md, policy)
         dropped = [stub.Register.future(info(1), metadata=md, timeout=0.3) for _ in range(5)]
         codes = {f.exception().code() for f in dropped}
         assert deciding.result().batch_sizes
@@ -307,8 +313,8 @@ def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
 @pytest.mark.timeout(60)
 def test_calls_a_client_cancels_or_stop_cuts_are_not_blamed_on_a_full_queue(caplog):
     with caplog.at_level(logging.WARNING, logger="dynamix_byteps.scheduler"), \
-            running(SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
-        deciding = _hold_the_only_thread(stub, md)
+            running(policy := SlowPolicy(), max_threads=1) as server, stub_for(server) as (stub, md, _):
+        deciding = _hold_the_only_thread(stub, md, policy)
         given_up = stub.Register.future(info(1), metadata=md, timeout=20)
         cut = [stub.Register.future(info(1), metadata=md, timeout=20) for _ in range(3)]
         time.sleep(0.3)
