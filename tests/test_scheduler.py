@@ -150,7 +150,11 @@ def test_rank_0_is_answered_with_the_decision_its_report_waited_for(tmp_path):
         answer = {}
         rank0 = threading.Thread(target=lambda: answer.update(a=stub.ReportMetrics(report(0, K), metadata=md)))
         rank0.start()
-        time.sleep(0.1)  # rank 0 reported first and is waiting
+        # rank 0 reported first and is waiting (a fixed 0.1 s pause let the others report first on a loaded machine)
+        deadline = time.monotonic() + 20
+        while server.cluster.last_step.get(0) != K:
+            assert time.monotonic() < deadline, "rank 0's report never arrived"
+            time.sleep(0.01)
         assert rank0.is_alive()
         others = [stub.ReportMetrics(report(r, K), metadata=md) for r in (1, 2, 3)]
         rank0.join(timeout=5)
