@@ -609,10 +609,13 @@ mb = Mailbox.open(sys.argv[1], timeout=20)
 print("ready", flush=True)
 reads = 0
 with warnings.catch_warnings(record=True) as caught:
-    while not stop.is_set():
+    while True:
+        stopping = stop.is_set()  # told after the truncation: poll once more, however late it came
         mb.read_metrics()
         mb.owner_pid
         reads += 1
+        if stopping:
+            break
         time.sleep(0.002)
 print(json.dumps({"reads": reads, "detached": mb.detached, "owner_pid": mb.owner_pid,
                   "metrics": mb.read_metrics(), "warnings": [str(w.message) for w in caught]}))
