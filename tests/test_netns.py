@@ -204,8 +204,10 @@ def test_run_job_lets_the_other_hosts_end_by_themselves_after_the_first_failure(
     # its own worker's code (1). It was SIGTERMed 0.2 s after host 1 ended (143), and test_faults's
     # full-disk test, whose failing worker closes its connections just before it exits, failed so in CI.
     code = "import os, sys, time\nsys.exit(3) if os.environ['DYNAMIX_RANK_OFFSET'] == '1' else (time.sleep(1.5), sys.exit(1))"
+    # grace_s: host 0's worker ends 1.5 s after its own start, which on a loaded machine can come seconds
+    # after host 1's; 5 s left too little of that margin. The bug this catches stopped host 0 after 0.2 s.
     with netns.Testbed(2) as bed:
-        result = netns.run_job(bed, [1, 1], [sys.executable, "-c", code], timeout_s=60, grace_s=5)
+        result = netns.run_job(bed, [1, 1], [sys.executable, "-c", code], timeout_s=60, grace_s=15)
     assert result.returncodes == (1, 3), result.outputs
 
 
