@@ -130,10 +130,12 @@ def test_back_to_back_rounds_give_exact_sums_and_averages(single, five, limit):
 
 @pytest.mark.timeout(180)
 def test_a_workers_pull_time_leaves_out_the_wait_for_a_slower_worker():
-    """Rank 0 pushes 0.5 s late every round: the others wait that long for their sums, yet their
-    pull spans in the timing ring are the transfer only (without the server's hold they would be >= 0.5 s),
-    and so is their exposed communication; rank 0, which waits for nobody, is exposed for its round trip."""
-    delay = 0.5
+    """Rank 0 pushes 1 s late every round: the others wait that long for their sums, yet their
+    pull spans in the timing ring are the transfer only (without the server's hold they would be >= 1 s),
+    and so is their exposed communication; rank 0, which waits for nobody, is exposed for its round trip.
+    (With 0.5 s, a 125 ms stall of a pull or a 250 ms skew leaving the barrier on a loaded 2-core
+    machine was enough to fail the bounds below.)"""
+    delay = 1.0
     results = ok(run_workers(3, "ps_cases:pull_without_wait", 5, delay, servers=1, timeout=160))
     for rank, result in enumerate(results):
         assert all(p > 0 for p in result["push_s"]) and all(p >= 0 for p in result["pull_s"]), result
