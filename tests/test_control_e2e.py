@@ -111,7 +111,7 @@ def test_a_killed_worker_ends_the_job_and_its_scheduler_within_ten_seconds(tmp_p
         assert time.monotonic() - killed_at < 10
         assert job.returncode != 0
         time.sleep(0.5)
-        assert descendants_gone(pids)
+        assert descendants_gone(pids), [p for p in pids if not descendants_gone([p])]
     finally:
         kill_tree(job)
 
