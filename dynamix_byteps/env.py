@@ -80,6 +80,9 @@ def _is_set(env: Mapping[str, str], name: str) -> bool:
 # another reader of the same variable (atoi in a C++ process, a shell's test) reads otherwise or refuses.
 _INTEGER_TEXT = re.compile(r" *-?[0-9]+ *")
 _QUOTED_LIMIT = 60  # characters of a text a message repeats
+# Digits (leading zeros aside) beyond which an integer is out of every range here, and not given to int(): no
+# PYTHONINTMAXSTRDIGITS makes int() refuse fewer (sys.int_info.str_digits_check_threshold).
+_MAX_DIGITS = 640
 
 
 def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int | None = None) -> int | None:
@@ -87,22 +90,37 @@ def optional_int(env: Mapping[str, str], name: str, minimum: int, maximum: int |
 
     Raises:
         ConfigurationError: naming the variable, when it is not an integer in [minimum, maximum]
-            written in the ASCII digits 0-9 (an optional '-' and spaces around it allowed).
+            written in the ASCII digits 0-9 (an optional '-' and spaces around it allowed); an
+            integer of over 640 digits is out of range, whatever ``maximum`` is.
     """
     if not _is_set(env, name):
         return None
     raw = env[name]
-    if not _INTEGER_TEXT.fullmatch(raw) or len(raw) > 4300:  # int() refuses longer digit strings
+    if not _INTEGER_TEXT.fullmatch(raw):
         raise ConfigurationError(f"environment variable {name}={quoted(raw)} is not an integer written in the "
                                  "digits 0-9")
-    value = int(raw)
+    text = raw.strip()
+    negative, digits = text.startswith("-"), text.lstrip("-").lstrip("0")
+    shown = _shown(text)
+    if len(digits) > _MAX_DIGITS:
+        if negative:
+            raise ConfigurationError(f"environment variable {name}={shown} must be >= {minimum}")
+        if maximum is not None:
+            raise ConfigurationError(f"environment variable {name}={shown} must be <= {maximum}")
+        raise ConfigurationError(f"environment variable {name}={shown} is out of range: it has over {_MAX_DIGITS} "
+                                 "digits")
+    value = int(digits or "0") * (-1 if negative else 1)
     if value < minimum:
-        raise ConfigurationError(f"environment variable {name}={value} must be >= {minimum}")
+        raise ConfigurationError(f"environment variable {name}={shown} must be >= {minimum}")
     if maximum is not None and value > maximum:
-        raise ConfigurationError(f"environment variable {name}={value} must be <= {maximum}")
+        raise ConfigurationError(f"environment variable {name}={shown} must be <= {maximum}")
     return value
 
 
+def _shown(text: str) -> str:
+    """An environment variable's value for a message: as it is (spaces around cut), or :func:`quoted` when long."""
+    text = text.strip()
+    return text if len(text) <= _QUOTED_LIMIT else quoted(text)
 
 
 def quoted(text: str) -> str:
@@ -170,7 +188,7 @@ def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, .
     names, plural = ", ".join(missing), len(missing) > 1
     raise ConfigurationError(
         f"environment variable{'s' if plural else ''} {names} {'are' if plural else 'is'} not set, but this process "
-        f"has {', '.join(f'{name}={env[name]}' for name in given)}, which make{'' if len(given) > 1 else 's'} it "
+        f"has {', '.join(f'{name}={_shown(env[name])}' for name in given)}, which make{'' if len(given) > 1 else 's'} it "
         f"part of a job that {launcher} describes: set {names} as {launcher} does (or start the job with "
         f"{launcher}), or unset {', '.join(given)} to run a single worker"
     )
