@@ -308,16 +308,25 @@ class WorkerEnv:
         )
 
 
+def too_many_workers(num_nodes: int, local_size: int, per_gpu: bool = False) -> str:
+    """The message for a BytePS job of ``num_nodes`` x ``local_size`` workers, above :data:`MAX_WORKERS`;
+    ``per_gpu``: ``BYTEPS_LOCAL_SIZE`` was unset, and ``local_size`` counts the visible GPUs."""
+    local = (f"{local_size} workers a node (BYTEPS_LOCAL_SIZE is unset: one per GPU in NVIDIA_VISIBLE_DEVICES)"
+             if per_gpu else f"BYTEPS_LOCAL_SIZE={local_size}")
+    return (f"DMLC_NUM_WORKER={num_nodes} x {local} make a job of {num_nodes * local_size} workers, more than the "
+            f"{MAX_WORKERS} a job may have; lower DMLC_NUM_WORKER or {'set ' if per_gpu else ''}BYTEPS_LOCAL_SIZE")
+
+
 def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     """The job as the ``DMLC_*``/``BYTEPS_*``/``DYNAMIX_RANK_OFFSET``/``DYNAMIX_SIZE`` variables give it;
     None when none of their rank variables is set."""
     if not any(_is_set(env, name) for name in BYTEPS_RANK_VARIABLES):
         return None
-    num_nodes = optional_int(env, "DMLC_NUM_WORKER", 1)
-    node_rank = optional_int(env, "DMLC_WORKER_ID", 0)
-    local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1)
-    local_rank = optional_int(env, "BYTEPS_LOCAL_RANK", 0)
-    rank_offset = optional_int(env, "DYNAMIX_RANK_OFFSET", 0)
+    num_nodes = optional_int(env, "DMLC_NUM_WORKER", 1, MAX_WORKERS)
+    node_rank = optional_int(env, "DMLC_WORKER_ID", 0, MAX_WORKERS - 1)
+    local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1, MAX_WORKERS)
+    local_rank = optional_int(env, "BYTEPS_LOCAL_RANK", 0, MAX_WORKERS - 1)
+    rank_offset = optional_int(env, "DYNAMIX_RANK_OFFSET", 0, MAX_WORKERS - 1)
     world_size = optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
     root_port = optional_int(env, "DMLC_PS_ROOT_PORT", 1, MAX_PORT)
     if world_size is not None:
@@ -329,6 +338,8 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
         "BYTEPS_LOCAL_RANK": (local_size or 1) > 1, "DYNAMIX_RANK_OFFSET": world_size is not None,
         "DYNAMIX_SIZE": rank_offset is not None, "DMLC_PS_ROOT_URI": size != 1, "DMLC_PS_ROOT_PORT": size != 1})
     node_rank, local_size, local_rank = node_rank or 0, local_size or 1, local_rank or 0
+    if world_size is None and num_nodes * local_size > MAX_WORKERS:
+        raise ConfigurationError(too_many_workers(num_nodes, local_size))
     if node_rank >= num_nodes:
         raise ConfigurationError(f"DMLC_WORKER_ID={node_rank} must be < DMLC_NUM_WORKER={num_nodes}")
     if local_rank >= local_size:
@@ -347,9 +358,9 @@ def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     if not any(_is_set(env, name) for name in TORCHRUN_RANK_VARIABLES):
         return None
     world_size = optional_int(env, "WORLD_SIZE", 1, MAX_WORKERS)
-    rank = optional_int(env, "RANK", 0)
-    local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1)
-    local_rank = optional_int(env, "LOCAL_RANK", 0)
+    rank = optional_int(env, "RANK", 0, MAX_WORKERS - 1)
+    local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1, MAX_WORKERS)
+    local_rank = optional_int(env, "LOCAL_RANK", 0, MAX_WORKERS - 1)
     root_port = optional_int(env, "MASTER_PORT", 1, MAX_PORT)
     _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, {
         "WORLD_SIZE": True, "RANK": world_size != 1, "LOCAL_WORLD_SIZE": local_rank is not None,

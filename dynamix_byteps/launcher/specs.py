@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
+from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.env import (
     CHECKPOINT_ENV,
     DEFAULT_ENGINE,
@@ -19,6 +20,7 @@ from dynamix_byteps.env import (
     WorkerEnv,
     optional_int,
     resolve_engine,
+    too_many_workers,
 )
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.launcher.config import PER_RANK_SIZES, LaunchConfig
@@ -268,7 +270,7 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
     if role != "worker":
         return _role_specs(config, env, role, _engine(config, env, 1), notes)
     _require_command(config)
-    num_nodes = _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
+    num_nodes = _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1, MAX_WORKERS)
     node_rank = _required_int(env, "DMLC_WORKER_ID", f"this node's index (0..{num_nodes - 1})", 0, num_nodes - 1)
     root_addr = env.get("DMLC_PS_ROOT_URI", "").strip()
     if not root_addr:
@@ -281,9 +283,11 @@ def env_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -> 
                                    MAX_WORKERS)
     else:
         local_size = visible_gpu_count(env)
+    if num_nodes * local_size > MAX_WORKERS:
+        raise UsageError(too_many_workers(num_nodes, local_size, per_gpu=not env.get("BYTEPS_LOCAL_SIZE", "").strip()))
     engine = _engine(config, env, local_size)
     if engine == "byteps" and num_nodes > 1:
-        _required_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
+        _required_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1, MAX_SERVERS)
     if num_nodes == 1 and engine in ("gloo", "nccl") and root_addr != "127.0.0.1":
         # Every process of the job is on this machine. BytePS's single-machine recipe sets any
         # DMLC_PS_ROOT_URI ("it does not matter"); rendezvousing there would wait for the timeout.
@@ -306,8 +310,8 @@ def _role_specs(config: LaunchConfig, env: Mapping[str, str], role: str, engine:
     if engine != "byteps":
         notes.append(f"DMLC_ROLE={role}: the {engine} engine needs no {role} process; nothing to start")
         return []
-    _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
-    _required_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1)
+    _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1, MAX_WORKERS)
+    _required_int(env, "DMLC_NUM_SERVER", "the number of BytePS server processes", 1, MAX_SERVERS)
     if not env.get("DMLC_PS_ROOT_URI", "").strip():
         raise UsageError("environment variable DMLC_PS_ROOT_URI is not set; set it to the scheduler's host")
     if config.port is None:
@@ -320,7 +324,7 @@ def _ps_env_server(config: LaunchConfig, env: Mapping[str, str]) -> ChildSpec:
     default 0 when there is one) for the ``DMLC_NUM_WORKER`` x ``BYTEPS_LOCAL_SIZE`` workers (or
     ``DYNAMIX_SIZE``), its rendezvous at ``DYNAMIX_PS_ADDR`` (default ``DMLC_PS_ROOT_URI``) on
     ``DYNAMIX_PS_PORT`` (default the root port + 1), as the workers read them."""
-    servers = _required_int(env, "DMLC_NUM_SERVER", "the number of summation servers", 1)
+    servers = _required_int(env, "DMLC_NUM_SERVER", "the number of summation servers", 1, MAX_SERVERS)
     if servers == 1 and not env.get("DYNAMIX_SERVER_ID", "").strip():
         index = 0
     else:
@@ -328,8 +332,14 @@ def _ps_env_server(config: LaunchConfig, env: Mapping[str, str]) -> ChildSpec:
     if env.get("DYNAMIX_SIZE", "").strip():
         workers = _required_int(env, "DYNAMIX_SIZE", "the number of worker processes", 1, MAX_WORKERS)
     else:
-        local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1, MAX_WORKERS) or 1
-        workers = local_size * _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1)
+        try:
+            local_size = optional_int(env, "BYTEPS_LOCAL_SIZE", 1, MAX_WORKERS) or 1
+        except ConfigurationError as error:
+            raise UsageError(f"{error}; set it to the number of worker processes on each node") from None
+        nodes = _required_int(env, "DMLC_NUM_WORKER", "the number of worker nodes", 1, MAX_WORKERS)
+        if nodes * local_size > MAX_WORKERS:
+            raise UsageError(too_many_workers(nodes, local_size))
+        workers = nodes * local_size
     addr = env.get("DYNAMIX_PS_ADDR", "").strip() or env.get("DMLC_PS_ROOT_URI", "").strip()
     if not addr:
         raise UsageError(f"environment variable DMLC_PS_ROOT_URI is not set; set it to the host of the workers' "
