@@ -619,6 +619,91 @@ def test_a_signal_that_comes_as_the_launcher_sees_the_job_end_still_ends_the_cle
         kill_tree(proc)
 
 
+SIGNAL_AS_A_WORKER_FAILS = """
+import os, signal, sys, time
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+fail = Supervisor._fail
+def fail_then_ctrl_c(self, *args, **kwargs):
+    code = fail(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGINT)  # one Ctrl-C, the moment the launcher sees the failure
+    return code
+Supervisor._fail = fail_then_ctrl_c
+graceful = "trap 'sleep 1; echo clean exit; exit 0' TERM; touch ready; sleep 30 & wait"
+specs = [ChildSpec("0", ["bash", "-c", graceful], dict(os.environ)),
+         ChildSpec("1", ["bash", "-c", "until [ -e ready ]; do sleep 0.05; done; exit 3"], dict(os.environ))]
+code = Supervisor(specs, grace_s=20).run()
+print(f"code {code}", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_one_signal_as_a_worker_fails_gives_the_others_the_grace_period(tmp_path):
+    # Before (a breaker, on the first version of the signal count): the signal was answered as it came
+    # (SIGTERM) and again on the next pass (SIGKILL): the worker that needs 1 s after SIGTERM was killed.
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AS_A_WORKER_FAILS], env=launcher_env(), cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+        assert b"[0] clean exit" in out and b"code 3" in out, out + err
+    finally:
+        kill_tree(proc)
+
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_second_signal_ends_the_wait_for_orphans_in_a_session_of_their_own_too(tmp_path, marker):
+    # Before: the second Ctrl-C SIGKILLed the workers' groups, then their setsid orphans got SIGTERM and a
+    # whole new grace period (60 s here): a third Ctrl-C was needed.
+    proc = None
+    err = tmp_path / "launcher.err"
+    try:
+        proc = start_launcher(["-n", "1", "--grace-period", "60", "--", "bash", "-c",
+                               f"trap '' TERM INT; setsid bash -c 'trap \"\" TERM; exec sleep 319.{marker}' & p=$!; "
+                               f"{once_sleeping('$p')}echo pids $p; sleep 300 & wait"], tmp_path)
+        assert wait_until(lambda: printed_pids((tmp_path / "launcher.out").read_bytes())), err.read_bytes()
+        pid = printed_pids((tmp_path / "launcher.out").read_bytes())[0]
+        proc.send_signal(signal.SIGINT)
+        assert wait_until(lambda: b"received SIGINT" in err.read_bytes()), err.read_bytes()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130, err.read_bytes()  # well within the grace period of 60 s
+        assert left_behind([pid], marker) == []
+    finally:
+        kill_tree(proc)
+
+
+SIGNAL_WHILE_A_SERVICE_STOPS = """
+import os, signal, sys, time
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+service = ChildSpec("scheduler", ["bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"], dict(os.environ),
+                    service=True)
+worker = ChildSpec("0", ["bash", "-c", "exit 0"], dict(os.environ))
+supervisor = Supervisor([service, worker], grace_s=60)
+signal_live = Supervisor._signal_live
+def ctrl_c_once_the_service_got_sigterm(self, sig):
+    signal_live(self, sig)
+    if sig == signal.SIGTERM:
+        os.kill(os.getpid(), signal.SIGINT)
+Supervisor._signal_live = ctrl_c_once_the_service_got_sigterm
+start = time.monotonic()
+code = supervisor.run()
+print(f"code {code} after {time.monotonic() - start:.0f} s", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_while_the_services_stop_after_the_workers_succeeded_kills_them_now_and_keeps_code_0():
+    # Before: it was taken for a first signal: forwarded, a new grace period (60 s here), exit 130.
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_WHILE_A_SERVICE_STOPS], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=80)
+        assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err
+    finally:
+        kill_tree(proc)
+
+
 UNKILLABLE_ORPHAN = """
 import os, subprocess, sys
 from dynamix_byteps.launcher import _subreaper

@@ -210,8 +210,9 @@ class Supervisor:
         self._signal_count = 0
         # Signals the launcher has acted on (forwarded, or ended a wait with); one beyond means "now".
         # Counted when acted on, not when a stop begins: a signal that comes while the launcher sees
-        # the job end must still end the clean-up's wait.
+        # the job end must still end the clean-up's wait. Signals within one poll count as one.
         self._answered = 0
+        self._killed_on_request = False  # a signal brought SIGKILL: the clean-up does not wait either
         self.failed_worker: str | None = None
         self.failed_service: str | None = None
         self.failed_at: float | None = None
@@ -225,8 +226,13 @@ class Supervisor:
             self._signum = signum
         self._signal_count += 1
 
-    def _unanswered(self) -> bool:
-        return self._signal_count > self._answered
+    @property
+    def signalled(self) -> int | None:
+        """The number of the first signal (SIGINT, SIGTERM, SIGHUP) the launcher got, None when none."""
+        return self._signum
+
+    def _now_requested(self) -> bool:
+        return self._killed_on_request or self._signal_count > self._answered
 
     def _install_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -350,8 +356,10 @@ class Supervisor:
         stopped_by_a_worker: _Child | None = None
         reap_at = time.monotonic() + REAP_EVERY_S
         while True:
-            seen = self._signal_count  # read before what it answers: a later one stays unanswered
-            if self._signum is not None and exit_code is None:
+            # Decisions below come from this count, never the live one: a signal that comes after it is
+            # answered on the next pass, one before it on this pass, and none twice.
+            seen = self._signal_count
+            if seen > self._answered and exit_code is None and not services_stopping:
                 exit_code = 128 + self._signum
                 self.output.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
                 self._signal_live(self._signum)
@@ -394,14 +402,16 @@ class Supervisor:
                 if stopping_since is None:
                     stopping_since = time.monotonic()
             # A signal to the launcher ends the wait as well: it means "stop now".
-            if settle_until is not None and (time.monotonic() >= settle_until or self._unanswered() or self.settled()):
+            if settle_until is not None and (time.monotonic() >= settle_until or seen > self._answered
+                                             or self.settled()):
                 settle_until = None
                 self._signal_live(signal.SIGTERM)
                 stopping_since, self._answered = time.monotonic(), seen
-            if killed_at is None and stopping_since is not None:
+            elif killed_at is None and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
-                if self._unanswered() or time.monotonic() - stopping_since > self.grace_s:
+                if seen > self._answered or time.monotonic() - stopping_since > self.grace_s:
                     self._signal_live(signal.SIGKILL)
+                    self._killed_on_request = self._killed_on_request or seen > self._answered
                     killed_at, self._answered = time.monotonic(), seen
             elif killed_at is not None and time.monotonic() - killed_at >= AFTER_KILL_S:
                 self._give_up([c for c in self._children if c.returncode is None])
@@ -451,12 +461,12 @@ class Supervisor:
 
     def _stop_all(self, sig: int) -> None:
         """Send ``sig`` to every group with a live member; SIGKILL whatever outlives the grace period, or
-        at once on a signal to the launcher not answered yet (as in :meth:`_wait`)."""
+        at once when a signal to the launcher asks for "now" (as in :meth:`_wait`)."""
         groups = [c for c in self._children if not c.given_up and group_alive(c.pgid)]
         for child in groups:
             self._killpg(child, sig)
         deadline = time.monotonic() + self.grace_s
-        while groups and time.monotonic() < deadline and not self._unanswered():
+        while groups and time.monotonic() < deadline and not self._now_requested():
             for child in self._children:
                 if child.returncode is None:
                     child.returncode = child.proc.poll()
@@ -477,7 +487,7 @@ class Supervisor:
         self._give_up([c for c in self._children if not c.given_up and c.proc.returncode is None])
 
     def _cleanup(self) -> None:
-        # An unanswered signal means "now" for all of it, as in _wait.
+        # A signal not answered yet, or one that brought SIGKILL in _wait, means "now" for all of it.
         # Grandchildren left behind by a child that already exited (or a half-started job).
         self._stop_all(signal.SIGTERM)
         self._reap_children()
@@ -486,7 +496,7 @@ class Supervisor:
         # those with the run's mark are the job's.
         given_up = {c.proc.pid for c in self._children if c.given_up}
         stop_adopted(self._not_orphans | given_up, self._mark, self.grace_s, self.poll_s, self.output.note,
-                     self._unanswered)
+                     self._now_requested)
         # One deadline for all: a daemonised grandchild may hold every pipe open.
         deadline = time.monotonic() + self.grace_s
         for thread in self._pumps:
