@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import clean_env, kill_tree, run_bpslaunch
+from multiworker import free_port
 
 from dynamix_byteps.control.scheduler import DECISION_LOG
 from dynamix_byteps.launcher.config import LaunchConfig
@@ -317,3 +319,66 @@ def test_a_killed_ps_server_restarts_servers_and_workers_from_the_checkpoint_and
     assert len(resumed) == 1 and resumed.pop() >= 4  # both resumed from one checkpoint, past the kill's step
     assert sorted(trained_indices(runs)) == list(range(samples))  # every sample exactly once
     assert _marked(marker) == []
+
+
+def launcher(args: list, log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """bpslaunch with ``args`` in the background, its stdout and stderr together in ``log``."""
+    with open(log, "wb") as sink:
+        return subprocess.Popen([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)],
+                                stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_for(text: bytes, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_bytes():
+        assert time.monotonic() < deadline, log.read_bytes()
+        time.sleep(0.05)
+
+
+# Rank FAIL exits 3 in the first run (after bps.init, as far as the launcher can tell); the others run on.
+FAILS_ONCE = ('r=$((DYNAMIX_RANK_OFFSET + BYTEPS_LOCAL_RANK)); touch "$DYNAMIX_STARTED_DIR/$r"; '
+              'if [ $r = $FAIL ] && [ $DYNAMIX_RESTART = 0 ]; then exit 3; fi; exec sleep 20')
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_after_a_worker_failed_stops_the_job_instead_of_restarting_it(tmp_path):
+    # Before: the Ctrl-C was taken as the end of the settle; the job restarted on one worker fewer and exited 0.
+    log, proc = tmp_path / "launcher.log", None
+    try:
+        proc = launcher(["-n", 3, "--grace-period", 10, "--restart-on-failure", 2, "--checkpoint", tmp_path / "c.pt",
+                         "--", "bash", "-c", FAILS_ONCE], log, clean_env(FAIL="1"))
+        wait_for(b"[1] exited with code 3", log)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=40) == 3, log.read_bytes()  # the worker's failure came first
+        assert b"stopped by SIGINT; not restarting" in log.read_bytes() and b"restart 1" not in log.read_bytes()
+    finally:
+        kill_tree(proc)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_a_host_waits_for_node_0_s_decision_stops_it_cleanly(tmp_path, stop):
+    # Before: the launchers' own handlers were gone between runs: node 1, waiting for node 0's decision,
+    # died of a KeyboardInterrupt traceback (SIGINT) or without its clean-up (SIGTERM: its run folder stayed).
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = clean_env(FAIL="1", DYNAMIX_TOKEN=secrets.token_hex(8), TMPDIR=str(scratch))
+    common = ["--hosts", "127.0.0.1:1,127.0.0.2:1", "--port", free_port(), "--restart-port", free_port(),
+              "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--grace-period", 2,
+              "--policy", "static", "--monitor", "off", "--scheduler-port", free_port()]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    procs = []
+    try:
+        procs = [launcher([*common, "--node-rank", node, "--", "bash", "-c", FAILS_ONCE], logs[node], env)
+                 for node in (0, 1)]
+        wait_for(b"[1] exited with code 3", logs[1])
+        time.sleep(1)  # node 1 now waits for node 0, whose worker runs on
+        procs[1].send_signal(getattr(signal, stop))
+        assert procs[1].wait(timeout=20) == 3, logs[1].read_bytes()
+        assert b"Traceback" not in logs[1].read_bytes() and b"stopped; not restarting" in logs[1].read_bytes()
+        assert procs[0].wait(timeout=60) == 3, logs[0].read_bytes()
+        assert b"a launcher was stopped; not restarting" in logs[0].read_bytes()
+        assert list(scratch.iterdir()) == []  # the run folders (the scheduler's) are removed
+    finally:
+        for proc in procs:
+            kill_tree(proc)

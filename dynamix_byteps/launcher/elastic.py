@@ -28,8 +28,10 @@ failure was a summation server's (``--engine ps``): then no worker is lost. Each
 worker takes one slot from its host. The job ends instead when every report is 0 (done), when no
 restart is left, when no worker got through ``bps.init`` or every worker failed on its own (an
 error in the command, not a lost worker), when host 0 (the rendezvous and the scheduler) would be left without a worker, or when
-a launcher was stopped by a signal: a stopped host only reports (``Leave``) and exits; a
-stopped node 0 answers no one, and the others give up after ``REFUSED_S`` of it being unreachable.
+a launcher was stopped by a signal (during a run, or while it waits for the decision): a stopped
+host only reports (``Leave``) and exits; a stopped node 0 answers the hosts that reported with
+``exit``, and a host that reports later gives up after ``REFUSED_S`` of it being unreachable.
+Locally, too, a failed run is not restarted once the launcher got a signal.
 
 Every call carries ``DYNAMIX_TOKEN`` (required, as for a multi-host scheduler) and uses the
 scheduler's TLS (``--tls-cert/--tls-key`` on node 0, ``--tls-ca`` on the others); a call with
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -52,6 +55,7 @@ from dynamix_byteps.control.mailbox import remove_job_mailboxes
 from dynamix_byteps.env import COLLECTIVE_FAILED_SUFFIX, STARTED_DIR_ENV
 from dynamix_byteps.launcher.config import PER_RANK_SIZES, PROG, LaunchConfig
 from dynamix_byteps.launcher.rendezvous import REPORT_TIMEOUT_S, RendezvousServer, RunReport, end_round, leave
+from dynamix_byteps.launcher.stop_signals import StopSignals
 from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
 from dynamix_byteps.launcher.topology import LOCAL_HOST, Topology, free_port
 from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
@@ -103,17 +107,19 @@ Build = Callable[[LaunchConfig], "list[ChildSpec] | int"]
 
 
 def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[ChildSpec],
-        coordinator: RendezvousServer | None) -> int:
+        coordinator: RendezvousServer | None, signals: StopSignals) -> int:
     """Run the job of ``specs``, restarting it as ``config.restart_on_failure`` allows; returns the exit code.
 
     ``build`` makes the next run's specs from its config (or returns the exit code after printing
-    why it cannot); ``coordinator`` is node 0's in a multi-host elastic job, else None.
+    why it cannot); ``coordinator`` is node 0's in a multi-host elastic job, else None; ``signals``
+    are caught by the caller for the whole job: a failed run after one of them is not restarted.
     """
     while True:
         started = time.monotonic()
-        code, supervisor, started_workers, self_failed = _supervise(config, specs)
+        code, supervisor, started_workers, self_failed = _supervise(config, specs, signals)
         if config.multi_host_elastic:
-            decision = _coordinate(config, env, supervisor, code, coordinator, started_workers, self_failed)
+            decision = _coordinate(config, env, supervisor, code, coordinator, started_workers, self_failed,
+                                   signals)
             if "exit" in decision:
                 if decision["exit"] != 0:
                     print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
@@ -124,6 +130,10 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
         else:
             failed, server = supervisor.failed_worker, supervisor.failed_service
             if code == 0 or (failed is None and server is None) or config.run >= config.restart_on_failure:
+                return code
+            if signals.first is not None:
+                print(f"{PROG}: stopped by {signal.Signals(signals.first).name}; not restarting", file=sys.stderr,
+                      flush=True)
                 return code
             workers = [s.label for s in specs if not s.service]
             if not started_workers:
@@ -202,9 +212,11 @@ def _exit_codes(self_failed: Mapping[str, int], workers: Sequence[str]) -> str:
 
 
 def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Supervisor, code: int,
-                coordinator: RendezvousServer | None, started_workers: bool, self_failed: Mapping[str, int]) -> dict:
+                coordinator: RendezvousServer | None, started_workers: bool, self_failed: Mapping[str, int],
+                signals: StopSignals) -> dict:
     """Report how run ``config.run`` ended on this host and get the job's next step (see the module
-    docstring): node 0 collects every host's report, decides and answers; the others ask node 0."""
+    docstring): node 0 collects every host's report, decides and answers; the others ask node 0. A
+    signal to this launcher, before or while they agree, makes it a stopped host."""
     topology = Topology.of(config.hosts, config.node_rank, config.num_workers)
     report = RunReport(node=topology.node_rank, run=config.run, code=code,
                        failed=None if supervisor.failed_worker is None else int(supervisor.failed_worker),
@@ -213,20 +225,27 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
                        workers=[int(s.label) for s in supervisor.specs if not s.service], started=started_workers,
                        server_failed=supervisor.failed_service is not None)
     # the launcher was signalled (or could not start the job)
-    stopped = code != 0 and report.failed is None and not report.server_failed
+    stopped = code != 0 and (signals.first is not None or (report.failed is None and not report.server_failed))
+    if stopped:
+        report = dataclasses.replace(report, failed=None, failed_at=None, server_failed=False)
     node0, token = (topology.hosts[0], config.restart_port), env["DYNAMIX_TOKEN"]
     tls_ca = None if config.tls_ca is None else str(config.tls_ca)
     if coordinator is None:
-        if stopped:
-            leave(node0, report, token, tls_ca)
-            return {"exit": code, "reason": "stopped; not restarting"}
-        return end_round(node0, report, token, tls_ca)
-    if stopped:
-        return {"exit": code, "reason": "stopped; not restarting"}
-    peers = coordinator.collect(config.run, len(topology.hosts) - 1)
+        if not stopped:
+            decision = end_round(node0, report, token, tls_ca, stopped=lambda: signals.first is not None)
+            if signals.first is None:
+                return decision
+            report = dataclasses.replace(report, code=code or 128 + signals.first, failed=None, failed_at=None,
+                                         server_failed=False)
+        leave(node0, report, token, tls_ca)
+        return {"exit": report.code, "reason": "stopped; not restarting"}
+    peers = {} if stopped else coordinator.collect(config.run, len(topology.hosts) - 1,
+                                                   stopped=lambda: signals.first is not None)
     missing = [i for i in range(1, len(topology.hosts)) if i not in peers]
     reports = [report] + [peers[i] for i in sorted(peers)]
-    if missing:
+    if signals.first is not None:  # the others are told at once, rather than left to wait for node 0
+        decision = {"exit": code or 128 + signals.first, "reason": "node 0 was stopped; not restarting"}
+    elif missing:
         first = next((r.code for r in reports if r.code != 0), 1)
         decision = {"exit": first, "reason": f"host(s) {', '.join(map(str, missing))} sent no report of run "
                     f"{config.run} within {REPORT_TIMEOUT_S:g} s; not restarting"}
@@ -267,7 +286,8 @@ def _apply_decision(config: LaunchConfig, env: Mapping[str, str], decision: dict
         **_per_rank_settings(config, env, _kept_ranks(topology.slots, slots)))
 
 
-def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Supervisor, bool, dict[str, int]]:
+def _supervise(config: LaunchConfig, specs: list[ChildSpec],
+               signals: StopSignals) -> tuple[int, Supervisor, bool, dict[str, int]]:
     """Run the job once; returns its exit code, the Supervisor (which worker's failure ended it and
     when), whether any worker got through ``bps.init``, and the exit code of each worker that failed
     on its own (the Supervisor's ``self_failed`` less those in which a collective had failed).
@@ -280,7 +300,8 @@ def _supervise(config: LaunchConfig, specs: list[ChildSpec]) -> tuple[int, Super
     try:
         scratch = [started] + ([config.temporary_run_dir] if config.temporary_run_dir is not None else [])
         # Once a collective failed, the failure spread: the others need no time to fail on their own.
-        code, supervisor = _supervise_once(config, specs, scratch, lambda: bool(_collective_failures(started)))
+        code, supervisor = _supervise_once(config, specs, scratch, lambda: bool(_collective_failures(started)),
+                                           signals)
         victims = _collective_failures(started)
         own = {w: c for w, c in supervisor.self_failed.items() if w not in victims}
         return code, supervisor, any(started.iterdir()), own
@@ -295,14 +316,15 @@ def _collective_failures(started: Path) -> set[str]:
 
 
 def _supervise_once(config: LaunchConfig, specs: list[ChildSpec], scratch: list[Path],
-                    settled: Callable[[], bool]) -> tuple[int, Supervisor]:
+                    settled: Callable[[], bool], signals: StopSignals) -> tuple[int, Supervisor]:
     if not (sys.stderr.isatty() and any(spec.label == "0" for spec in specs)):
-        supervisor = Supervisor(specs, grace_s=config.grace_period, scratch_dirs=scratch, settled=settled)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, scratch_dirs=scratch, settled=settled,
+                                signals=signals)
         return supervisor.run(), supervisor
     # A terminal shows a progress bar fed by rank 0 (dynamix_byteps.progress).
     with ConsoleProgress(config.run_dir / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
         supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard, scratch_dirs=scratch,
-                                settled=settled)
+                                settled=settled, signals=signals)
         return supervisor.run(), supervisor

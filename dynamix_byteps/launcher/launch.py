@@ -73,6 +73,7 @@ from dynamix_byteps.launcher.cli import PROG, LaunchConfig, build_parser, parse_
 from dynamix_byteps.launcher.elastic import run
 from dynamix_byteps.launcher.rendezvous import RendezvousServer
 from dynamix_byteps.launcher.specs import build_specs
+from dynamix_byteps.launcher.stop_signals import StopSignals
 from dynamix_byteps.launcher.supervisor import ChildSpec
 
 __all__ = ["main"]
@@ -88,8 +89,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return stop.code if isinstance(stop.code, int) else 2
     except UsageError as error:
         return _usage_error(parser, str(error))
-    with _run_dir(config) as run_dir:
-        return _launch(dataclasses.replace(config, run_dir=run_dir), env, parser)
+    # Caught from here to the end, the run folder's removal included: a signal between runs or while the
+    # hosts agree on the next one stops the job, never with a traceback or a folder left behind.
+    with StopSignals().caught() as signals, _run_dir(config) as run_dir:
+        return _launch(dataclasses.replace(config, run_dir=run_dir), env, parser, signals)
 
 
 @contextlib.contextmanager
@@ -124,7 +127,8 @@ def _build(config: LaunchConfig, env: Mapping[str, str], parser: argparse.Argume
     return specs
 
 
-def _launch(config: LaunchConfig, env: Mapping[str, str], parser: argparse.ArgumentParser) -> int:
+def _launch(config: LaunchConfig, env: Mapping[str, str], parser: argparse.ArgumentParser,
+            signals: StopSignals) -> int:
     build = functools.partial(_build, env=env, parser=parser)
     specs = build(config)
     if isinstance(specs, int):
@@ -140,7 +144,7 @@ def _launch(config: LaunchConfig, env: Mapping[str, str], parser: argparse.Argum
             return _usage_error(parser, f"{'argument --restart-port' if isinstance(error, OSError) else 'DYNAMIX_TOKEN'}"
                                 f": {error}")
     try:
-        return run(config, env, build, specs, coordinator)
+        return run(config, env, build, specs, coordinator, signals)
     finally:
         if coordinator is not None:
             coordinator.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ REPORT_TIMEOUT_S = 120.0  # node 0 waits this long for the other hosts' reports 
 REFUSED_S = 10.0  # node 0 serves from its start: unreachable this long, it is gone
 ANSWER_MARGIN_S = 30.0  # a host waits REPORT_TIMEOUT_S + this for the decision
 LEAVE_TIMEOUT_S = 2.0
+STOP_POLL_S = 0.05  # how often a wait asks its ``stopped``
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,20 @@ class RendezvousServer:
         self.port = listen(self._server, host, port, server_credentials(tls_cert, tls_key))
         self._server.start()
 
-    def collect(self, run: int, peers: int, timeout_s: float = REPORT_TIMEOUT_S) -> dict[int, RunReport]:
-        """Take the reports of ``run`` until hosts ``1..peers`` have each sent one or ``timeout_s``
-        passes; returns ``{node: report}``. Every caller waits until :meth:`answer`."""
+    def collect(self, run: int, peers: int, timeout_s: float = REPORT_TIMEOUT_S,
+                stopped: Callable[[], bool] = lambda: False) -> dict[int, RunReport]:
+        """Take the reports of ``run`` until hosts ``1..peers`` have each sent one, ``timeout_s``
+        passes or ``stopped()`` is true (asked every ``STOP_POLL_S``); returns ``{node: report}``.
+        Every caller waits until :meth:`answer`."""
+        deadline = time.monotonic() + timeout_s
         with self._cond:
             self._round, self._peers = run, peers
             for node in [n for n in self._reports if n > peers]:  # reported before the run's hosts were known
                 del self._reports[node]
                 self._refused[(run, node)] = f"node {node} is no reporting host of run {run} (nodes 1..{peers})"
             self._cond.notify_all()
-            self._cond.wait_for(lambda: len(self._reports) == peers, timeout=timeout_s)
+            while len(self._reports) != peers and not stopped() and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(timeout=min(left, STOP_POLL_S))
             return dict(self._reports)
 
     def answer(self, run: int, decision: dict) -> None:
@@ -235,21 +241,27 @@ class RendezvousServer:
 
 
 def end_round(node0: tuple[str, int], report: RunReport, token: str, tls_ca=None,
-              timeout_s: float = REPORT_TIMEOUT_S) -> dict:
+              timeout_s: float = REPORT_TIMEOUT_S, stopped: Callable[[], bool] = lambda: False) -> dict:
     """A non-zero host's side: send ``report`` to node 0 at ``node0`` (host, port; retrying
     while node 0 is unreachable, for at most ``REFUSED_S``) and return its decision (a dict, as
-    :func:`decision_dict`); ``{"exit": report.code, "reason": why}`` when it refuses the report or
+    :func:`decision_dict`); ``{"exit": report.code, "reason": why}`` when it refuses the report, when
     none comes within ``timeout_s`` + ``ANSWER_MARGIN_S`` (node 0 may wait ``timeout_s`` for the
-    slowest host)."""
+    slowest host), or once ``stopped()`` is true (asked every ``STOP_POLL_S``; the call is cancelled)."""
     start = time.monotonic()
     deadline = start + timeout_s + ANSWER_MARGIN_S
     address = grpc_address(*node0)
     with open_channel(address, tls_ca, CHANNEL_OPTIONS) as channel:
         call = dynamix_pb2_grpc.RendezvousStub(channel).EndRound
         while True:
+            future = call.future(report.message(), timeout=max(0.01, deadline - time.monotonic()),
+                                 metadata=((TOKEN_METADATA_KEY, token),))
+            while not future.done() and not stopped():
+                time.sleep(STOP_POLL_S)
+            if stopped():
+                future.cancel()
+                return {"exit": report.code, "reason": "stopped while waiting for node 0's decision"}
             try:
-                return decision_dict(call(report.message(), timeout=max(0.01, deadline - time.monotonic()),
-                                          metadata=((TOKEN_METADATA_KEY, token),)))
+                return decision_dict(future.result())
             except grpc.RpcError as error:
                 code, details = error.code(), error.details()
             now = time.monotonic()

@@ -55,9 +55,9 @@ from dynamix_byteps.launcher._subreaper import (
     stop_adopted,
 )
 from dynamix_byteps.launcher.output import Output
+from dynamix_byteps.launcher.stop_signals import StopSignals
 
 _PR_SET_PDEATHSIG = 1
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_TIMEOUT_S = 60.0
 SETTLE_S = 5.0  # the longest wait, after a failure, for the other workers to exit by themselves
 REAP_EVERY_S = 1.0  # how often the job's exited orphans are reaped while it runs (a scan of /proc)
@@ -157,6 +157,8 @@ class Supervisor:
             them itself otherwise.
         settled: asked while the others get ``settle_s`` after a failure; True stops them at once
             (whether they fail on their own no longer matters); default never.
+        signals: the caller's :class:`~.stop_signals.StopSignals`, caught by the caller for longer
+            than :meth:`run` (between the runs of an elastic job); default: :meth:`run` catches its own.
 
     After :meth:`run`, ``failed_worker`` is the label of the worker whose own failure ended
     the job (None when all succeeded, or a signal or a service ended it), ``failed_at`` the wall-clock
@@ -186,6 +188,7 @@ class Supervisor:
         write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
         scratch_dirs: Sequence[Path] = (),
         settled: Callable[[], bool] = lambda: False,
+        signals: StopSignals | None = None,
     ):
         if not specs:
             raise ValueError("Supervisor needs at least one ChildSpec")
@@ -206,8 +209,8 @@ class Supervisor:
         self._guardian = Guardian(grace_s)
         self._not_orphans: set[int] = set()  # children of this process that are not the job's: see _run
         self._mark = ""  # run() draws one: in the environment of every process of the job, see _subreaper
-        self._signum: int | None = None
-        self._signal_count = 0
+        self._signals = StopSignals() if signals is None else signals
+        self._own_signals = signals is None
         # Signals the launcher has acted on (forwarded, or ended a wait with); one beyond means "now".
         # Counted when acted on, not when a stop begins: a signal that comes while the launcher sees
         # the job end must still end the clean-up's wait. Signals within one poll count as one.
@@ -221,23 +224,8 @@ class Supervisor:
 
     # ---- signals ------------------------------------------------------------------------
 
-    def _on_signal(self, signum: int, frame) -> None:
-        if self._signum is None:
-            self._signum = signum
-        self._signal_count += 1
-
-    @property
-    def signalled(self) -> int | None:
-        """The number of the first signal (SIGINT, SIGTERM, SIGHUP) the launcher got, None when none."""
-        return self._signum
-
     def _now_requested(self) -> bool:
-        return self._killed_on_request or self._signal_count > self._answered
-
-    def _install_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        return {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        return self._killed_on_request or self._signals.count > self._answered
 
     # ---- process groups -----------------------------------------------------------------
 
@@ -284,15 +272,12 @@ class Supervisor:
             failed (``128 + N`` if it was killed by signal N); ``128 + N`` when the launcher
             got signal N; 126/127 when a command could not be executed.
         """
-        previous = self._install_handlers()
         self._mark = new_mark()
-        with adopting() as not_adopting:
+        with self._signals.caught() if self._own_signals else contextlib.nullcontext(), adopting() as not_adopting:
             try:
                 return self._run(not_adopting)
             finally:
                 self._cleanup()
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
 
     def _run(self, not_adopting: str | None) -> int:
         self._not_orphans.update(children())  # the embedding program's own
@@ -309,12 +294,12 @@ class Supervisor:
             self._guardian.tell(f"scratch {folder}")
         try:
             for spec in self.specs:
-                if self._signum is not None:
+                if self._signals.first is not None:
                     break
                 self._children.append(self._spawn(spec))
                 self._start_pumps(self._children[-1])  # a service's startup error must be shown
                 if spec.ready_file is not None and not self._await_ready(self._children[-1]):
-                    if self._signum is not None:
+                    if self._signals.first is not None:
                         break  # _wait reports the signal and stops what started
                     self._stop_all(signal.SIGTERM)
                     return 1
@@ -336,7 +321,7 @@ class Supervisor:
         ``READY_TIMEOUT_S`` first, and False, without one, when the launcher got a signal."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not child.spec.ready_file.exists():
-            if self._signum is not None:
+            if self._signals.first is not None:
                 return False
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 self.output.note(f"[{child.spec.label}] did not become ready "
@@ -358,11 +343,11 @@ class Supervisor:
         while True:
             # Decisions below come from this count, never the live one: a signal that comes after it is
             # answered on the next pass, one before it on this pass, and none twice.
-            seen = self._signal_count
+            seen = self._signals.count
             if seen > self._answered and exit_code is None and not services_stopping:
-                exit_code = 128 + self._signum
-                self.output.note(f"received {_signal_name(self._signum)}; stopping {self._count_live()} process(es)")
-                self._signal_live(self._signum)
+                exit_code = 128 + self._signals.first
+                self.output.note(f"received {_signal_name(self._signals.first)}; stopping {self._count_live()} process(es)")
+                self._signal_live(self._signals.first)
                 stopping_since, self._answered = time.monotonic(), seen
             # Workers first: a server a lost worker's peers stopped (abort) exits right after it.
             for child in sorted(self._children, key=lambda c: c.spec.service):
