@@ -351,6 +351,7 @@ def test_a_signal_after_a_worker_failed_stops_the_job_instead_of_restarting_it(t
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=40) == 3, log.read_bytes()  # the worker's failure came first
         assert b"stopped by SIGINT; not restarting" in log.read_bytes() and b"restart 1" not in log.read_bytes()
+        assert b"received SIGINT; stopping 2 process(es)" in log.read_bytes()  # said at once, not after the grace
     finally:
         kill_tree(proc)
 

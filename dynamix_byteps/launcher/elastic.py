@@ -62,6 +62,8 @@ from dynamix_byteps.progress import PROGRESS_ENV, PROGRESS_FILE, ConsoleProgress
 
 __all__ = ["RunReport", "decide", "run"]
 
+ALL_SUCCEEDED = "every worker succeeded"
+
 
 def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> dict:
     """The next step of the job from every host's report (``reports[i]`` is host ``i``'s).
@@ -77,7 +79,7 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
             return {"exit": 1, "reason": f"host {r.node}'s report of run {r.run} is malformed ({problem}); not restarting"}
     failures = sorted((r for r in reports if r.code != 0), key=lambda r: (r.failed_at or float("inf"), r.node))
     if not failures:
-        return {"exit": 0, "reason": "every worker succeeded"}
+        return {"exit": 0, "reason": ALL_SUCCEEDED}
     first = failures[0].code
     if any(r.failed is None and not r.server_failed for r in failures):
         return {"exit": first, "reason": "a launcher was stopped; not restarting"}
@@ -121,7 +123,9 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
             decision = _coordinate(config, env, supervisor, code, coordinator, started_workers, self_failed,
                                    signals)
             if "exit" in decision:
-                if decision["exit"] != 0:
+                # said for a 0 too when not node 0's verdict (it could not be reached): this host's workers
+                # succeeded, but whether the job did is not known here
+                if decision["exit"] != 0 or decision["reason"] != ALL_SUCCEEDED:
                     print(f"{PROG}: {decision['reason']}", file=sys.stderr, flush=True)
                 return decision["exit"]
             config = _apply_decision(config, env, decision, started, code)

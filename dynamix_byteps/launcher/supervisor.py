@@ -389,12 +389,18 @@ class Supervisor:
             # A signal to the launcher ends the wait as well: it means "stop now".
             if settle_until is not None and (time.monotonic() >= settle_until or seen > self._answered
                                              or self.settled()):
+                if seen > self._answered:
+                    self.output.note(f"received {_signal_name(self._signals.first)}; stopping {self._count_live()} "
+                                     f"process(es) (SIGTERM, SIGKILL after {self.grace_s:g} s)")
                 settle_until = None
                 self._signal_live(signal.SIGTERM)
                 stopping_since, self._answered = time.monotonic(), seen
             elif killed_at is None and stopping_since is not None:
                 # A (further) signal while stopping means "now": do not wait out the grace period.
                 if seen > self._answered or time.monotonic() - stopping_since > self.grace_s:
+                    if seen > self._answered:
+                        self.output.note(f"received a signal while stopping; killing {self._count_live()} "
+                                         "process(es) now (SIGKILL)")
                     self._signal_live(signal.SIGKILL)
                     self._killed_on_request = self._killed_on_request or seen > self._answered
                     killed_at, self._answered = time.monotonic(), seen
