@@ -373,6 +373,13 @@ def once_sleeping(pid: str) -> str:
     return f'until [ "$(cat /proc/{pid}/comm 2>/dev/null)" = sleep ]; do sleep 0.01; done; '
 
 
+def sigterm_proof_orphan(sleep: str) -> str:
+    """Shell that starts ``sleep SLEEP`` in a session of its own, ignoring SIGTERM, waits until it runs and
+    prints ``pids PID``."""
+    return (f"setsid bash -c 'trap \"\" TERM; exec sleep {sleep}' & p=$!; "
+            f"{once_sleeping('$p')}echo pids $p; ")
+
+
 def orphaning_worker(marker: str, then: str) -> list[str]:
     """A worker that starts `sleep`s with ``marker`` (in its group, in a session of its own, in its
     group ignoring SIGTERM, in a session of its own ignoring SIGTERM), prints their pids, then runs
@@ -545,8 +552,7 @@ def test_waiting_for_an_orphan_that_ignores_sigterm_is_announced_and_a_signal_en
     err = tmp_path / "launcher.err"
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "120", "--", "bash", "-c",
-                               f"setsid bash -c 'trap \"\" TERM; exec sleep 315.{marker}' & p=$!; "
-                               f"{once_sleeping('$p')}echo pids $p; exit 0"],
+                               f"{sigterm_proof_orphan(f'315.{marker}')}exit 0"],
                               tmp_path)
         assert wait_until(lambda: b"waiting up to" in err.read_bytes(), timeout=30), err.read_bytes()
         pid = printed_pids((tmp_path / "launcher.out").read_bytes())[0]
@@ -659,8 +665,8 @@ def test_a_second_signal_ends_the_wait_for_orphans_in_a_session_of_their_own_too
     err = tmp_path / "launcher.err"
     try:
         proc = start_launcher(["-n", "1", "--grace-period", "60", "--", "bash", "-c",
-                               f"trap '' TERM INT; setsid bash -c 'trap \"\" TERM; exec sleep 319.{marker}' & p=$!; "
-                               f"{once_sleeping('$p')}echo pids $p; sleep 300 & wait"], tmp_path)
+                               f"trap '' TERM INT; {sigterm_proof_orphan(f'319.{marker}')}sleep 300 & wait"],
+                              tmp_path)
         assert wait_until(lambda: printed_pids((tmp_path / "launcher.out").read_bytes())), err.read_bytes()
         pid = printed_pids((tmp_path / "launcher.out").read_bytes())[0]
         proc.send_signal(signal.SIGINT)
