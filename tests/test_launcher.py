@@ -710,6 +710,39 @@ def test_a_signal_while_the_services_stop_after_the_workers_succeeded_kills_them
         kill_tree(proc)
 
 
+ORPHAN_SEEN_MID_EXEC = """
+import os, sys
+from dynamix_byteps.launcher import _subreaper
+from dynamix_byteps.launcher.supervisor import ChildSpec, Supervisor
+marker = sys.argv[1]
+carries_mark, asked = _subreaper.carries_mark, set()
+def mid_exec_at_first(pid, mark):  # the kernel shows no environment while a process execs
+    if pid not in asked:
+        asked.add(pid)
+        return None
+    return carries_mark(pid, mark)
+_subreaper.carries_mark = mid_exec_at_first
+worker = ChildSpec("0", ["bash", "-c", f"setsid sleep 304.{marker} & echo pids $!"], dict(os.environ))
+print(f"code {Supervisor([worker], grace_s=2).run()}", flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_an_orphan_whose_environment_reads_empty_at_first_is_still_the_job_s(marker):
+    # Before: an orphan caught in the middle of an exec (setsid, then sleep), whose /proc/PID/environ reads
+    # empty then, was taken for another program's process for good and outlived the job (a fresh-clone run).
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SEEN_MID_EXEC, marker], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=40)
+        assert b"code 0" in out, out + err
+        assert left_behind(printed_pids(out), marker) == []
+    finally:
+        kill_tree(proc)
+
+
 UNKILLABLE_ORPHAN = """
 import os, subprocess, sys
 from dynamix_byteps.launcher import _subreaper

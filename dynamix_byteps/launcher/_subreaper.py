@@ -31,6 +31,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 MARK_ENV = "DYNAMIX_LAUNCH_RUN"  # marks every process of one Supervisor run: see carries_mark
 NOTE_AFTER_S = 1.0  # an orphan still running this long after SIGTERM is announced
+UNREAD_S = 1.0  # an orphan whose environment still reads empty after this long is not the job's
 AFTER_KILL_S = 5.0  # an orphan still running this long after SIGKILL is given up on
 
 try:  # Linux only; elsewhere nothing is adopted.
@@ -119,14 +120,17 @@ def new_mark() -> str:
     return f"{os.getpid()}.{secrets.token_hex(8)}"
 
 
-def carries_mark(pid: int, mark: str) -> bool:
+def carries_mark(pid: int, mark: str) -> bool | None:
     """Whether process ``pid`` was started with ``MARK_ENV=mark`` in its environment (inherited from a
-    process of the job); False when its environment cannot be read (another user's process, gone)."""
+    process of the job); False when its environment cannot be read (another user's process, gone);
+    None when it reads empty: a process in the middle of an ``exec`` (the kernel shows no environment
+    until the new program's is in place) or one started with an empty environment (``env -i``)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return f"{MARK_ENV}={mark}".encode() in f.read().split(b"\0")
+            environ = f.read()
     except OSError:
         return False
+    return f"{MARK_ENV}={mark}".encode() in environ.split(b"\0") if environ else None
 
 
 def _describe(pids: Collection[int]) -> str:
@@ -159,27 +163,34 @@ def stop_adopted(known: Collection[int], mark: str, grace_s: float, poll_s: floa
     deadline: dict[int, float] = {}  # the job's orphan -> when it gets SIGKILL (once it got it: when we give up)
     killed: set[int] = set()
     foreign: set[int] = set()  # adopted without the mark
+    unread: dict[int, float] = {}  # adopted, environment empty so far (mid-exec?) -> when first seen
     noted = False
     while True:
         live = {pid for pid in children() if pid not in known and not _reaped(pid)}
         # Forget what was reaped: its pid may come back as another process.
         deadline = {pid: at for pid, at in deadline.items() if pid in live}
+        unread = {pid: at for pid, at in unread.items() if pid in live}
         killed &= live
         foreign &= live
         now = time.monotonic()
         for pid in live - deadline.keys() - foreign:
-            if carries_mark(pid, mark):
+            ours = carries_mark(pid, mark)
+            if ours:
                 _signal(pid, signal.SIGTERM)
                 deadline[pid] = now + grace_s
+                unread.pop(pid, None)
+            elif ours is None and now - unread.setdefault(pid, now) < UNREAD_S:
+                continue  # asked again next time
             else:
                 foreign.add(pid)
+                unread.pop(pid, None)
         now_or_never = interrupted()
         for pid in [pid for pid in deadline if pid not in killed and (now_or_never or now >= deadline[pid])]:
             _signal(pid, signal.SIGKILL)
             killed.add(pid)
             deadline[pid] = now + AFTER_KILL_S
         stuck = [pid for pid in killed if now >= deadline[pid]]
-        if len(stuck) == len(deadline):
+        if len(stuck) == len(deadline) and not unread:
             if stuck:
                 note(f"warning: {len(stuck)} process(es) the workers left still run {AFTER_KILL_S:g} s after "
                      f"SIGKILL (in uninterruptible sleep?), left as they are: {_describe(stuck)}")
