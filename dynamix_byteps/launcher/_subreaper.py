@@ -175,15 +175,14 @@ def stop_adopted(known: Collection[int], mark: str, grace_s: float, poll_s: floa
         now = time.monotonic()
         for pid in live - deadline.keys() - foreign:
             ours = carries_mark(pid, mark)
+            if ours is None and now - unread.setdefault(pid, now) < UNREAD_S:
+                continue  # asked again next time
+            unread.pop(pid, None)
             if ours:
                 _signal(pid, signal.SIGTERM)
                 deadline[pid] = now + grace_s
-                unread.pop(pid, None)
-            elif ours is None and now - unread.setdefault(pid, now) < UNREAD_S:
-                continue  # asked again next time
             else:
                 foreign.add(pid)
-                unread.pop(pid, None)
         now_or_never = interrupted()
         for pid in [pid for pid in deadline if pid not in killed and (now_or_never or now >= deadline[pid])]:
             _signal(pid, signal.SIGKILL)

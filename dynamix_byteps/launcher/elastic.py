@@ -135,7 +135,7 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
             failed, server = supervisor.failed_worker, supervisor.failed_service
             if code == 0 or (failed is None and server is None) or config.run >= config.restart_on_failure:
                 return code
-            if signals.first is not None:
+            if signals.received():
                 print(f"{PROG}: stopped by {signal.Signals(signals.first).name}; not restarting", file=sys.stderr,
                       flush=True)
                 return code
@@ -229,25 +229,27 @@ def _coordinate(config: LaunchConfig, env: Mapping[str, str], supervisor: Superv
                        workers=[int(s.label) for s in supervisor.specs if not s.service], started=started_workers,
                        server_failed=supervisor.failed_service is not None)
     # the launcher was signalled (or could not start the job)
-    stopped = code != 0 and (signals.first is not None or (report.failed is None and not report.server_failed))
+    stopped = code != 0 and (signals.received() or (report.failed is None and not report.server_failed))
+
+    def as_stopped(exit_code: int) -> RunReport:  # what node 0's decide reads as a stopped launcher
+        return dataclasses.replace(report, code=exit_code, failed=None, failed_at=None, server_failed=False)
+
     if stopped:
-        report = dataclasses.replace(report, failed=None, failed_at=None, server_failed=False)
+        report = as_stopped(code)
     node0, token = (topology.hosts[0], config.restart_port), env["DYNAMIX_TOKEN"]
     tls_ca = None if config.tls_ca is None else str(config.tls_ca)
     if coordinator is None:
         if not stopped:
-            decision = end_round(node0, report, token, tls_ca, stopped=lambda: signals.first is not None)
-            if signals.first is None:
+            decision = end_round(node0, report, token, tls_ca, stopped=signals.received)
+            if not signals.received():
                 return decision
-            report = dataclasses.replace(report, code=code or 128 + signals.first, failed=None, failed_at=None,
-                                         server_failed=False)
+            report = as_stopped(code or 128 + signals.first)
         leave(node0, report, token, tls_ca)
         return {"exit": report.code, "reason": "stopped; not restarting"}
-    peers = {} if stopped else coordinator.collect(config.run, len(topology.hosts) - 1,
-                                                   stopped=lambda: signals.first is not None)
+    peers = {} if stopped else coordinator.collect(config.run, len(topology.hosts) - 1, stopped=signals.received)
     missing = [i for i in range(1, len(topology.hosts)) if i not in peers]
     reports = [report] + [peers[i] for i in sorted(peers)]
-    if signals.first is not None:  # the others are told at once, rather than left to wait for node 0
+    if signals.received():  # the others are told at once, rather than left to wait for node 0
         decision = {"exit": code or 128 + signals.first, "reason": "node 0 was stopped; not restarting"}
     elif missing:
         first = next((r.code for r in reports if r.code != 0), 1)

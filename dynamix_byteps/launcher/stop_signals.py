@@ -24,6 +24,10 @@ class StopSignals:
         self.first: int | None = None
         self.count = 0
 
+    def received(self) -> bool:
+        """Whether a stop signal has come."""
+        return self.first is not None
+
     def _on_signal(self, signum: int, frame) -> None:
         if self.first is None:
             self.first = signum

@@ -294,12 +294,12 @@ class Supervisor:
             self._guardian.tell(f"scratch {folder}")
         try:
             for spec in self.specs:
-                if self._signals.first is not None:
+                if self._signals.received():
                     break
                 self._children.append(self._spawn(spec))
                 self._start_pumps(self._children[-1])  # a service's startup error must be shown
                 if spec.ready_file is not None and not self._await_ready(self._children[-1]):
-                    if self._signals.first is not None:
+                    if self._signals.received():
                         break  # _wait reports the signal and stops what started
                     self._stop_all(signal.SIGTERM)
                     return 1
@@ -321,7 +321,7 @@ class Supervisor:
         ``READY_TIMEOUT_S`` first, and False, without one, when the launcher got a signal."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not child.spec.ready_file.exists():
-            if self._signals.first is not None:
+            if self._signals.received():
                 return False
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 self.output.note(f"[{child.spec.label}] did not become ready "
