@@ -18,12 +18,21 @@ are set, the global rank is ``rank_offset + local_rank`` and the size is ``DYNAM
 ``MASTER_ADDR:MASTER_PORT``. ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` may both be absent (one
 process per node or pod, as a PyTorchJob without torchrun starts): local rank 0 of 1.
 
+**MPI launchers** (what Horovod users start jobs with) name the same four numbers in their own
+variables: Open MPI's ``mpirun`` ``OMPI_COMM_WORLD_RANK`` of ``OMPI_COMM_WORLD_SIZE`` and
+``OMPI_COMM_WORLD_LOCAL_RANK`` of ``OMPI_COMM_WORLD_LOCAL_SIZE``; MPICH's and Intel MPI's
+``mpiexec`` (Hydra) ``PMI_RANK`` of ``PMI_SIZE`` and ``MPI_LOCALRANKID`` of ``MPI_LOCALNRANKS``.
+They set no rendezvous, so the job gives every rank ``MASTER_PORT``, and ``MASTER_ADDR`` (the
+host of rank 0) when its ranks span hosts (``mpirun -x MASTER_PORT=29500 ...``).
+
 A partial contract is an error, never a silent single worker: once any of a contract's rank
 variables is set, the job's size (``DMLC_NUM_WORKER``, ``WORLD_SIZE``) is required, the
 process's index whenever the size is above 1, a local index whenever the local size is
 above 1 (and the local size whenever a local index is given), and the root's address and
-port whenever the job has more than one worker. When both contracts are set (a ``bpslaunch``
-started inside a torchrun job) they must describe the same rank and size; BytePS's wins.
+port whenever the job has more than one worker. When both BytePS's and torchrun's variables
+are set (a ``bpslaunch`` started inside a torchrun job) they must describe the same rank and
+size; BytePS's wins. An MPI launcher's variables are read only when neither is set (``mpirun``
+may start one torchrun per host, whose workers then inherit the MPI ranks of their torchrun).
 """
 
 from __future__ import annotations
@@ -53,7 +62,44 @@ RESTART_ENV = "DYNAMIX_RESTART"  # bpslaunch --restart-on-failure: 0 on the firs
 
 BYTEPS_RANK_VARIABLES = ("DMLC_NUM_WORKER", "DMLC_WORKER_ID", "BYTEPS_LOCAL_SIZE", "BYTEPS_LOCAL_RANK",
                          "DYNAMIX_RANK_OFFSET", "DYNAMIX_SIZE")
-TORCHRUN_RANK_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class RankContract:
+    """A launcher that gives each process four variables, its rank of the job's size and its local
+    rank of its node's size, and leaves the rendezvous to ``MASTER_ADDR:MASTER_PORT``.
+
+    Attributes:
+        name: the launcher's short name (:attr:`WorkerEnv.contract`).
+        launcher: how messages name it, e.g. ``"mpirun (Open MPI)"``.
+        size, rank, local_size, local_rank: the names of its four variables.
+        rendezvous_hint: how a job started by it sets ``MASTER_ADDR``/``MASTER_PORT``; empty when
+            the launcher sets them itself.
+    """
+
+    name: str
+    launcher: str
+    size: str
+    rank: str
+    local_size: str
+    local_rank: str
+    rendezvous_hint: str = ""
+
+    @property
+    def variables(self) -> tuple[str, str, str, str]:
+        return self.size, self.rank, self.local_size, self.local_rank
+
+
+TORCHRUN = RankContract("torchrun", "torchrun", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
+# In order of precedence: torchrun's first, since an MPI launcher may start one torchrun per host.
+RANK_CONTRACTS = (
+    TORCHRUN,
+    RankContract("openmpi", "mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 rendezvous_hint="mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ..."),
+    RankContract("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
+                 rendezvous_hint="mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ..."),
+)
 
 
 def resolve_engine(name: str, local_size: int) -> str:
@@ -219,12 +265,13 @@ class WorkerEnv:
             (``DYNAMIX_SLOWDOWN``, ``FACTOR`` or ``FACTOR@START-END``, >= 1; for benchmarks and tests).
         slowdown_window: ``(start_s, end_s)``, seconds of training (since the worker's first step,
             untimed sections excluded) during which ``slowdown`` applies; ``(0, inf)`` = always.
-        rank_offset: global rank of this node's local rank 0 (``DYNAMIX_RANK_OFFSET``; torchrun:
-            ``RANK - LOCAL_RANK``); None = BytePS's ``node_rank * local_size``.
+        rank_offset: global rank of this node's local rank 0 (``DYNAMIX_RANK_OFFSET``); under a
+            :class:`RankContract`, ``rank - local_rank``; None = BytePS's ``node_rank * local_size``.
         world_size: workers in the job (``DYNAMIX_SIZE``, ``WORLD_SIZE``), set together with
             ``rank_offset``; None = BytePS's ``num_nodes * local_size``.
         contract: whose variables described the job: ``byteps`` (the ``DMLC_*`` variables, or
-            none at all) or ``torchrun`` (``RANK``, ``WORLD_SIZE``, ...); error messages name them.
+            none at all), or a :class:`RankContract`'s name: ``torchrun`` (``RANK``,
+            ``WORLD_SIZE``, ...), ``openmpi`` or ``mpich``; error messages name them.
     """
 
     num_nodes: int = 1
@@ -257,8 +304,8 @@ class WorkerEnv:
 
     @property
     def root_variables(self) -> str:
-        """The variables that name the rendezvous, for messages: ``MASTER_ADDR/MASTER_PORT`` under torchrun."""
-        return "MASTER_ADDR/MASTER_PORT" if self.contract == "torchrun" else "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT"
+        """The variables that name the rendezvous, for messages: ``MASTER_ADDR/MASTER_PORT`` but under BytePS's."""
+        return "DMLC_PS_ROOT_URI/DMLC_PS_ROOT_PORT" if self.contract == "byteps" else "MASTER_ADDR/MASTER_PORT"
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -266,13 +313,14 @@ class WorkerEnv:
 
         Raises:
             ConfigurationError: a variable is invalid, a contract is partial (the message names
-                every missing variable), or the BytePS and torchrun variables disagree.
+                every missing variable), the BytePS and torchrun variables disagree, or an MPI
+                launcher's job of several ranks has no ``MASTER_PORT``.
         """
         env = os.environ if env is None else env
         layout = _byteps_layout(env)
-        torchrun = _torchrun_layout(env)
+        torchrun = _rank_layout(env, TORCHRUN)
         if layout is None:
-            layout = torchrun or cls()
+            layout = torchrun or next(filter(None, (_rank_layout(env, c) for c in RANK_CONTRACTS[1:])), None) or cls()
         elif torchrun is not None:
             _check_agreement(env, layout, torchrun)
         engine = env.get("DYNAMIX_ENGINE") or DEFAULT_ENGINE
@@ -352,32 +400,50 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
                      rank_offset=rank_offset, world_size=world_size)
 
 
-def _torchrun_layout(env: Mapping[str, str]) -> WorkerEnv | None:
-    """The job as torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_*``/``MASTER_*`` variables give it;
-    None when none of its rank variables is set."""
-    if not any(_is_set(env, name) for name in TORCHRUN_RANK_VARIABLES):
+def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | None:
+    """The job as ``contract``'s four variables and ``MASTER_ADDR``/``MASTER_PORT`` give it; None when
+    none of its four is set."""
+    if not any(_is_set(env, name) for name in contract.variables):
         return None
-    world_size = optional_int(env, "WORLD_SIZE", 1, MAX_WORKERS)
-    rank = optional_int(env, "RANK", 0, MAX_WORKERS - 1)
-    local_size = optional_int(env, "LOCAL_WORLD_SIZE", 1, MAX_WORKERS)
-    local_rank = optional_int(env, "LOCAL_RANK", 0, MAX_WORKERS - 1)
+    c = contract
+    world_size = optional_int(env, c.size, 1, MAX_WORKERS)
+    rank = optional_int(env, c.rank, 0, MAX_WORKERS - 1)
+    local_size = optional_int(env, c.local_size, 1, MAX_WORKERS)
+    local_rank = optional_int(env, c.local_rank, 0, MAX_WORKERS - 1)
     root_port = optional_int(env, "MASTER_PORT", 1, MAX_PORT)
-    _require(env, "torchrun", TORCHRUN_RANK_VARIABLES, {
-        "WORLD_SIZE": True, "RANK": world_size != 1, "LOCAL_WORLD_SIZE": local_rank is not None,
-        "LOCAL_RANK": (local_size or 1) > 1, "MASTER_ADDR": world_size != 1, "MASTER_PORT": world_size != 1})
+    needed = {c.size: True, c.rank: world_size != 1, c.local_size: local_rank is not None,
+              c.local_rank: (local_size or 1) > 1}
+    if not c.rendezvous_hint:  # the launcher sets these too: name them with the rest
+        needed.update(MASTER_ADDR=world_size != 1, MASTER_PORT=world_size != 1)
+    _require(env, c.launcher, c.variables, needed)
     rank, local_size, local_rank = rank or 0, local_size or 1, local_rank or 0
     if rank >= world_size:
-        raise ConfigurationError(f"RANK={rank} must be < WORLD_SIZE={world_size}")
+        raise ConfigurationError(f"{c.rank}={rank} must be < {c.size}={world_size}")
     if local_rank >= local_size:
-        raise ConfigurationError(f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_size}")
+        raise ConfigurationError(f"{c.local_rank}={local_rank} must be < {c.local_size}={local_size}")
     rank_offset = rank - local_rank
     if rank_offset < 0 or rank_offset + local_size > world_size:
-        raise ConfigurationError(f"RANK={rank} - LOCAL_RANK={local_rank} + LOCAL_WORLD_SIZE={local_size} must lie "
-                                 f"in 0..WORLD_SIZE={world_size}: this node's ranks must lie inside the job")
+        raise ConfigurationError(f"{c.rank}={rank} - {c.local_rank}={local_rank} + {c.local_size}={local_size} must "
+                                 f"lie in 0..{c.size}={world_size}: this node's ranks must lie inside the job")
+    if c.rendezvous_hint:
+        _require_rendezvous(env, c, world_size, spans_hosts=local_size < world_size)
     return WorkerEnv(num_nodes=-(-world_size // local_size), node_rank=rank_offset // local_size,
                      local_size=local_size, local_rank=local_rank,
                      root_addr=env.get("MASTER_ADDR") or "127.0.0.1", root_port=root_port,
-                     rank_offset=rank_offset, world_size=world_size, contract="torchrun")
+                     rank_offset=rank_offset, world_size=world_size, contract=c.name)
+
+
+def _require_rendezvous(env: Mapping[str, str], contract: RankContract, world_size: int, spans_hosts: bool) -> None:
+    """A job of several workers started by a launcher that sets no rendezvous needs ``MASTER_PORT``, and
+    ``MASTER_ADDR`` when its ranks span hosts (on one host rank 0 listens on 127.0.0.1)."""
+    missing = [name for name, needed in (("MASTER_ADDR", spans_hosts), ("MASTER_PORT", world_size != 1))
+               if needed and not _is_set(env, name)]
+    if missing:
+        raise ConfigurationError(
+            f"this process is {contract.rank}={_shown(env[contract.rank])} of {contract.size}={_shown(env[contract.size])}, "
+            f"started by {contract.launcher}, which sets no rendezvous: give every rank {' and '.join(missing)} "
+            f"({'the host of rank 0 and ' if spans_hosts else ''}a free TCP port there), e.g. {contract.rendezvous_hint}"
+        )
 
 
 def _check_agreement(env: Mapping[str, str], byteps: WorkerEnv, torchrun: WorkerEnv) -> None:

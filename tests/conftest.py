@@ -78,7 +78,7 @@ RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
 
 JOB_VARIABLES = ("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_",
-                 "GROUP_RANK", "GROUP_WORLD_SIZE")
+                 "GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL")
 
 
 def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""The launchers' environment contracts (BytePS's DMLC_*/BYTEPS_*, torchrun's RANK/WORLD_SIZE/...),
-engine selection, and the framework-neutral API."""
+"""The launchers' environment contracts (BytePS's DMLC_*/BYTEPS_*, torchrun's RANK/WORLD_SIZE/..., MPI
+launchers' OMPI_COMM_WORLD_*/PMI_*), engine selection, and the framework-neutral API."""
 
 import re
 
@@ -192,6 +192,61 @@ def test_torchrun_without_local_variables_is_one_worker_per_node():
     """A Kubeflow PyTorchJob without torchrun sets RANK/WORLD_SIZE/MASTER_* only: one process per pod."""
     env = WorkerEnv.from_environ({"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
     assert (env.rank, env.size, env.local_rank, env.local_size, env.num_nodes, env.node_rank) == (2, 3, 0, 1, 3, 2)
+
+
+OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+MPICH = {"PMI_RANK": "4", "PMI_SIZE": "6", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"}
+
+
+@pytest.mark.parametrize("variables, contract", [(OPEN_MPI, "openmpi"), (MPICH, "mpich")])
+def test_an_mpi_launchers_ranks_with_the_rendezvous_the_job_gives(variables, contract):
+    """mpirun/mpiexec (Horovod's launchers) name the ranks; MASTER_ADDR/MASTER_PORT name the rendezvous."""
+    env = WorkerEnv.from_environ({**variables, "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"})
+    assert (env.rank, env.size, env.local_rank, env.local_size) == (4, 6, 1, 3)
+    assert (env.root_addr, env.root_port, env.contract, env.root_variables) == (
+        "10.0.0.2", 29500, contract, "MASTER_ADDR/MASTER_PORT")
+
+
+@pytest.mark.parametrize("variables", [OPEN_MPI, MPICH])
+def test_an_mpi_job_says_which_rendezvous_variables_it_lacks_and_how_to_pass_them(variables):
+    with pytest.raises(ConfigurationError, match=r"RANK=4 of \w+=6, started by mpi.*sets no rendezvous: give every "
+                                                 r"rank MASTER_ADDR and MASTER_PORT \(the host of rank 0 and"):
+        WorkerEnv.from_environ(variables)
+    with pytest.raises(ConfigurationError, match="give every rank MASTER_ADDR .*e.g. mpi"):
+        WorkerEnv.from_environ({**variables, "MASTER_PORT": "29500"})
+
+
+def test_an_mpi_job_on_one_host_needs_only_a_port_and_one_rank_needs_nothing():
+    one_host = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
+    with pytest.raises(ConfigurationError, match="give every rank MASTER_PORT \\(a free TCP port there\\), e.g. mpirun -x"):
+        WorkerEnv.from_environ(one_host)
+    env = WorkerEnv.from_environ({**one_host, "MASTER_PORT": "29500"})
+    assert (env.rank, env.size, env.root_addr, env.root_port) == (2, 3, "127.0.0.1", 29500)
+    alone = WorkerEnv.from_environ({"PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert (alone.rank, alone.size, alone.root_port, alone.contract) == (0, 1, None, "mpich")
+
+
+def test_a_partial_mpi_contract_names_what_is_missing():
+    with pytest.raises(ConfigurationError, match="^environment variable OMPI_COMM_WORLD_RANK is not set, but .*"
+                                                 "OMPI_COMM_WORLD_SIZE=6.*mpirun \\(Open MPI\\)"):
+        WorkerEnv.from_environ({"OMPI_COMM_WORLD_SIZE": "6", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with pytest.raises(ConfigurationError, match="MPI_LOCALRANKID=3 must be < MPI_LOCALNRANKS=3"):
+        WorkerEnv.from_environ({**MPICH, "MPI_LOCALRANKID": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+def test_the_launchers_own_variables_win_over_the_mpi_ranks_they_were_started_with():
+    """mpirun may start one torchrun (or bpslaunch) per host: its workers inherit that host's MPI rank."""
+    inherited = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE": "1", "PMI_RANK": "1", "PMI_SIZE": "2"}
+    env = WorkerEnv.from_environ({**inherited, **TORCHRUN})
+    assert (env.rank, env.size, env.contract) == (4, 6, "torchrun")
+    byteps = {"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_SIZE": "2", "BYTEPS_LOCAL_RANK": "1", **ROOT}
+    env = WorkerEnv.from_environ({**inherited, **byteps})
+    assert (env.rank, env.size, env.contract) == (1, 4, "byteps")
+    assert WorkerEnv.from_environ({**OPEN_MPI, **{k: "9" for k in MPICH}, "MASTER_ADDR": "h",
+                                   "MASTER_PORT": "1"}).contract == "openmpi"
 
 
 def test_both_contracts_must_agree():

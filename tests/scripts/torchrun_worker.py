@@ -1,4 +1,5 @@
-"""One worker of tests/test_torchrun.py: joins the job torchrun describes and writes OUT_DIR/rank<r>.json.
+"""One worker of tests/test_torchrun.py and tests/test_mpirun.py: joins the job its launcher (torchrun,
+mpirun, mpiexec) describes and writes OUT_DIR/rank<r>.json.
 
     python -m torch.distributed.run --nproc-per-node 3 tests/scripts/torchrun_worker.py OUT_DIR
 
