@@ -91,9 +91,7 @@ class RankContract:
 
 
 TORCHRUN = RankContract("torchrun", "torchrun", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
-# In order of precedence: torchrun's first, since an MPI launcher may start one torchrun per host.
-RANK_CONTRACTS = (
-    TORCHRUN,
+MPI_CONTRACTS = (
     RankContract("openmpi", "mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                  "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                  rendezvous_hint="mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ..."),
@@ -317,12 +315,12 @@ class WorkerEnv:
                 launcher's job of several ranks has no ``MASTER_PORT``.
         """
         env = os.environ if env is None else env
-        layout = _byteps_layout(env)
+        byteps = _byteps_layout(env)
         torchrun = _rank_layout(env, TORCHRUN)
-        if layout is None:
-            layout = torchrun or next(filter(None, (_rank_layout(env, c) for c in RANK_CONTRACTS[1:])), None) or cls()
-        elif torchrun is not None:
-            _check_agreement(env, layout, torchrun)
+        if byteps is not None and torchrun is not None:
+            _check_agreement(env, byteps, torchrun)
+        # An MPI launcher's variables last: it may have started one bpslaunch or torchrun per host.
+        layout = byteps or torchrun or _mpi_layout(env) or cls()
         engine = env.get("DYNAMIX_ENGINE") or DEFAULT_ENGINE
         if engine not in ENGINES:
             raise ConfigurationError(f"DYNAMIX_ENGINE={engine!r} is not an engine; choose one of {', '.join(ENGINES)}")
@@ -431,6 +429,11 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
                      local_size=local_size, local_rank=local_rank,
                      root_addr=env.get("MASTER_ADDR") or "127.0.0.1", root_port=root_port,
                      rank_offset=rank_offset, world_size=world_size, contract=c.name)
+
+
+def _mpi_layout(env: Mapping[str, str]) -> WorkerEnv | None:
+    """The job as the first of :data:`MPI_CONTRACTS` whose variables are set gives it; None when none is."""
+    return next((layout for contract in MPI_CONTRACTS if (layout := _rank_layout(env, contract)) is not None), None)
 
 
 def _require_rendezvous(env: Mapping[str, str], contract: RankContract, world_size: int, spans_hosts: bool) -> None:
