@@ -2,12 +2,14 @@
 # Debian packages the project needs: Fashion-MNIST (the main job's data), a C++ compiler
 # for the native core, the eBPF collector's toolchain and loader library (clang, llvm,
 # libbpf-dev, bpftool, libbpf1) and what its tests use (nftables, iproute2, and the MPI launchers
-# Horovod users start jobs with: Open MPI's mpirun, MPICH's mpiexec).
+# Horovod users start jobs with: Open MPI's mpirun, MPICH's mpiexec; Slurm and munge, whose daemons
+# tests/slurm_cluster.py starts for a test: installing them starts none in a container).
 # Uses sudo when not root; skips what is already installed.
 set -euo pipefail
 packages=(dataset-fashion-mnist g++ clang llvm libbpf-dev libbpf1 bpftool nftables iproute2)
-# Without their recommended packages: mpich's would bring its development files and a Fortran compiler.
-lean_packages=(openmpi-bin mpich)
+# Without their recommended packages: mpich's would bring its development files and a Fortran compiler,
+# slurm-wlm's the plugins for MySQL, HDF5, RRD, IPMI and others.
+lean_packages=(openmpi-bin mpich slurm-wlm munge)
 absent() { for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"; done; }
 mapfile -t missing < <(absent "${packages[@]}")
 mapfile -t missing_lean < <(absent "${lean_packages[@]}")
