@@ -94,7 +94,9 @@ class SamplerPosition:
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """|t|² of a 1-D buffer as a 0-dim float64 tensor on its device (read without a host sync):
     a BLAS dot product for float32/float64 (relative error ~4e-7 for 421k float32 values, 14x
-    faster than a float64 reduction), else accumulated in float64."""
+    faster than a float64 reduction), else accumulated in float64; Σ|z|² for a complex buffer."""
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor).reshape(-1)
     if tensor.dtype in (torch.float32, torch.float64):
         return torch.dot(tensor, tensor).double()
     return torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2

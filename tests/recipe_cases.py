@@ -1,0 +1,87 @@
+"""Worker functions for tests/test_recipes.py: common PyTorch training recipes (mixed precision
+with a GradScaler, complex parameters) through both wrappers, checked against PyTorch's own DDP
+on the same process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import dynamix_byteps.torch as bps
+
+
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(dtype)
+
+
+def _batch(step: int, rank: int, size: int = 4):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(size, 6, generator=g), torch.randint(0, 3, (size,), generator=g)
+
+
+def _flat(model: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _wrap(wrapper: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """(the module to call, the optimizer to step) for ``bps_optimizer``, ``bps_ddp`` or ``torch_ddp``."""
+    if wrapper == "bps_optimizer":
+        return model, bps.DistributedOptimizer(optimizer, model.named_parameters())
+    if wrapper == "bps_ddp":
+        return bps.DistributedDataParallel(model), optimizer
+    return torch.nn.parallel.DistributedDataParallel(model), optimizer
+
+
+def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int) -> dict:
+    """bfloat16 autocast and a GradScaler with clipping; rank 1's input holds an inf at
+    ``overflow_step``. The DistributedOptimizer follows Horovod's pattern (synchronize, unscale,
+    clip, step inside skip_synchronize); the DDP wrappers the plain torch loop."""
+    model = _model()
+    net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scaler = torch.amp.GradScaler("cpu")
+    scales, params = [], []
+    for step in range(steps):
+        x, y = _batch(step, bps.rank())
+        if step == overflow_step and bps.rank() == 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(net(x), y)
+        scaler.scale(loss).backward()
+        if wrapper == "bps_optimizer":
+            opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if wrapper == "bps_optimizer":
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        params.append(_flat(model))
+    return {"scales": scales, "params": params}
+
+
+def grad_scaler_overflow_on_one_worker(wrapper: str, steps: int = 4, overflow_step: int = 2) -> dict:
+    """``wrapper``'s run, and the same run through PyTorch's DDP, as :func:`_train_with_grad_scaler` gives them."""
+    return {"mine": _train_with_grad_scaler(wrapper, steps, overflow_step),
+            "torch": _train_with_grad_scaler("torch_ddp", steps, overflow_step)}
+
+
+def _train_complex(wrapper: str, steps: int) -> list[float]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3, dtype=torch.complex64)
+    net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(steps):
+        x = _batch(step, bps.rank())[0].to(torch.complex64) * (1 + 0.5j)
+        opt.zero_grad()
+        net(x).abs().square().mean().backward()
+        opt.step()
+    return torch.cat([torch.view_as_real(p.detach()).reshape(-1) for p in model.parameters()]).tolist()
+
+
+def complex_parameters(wrapper: str, steps: int = 3) -> dict:
+    """Complex64 parameters trained through ``wrapper`` and through PyTorch's DDP."""
+    return {"mine": _train_complex(wrapper, steps), "torch": _train_complex("torch_ddp", steps)}

@@ -1,0 +1,29 @@
+"""Common PyTorch training recipes through DistributedOptimizer and DistributedDataParallel on
+real worker processes over loopback, each compared with PyTorch's own DDP on the same job."""
+
+import pytest
+from multiworker import ok, run_workers
+
+WRAPPERS = ["bps_optimizer", "bps_ddp"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_grad_scaler_overflow_on_one_worker_skips_the_step_on_every_worker(wrapper):
+    results = ok(run_workers(2, "recipe_cases:grad_scaler_overflow_on_one_worker", wrapper))
+    for result in results:
+        mine, reference = result["mine"], result["torch"]
+        assert mine["scales"] == reference["scales"] == [65536.0, 65536.0, 32768.0, 32768.0]
+        assert mine["params"][2] == mine["params"][1], "the step with the overflow was not skipped"
+        for params, torch_params in zip(mine["params"], reference["params"]):
+            assert params == pytest.approx(torch_params, abs=1e-6)
+    assert results[0]["mine"]["params"] == results[1]["mine"]["params"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_complex_parameters_train_as_with_torch_ddp(wrapper):
+    results = ok(run_workers(2, "recipe_cases:complex_parameters", wrapper))
+    for result in results:
+        assert result["mine"] == pytest.approx(result["torch"], abs=1e-6)
+    assert results[0]["mine"] == results[1]["mine"]
