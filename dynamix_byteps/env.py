@@ -1,7 +1,7 @@
 """The environment contract between a launcher and a worker process.
 
-Two launchers' contracts are read; a process started with neither is a single worker (rank 0
-of 1), which is what ``python train.py`` without a launcher gives.
+The variables of BytePS, torchrun, MPI launchers and Slurm are read; a process started with none
+of them is a single worker (rank 0 of 1), which is what ``python train.py`` without a launcher gives.
 
 **BytePS** (``bpslaunch``, or BytePS's own variables set by hand) names the cluster with
 ``DMLC_*`` variables: ``DMLC_NUM_WORKER`` worker *nodes* (machines), this node's index
@@ -18,12 +18,15 @@ are set, the global rank is ``rank_offset + local_rank`` and the size is ``DYNAM
 ``MASTER_ADDR:MASTER_PORT``. ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` may both be absent (one
 process per node or pod, as a PyTorchJob without torchrun starts): local rank 0 of 1.
 
-**MPI launchers** (what Horovod users start jobs with) name the same four numbers in their own
-variables: Open MPI's ``mpirun`` ``OMPI_COMM_WORLD_RANK`` of ``OMPI_COMM_WORLD_SIZE`` and
+**MPI launchers** (what Horovod users start jobs with) and **Slurm** name the same four numbers
+in their own variables: Open MPI's ``mpirun`` ``OMPI_COMM_WORLD_RANK`` of ``OMPI_COMM_WORLD_SIZE`` and
 ``OMPI_COMM_WORLD_LOCAL_RANK`` of ``OMPI_COMM_WORLD_LOCAL_SIZE``; MPICH's and Intel MPI's
 ``mpiexec`` (Hydra) ``PMI_RANK`` of ``PMI_SIZE`` and ``MPI_LOCALRANKID`` of ``MPI_LOCALNRANKS``.
-They set no rendezvous, so the job gives every rank ``MASTER_PORT``, and ``MASTER_ADDR`` (the
-host of rank 0) when its ranks span hosts (``mpirun -x MASTER_PORT=29500 ...``).
+Slurm's ``srun`` gives ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS`` and ``SLURM_LOCALID`` of this
+node's entry in ``SLURM_STEP_TASKS_PER_NODE`` (read only in an srun task: a batch script has
+``SLURM_PROCID`` too, but no ``SLURM_STEP_*``). These launchers set no rendezvous, so the job gives
+every rank ``MASTER_PORT``, and ``MASTER_ADDR`` (the host of rank 0) when its ranks span hosts
+(``mpirun -x MASTER_PORT=29500 ...``, ``MASTER_PORT=29500 srun ...``).
 
 A partial contract is an error, never a silent single worker: once any of a contract's rank
 variables is set, the job's size (``DMLC_NUM_WORKER``, ``WORLD_SIZE``) is required, the
@@ -31,8 +34,8 @@ process's index whenever the size is above 1, a local index whenever the local s
 above 1 (and the local size whenever a local index is given), and the root's address and
 port whenever the job has more than one worker. When both BytePS's and torchrun's variables
 are set (a ``bpslaunch`` started inside a torchrun job) they must describe the same rank and
-size; BytePS's wins. An MPI launcher's variables are read only when neither is set (``mpirun``
-may start one torchrun per host, whose workers then inherit the MPI ranks of their torchrun).
+size; BytePS's wins. An MPI launcher's or srun's variables are read only when neither is set
+(``mpirun`` or ``srun`` may start one torchrun per host, whose workers then inherit its rank).
 """
 
 from __future__ import annotations
@@ -91,13 +94,15 @@ class RankContract:
 
 
 TORCHRUN = RankContract("torchrun", "torchrun", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")
-MPI_CONTRACTS = (
-    RankContract("openmpi", "mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-                 "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                 rendezvous_hint="mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ..."),
-    RankContract("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
-                 rendezvous_hint="mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ..."),
-)
+OPEN_MPI = RankContract("openmpi", "mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        rendezvous_hint="mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...")
+MPICH = RankContract("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
+                     rendezvous_hint="mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ...")
+# SLURM_STEP_TASKS_PER_NODE ("2(x3),1": tasks on each node of the step) is read at SLURM_NODEID.
+SLURM = RankContract("slurm", "srun (Slurm)", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE",
+                     "SLURM_LOCALID", rendezvous_hint='MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
+                     "head -1) MASTER_PORT=29500 srun ...")
 
 
 def resolve_engine(name: str, local_size: int) -> str:
@@ -269,7 +274,7 @@ class WorkerEnv:
             ``rank_offset``; None = BytePS's ``num_nodes * local_size``.
         contract: whose variables described the job: ``byteps`` (the ``DMLC_*`` variables, or
             none at all), or a :class:`RankContract`'s name: ``torchrun`` (``RANK``,
-            ``WORLD_SIZE``, ...), ``openmpi`` or ``mpich``; error messages name them.
+            ``WORLD_SIZE``, ...), ``openmpi``, ``mpich`` or ``slurm``; error messages name them.
     """
 
     num_nodes: int = 1
@@ -312,14 +317,14 @@ class WorkerEnv:
         Raises:
             ConfigurationError: a variable is invalid, a contract is partial (the message names
                 every missing variable), the BytePS and torchrun variables disagree, or an MPI
-                launcher's job of several ranks has no ``MASTER_PORT``.
+                launcher's or srun's job of several ranks has no ``MASTER_PORT``.
         """
         env = os.environ if env is None else env
         byteps = _byteps_layout(env)
         torchrun = _rank_layout(env, TORCHRUN)
         if byteps is not None and torchrun is not None:
             _check_agreement(env, byteps, torchrun)
-        # An MPI launcher's variables last: it may have started one bpslaunch or torchrun per host.
+        # An MPI launcher's or srun's variables last: it may have started one bpslaunch or torchrun per host.
         layout = byteps or torchrun or _mpi_layout(env) or cls()
         engine = env.get("DYNAMIX_ENGINE") or DEFAULT_ENGINE
         if engine not in ENGINES:
@@ -400,7 +405,7 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
 
 def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | None:
     """The job as ``contract``'s four variables and ``MASTER_ADDR``/``MASTER_PORT`` give it; None when
-    none of its four is set."""
+    none of its four is set. A launcher that sets no rendezvous leaves checking it to :func:`_require_rendezvous`."""
     if not any(_is_set(env, name) for name in contract.variables):
         return None
     c = contract
@@ -423,8 +428,6 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
     if rank_offset < 0 or rank_offset + local_size > world_size:
         raise ConfigurationError(f"{c.rank}={rank} - {c.local_rank}={local_rank} + {c.local_size}={local_size} must "
                                  f"lie in 0..{c.size}={world_size}: this node's ranks must lie inside the job")
-    if c.rendezvous_hint:
-        _require_rendezvous(env, c, world_size, spans_hosts=local_size < world_size)
     return WorkerEnv(num_nodes=-(-world_size // local_size), node_rank=rank_offset // local_size,
                      local_size=local_size, local_rank=local_rank,
                      root_addr=env.get("MASTER_ADDR") or "127.0.0.1", root_port=root_port,
@@ -432,19 +435,70 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
 
 
 def _mpi_layout(env: Mapping[str, str]) -> WorkerEnv | None:
-    """The job as the first of :data:`MPI_CONTRACTS` whose variables are set gives it; None when none is."""
-    return next((layout for contract in MPI_CONTRACTS if (layout := _rank_layout(env, contract)) is not None), None)
+    """The job as an MPI launcher or Slurm's srun describes it; None when none does.
+
+    Open MPI's variables first, then MPICH's ``PMI_*``, then srun's: an MPI launcher run inside a
+    Slurm allocation starts its ranks through srun steps of its own, whose ``SLURM_*`` variables the
+    ranks inherit. But srun gives ``PMI_RANK``/``PMI_SIZE`` itself (``srun --mpi=pmi2``, or a
+    cluster's ``MpiDefault``); when they name the rank and size srun's do, srun's are read, since
+    only they give the local ones.
+    """
+    chosen = OPEN_MPI, _rank_layout(env, OPEN_MPI)
+    if chosen[1] is None:
+        pmi, slurm = _rank_layout(env, MPICH), _slurm_layout(env)
+        srun_pmi = pmi is not None and slurm is not None and (pmi.rank, pmi.size) == (slurm.rank, slurm.size)
+        chosen = (SLURM, slurm) if srun_pmi or pmi is None else (MPICH, pmi)
+    contract, layout = chosen
+    if layout is not None:
+        _require_rendezvous(env, contract, layout)
+    return layout
 
 
-def _require_rendezvous(env: Mapping[str, str], contract: RankContract, world_size: int, spans_hosts: bool) -> None:
+def _slurm_layout(env: Mapping[str, str]) -> WorkerEnv | None:
+    """The job as srun's variables give it, None outside an srun task: a batch script has
+    ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` too, but is one process, and only srun's tasks have
+    ``SLURM_STEP_NUM_TASKS``."""
+    if not _is_set(env, SLURM.size):
+        return None
+    per_node = env.get(SLURM.local_size)
+    if per_node:
+        node = optional_int(env, "SLURM_NODEID", 0, MAX_WORKERS - 1) or 0
+        env = {**env, SLURM.local_size: str(_tasks_on_node(per_node, node))}
+    return _rank_layout(env, SLURM)
+
+
+_TASKS_PER_NODE = re.compile(r"([0-9]{1,6})(?:\(x([0-9]{1,6})\))?")
+
+
+def _tasks_on_node(per_node: str, node: int) -> int:
+    """Tasks on node ``node`` of Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``"2(x3),1"``: 2 on each of
+    three nodes, then 1).
+
+    Raises:
+        ConfigurationError: the value is not of that form, or has no node ``node``.
+    """
+    counts = []
+    for field in per_node.split(","):
+        match = _TASKS_PER_NODE.fullmatch(field.strip())
+        if match is None:
+            raise ConfigurationError(f"{SLURM.local_size}={quoted(per_node)} is not Slurm's list of tasks per node "
+                                     "(e.g. 2(x3),1)")
+        counts += [int(match[1])] * min(int(match[2] or 1), MAX_WORKERS)
+    if node >= len(counts):
+        raise ConfigurationError(f"SLURM_NODEID={node} has no entry in {SLURM.local_size}={quoted(per_node)}")
+    return counts[node]
+
+
+def _require_rendezvous(env: Mapping[str, str], contract: RankContract, layout: WorkerEnv) -> None:
     """A job of several workers started by a launcher that sets no rendezvous needs ``MASTER_PORT``, and
     ``MASTER_ADDR`` when its ranks span hosts (on one host rank 0 listens on 127.0.0.1)."""
-    missing = [name for name, needed in (("MASTER_ADDR", spans_hosts), ("MASTER_PORT", world_size != 1))
+    spans_hosts = layout.local_size < layout.size
+    missing = [name for name, needed in (("MASTER_ADDR", spans_hosts), ("MASTER_PORT", layout.size != 1))
                if needed and not _is_set(env, name)]
     if missing:
         raise ConfigurationError(
-            f"this process is {contract.rank}={_shown(env[contract.rank])} of {contract.size}={_shown(env[contract.size])}, "
-            f"started by {contract.launcher}, which sets no rendezvous: give every rank {' and '.join(missing)} "
+            f"this process is {contract.rank}={layout.rank} of {contract.size}={layout.size}, started by "
+            f"{contract.launcher}, which sets no rendezvous: give every rank {' and '.join(missing)} "
             f"({'the host of rank 0 and ' if spans_hosts else ''}a free TCP port there), e.g. {contract.rendezvous_hint}"
         )
 

@@ -1,5 +1,5 @@
 """The launchers' environment contracts (BytePS's DMLC_*/BYTEPS_*, torchrun's RANK/WORLD_SIZE/..., MPI
-launchers' OMPI_COMM_WORLD_*/PMI_*), engine selection, and the framework-neutral API."""
+launchers' OMPI_COMM_WORLD_*/PMI_*, srun's SLURM_*), engine selection, and the framework-neutral API."""
 
 import re
 
@@ -247,6 +247,52 @@ def test_the_launchers_own_variables_win_over_the_mpi_ranks_they_were_started_wi
     assert (env.rank, env.size, env.contract) == (1, 4, "byteps")
     assert WorkerEnv.from_environ({**OPEN_MPI, **{k: "9" for k in MPICH}, "MASTER_ADDR": "h",
                                    "MASTER_PORT": "1"}).contract == "openmpi"
+
+
+SRUN = {"SLURM_PROCID": "4", "SLURM_STEP_NUM_TASKS": "6", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "3(x2)",
+        "SLURM_NODEID": "1", "SLURM_NTASKS": "6"}
+
+
+def test_an_srun_task_reads_its_node_s_entry_of_the_tasks_per_node():
+    env = WorkerEnv.from_environ({**SRUN, "MASTER_ADDR": "n0", "MASTER_PORT": "29500"})
+    assert (env.rank, env.size, env.local_rank, env.local_size, env.contract) == (4, 6, 1, 3, "slurm")
+    uneven = {**SRUN, "SLURM_STEP_TASKS_PER_NODE": "4,2(x1)", "SLURM_PROCID": "5", "MASTER_ADDR": "n0",
+              "MASTER_PORT": "1"}
+    assert WorkerEnv.from_environ(uneven).local_size == 2
+    with pytest.raises(ConfigurationError, match=r"give every rank MASTER_ADDR and MASTER_PORT .*scontrol show hostnames"):
+        WorkerEnv.from_environ(SRUN)
+
+
+@pytest.mark.parametrize("per_node, node, message", [
+    ("3(x2", "1", "is not Slurm's list of tasks per node"),
+    ("3,x", "0", "is not Slurm's list of tasks per node"),
+    ("1" * 50, "0", "is not Slurm's list of tasks per node"),
+    ("3(x2)", "2", "SLURM_NODEID=2 has no entry in SLURM_STEP_TASKS_PER_NODE='3\\(x2\\)'"),
+])
+def test_a_malformed_tasks_per_node_is_refused_naming_it(per_node, node, message):
+    with pytest.raises(ConfigurationError, match=message):
+        WorkerEnv.from_environ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": node,
+                                "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+
+
+def test_a_batch_script_or_an_allocation_is_one_worker_not_rank_0_of_its_tasks():
+    """sbatch's script has SLURM_PROCID=0 of SLURM_NTASKS too: only srun's tasks have SLURM_STEP_*."""
+    batch_script = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
+                    "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "7"}
+    env = WorkerEnv.from_environ(batch_script)
+    assert (env.rank, env.size, env.contract) == (0, 1, "byteps")
+
+
+def test_srun_s_own_pmi_variables_leave_the_local_ranks_to_srun_s():
+    """srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE (no MPI_LOCAL*): srun's variables give the local ones."""
+    pmi2 = {**SRUN, "PMI_RANK": "4", "PMI_SIZE": "6", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}
+    env = WorkerEnv.from_environ(pmi2)
+    assert (env.rank, env.local_rank, env.local_size, env.contract) == (4, 1, 3, "slurm")
+    # mpiexec inside an allocation: its ranks inherit the srun step that started its proxies (one per node).
+    hydra = {**MPICH, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "1"}
+    env = WorkerEnv.from_environ(hydra)
+    assert (env.rank, env.size, env.local_rank, env.local_size, env.contract) == (4, 6, 1, 3, "mpich")
 
 
 def test_both_contracts_must_agree():
