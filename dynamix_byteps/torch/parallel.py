@@ -122,8 +122,8 @@ class DistributedDataParallel(torch.nn.Module):
             too, where PyTorch's DDP refuses it, because BytePS's examples pass
             ``[local_rank()]`` also with ``--no-cuda``.
         broadcast_buffers: give every worker rank 0's buffers (e.g. BatchNorm statistics) before
-            each forward pass that records gradients (as DDP: a forward under ``torch.no_grad()``,
-            e.g. an evaluation on one rank, is not a collective).
+            each forward pass that records gradients, as DDP; a forward under ``torch.no_grad()``,
+            e.g. an evaluation on one rank, is not a collective (PyTorch's DDP broadcasts there too).
         compression: ``Compression.none`` or ``Compression.fp16``.
         bucket_cap_mb: bucket size in MiB (default ``DYNAMIX_FUSION_BYTES``, else 25, as DDP).
         batch_plan: the ``DynamicBatchSampler``'s :class:`~dynamix_byteps.batch_plan.BatchPlan`
