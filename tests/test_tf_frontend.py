@@ -67,6 +67,15 @@ def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
         assert seen == list(range(size)), f"epoch {epoch}: a sample was lost or repeated"
 
 
+@pytest.mark.timeout(300)
+def test_a_loss_scale_optimizer_inside_the_distributed_one_gets_the_learning_rate_factor_and_skips_together():
+    for result in ok(run_workers(2, "tf_dist_cases:loss_scale_optimizer_inside", timeout=280)):
+        assert result["error"] < 1e-6, "the inner optimizer updated with the base learning rate"
+        assert result["rule"] == "AdamScale"
+        assert result["skipped_moved"] == 0.0 and result["skipped_iterations"] == 0
+        assert result["skipped_scale"] == 2.0 ** 15 / 2 ** 4  # 64 samples in global batches of 16
+
+
 def test_torch_users_never_import_tensorflow():
     code = "import sys, dynamix_byteps, dynamix_byteps.torch; assert 'tensorflow' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

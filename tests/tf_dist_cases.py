@@ -273,3 +273,39 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
     return {"steps": steps, "trained": trained, "weights": float(sum(np.sum(v) for v in model.get_weights())),
             "logs": epoch_logs, "history_epochs": len(history.history["loss"]),
             "autotune": dataset.options().autotune.enabled}
+
+
+def _fit_loss_scaled(wrap, policy: str = "float32", overflow_rank: int | None = None) -> keras.Model:
+    """One epoch of model.fit over batches of 4 and 12 (linear LR scaling from B0 = 8: a factor
+    of 2) with ``DistributedOptimizer(wrap(SGD))`` under the dtype ``policy``; every input of
+    ``overflow_rank`` is 1e6 (inf in float16)."""
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        x, y = _data(64, seed=4)
+        if bps.rank() == overflow_rank:
+            x = x * 1e6
+        sampler = bps.DynamicBatchSampler(len(x), [4, 12], seed=2)
+        model = _tiny_model(0)
+        model.compile(optimizer=bps.DistributedOptimizer(wrap(keras.optimizers.SGD(0.1, momentum=0.9)),
+                                                         lr_scaling="linear", base_batch_size=8,
+                                                         batch_plan=sampler.batch_plan),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(bps.dynamic_batch_dataset(sampler, (x, y)), epochs=1, verbose=0, shuffle=False)
+        return model
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def loss_scale_optimizer_inside() -> dict:
+    """DistributedOptimizer(LossScaleOptimizer(SGD)): the same training as DistributedOptimizer(SGD),
+    learning-rate factor included; the optimizer family is the inner one's; and under
+    mixed_float16, gradients that overflow on one worker only skip the step on every worker."""
+    scaled = keras.optimizers.LossScaleOptimizer
+    plain, loss_scaled = _fit_loss_scaled(lambda opt: opt), _fit_loss_scaled(scaled)
+    adam = bps.DistributedOptimizer(scaled(keras.optimizers.Adam()), lr_scaling="adascale")
+    skipped = _fit_loss_scaled(scaled, "mixed_float16", overflow_rank=1)
+    return {"error": _relative_error(loss_scaled.get_weights(), plain.get_weights()),
+            "rule": type(adam.dynamix.aggregator.lr_scaling).__name__,
+            "skipped_moved": _relative_error(skipped.get_weights(), _tiny_model(0).get_weights()),
+            "skipped_iterations": int(skipped.optimizer.iterations.numpy()),
+            "skipped_scale": float(skipped.optimizer.dynamic_scale.numpy())}

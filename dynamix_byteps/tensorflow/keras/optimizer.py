@@ -24,9 +24,13 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
     """Methods mixed into the user's optimizer class by :func:`DistributedOptimizer`."""
 
     def _dynamix_init(self, compression, lr_scaling, base_batch_size, batch_plan) -> None:
-        self.dynamix = GradientReducer(optimizer_family_of(self), compression, lr_scaling, base_batch_size, batch_plan)
+        updater = self.inner_optimizer if isinstance(self, keras.optimizers.LossScaleOptimizer) else self
+        self.dynamix = GradientReducer(optimizer_family_of(updater), compression, lr_scaling, base_batch_size,
+                                       batch_plan)
         self._dynamix_lr_scale = tf.Variable(1.0, trainable=False, dtype=tf.float32, name="dynamix_lr_scale")
         self._dynamix_scaling = False
+        if updater is not self:
+            updater._dynamix_scaled_rate = self._scaled_rate
 
     @property
     def global_batch_size(self) -> int | None:
@@ -60,10 +64,43 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
             self._dynamix_scaling = False
 
     def _get_current_learning_rate(self):
-        rate = super(self.__class__, self)._get_current_learning_rate()
+        return self._scaled_rate(super(self.__class__, self)._get_current_learning_rate())
+
+    def _scaled_rate(self, rate):
+        """``rate`` times the step's learning-rate factor inside ``apply``, else ``rate``."""
         if not self._dynamix_scaling:
             return rate
         return tf.cast(rate, tf.float32) * self._dynamix_lr_scale
+
+
+class _ScaledUpdate(keras.optimizers.Optimizer):
+    """Mixed into the inner optimizer of a wrapped ``LossScaleOptimizer``: the inner one makes
+    the update, so it is the one whose learning rate the step's factor multiplies."""
+
+    def _get_current_learning_rate(self):
+        return self._dynamix_scaled_rate(super(self.__class__, self)._get_current_learning_rate())
+
+
+def _mixed(cls: type, mixin: type) -> type:
+    """A subclass of ``cls`` with ``mixin``'s methods, which saved models name as ``cls``."""
+    namespace = dict(mixin.__dict__)
+    namespace["__module__"] = cls.__module__
+    namespace["__qualname__"] = cls.__qualname__
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _rebuilt(optimizer: keras.optimizers.Optimizer, name: str | None) -> keras.optimizers.Optimizer:
+    """A new ``optimizer`` of the distributed class, from its config; a ``LossScaleOptimizer``'s
+    inner optimizer is rebuilt with :class:`_ScaledUpdate`."""
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    cls = _mixed(optimizer.__class__, _DistributedOptimizer)
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return cls.from_config(config)
+    inner = optimizer.inner_optimizer
+    config["inner_optimizer"] = _mixed(inner.__class__, _ScaledUpdate).from_config(inner.get_config())
+    return cls(**config)
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
@@ -129,13 +166,6 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     if optimizer.built:
         raise ValueError("the optimizer was already used, and wrapping copies its config, not its state; "
                          "wrap it with DistributedOptimizer before training or restoring it")
-    namespace = dict(_DistributedOptimizer.__dict__)
-    namespace["__module__"] = optimizer.__class__.__module__  # saved models name the wrapped class
-    namespace["__qualname__"] = optimizer.__class__.__qualname__
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
-    config = optimizer.get_config()
-    if name is not None:
-        config["name"] = name
-    wrapped = cls.from_config(config)
+    wrapped = _rebuilt(optimizer, name)
     wrapped._dynamix_init(compression, lr_scaling, base_batch_size, batch_plan)
     return wrapped
