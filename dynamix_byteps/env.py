@@ -21,7 +21,9 @@ process per node or pod, as a PyTorchJob without torchrun starts): local rank 0 
 **MPI launchers** (what Horovod users start jobs with) and **Slurm** name the same four numbers
 in their own variables: Open MPI's ``mpirun`` ``OMPI_COMM_WORLD_RANK`` of ``OMPI_COMM_WORLD_SIZE`` and
 ``OMPI_COMM_WORLD_LOCAL_RANK`` of ``OMPI_COMM_WORLD_LOCAL_SIZE``; MPICH's and Intel MPI's
-``mpiexec`` (Hydra) ``PMI_RANK`` of ``PMI_SIZE`` and ``MPI_LOCALRANKID`` of ``MPI_LOCALNRANKS``.
+``mpiexec`` (Hydra) ``PMI_RANK`` of ``PMI_SIZE`` and ``MPI_LOCALRANKID`` of ``MPI_LOCALNRANKS``;
+``horovodrun`` (Gloo mode) ``HOROVOD_RANK`` of ``HOROVOD_SIZE`` and ``HOROVOD_LOCAL_RANK`` of
+``HOROVOD_LOCAL_SIZE``.
 Slurm's ``srun`` gives ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS`` and ``SLURM_LOCALID`` of this
 node's entry in ``SLURM_STEP_TASKS_PER_NODE`` (read only in an srun task: a batch script has
 ``SLURM_PROCID`` too, but no ``SLURM_STEP_*``). These launchers set no rendezvous, so the job gives
@@ -97,6 +99,10 @@ TORCHRUN = RankContract("torchrun", "torchrun", "WORLD_SIZE", "RANK", "LOCAL_WOR
 OPEN_MPI = RankContract("openmpi", "mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                         "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                         rendezvous_hint="mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ...")
+# horovodrun's Gloo mode (in MPI mode it runs mpirun); it passes its own environment on to the ranks.
+HOROVODRUN = RankContract("horovodrun", "horovodrun (Gloo)", "HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_SIZE",
+                          "HOROVOD_LOCAL_RANK", rendezvous_hint="MASTER_ADDR=<host of rank 0> MASTER_PORT=29500 "
+                          "horovodrun ...")
 MPICH = RankContract("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
                      rendezvous_hint="mpiexec -genv MASTER_ADDR <host of rank 0> -genv MASTER_PORT 29500 ...")
 # SLURM_STEP_TASKS_PER_NODE ("2(x3),1": tasks on each node of the step) is read at SLURM_NODEID.
@@ -274,7 +280,8 @@ class WorkerEnv:
             ``rank_offset``; None = BytePS's ``num_nodes * local_size``.
         contract: whose variables described the job: ``byteps`` (the ``DMLC_*`` variables, or
             none at all), or a :class:`RankContract`'s name: ``torchrun`` (``RANK``,
-            ``WORLD_SIZE``, ...), ``openmpi``, ``mpich`` or ``slurm``; error messages name them.
+            ``WORLD_SIZE``, ...), ``openmpi``, ``horovodrun``, ``mpich`` or ``slurm``; error messages
+            name them.
     """
 
     num_nodes: int = 1
@@ -405,7 +412,7 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
 
 def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | None:
     """The job as ``contract``'s four variables and ``MASTER_ADDR``/``MASTER_PORT`` give it; None when
-    none of its four is set. A launcher that sets no rendezvous leaves checking it to :func:`_require_rendezvous`."""
+    none of its four is set. A launcher that sets no rendezvous leaves checking it to :func:`_checked_rendezvous`."""
     if not any(_is_set(env, name) for name in contract.variables):
         return None
     c = contract
@@ -435,23 +442,22 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
 
 
 def _mpi_layout(env: Mapping[str, str]) -> WorkerEnv | None:
-    """The job as an MPI launcher or Slurm's srun describes it; None when none does.
+    """The job as an MPI launcher, horovodrun or Slurm's srun describes it; None when none does.
 
-    Open MPI's variables first, then MPICH's ``PMI_*``, then srun's: an MPI launcher run inside a
+    Open MPI's or horovodrun's variables first, then MPICH's ``PMI_*``, then srun's: an MPI launcher run inside a
     Slurm allocation starts its ranks through srun steps of its own, whose ``SLURM_*`` variables the
     ranks inherit. But srun gives ``PMI_RANK``/``PMI_SIZE`` itself (``srun --mpi=pmi2``, or a
     cluster's ``MpiDefault``); when they name the rank and size srun's do, srun's are read, since
     only they give the local ones.
     """
-    chosen = OPEN_MPI, _rank_layout(env, OPEN_MPI)
-    if chosen[1] is None:
-        pmi, slurm = _rank_layout(env, MPICH), _slurm_layout(env)
-        srun_pmi = pmi is not None and slurm is not None and (pmi.rank, pmi.size) == (slurm.rank, slurm.size)
-        chosen = (SLURM, slurm) if srun_pmi or pmi is None else (MPICH, pmi)
-    contract, layout = chosen
-    if layout is not None:
-        _require_rendezvous(env, contract, layout)
-    return layout
+    for contract in (OPEN_MPI, HOROVODRUN):
+        layout = _rank_layout(env, contract)
+        if layout is not None:
+            return _checked_rendezvous(env, contract, layout)
+    pmi, slurm = _rank_layout(env, MPICH), _slurm_layout(env)
+    if pmi is not None and (slurm is None or (pmi.rank, pmi.size) != (slurm.rank, slurm.size)):
+        return _checked_rendezvous(env, MPICH, pmi)
+    return slurm and _checked_rendezvous(env, SLURM, slurm)
 
 
 def _slurm_layout(env: Mapping[str, str]) -> WorkerEnv | None:
@@ -489,9 +495,10 @@ def _tasks_on_node(per_node: str, node: int) -> int:
     return counts[node]
 
 
-def _require_rendezvous(env: Mapping[str, str], contract: RankContract, layout: WorkerEnv) -> None:
-    """A job of several workers started by a launcher that sets no rendezvous needs ``MASTER_PORT``, and
-    ``MASTER_ADDR`` when its ranks span hosts (on one host rank 0 listens on 127.0.0.1)."""
+def _checked_rendezvous(env: Mapping[str, str], contract: RankContract, layout: WorkerEnv) -> WorkerEnv:
+    """``layout``, once sure of its rendezvous: a job of several workers started by a launcher that sets
+    none needs ``MASTER_PORT``, and ``MASTER_ADDR`` when its ranks span hosts (on one host rank 0
+    listens on 127.0.0.1)."""
     spans_hosts = layout.local_size < layout.size
     missing = [name for name, needed in (("MASTER_ADDR", spans_hosts), ("MASTER_PORT", layout.size != 1))
                if needed and not _is_set(env, name)]
@@ -501,6 +508,7 @@ def _require_rendezvous(env: Mapping[str, str], contract: RankContract, layout: 
             f"{contract.launcher}, which sets no rendezvous: give every rank {' and '.join(missing)} "
             f"({'the host of rank 0 and ' if spans_hosts else ''}a free TCP port there), e.g. {contract.rendezvous_hint}"
         )
+    return layout
 
 
 def _check_agreement(env: Mapping[str, str], byteps: WorkerEnv, torchrun: WorkerEnv) -> None:

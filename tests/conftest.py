@@ -78,12 +78,13 @@ RECORDED_INTERVAL = 4  # --decision-interval of the recorded run
 
 
 JOB_VARIABLES = ("DMLC_", "BYTEPS_", "DYNAMIX_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_",
-                 "GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_")
+                 "GROUP_RANK", "GROUP_WORLD_SIZE", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "SLURM_",
+                 "HOROVOD_")
 
 
 def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     """This process's environment without any launcher's job variables (BytePS's, torchrun's, MPI's,
-    Slurm's, dynamix's) or the variables named in ``unset``, the repository on PYTHONPATH, plus ``extra``."""
+    Slurm's, horovodrun's, dynamix's) or the variables named in ``unset``, the repository on PYTHONPATH, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_VARIABLES) and k not in unset}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.update(extra)

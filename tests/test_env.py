@@ -197,9 +197,13 @@ def test_torchrun_without_local_variables_is_one_worker_per_node():
 OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
             "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}
 MPICH = {"PMI_RANK": "4", "PMI_SIZE": "6", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "3"}
+# What horovodrun's Gloo mode sets (horovod/runner/gloo_run.py); horovod itself cannot be built here, so no job runs.
+HOROVODRUN = {"HOROVOD_RANK": "4", "HOROVOD_SIZE": "6", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "3",
+              "HOROVOD_CROSS_RANK": "1", "HOROVOD_CROSS_SIZE": "2", "HOROVOD_CONTROLLER": "gloo",
+              "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.9", "HOROVOD_GLOO_RENDEZVOUS_PORT": "4000"}
 
 
-@pytest.mark.parametrize("variables, contract", [(OPEN_MPI, "openmpi"), (MPICH, "mpich")])
+@pytest.mark.parametrize("variables, contract", [(OPEN_MPI, "openmpi"), (MPICH, "mpich"), (HOROVODRUN, "horovodrun")])
 def test_an_mpi_launchers_ranks_with_the_rendezvous_the_job_gives(variables, contract):
     """mpirun/mpiexec (Horovod's launchers) name the ranks; MASTER_ADDR/MASTER_PORT name the rendezvous."""
     env = WorkerEnv.from_environ({**variables, "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"})
@@ -208,12 +212,12 @@ def test_an_mpi_launchers_ranks_with_the_rendezvous_the_job_gives(variables, con
         "10.0.0.2", 29500, contract, "MASTER_ADDR/MASTER_PORT")
 
 
-@pytest.mark.parametrize("variables", [OPEN_MPI, MPICH])
+@pytest.mark.parametrize("variables", [OPEN_MPI, MPICH, HOROVODRUN])
 def test_an_mpi_job_says_which_rendezvous_variables_it_lacks_and_how_to_pass_them(variables):
-    with pytest.raises(ConfigurationError, match=r"RANK=4 of \w+=6, started by mpi.*sets no rendezvous: give every "
+    with pytest.raises(ConfigurationError, match=r"RANK=4 of \w+=6, started by \w+.*sets no rendezvous: give every "
                                                  r"rank MASTER_ADDR and MASTER_PORT \(the host of rank 0 and"):
         WorkerEnv.from_environ(variables)
-    with pytest.raises(ConfigurationError, match="give every rank MASTER_ADDR .*e.g. mpi"):
+    with pytest.raises(ConfigurationError, match="give every rank MASTER_ADDR .*e.g. .*(mpi|horovodrun)"):
         WorkerEnv.from_environ({**variables, "MASTER_PORT": "29500"})
 
 
