@@ -67,13 +67,54 @@ def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
         assert seen == list(range(size)), f"epoch {epoch}: a sample was lost or repeated"
 
 
+@pytest.fixture(scope="module")
+def mixed_precision(tmp_path_factory):
+    """One 2-worker job of mixed-precision checks (tests/tf_dist_cases.py:mixed_precision)."""
+    return ok(run_workers(2, "tf_dist_cases:mixed_precision", str(tmp_path_factory.mktemp("saved")), timeout=280))
+
+
 @pytest.mark.timeout(300)
-def test_a_loss_scale_optimizer_inside_the_distributed_one_gets_the_learning_rate_factor_and_skips_together():
-    for result in ok(run_workers(2, "tf_dist_cases:loss_scale_optimizer_inside", timeout=280)):
+def test_under_mixed_float16_compile_may_not_wrap_the_distributed_optimizer_every_worker_refuses(mixed_precision):
+    for result in mixed_precision:
+        assert result["refused"] is not None, f"trained unprotected, weights {result.get('weights')}"
+        assert "DistributedOptimizer(SGD) under the mixed_float16 dtype policy" in result["refused"]
+        assert "bps.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(SGD(...)))" in result["refused"]
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_scale_optimizer_inside_the_distributed_one_gets_the_learning_rate_factor_and_skips_together(
+        mixed_precision):
+    for result in mixed_precision:
         assert result["error"] < 1e-6, "the inner optimizer updated with the base learning rate"
         assert result["rule"] == "AdamScale"
         assert result["skipped_moved"] == 0.0 and result["skipped_iterations"] == 0
         assert result["skipped_scale"] == 2.0 ** 15 / 2 ** 4  # 64 samples in global batches of 16
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_scale_optimizer_inside_the_distributed_one_saves_and_loads(mixed_precision):
+    for suffix in ("keras", "h5"):
+        loaded = [result["saved"][suffix] for result in mixed_precision]
+        for result in loaded:
+            assert result["class"] == "LossScaleOptimizer" and result["wrapped"]
+            assert result["state_error"] == 0.0
+            assert result["iterations"] == 4 + 2  # 4 steps saved, 2 after loading
+        assert loaded[1]["weights"] == pytest.approx(loaded[0]["weights"], rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_mixed_bfloat16_trains_without_loss_scaling(mixed_precision):
+    for result in mixed_precision:
+        assert result["bfloat16_error"] < 0.05
+    assert mixed_precision[1]["bfloat16_weights"] == mixed_precision[0]["bfloat16_weights"]
+
+
+@pytest.mark.timeout(300)
+def test_a_distributed_tape_under_mixed_float16_skips_an_overflow_on_every_worker(mixed_precision):
+    """The tape returns reduced gradients, so a plain LossScaleOptimizer decides on them."""
+    for result in mixed_precision:
+        assert result["tape"]["iterations"] == 2 and result["tape"]["scale"] == 2.0 ** 15 / 2
+    assert mixed_precision[1]["tape"]["weights"] == mixed_precision[0]["tape"]["weights"]
 
 
 def test_torch_users_never_import_tensorflow():

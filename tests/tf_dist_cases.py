@@ -7,6 +7,7 @@ from the same seeds: every rank checks against the exact single-process answer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -183,6 +184,10 @@ def _relative_error(a, b) -> float:
     return max(float(np.linalg.norm(x - y) / np.linalg.norm(y)) for x, y in zip(a, b))
 
 
+def _flat(variables) -> list[float]:
+    return np.concatenate([np.ravel(np.asarray(v)) for v in variables]).astype(float).tolist()
+
+
 def weighted_training(batch_sizes: list[int], steps: int) -> dict:
     """Per-worker batches against single-process training on the concatenated batches:
     (1) DistributedGradientTape in tf.function with local_batch_size; (2) model.fit with the
@@ -275,12 +280,20 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
             "autotune": dataset.options().autotune.enabled}
 
 
+@contextlib.contextmanager
+def _global_policy(policy: str):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def _fit_loss_scaled(wrap, policy: str = "float32", overflow_rank: int | None = None) -> keras.Model:
     """One epoch of model.fit over batches of 4 and 12 (linear LR scaling from B0 = 8: a factor
     of 2) with ``DistributedOptimizer(wrap(SGD))`` under the dtype ``policy``; every input of
     ``overflow_rank`` is 1e6 (inf in float16)."""
-    keras.mixed_precision.set_global_policy(policy)
-    try:
+    with _global_policy(policy):
         x, y = _data(64, seed=4)
         if bps.rank() == overflow_rank:
             x = x * 1e6
@@ -292,20 +305,85 @@ def _fit_loss_scaled(wrap, policy: str = "float32", overflow_rank: int | None = 
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(bps.dynamic_batch_dataset(sampler, (x, y)), epochs=1, verbose=0, shuffle=False)
         return model
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
 
 
-def loss_scale_optimizer_inside() -> dict:
-    """DistributedOptimizer(LossScaleOptimizer(SGD)): the same training as DistributedOptimizer(SGD),
-    learning-rate factor included; the optimizer family is the inner one's; and under
-    mixed_float16, gradients that overflow on one worker only skip the step on every worker."""
+def _compile_wrapped() -> dict:
+    """The arrangement refused: compile(DistributedOptimizer(SGD)) under mixed_float16, which
+    compile wraps in a LossScaleOptimizer of its own; rank 1's second batch overflows float16."""
+    with _global_policy("mixed_float16"):
+        x, y = _data(32, seed=4)
+        if bps.rank() == 1:
+            x[8:16] *= 1e6
+        model = _tiny_model(0)
+        model.compile(optimizer=bps.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        try:
+            model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        except ValueError as exc:
+            return {"refused": str(exc)}
+        return {"refused": None, "weights": _flat(model.weights)}
+
+
+def _loss_scale_state(optimizer) -> list[float]:
+    return _flat([optimizer.dynamic_scale, optimizer.step_counter, optimizer.iterations,
+                  *optimizer.inner_optimizer.momentums])
+
+
+def _saved_and_loaded(model: keras.Model, directory: str) -> dict:
+    """``model`` (mixed_float16, DistributedOptimizer(LossScaleOptimizer(SGD))) saved as .keras and
+    .h5, loaded with bps_keras.load_model under mixed_float16 and trained one more epoch."""
+    results = {}
+    with _global_policy("mixed_float16"):
+        for suffix in ("keras", "h5"):
+            path = os.path.join(directory, f"rank{bps.rank()}.{suffix}")
+            model.save(path)
+            loaded = bps_keras.load_model(path)
+            optimizer = loaded.optimizer
+            state = _loss_scale_state(optimizer)
+            x, y = _data(16, seed=5)
+            loaded.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+            results[suffix] = {"class": type(optimizer).__name__, "wrapped": hasattr(optimizer, "dynamix"),
+                               "state_error": float(np.max(np.abs(np.subtract(state, _loss_scale_state(model.optimizer))))),
+                               "iterations": int(optimizer.iterations.numpy()), "weights": _flat(loaded.weights)}
+    return results
+
+
+def _tape_loss_scaled() -> dict:
+    """A custom loop under mixed_float16: DistributedGradientTape, then a plain
+    LossScaleOptimizer(SGD); rank 1's second batch overflows float16."""
+    with _global_policy("mixed_float16"):
+        x, y = _data(24, seed=4)
+        if bps.rank() == 1:
+            x[8:16] *= 1e6
+        model, optimizer = _tiny_model(0), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+        for start in range(0, len(x), 8):
+            with tf.GradientTape() as tape:
+                loss = optimizer.scale_loss(_loss(model, x[start:start + 8], y[start:start + 8]))
+            grads = bps.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+        return {"iterations": int(optimizer.iterations.numpy()), "scale": float(optimizer.dynamic_scale.numpy()),
+                "weights": _flat(model.weights)}
+
+
+def mixed_precision(directory: str) -> dict:
+    """Under mixed_float16: compile's own LossScaleOptimizer around DistributedOptimizer(SGD) is
+    refused on every worker; DistributedOptimizer(LossScaleOptimizer(SGD)) trains as
+    DistributedOptimizer(SGD), learning-rate factor included, takes the inner optimizer's family,
+    skips on every worker when one worker's gradients overflow, and saves and loads; the tape
+    path decides on the reduced gradients too. mixed_bfloat16 needs no loss scaling."""
+    refused = _compile_wrapped()  # first: the job goes on in step after it
     scaled = keras.optimizers.LossScaleOptimizer
     plain, loss_scaled = _fit_loss_scaled(lambda opt: opt), _fit_loss_scaled(scaled)
     adam = bps.DistributedOptimizer(scaled(keras.optimizers.Adam()), lr_scaling="adascale")
     skipped = _fit_loss_scaled(scaled, "mixed_float16", overflow_rank=1)
-    return {"error": _relative_error(loss_scaled.get_weights(), plain.get_weights()),
+    bfloat16 = _fit_loss_scaled(lambda opt: opt, "mixed_bfloat16")
+    return {**refused,
+            "error": _relative_error(loss_scaled.get_weights(), plain.get_weights()),
             "rule": type(adam.dynamix.aggregator.lr_scaling).__name__,
             "skipped_moved": _relative_error(skipped.get_weights(), _tiny_model(0).get_weights()),
             "skipped_iterations": int(skipped.optimizer.iterations.numpy()),
-            "skipped_scale": float(skipped.optimizer.dynamic_scale.numpy())}
+            "skipped_scale": float(skipped.optimizer.dynamic_scale.numpy()),
+            "saved": _saved_and_loaded(_fit_loss_scaled(scaled, "mixed_float16"), directory),
+            "bfloat16_error": _relative_error(bfloat16.get_weights(), plain.get_weights()),
+            "bfloat16_weights": _flat(bfloat16.weights),
+            "tape": _tape_loss_scaled()}

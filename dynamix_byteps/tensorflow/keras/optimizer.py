@@ -47,6 +47,12 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         """The learning-rate factor of the last step."""
         return self.dynamix.aggregator.lr_scale
 
+    def build(self, variables):
+        """Keras' ``build``, refused under ``mixed_float16`` without loss scaling inside
+        (:func:`_check_loss_scaled`)."""
+        _check_loss_scaled(self)
+        super(self.__class__, self).build(variables)
+
     def apply(self, grads, trainable_variables=None):
         """Reduce ``grads`` over all workers (batch-weighted), then apply them with the learning
         rate scaled for this step's global batch. Arguments as Keras' ``Optimizer.apply``."""
@@ -71,6 +77,30 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         if not self._dynamix_scaling:
             return rate
         return tf.cast(rate, tf.float32) * self._dynamix_lr_scale
+
+
+def _check_loss_scaled(optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuse a distributed ``optimizer`` that is not a ``LossScaleOptimizer`` under the global
+    ``mixed_float16`` policy. ``model.compile`` would wrap it in a ``LossScaleOptimizer`` of its
+    own, whose overflow check reads each worker's gradients before the reduction: a worker whose
+    gradients overflow alone would skip that step's reduction and pair its later ones with the
+    others' earlier steps. The policy is global, so every worker raises here, before any collective.
+
+    Raises:
+        ValueError: the policy is ``mixed_float16`` and ``optimizer`` is not a ``LossScaleOptimizer``.
+    """
+    if keras.mixed_precision.global_policy().name != "mixed_float16":
+        return
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"DistributedOptimizer({name}) under the mixed_float16 dtype policy has no loss scaling inside: "
+        "model.compile wraps it in a LossScaleOptimizer of its own, which checks each worker's gradients for "
+        "overflow before they are averaged, so a worker whose gradients overflow alone skips that step's averaging "
+        "and the workers fall out of step (wrong weights, or CommunicationError). Put the loss-scale optimizer "
+        f"inside: bps.DistributedOptimizer(keras.optimizers.LossScaleOptimizer({name}(...))); compile then "
+        "leaves it as it is, and an overflow on any worker skips the step on every worker")
 
 
 class _ScaledUpdate(keras.optimizers.Optimizer):
@@ -151,7 +181,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
         ValueError: the optimizer was already built (its state would be lost: wrap it before
             training), ``op`` is not ``Average``, ``gradient_predivide_factor`` is not a finite
             number > 0, ``backward_passes_per_step`` is not 1, an unknown ``lr_scaling`` rule, or a
-            ``base_batch_size`` below 1.
+            ``base_batch_size`` below 1. At its first ``build`` (``model.fit``'s start, or the
+            first ``apply``): the global dtype policy is ``mixed_float16`` and ``optimizer`` is not a
+            ``LossScaleOptimizer`` (wrap it as ``DistributedOptimizer(LossScaleOptimizer(opt))``).
     """
     del device_dense, device_sparse, sparse_as_dense, average_aggregated_gradients
     check_gradient_op(op)
