@@ -155,7 +155,8 @@ def global_batch(local_batch_sizes: np.ndarray) -> int | None:
     if unset.any():
         raise ConfigurationError(
             f"ranks {np.flatnonzero(~unset).tolist()} declared a local batch size for this step but "
-            f"ranks {np.flatnonzero(unset).tolist()} did not; declare it on every worker or on none"
+            f"ranks {np.flatnonzero(unset).tolist()} did not when the reduction started; declare it on every "
+            "worker (in PyTorch before loss.backward()) or on none"
         )
     total = int(sizes.sum())
     if total == 0:
@@ -353,22 +354,18 @@ class GradientAggregator:
         self.before_send = before_send or (lambda: None)
         self._reference = 1.0
 
-    def agree_on_plan(self, description: str, samples: int, flag: int = 0) -> np.ndarray:
+    def agree_on_plan(self, description: str, samples: int) -> None:
         """Check that every worker built the same bucket plan (a blocking collective, run when
-        a plan is built, not per step), share one integer ``flag`` each, and take the reference R
-        of the round about to open from every worker's ``samples`` (so even the first round is
-        scaled by b_i / Σb, not by b_i: no float16 overflow from a large batch).
-
-        Returns:
-            int64 array of shape ``(size,)``: every rank's ``flag``.
+        a plan is built, not per step), and take the reference R of the round about to open from
+        every worker's ``samples`` (so even the first round is scaled by b_i / Σb, not by b_i: no
+        float16 overflow from a large batch).
 
         Raises:
             TensorMismatchError: on every worker, when the descriptions differ.
         """
         with round_lock:
-            table = negotiate(self.engine, "gradient reduction", description, flag, samples)
-        self._reference = float(np.where(table[:, 1] == UNSET, 1, table[:, 1]).sum() or 1)
-        return table[:, 0]
+            table = negotiate(self.engine, "gradient reduction", description, samples)
+        self._reference = float(np.where(table[:, 0] == UNSET, 1, table[:, 0]).sum() or 1)
 
     def open_round(self, samples: int, measure: bool = True, position: SamplerPosition | None = None) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);

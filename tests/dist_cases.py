@@ -111,8 +111,8 @@ def weighted_training(batch_sizes: list[int], steps: int, passes: int) -> dict:
         opt.zero_grad()
         for batch in step:
             x, y = _own(batch, batch_sizes, rank)
-            loss_fn(model(x), y).backward()
             opt.set_local_batch_size(len(x))
+            loss_fn(model(x), y).backward()
         if grad_error is None:
             opt.synchronize()
             grad_error = max(float((p.grad - r).norm() / r.norm()) for p, r in zip(model.parameters(), ref_grads))
@@ -139,9 +139,9 @@ def too_many_passes() -> str:
 def batch_size_on_some_ranks() -> None:
     model = _model()
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
-    model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
     if bps.rank() == 0:
         opt.set_local_batch_size(4)
+    model(torch.randn(4, 6, dtype=torch.float64)).sum().backward()
     opt.step()
 
 

@@ -74,7 +74,7 @@ def exact_weighting(variant: str, sizes: list[int], steps: int) -> dict:
     """Train ``steps`` steps with per-worker batches ``sizes`` through ``variant``:
 
     ``optimizer`` (set_local_batch_size before backward), ``optimizer_accumulate`` (2 passes per
-    step), ``optimizer_late`` (declared after backward), ``ddp``, ``ddp_no_sync`` (first of 2
+    step), ``ddp``, ``ddp_no_sync`` (first of 2
     passes inside no_sync); a ``_reentrant`` suffix runs the model's tail under reentrant
     activation checkpointing. Buckets of one parameter each, so several leave during backward.
     """
@@ -103,8 +103,6 @@ def exact_weighting(variant: str, sizes: list[int], steps: int) -> dict:
                     torch.nn.functional.cross_entropy(net(x[start:start + b]), y[start:start + b]).backward()
             else:
                 torch.nn.functional.cross_entropy(net(x[start:start + b]), y[start:start + b]).backward()
-            if variant == "optimizer_late":
-                opt.set_local_batch_size(b)
         backward_end = timing.now_ns()
         if variant.startswith("optimizer"):
             opt.synchronize()
@@ -266,15 +264,16 @@ def both_wrappers(first: str) -> dict:
     return {"mixed": mixed, "same_kind_again": type(again).__name__, "first": type(kept).__name__}
 
 
-def declared_late_after_overlap() -> str:
-    """Step 1 declares before backward (overlapped); in step 2 rank 1 declares after: rank 1's
-    call must raise, and rank 0, whose partner then scaled by no declared size, too."""
+def declared_late(late_step: int) -> str:
+    """Rank 1 declares its batch size after backward at step ``late_step`` (0: the first step,
+    reduced whole at the end of backward; 1: launched during it), rank 0 before, as it should:
+    both raise, from backward, at that step."""
     model = Branchy()
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     x, y = torch.randn(4, 6, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
     for step in range(2):
         opt.zero_grad()
-        late = step == 1 and bps.rank() == 1
+        late = step == late_step and bps.rank() == 1
         try:
             if not late:
                 opt.set_local_batch_size(4)
@@ -283,9 +282,21 @@ def declared_late_after_overlap() -> str:
                 opt.set_local_batch_size(4)
             opt.step()
         except ConfigurationError as exc:
-            if late:
-                opt.zero_grad()  # what a script that catches it does: drop the step
             return f"step {step}: {exc}"
+    return "no error"
+
+
+def declared_after_reduction() -> str:
+    """Every rank declares after backward, which reduced with no declared size: the declaration
+    raises instead of weighting the next step."""
+    model = Branchy()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 6, dtype=torch.float64)),
+                                      torch.zeros(4, dtype=torch.long)).backward()
+    try:
+        opt.set_local_batch_size(4)
+    except ConfigurationError as exc:
+        return str(exc)
     return "no error"
 
 
@@ -377,10 +388,11 @@ def _grad_error(model, expected: dict[str, torch.Tensor]) -> float:
 
 
 def gradients_changed_during_reduction(variant: str) -> dict:
-    """From the second step on, buckets are in flight when backward returns. A user's gradient
-    hook registered after wrapping must see the local gradient (as with PyTorch's DDP); a gradient
-    changed in place or replaced before step() must raise on the worker that did it, not leave it
-    with a sum the others do not have; the documented recipes stay exact."""
+    """From the second step on, buckets leave during backward. A user's gradient hook registered
+    after wrapping must see the local gradient (as with PyTorch's DDP); once backward returns the
+    gradients hold the reduced mean, so what the script does to them before step() (clipping,
+    replacing, writing through .data, as GradScaler.unscale_ does) meets the mean on every worker;
+    Horovod's recipe (synchronize, clip, step inside skip_synchronize) stays exact."""
     x, y, mine, parts = _worker_batches()
     model, out = Branchy(), {}
     if variant == "ddp":
@@ -412,16 +424,18 @@ def gradients_changed_during_reduction(variant: str) -> dict:
         return out
 
     plain = _weighted_reference(x, y, parts)
-    for name, change in [("clipped", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)),
-                         ("replaced", lambda: setattr(model.last.bias, "grad", model.last.bias.grad * 2))]:
-        opt.zero_grad()
-        backward()
-        change()
-        try:
-            opt.step()
-            out[name] = "no error"
-        except bps.GradientReductionError as exc:
-            out[name] = str(exc)
+    mean_norm = float(torch.stack([g.norm() for g in plain.values()]).norm())
+    opt.zero_grad()
+    backward()
+    out["norm_after_backward_error"] = abs(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)) - mean_norm)
+    opt.step()
+    opt.zero_grad()
+    backward()
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.data.mul_(2)  # unseen by autograd's version counter, as GradScaler.unscale_'s kernel
+    out["doubled_error"] = _grad_error(model, {name: 2 * g for name, g in plain.items()})
+    opt.step()
     opt.zero_grad()  # the recipe: reduce, clip the mean, step without reducing again
     backward()
     opt.synchronize()
@@ -437,6 +451,31 @@ def gradients_changed_during_reduction(variant: str) -> dict:
     opt.step()
     out["hand_made"] = model.unused.bias.grad.tolist()
     return out
+
+
+def hook_writes_a_launched_bucket() -> str:
+    """On rank 0 a hook on the first layer's weight (accumulated last) doubles the last layer's
+    bias gradient, whose one-parameter bucket left earlier in the same backward: rank 0 raises
+    from backward."""
+    os.environ["DYNAMIX_FUSION_BYTES"] = "64"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.zeros(4, dtype=torch.long)
+    said = "no error"
+    for step in range(2):  # the first step has no plan yet: its buckets leave at the end of backward
+        opt.zero_grad()
+        opt.set_local_batch_size(4)
+        if step == 1 and bps.rank() == 0:
+            def double_last_bias(_):
+                model[2].bias.grad.mul_(2)
+
+            model[0].weight.register_post_accumulate_grad_hook(double_last_bias)
+        try:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        except bps.GradientReductionError as exc:
+            said = str(exc)
+    return said
 
 
 class _FailOnce(torch.autograd.Function):

@@ -25,8 +25,9 @@ def _flat(model: torch.nn.Module) -> list[float]:
 
 
 def _wrap(wrapper: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    """(the module to call, the optimizer to step) for ``bps_optimizer``, ``bps_ddp`` or ``torch_ddp``."""
-    if wrapper == "bps_optimizer":
+    """(the module to call, the optimizer to step) for ``bps_optimizer`` (also ``bps_optimizer_plain``),
+    ``bps_ddp`` or ``torch_ddp``."""
+    if wrapper.startswith("bps_optimizer"):
         return model, bps.DistributedOptimizer(optimizer, model.named_parameters())
     if wrapper == "bps_ddp":
         return bps.DistributedDataParallel(model), optimizer
@@ -35,8 +36,8 @@ def _wrap(wrapper: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int) -> dict:
     """bfloat16 autocast and a GradScaler with clipping; rank 1's input holds an inf at
-    ``overflow_step``. The DistributedOptimizer follows Horovod's pattern (synchronize, unscale,
-    clip, step inside skip_synchronize); the DDP wrappers the plain torch loop."""
+    ``overflow_step``. ``bps_optimizer`` follows Horovod's pattern (synchronize, unscale, clip,
+    step inside skip_synchronize); the others, ``bps_optimizer_plain`` too, the plain torch loop."""
     model = _model()
     net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     scaler = torch.amp.GradScaler("cpu")

@@ -4,11 +4,13 @@ Each step the gradients are replaced by Σ_i b_i · g_i / Σ_i b_i, the gradient
 over the global batch (plain BytePS averaging when no batch sizes are known), the learning rate
 follows the global batch for that step only, and the gradient noise scale is updated. The
 reduction runs during backward, bucket by bucket, from the gradient hooks
-(:class:`~dynamix_byteps.torch.reducer.BucketReducer`); ``step()`` only waits for it. b_i
-comes from the batches a ``DynamicBatchSampler`` drew (its ``batch_plan``, handed to the
-optimizer or followed as the process's default) or from ``set_local_batch_size``, which
-must then be called before ``loss.backward()``. The step ends, for the step monitor, when the
-reduction completes (:class:`~dynamix_byteps.training_step.TrainingStep`).
+(:class:`~dynamix_byteps.torch.reducer.BucketReducer`), and ends before ``loss.backward()``
+returns, as with PyTorch's DDP: what the script does to the gradients before ``step()``
+(clipping, ``GradScaler.unscale_``) sees the reduced mean, alike on every worker. b_i comes
+from the batches a ``DynamicBatchSampler`` drew (its ``batch_plan``, handed to the optimizer or
+followed as the process's default) or from ``set_local_batch_size``, which must then be called
+before ``loss.backward()``. The step ends, for the step monitor, when the reduction completes
+(:class:`~dynamix_byteps.training_step.TrainingStep`).
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._skip_sync = False
         self._reducer = BucketReducer(
-            self._aggregator, self._gradient_params, f"compression={compression.name}",
-            lambda: self._step_path.take_samples(self._samples, self._reducer.passes_per_step),
-            lambda: self._step_path.trained_position, int(backward_passes_per_step))
+            self._aggregator, self._gradient_params, f"compression={compression.name}", self._take_samples,
+            lambda: self._step_path.trained_position, self._reduced, "DistributedOptimizer",
+            int(backward_passes_per_step), passes_end_at_step=True)
 
     # The step's statistics, kept by the shared aggregator.
     gradient_noise = property(lambda self: self._aggregator.gradient_noise,
@@ -118,50 +120,55 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ``loss.backward()`` (the reduction starts during backward, weighted by it).
 
         Not needed when a ``DynamicBatchSampler`` feeds the model: its batch sizes are used.
-        Over ``backward_passes_per_step`` passes the counts add up. The step's weight is this
-        worker's total over the global total; pass sizes within one step are assumed equal on
-        a worker, since the accumulated gradient is a sum of per-pass mean gradients.
-
-        A job whose first step declares after backward keeps working, weighted exactly, but
-        reduces in ``step()`` from then on, without the overlap (with a warning).
+        Over ``backward_passes_per_step`` passes the counts add up (declare before each pass).
+        The step's weight is this worker's total over the global total; pass sizes within one
+        step are assumed equal on a worker, since the accumulated gradient is a sum of per-pass
+        mean gradients.
 
         Raises:
             ValueError: ``samples`` is not an integer >= 0.
-            ConfigurationError: this step's gradients already started reducing during backward
-                with the size known then; declare before ``loss.backward()``.
+            ConfigurationError: this step's gradients were already reduced, or started reducing,
+                during backward with the size known then; declare before ``loss.backward()``.
             GradientReductionError: the backward pass that started this step's reduction raised
                 before its end; ``zero_grad()`` drops that round.
         """
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples <= MAX_BATCH:
             raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_BATCH}], got {samples!r}")
         self._reducer.refuse_if_incomplete()
-        if self._reducer.reducing:
+        if self._reducer.reducing or self._synchronized:
             raise ConfigurationError(
                 "set_local_batch_size() was called after this step's gradients had started reducing during "
-                "backward(); call it before loss.backward(), as on earlier steps")
+                "backward(), before step() or zero_grad(): declare a step's batch size before its loss.backward() "
+                "(for the next step, after zero_grad())")
         self._samples = int(samples) + max(self._samples, 0)
 
     def synchronize(self) -> None:
-        """Wait until every gradient holds the batch-weighted global mean (blocking); this ends
-        the step for the step monitor and fixes its learning-rate factor (:attr:`lr_scale`).
-
-        Parameters without a gradient on this worker contribute zeros, so all workers reduce
-        the same buckets. Called by :meth:`step`; call it yourself to clip gradients first,
-        then step inside :meth:`skip_synchronize`.
+        """Make sure every gradient holds the batch-weighted global mean: nothing to do after the
+        backward pass that reduced them (the usual case), else the blocking reduction of the
+        gradients as they are (set without a backward pass, or after fewer passes than
+        ``backward_passes_per_step``). The reduction ends the step for the step monitor and
+        fixes its learning-rate factor (:attr:`lr_scale`). Parameters without a gradient on this
+        worker contribute zeros, so all workers reduce the same buckets. Called by :meth:`step`;
+        kept for Horovod's pattern (synchronize, clip, then step inside :meth:`skip_synchronize`).
 
         Raises:
             TensorMismatchError: workers have different parameters or settings.
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
             TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
-            GradientReductionError: a gradient was changed in place or replaced between
-                ``backward()`` and this call (reduce first, then change it), or the backward pass
-                that started the reduction raised before its end.
+            GradientReductionError: the backward pass that started the reduction raised before
+                its end.
             CommunicationError: a peer failed.
         """
-        try:
-            samples = self._reducer.finish(None if self._samples == UNSET else self._samples)
-        finally:
-            self._samples = UNSET
+        if not self._synchronized:
+            self._reduced(self._reducer.finish())
+
+    def _take_samples(self) -> int:
+        """This worker's samples in the step, once all its passes' sizes are declared."""
+        declared, self._samples = self._samples, UNSET
+        return self._step_path.take_samples(declared, self._reducer.passes_per_step)
+
+    def _reduced(self, samples: int) -> None:
+        """This step's gradients hold the global mean, weighted by ``samples`` here."""
         self._synchronized = True
         self._step_path.end(samples)
 
@@ -196,6 +203,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for group, lr in zip(self.param_groups, base_lrs):
                 group["lr"] = lr
         self._synchronized = False
+        self._reducer.end_step()
         return loss
 
     def dynamix_state_dict(self) -> dict:
@@ -241,9 +249,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
             sampler's at each step (one sampler per job). Give it when one process trains
             several models on separate samplers.
 
-    With ``torch.amp.GradScaler``, reduce before unscaling, so every worker sees the same
-    overflow and skips the same steps: ``optimizer.synchronize(); scaler.unscale_(optimizer);
-    with optimizer.skip_synchronize(): scaler.step(optimizer)``.
+    ``loss.backward()`` returns with the gradients reduced, so ``torch.amp.GradScaler``'s loop
+    (``scaler.step(optimizer)``, with ``scaler.unscale_`` and clipping before it or not) sees the
+    same overflow on every worker, and every worker skips the same steps.
 
     Raises:
         ValueError: duplicate or missing parameter names, ``backward_passes_per_step`` not an

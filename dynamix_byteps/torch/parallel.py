@@ -189,7 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
                                       self._take_samples, lambda: self._step_path.trained_position,
-                                      on_backward_end=self._backward_ended)
+                                      self._backward_ended, "DistributedDataParallel")
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 

@@ -9,20 +9,23 @@ own ``register_post_accumulate_grad_hook`` hooks see the local gradient first. W
 gradient of a bucket has been accumulated, and buckets are launched in plan order, the
 bucket's batch-weighted all-reduce starts (:meth:`GradientAggregator.launch`) while backward
 goes on; at the end of backward the buckets still open (parameters that got no gradient, which
-contribute zeros) are launched; :meth:`finish` only waits.
+contribute zeros) are launched, and the round is finished (:meth:`finish` waits for it) before
+``backward()`` returns, as PyTorch's DDP does: whatever the script does to the gradients between
+backward and the optimizer's step (clipping, ``GradScaler.unscale_``, writes through ``.data``)
+meets the reduced mean, the same on every worker.
 
 The plan is agreed with the other workers once, when it is built (the first step, and whenever
 the set of parameters requiring gradients changes, which must happen on every worker at the
 same step: the round that notices the change still reduces the old plan's buckets and announces
 the new plan in its trailer, so a change on some workers only raises ``TensorMismatchError``
-everywhere, and a change on all is reduced again with the new plan). Rounds where a hook cannot
-launch (no plan yet, or a job whose batch sizes become known only after backward) are reduced
-whole in :meth:`finish` instead: correct, without the overlap. A backward nested in another's
-node (reentrant activation checkpointing) ends the round only when the outermost one ends.
+everywhere, and a change on all is reduced again with the new plan). The first round, which has
+no plan to launch from, is reduced whole at the end of backward, without the overlap. A backward
+nested in another's node (reentrant activation checkpointing) ends the round only when the
+outermost one ends.
 
-Between the end of backward and :meth:`finish` the buckets are in flight: a gradient changed in
-place or replaced there, or a backward pass that raised before its end, leaves this worker's
-reduction different from the others', so :meth:`finish` (or the next backward) raises
+A gradient changed in place or replaced while its bucket is in flight (by another hook during
+backward), or a backward pass that raised before its end, leaves this worker's reduction
+different from the others', so :meth:`finish` (or the next backward) raises
 ``GradientReductionError`` instead of returning a wrong mean.
 """
 
@@ -125,10 +128,14 @@ class BucketReducer:
             (:data:`UNSET` when unknown).
         trained_position: called right after ``step_samples``; the sampler step and epoch the
             round trains (None without a sampler), checked to be the same on every worker.
+        on_reduced: called with the step's local batch size once a round finished at the end of
+            its last backward pass.
+        kind: the owner's class name, ``DistributedOptimizer`` or ``DistributedDataParallel``, for messages.
         passes_per_step: backward passes accumulated before a reduction (``backward_passes_per_step``).
-        on_backward_end: when given, the round is finished at the end of its last backward pass
-            (as DDP does) and this is called afterwards with the step's local batch size; else
-            the owner calls :meth:`finish`.
+        passes_end_at_step: True (``DistributedOptimizer``): backward passes count until the owner's
+            step calls :meth:`end_step`, so one more than ``passes_per_step`` before it raises, as
+            with Horovod; False (``DistributedDataParallel``): each finished round starts a new
+            count, as PyTorch's DDP reduces every backward pass.
 
     Attributes:
         sync: whether the next backward pass reduces (``DistributedDataParallel.no_sync`` clears it).
@@ -136,24 +143,26 @@ class BucketReducer:
 
     def __init__(self, aggregator: GradientAggregator, parameters: Callable[[], list], settings: str,
                  step_samples: Callable[[], int], trained_position: Callable[[], SamplerPosition | None],
-                 passes_per_step: int = 1, on_backward_end: Callable[[int], None] | None = None):
+                 on_reduced: Callable[[int], None], kind: str, passes_per_step: int = 1,
+                 passes_end_at_step: bool = False):
         self.aggregator = aggregator
         self._parameters = parameters
         self._settings = settings
         self._step_samples = step_samples
         self._trained_position = trained_position
         self.passes_per_step = passes_per_step
-        self._on_backward_end = on_backward_end
+        self._passes_end_at_step = passes_end_at_step
+        self._on_reduced = on_reduced
+        self.kind = kind
         self.sync = True
         self._plan: _Plan | None = None
         self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
-        self._overlap = True  # False once some worker's batch size came after backward: reduce in finish()
         self._hooks: dict[torch.Tensor, object] = {}
         self._round: Round | None = None
         self._samples: int | None = None  # taken when the round's last backward pass started
         self._launching = False  # this backward pass launches buckets from its hooks
         self._next_bucket = 0
-        self._passes = 0  # backward passes completed since the last reduction
+        self._passes = 0  # backward passes completed since the last reduction (or step)
         self._in_backward = False
         self._backward_alive: weakref.ref | None = None  # dies with the backward pass that began the round
         self._backward_failed = False  # that pass raised before its end: this worker's round is incomplete
@@ -185,10 +194,6 @@ class BucketReducer:
             return any(torch._C._will_engine_execute_node(self._hooks[p][0]) for _, p in named)
         except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
             return False
-
-    @property
-    def kind(self) -> str:
-        return "DistributedOptimizer" if self._on_backward_end is None else "DistributedDataParallel"
 
     def _refuse_a_second_kind(self, other: BucketReducer | None) -> None:
         if other is not None and other is not self and other.kind != self.kind:
@@ -226,7 +231,7 @@ class BucketReducer:
         if not (self.sync and self._passes + 1 == self.passes_per_step):
             return
         self._samples = self._step_samples()
-        self._launching = self._overlap and self._plan is not None
+        self._launching = self._plan is not None
         if self._launching:
             self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples, position=self._trained_position())
@@ -271,8 +276,8 @@ class BucketReducer:
                 bucket.pending.clear()
             self._launch_ready()
             self.aggregator.close(self._round, self._round_description(), self._had_gradient)
-        if self._on_backward_end is not None and self._passes == self.passes_per_step:
-            self._on_backward_end(self.finish())
+        if self._passes == self.passes_per_step:
+            self._on_reduced(self.finish())
 
     def refuse_if_incomplete(self) -> None:
         """Raise ``GradientReductionError`` when a backward pass that launched buckets raised before its end."""
@@ -284,14 +289,11 @@ class BucketReducer:
         """True from the start of the backward pass whose hooks reduce this step until :meth:`finish`."""
         return self._round is not None
 
-    def finish(self, declared: int | None = None) -> int:
+    def finish(self) -> int:
         """Complete this step's reduction: every gradient then holds the batch-weighted global mean.
 
-        Reduces the whole round here when backward could not start it, then waits.
-
-        Args:
-            declared: this worker's batch size as declared by now (``set_local_batch_size``), if
-                any; used when the round is reduced here.
+        Reduces the whole round here when backward did not start it (the first step, or gradients
+        the script set without a backward pass), then waits.
 
         Returns:
             The local batch size the step was weighted by (:data:`UNSET`: none).
@@ -300,15 +302,15 @@ class BucketReducer:
             TensorMismatchError: workers have different parameters or settings.
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             TypeError: a gradient is sparse.
-            GradientReductionError: a gradient was changed in place or replaced after the backward
-                pass that launched its bucket, or that pass raised before its end.
+            GradientReductionError: a gradient was changed in place or replaced after its bucket
+                was launched, or the backward pass that launched it raised before its end.
             CommunicationError: a peer failed.
         """
         if self._backward_failed:
             self.discard()
             raise self._incomplete_round_error()
         if self._round is None:
-            self._reduce_whole_round(declared)
+            self._reduce_whole_round()
         step = self._round
         try:
             if self._launched_in_backward:
@@ -316,12 +318,13 @@ class BucketReducer:
             self.aggregator.finish(step, self._round_description())
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
                 self._forget_missing_gradients(step)
-                self._adopt_plan(self._next_plan, step.samples, late=not self._overlap)
+                self._adopt_plan(self._next_plan, step.samples)
                 self._launch_whole_round(step.samples)
                 step = self._round
                 self.aggregator.finish(step, self._round_description())
         finally:
-            self._round, self._samples, self._passes = None, None, 0
+            self._round, self._samples = None, None
+            self._passes = self._passes if self._passes_end_at_step else 0
             self._launched_in_backward = False
         self._forget_missing_gradients(step)
         return step.samples
@@ -333,8 +336,9 @@ class BucketReducer:
             self._plan.params[i].grad = None
 
     def _refuse_changes_in_flight(self, step: Round) -> None:
-        """Raise when a gradient was written to, or replaced, after its bucket was launched: the
-        sum would hold a partly changed value, and a replaced gradient would not get the mean."""
+        """Raise when a gradient was written to, or replaced, after its bucket was launched (by a
+        hook later in the same backward pass): the sum would hold a partly changed value, and a
+        replaced gradient would not get the mean."""
         replaced = [name for bucket in self._plan.buckets for name, p, view in zip(bucket.names, bucket.params, bucket.views)
                     if p.grad is not view]
         written = [name for bucket in self._plan.buckets if bucket.buffer._version != bucket.launched_version
@@ -345,15 +349,15 @@ class BucketReducer:
         what = (f"replaced ({_listed(replaced)})" if replaced else "") + (" and " if replaced and written else "") + (
             f"changed in place ({_listed(written)}, e.g. by clip_grad_norm_)" if written else "")
         raise GradientReductionError(
-            f"gradients were {what} between backward() and step(), while they were being reduced: this worker's "
-            "share of the sum would be partly changed and the result would differ from the other workers'. Call "
-            "optimizer.synchronize() first, change the gradients, then step inside optimizer.skip_synchronize() (as "
-            "with Horovod); a gradient set by hand is reduced when it is set before loss.backward()")
+            f"gradients were {what} during backward after their bucket had started reducing (by a hook on another "
+            "tensor): this worker's share of the sum would be partly changed and the result would differ from the "
+            "other workers'. Change a gradient in a hook on its own parameter (register_post_accumulate_grad_hook), "
+            "or after loss.backward() returns, when it holds the reduced mean")
 
     def _incomplete_round_error(self) -> GradientReductionError:
         remedy = ("call optimizer.zero_grad() before the next backward to drop this worker's incomplete round (the "
                   "reductions stay paired only if every worker's backward failed alike)"
-                  if self._on_backward_end is None else
+                  if self.kind == "DistributedOptimizer" else
                   "as with PyTorch's DDP, training cannot go on after that: restart the job (from a checkpoint, e.g. "
                   "bpslaunch --restart-on-failure)")
         return GradientReductionError(
@@ -375,29 +379,23 @@ class BucketReducer:
         accumulates (different counts would weight the workers' gradients wrongly)."""
         return f"{self._announced().description}, backward_passes_per_step={self.passes_per_step}"
 
-    def _adopt_plan(self, plan: _Plan, samples: int, late: bool) -> None:
+    def _adopt_plan(self, plan: _Plan, samples: int) -> None:
         self._register_hooks(plan.params)
         self._plan, self._next_plan = plan, None
-        self._overlap = not self.aggregator.agree_on_plan(self._plan.description, samples, int(late)).any()
+        self.aggregator.agree_on_plan(self._plan.description, samples)
 
-    def _reduce_whole_round(self, declared: int | None) -> None:
+    def _reduce_whole_round(self) -> None:
         named = self._parameters()
         sparse = [_parameter_name(name) for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
         if sparse:
             raise _sparse_error(sparse)
         if self._samples is None:
             self._samples = self._step_samples()
-        samples = self._samples if declared is None else declared
         if self._plan is None:
-            late = declared is not None and declared != self._samples
-            self._adopt_plan(_Plan(named, self.aggregator.fusion_bytes, self._settings), samples, late)
-            if late:
-                warnings.warn("set_local_batch_size() was called after backward(): gradients are now reduced "
-                              "in step(), after backward, instead of during it; call it before loss.backward()",
-                              stacklevel=4)
+            self._adopt_plan(_Plan(named, self.aggregator.fusion_bytes, self._settings), self._samples)
         else:
             self._notice_new_parameters(named)
-        self._launch_whole_round(samples)
+        self._launch_whole_round(self._samples)
 
     def _launch_whole_round(self, samples: int) -> None:
         self._round = self.aggregator.open_round(samples, position=self._trained_position())
@@ -407,6 +405,10 @@ class BucketReducer:
                 self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
             self._launch(number)
         self.aggregator.close(self._round, self._round_description(), self._had_gradient)
+
+    def end_step(self) -> None:
+        """The owner applied the step: the next backward pass starts a new count."""
+        self._passes = 0
 
     def discard(self) -> None:
         """Drop a round in progress (``zero_grad`` between backward and step): wait for what was
