@@ -34,10 +34,12 @@ def _wrap(wrapper: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return torch.nn.parallel.DistributedDataParallel(model), optimizer
 
 
-def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int) -> dict:
+def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int, zeroed_by: str = "optimizer") -> dict:
     """bfloat16 autocast and a GradScaler with clipping; rank 1's input holds an inf at
     ``overflow_step``. ``bps_optimizer`` follows Horovod's pattern (synchronize, unscale, clip,
-    step inside skip_synchronize); the others, ``bps_optimizer_plain`` too, the plain torch loop."""
+    step inside skip_synchronize); the others, ``bps_optimizer_plain`` too, the plain torch loop.
+    ``zeroed_by``: whose ``zero_grad()`` clears the gradients, the ``optimizer``'s or the ``model``'s;
+    with the model's, the distributed optimizer also declares each batch's size."""
     model = _model()
     net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     scaler = torch.amp.GradScaler("cpu")
@@ -46,7 +48,12 @@ def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int) -> dic
         x, y = _batch(step, bps.rank())
         if step == overflow_step and bps.rank() == 1:
             x[0, 0] = float("inf")
-        opt.zero_grad()
+        if zeroed_by == "model":
+            model.zero_grad()
+            if wrapper.startswith("bps_optimizer"):
+                opt.set_local_batch_size(len(x))
+        else:
+            opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.cross_entropy(net(x), y)
         scaler.scale(loss).backward()
@@ -65,10 +72,11 @@ def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int) -> dic
     return {"scales": scales, "params": params}
 
 
-def grad_scaler_overflow_on_one_worker(wrapper: str, steps: int = 4, overflow_step: int = 2) -> dict:
+def grad_scaler_overflow_on_one_worker(wrapper: str, steps: int = 4, overflow_step: int = 2,
+                                       zeroed_by: str = "optimizer") -> dict:
     """``wrapper``'s run, and the same run through PyTorch's DDP, as :func:`_train_with_grad_scaler` gives them."""
-    return {"mine": _train_with_grad_scaler(wrapper, steps, overflow_step),
-            "torch": _train_with_grad_scaler("torch_ddp", steps, overflow_step)}
+    return {"mine": _train_with_grad_scaler(wrapper, steps, overflow_step, zeroed_by),
+            "torch": _train_with_grad_scaler("torch_ddp", steps, overflow_step, zeroed_by)}
 
 
 def _train_complex(wrapper: str, steps: int) -> list[float]:

@@ -135,7 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples <= MAX_BATCH:
             raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_BATCH}], got {samples!r}")
         self._reducer.refuse_if_incomplete()
-        if self._reducer.reducing or self._synchronized:
+        if self._reducer.reducing or (self._synchronized and not self._reducer.reduced_gradients_dropped()):
             raise ConfigurationError(
                 "set_local_batch_size() was called after this step's gradients had started reducing during "
                 "backward(), before step() or zero_grad(): declare a step's batch size before its loss.backward() "

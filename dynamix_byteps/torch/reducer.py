@@ -205,7 +205,7 @@ class BucketReducer:
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         self.refuse_if_incomplete()
         if not self._in_backward:
-            self._begin_backward()
+            self._begin_backward(param)
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
@@ -218,7 +218,9 @@ class BucketReducer:
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, first: torch.Tensor) -> None:
+        if self._passes >= self.passes_per_step and self.reduced_gradients_dropped(accumulated=first):
+            self._passes = 0  # the step was dropped unapplied (a GradScaler skip, then model.zero_grad())
         if self._passes >= self.passes_per_step:
             raise RuntimeError(
                 f"gradients were computed {self._passes + 1} times before step(), more than "
@@ -283,6 +285,17 @@ class BucketReducer:
         """Raise ``GradientReductionError`` when a backward pass that launched buckets raised before its end."""
         if self._backward_failed:
             raise self._incomplete_round_error()
+
+    def reduced_gradients_dropped(self, accumulated: torch.Tensor | None = None) -> bool:
+        """Whether every gradient of the round reduced last was set to None since (``model.zero_grad()``
+        after a step the script did not apply): no reduced mean is left for another pass to add to, and
+        the next backward pass starts a new step, as after the optimizer's ``zero_grad()``.
+        ``accumulated``: a parameter whose gradient the running backward pass has just accumulated;
+        it counts as dropped unless it was added to its reduced mean (its bucket view)."""
+        if self._round is not None or self._plan is None:
+            return False
+        return all(p.grad is None or (p is accumulated and p.grad is not self._plan.slot[p][1])
+                   for p in self._plan.params)
 
     @property
     def reducing(self) -> bool:
