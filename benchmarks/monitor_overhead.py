@@ -74,8 +74,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     def step():
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
         opt.set_local_batch_size(args.batch_size)
+        loss_fn(model(x), y).backward()
         opt.step()
 
     for _ in range(args.warmup):
