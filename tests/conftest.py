@@ -30,6 +30,7 @@ SERIAL_GROUPS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     for item in items:
         file = item.path.name
