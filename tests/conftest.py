@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import faulthandler
+import json
 import os
 import signal
 import subprocess
@@ -115,6 +116,14 @@ def kill_tree(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
         except psutil.Error:
             pass
     proc.wait()
+
+
+RANK_WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"  # joins the job its launcher describes
+
+
+def worker_ranks(out: Path) -> list[dict]:
+    """What each rank of :data:`RANK_WORKER` wrote to ``out`` (``rank<r>.json``), in rank order."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
 def run_in_session(command, timeout: float, **popen) -> tuple[int, str]:

@@ -4,17 +4,14 @@
 independent single workers.
 """
 
-import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_in_session
+from conftest import RANK_WORKER, clean_env, run_in_session, worker_ranks
 from multiworker import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"
 WORKERS = 3
 
 
@@ -47,9 +44,9 @@ def run(argv: list, tmp_path: Path) -> tuple[int, str]:
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_mpi_ranks_join_one_job_and_sum_exactly(tmp_path, name):
-    code, output = run([*LAUNCHERS[name](free_port()), sys.executable, WORKER, tmp_path], tmp_path)
+    code, output = run([*LAUNCHERS[name](free_port()), sys.executable, RANK_WORKER, tmp_path], tmp_path)
     assert code == 0, output
-    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    ranks = worker_ranks(tmp_path)
     assert sorted(r["rank"] for r in ranks) == list(range(WORKERS)), output
     for r in ranks:
         assert (r["size"], r["local_size"], r["local_rank"]) == (WORKERS, WORKERS, r["rank"])
@@ -59,7 +56,7 @@ def test_mpi_ranks_join_one_job_and_sum_exactly(tmp_path, name):
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_an_mpi_job_without_a_rendezvous_port_fails_saying_how_to_pass_one(tmp_path, name):
-    code, output = run([*LAUNCHERS[name](None), sys.executable, WORKER, tmp_path], tmp_path)
+    code, output = run([*LAUNCHERS[name](None), sys.executable, RANK_WORKER, tmp_path], tmp_path)
     assert code != 0
     assert "sets no rendezvous: give every rank MASTER_PORT" in output, output
     assert not list(tmp_path.glob("rank*.json"))

@@ -5,18 +5,13 @@ script that runs the program itself stays one worker.
 Needs the Debian packages slurm-wlm and munge (scripts/install-system-packages.sh) and root.
 """
 
-import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_in_session
+from conftest import RANK_WORKER, clean_env, run_in_session, worker_ranks
 from multiworker import free_port
 from slurm_cluster import slurm_available, slurm_cluster
-
-REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="slurmd starts job steps as their user: needs root")
 
@@ -33,18 +28,15 @@ def job_env(cluster, **extra: str) -> dict[str, str]:
     return clean_env(OMP_NUM_THREADS="1", DYNAMIX_TIMEOUT="60", SLURM_CONF=cluster.env["SLURM_CONF"], **extra)
 
 
-def results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mpi", ["none", "pmi2"])
 def test_srun_tasks_join_one_job_and_sum_exactly(cluster, tmp_path, mpi):
     """With --mpi=pmi2 srun also sets PMI_RANK/PMI_SIZE: srun's own variables still give the local ranks."""
-    code, output = run_in_session(["srun", "--ntasks=2", f"--mpi={mpi}", sys.executable, WORKER, tmp_path], 60,
+    code, output = run_in_session(["srun", "--ntasks=2", f"--mpi={mpi}", sys.executable, RANK_WORKER, tmp_path], 60,
                                   env=job_env(cluster, MASTER_PORT=str(free_port())))
     assert code == 0, output
-    ranks = results(tmp_path)
+    ranks = worker_ranks(tmp_path)
     assert sorted(r["rank"] for r in ranks) == [0, 1], output
     for r in ranks:
         assert (r["size"], r["local_size"], r["local_rank"]) == (2, 2, r["rank"])
@@ -53,11 +45,11 @@ def test_srun_tasks_join_one_job_and_sum_exactly(cluster, tmp_path, mpi):
 
 @pytest.mark.timeout(90)
 def test_an_srun_job_without_a_rendezvous_port_fails_saying_how_to_pass_one(cluster, tmp_path):
-    code, output = run_in_session(["srun", "--ntasks=2", sys.executable, WORKER, tmp_path], 60, env=job_env(cluster))
+    code, output = run_in_session(["srun", "--ntasks=2", sys.executable, RANK_WORKER, tmp_path], 60, env=job_env(cluster))
     assert code != 0
     assert "SLURM_PROCID=0 of SLURM_STEP_NUM_TASKS=2, started by srun (Slurm), which sets no rendezvous: give every " \
            "rank MASTER_PORT" in output, output
-    assert not results(tmp_path)
+    assert not worker_ranks(tmp_path)
 
 
 @pytest.mark.timeout(90)
@@ -65,6 +57,6 @@ def test_a_batch_script_running_the_program_itself_is_one_worker(cluster, tmp_pa
     """sbatch's script sees SLURM_PROCID=0 and SLURM_NTASKS=2, but is one process: it must not wait for a rank 1."""
     log = tmp_path / "batch.log"
     code, output = run_in_session(["sbatch", "--wait", "--ntasks=2", f"--output={log}",
-                                   f"--wrap={sys.executable} {WORKER} {tmp_path}"], 60, env=job_env(cluster))
+                                   f"--wrap={sys.executable} {RANK_WORKER} {tmp_path}"], 60, env=job_env(cluster))
     assert code == 0, output + (log.read_text() if log.exists() else "")
-    assert [(r["rank"], r["size"], r["sum"]) for r in results(tmp_path)] == [(0, 1, 1.0)]
+    assert [(r["rank"], r["size"], r["sum"]) for r in worker_ranks(tmp_path)] == [(0, 1, 1.0)]

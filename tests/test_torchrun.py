@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, run_in_session
+from conftest import RANK_WORKER, clean_env, run_in_session, worker_ranks
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"
 EXAMPLE = REPO / "examples" / "torch_fashion_mnist.py"
 
 
@@ -33,17 +32,14 @@ def torchrun(*args) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", *args]
 
 
-def results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rendezvous", ["master-port", "standalone"])
 def test_torchrun_workers_get_their_ranks_and_sum_exactly(tmp_path, rendezvous):
     flags = ["--standalone"] if rendezvous == "standalone" else ["--master-port", free_port()]
-    code, output = run(torchrun(*flags, WORKER, tmp_path), timeout=50, tmp_path=tmp_path)
+    code, output = run(torchrun(*flags, RANK_WORKER, tmp_path), timeout=50, tmp_path=tmp_path)
     assert code == 0, output
-    ranks = results(tmp_path)
+    ranks = worker_ranks(tmp_path)
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2], output
     for r in ranks:
         assert (r["size"], r["local_size"], r["local_rank"]) == (3, 3, r["rank"])
@@ -66,7 +62,7 @@ def test_the_example_trains_under_torchrun(tmp_path):
 @pytest.mark.timeout(40)
 def test_a_hand_made_partial_torchrun_environment_fails_naming_what_is_missing(tmp_path):
     env = torchrun_env(WORLD_SIZE="3", RANK="0", MASTER_ADDR="127.0.0.1")
-    code, output = run([sys.executable, WORKER, tmp_path], timeout=30, tmp_path=tmp_path, env=env)
+    code, output = run([sys.executable, RANK_WORKER, tmp_path], timeout=30, tmp_path=tmp_path, env=env)
     assert code != 0
     assert "ConfigurationError: environment variable MASTER_PORT is not set" in output, output
     assert not list(tmp_path.glob("rank*.json"))
