@@ -743,6 +743,47 @@ def test_an_orphan_whose_environment_reads_empty_at_first_is_still_the_job_s(mar
         kill_tree(proc)
 
 
+ORPHAN_SEEN_EXITING = """
+import os, subprocess, sys, time
+from dynamix_byteps.launcher import _subreaper
+mark = _subreaper.new_mark()
+reaped, waited = _subreaper._reaped, set()
+def exiting_at_first(pid):  # SIGKILLed, not a zombie yet when waited for, memory gone when its environ is read
+    if pid not in waited:
+        waited.add(pid)
+        return False
+    return reaped(pid)
+_subreaper._reaped = exiting_at_first
+with _subreaper.adopting():
+    orphan = subprocess.Popen(["sleep", f"319.{sys.argv[1]}"], env={**os.environ, _subreaper.MARK_ENV: mark})
+    orphan.kill()
+    while open(f"/proc/{orphan.pid}/stat").read().split(") ")[1][0] != "Z":
+        time.sleep(0.01)
+    _subreaper.stop_adopted((), mark, 60, 0.05, print, lambda: True)
+    try:
+        print("zombie left" if os.waitpid(orphan.pid, os.WNOHANG)[0] == orphan.pid else "still runs", flush=True)
+    except ChildProcessError:
+        print("reaped", flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_an_orphan_seen_while_it_exits_is_reaped(marker):
+    # Before (a CI run): an orphan SIGKILLed by the clean-up and seen between its exit and its becoming a
+    # zombie, whose /proc/PID/environ then answers ESRCH (Linux 6.x), was taken for another program's
+    # process: the clean-up ended without reaping it, and it stayed a zombie under PID 1.
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SEEN_EXITING, marker], env=launcher_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=40)
+        assert proc.returncode == 0, err
+        assert out.strip().endswith(b"reaped"), out + err
+    finally:
+        kill_tree(proc)
+
+
 UNKILLABLE_ORPHAN = """
 import os, subprocess, sys
 from dynamix_byteps.launcher import _subreaper

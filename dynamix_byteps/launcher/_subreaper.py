@@ -123,11 +123,15 @@ def new_mark() -> str:
 def carries_mark(pid: int, mark: str) -> bool | None:
     """Whether process ``pid`` was started with ``MARK_ENV=mark`` in its environment (inherited from a
     process of the job); False when its environment cannot be read (another user's process, gone);
-    None when it reads empty: a process in the middle of an ``exec`` (the kernel shows no environment
-    until the new program's is in place) or one started with an empty environment (``env -i``)."""
+    None when it reads empty or cannot be read yet: a process in the middle of an ``exec`` (the kernel
+    shows no environment until the new program's is in place), one started with an empty environment
+    (``env -i``), or one that is exiting (its memory released, not a zombie yet: Linux 6.x answers
+    ESRCH, earlier kernels read empty)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = f.read()
+    except ProcessLookupError:
+        return None
     except OSError:
         return False
     return f"{MARK_ENV}={mark}".encode() in environ.split(b"\0") if environ else None
