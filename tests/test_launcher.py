@@ -755,7 +755,7 @@ def exiting_at_first(pid):  # SIGKILLed, not a zombie yet when waited for, memor
     return reaped(pid)
 _subreaper._reaped = exiting_at_first
 with _subreaper.adopting():
-    orphan = subprocess.Popen(["sleep", f"319.{sys.argv[1]}"], env={**os.environ, _subreaper.MARK_ENV: mark})
+    orphan = subprocess.Popen(["sleep", f"320.{sys.argv[1]}"], env={**os.environ, _subreaper.MARK_ENV: mark})
     orphan.kill()
     while open(f"/proc/{orphan.pid}/stat").read().split(") ")[1][0] != "Z":
         time.sleep(0.01)
