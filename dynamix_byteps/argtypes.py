@@ -106,7 +106,7 @@ def _target_problem(text: str) -> str | None:
         return f"{scheme}: lists several addresses; give the scheduler's one"
     if why := _host_port_problem(host_port):
         return why
-    if scheme == "ipv4" and not _is_ip(host, ipaddress.IPv4Address):
+    if scheme == "ipv4" and ip_version(host) != 4:
         return f"{host!r} is not an IPv4 address"
     if scheme == "ipv6" and not host.startswith("["):
         return f"{host!r} is not an IPv6 address in brackets"
@@ -123,19 +123,25 @@ def _host_port_problem(text: str) -> str | None:
     if not host:
         return "no host before the port"
     if host.startswith("[") and host.endswith("]"):
-        return None if _is_ip(host[1:-1], ipaddress.IPv6Address) else f"{host} is not an IPv6 address in brackets"
-    if _is_ip(host, ipaddress.IPv6Address):
+        return None if ip_version(host[1:-1]) == 6 else f"{host} is not an IPv6 address in brackets"
+    if ip_version(host) == 6:
         return "an IPv6 address goes in brackets"
     if any(c.isspace() or c in ":[]" for c in host):
         return f"{host!r} is not a host name"
     return None
 
 
-def _is_ip(text: str, version: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
+def ip_version(text: str) -> int | None:
+    """4 or 6 when ``text`` is an IPv4 or IPv6 address (``fe80::1%eth0`` too), else None."""
     try:
-        return isinstance(ipaddress.ip_address(text), version)
+        return ipaddress.ip_address(text).version
     except ValueError:
-        return False
+        return None
+
+
+def url_host(host: str) -> str:
+    """``host`` as the host of a URL (``tcp://HOST:PORT``) writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ip_version(host) == 6 else host
 
 
 host_port = argument_type(dial_address)

@@ -34,9 +34,10 @@ A partial contract is an error, never a silent single worker: once any of a cont
 variables is set, the job's size (``DMLC_NUM_WORKER``, ``WORLD_SIZE``) is required, the
 process's index whenever the size is above 1, a local index whenever the local size is
 above 1 (and the local size whenever a local index is given), and the root's address and
-port whenever the job has more than one worker. When both BytePS's and torchrun's variables
-are set (a ``bpslaunch`` started inside a torchrun job) they must describe the same rank and
-size; BytePS's wins. An MPI launcher's or srun's variables are read only when neither is set
+port whenever the job has more than one worker. The root's address is a host name or an IP
+address (an IPv6 one with or without brackets), spaces around it allowed; its port goes in its own
+variable. When both BytePS's and torchrun's variables are set (a ``bpslaunch`` started inside a
+torchrun job) they must describe the same rank and size; BytePS's wins. An MPI launcher's or srun's variables are read only when neither is set
 (``mpirun`` or ``srun`` may start one torchrun per host, whose workers then inherit its rank).
 """
 
@@ -49,7 +50,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from dynamix_byteps.argtypes import MAX_PORT, dial_address
+from dynamix_byteps.argtypes import MAX_PORT, dial_address, ip_version
 from dynamix_byteps.errors import ConfigurationError
 
 ENGINES = ("gloo", "nccl", "byteps", "ps", "auto")
@@ -80,6 +81,8 @@ class RankContract:
         size, rank, local_size, local_rank: the names of its four variables.
         rendezvous_hint: how a job started by it sets ``MASTER_ADDR``/``MASTER_PORT``; empty when
             the launcher sets them itself.
+        node_id: when set, ``local_size`` names a list of every node's local size (srun's
+            ``SLURM_STEP_TASKS_PER_NODE``), and this variable this node's index in it.
     """
 
     name: str
@@ -89,6 +92,7 @@ class RankContract:
     local_size: str
     local_rank: str
     rendezvous_hint: str = ""
+    node_id: str = ""
 
     @property
     def variables(self) -> tuple[str, str, str, str]:
@@ -108,7 +112,7 @@ MPICH = RankContract("mpich", "mpiexec (MPICH, Intel MPI)", "PMI_SIZE", "PMI_RAN
 # SLURM_STEP_TASKS_PER_NODE ("2(x3),1": tasks on each node of the step) is read at SLURM_NODEID.
 SLURM = RankContract("slurm", "srun (Slurm)", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_STEP_TASKS_PER_NODE",
                      "SLURM_LOCALID", rendezvous_hint='MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | '
-                     "head -1) MASTER_PORT=29500 srun ...")
+                     "head -1) MASTER_PORT=29500 srun ...", node_id="SLURM_NODEID")
 
 
 def resolve_engine(name: str, local_size: int) -> str:
@@ -233,6 +237,48 @@ def env_batch_sizes(variable: str, size: int, env: Mapping[str, str] | None = No
         raise ConfigurationError(f"{variable}: {exc}") from None
 
 
+def _rendezvous_host(env: Mapping[str, str], name: str, port_name: str, launcher: str) -> str | None:
+    """The host of the rendezvous that environment variable ``name`` gives (spaces around it cut, an
+    IPv6 address without brackets), None when unset; ``port_name`` is the variable of its port.
+
+    Raises:
+        ConfigurationError: naming the variable, when its value is blank, has a port in it
+            (``host:29500``) or is not a host name or IP address.
+    """
+    if not _is_set(env, name):
+        return None
+    raw = env[name]
+    host = raw.strip()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ip_version(bare) == 6 or _is_host_name(host):
+        return bare
+    if not host:
+        problem = f"is blank, but {launcher} reads the host of rank 0 from it: set it to that host's name or IP address"
+    elif (split := _host_and_port(host)) is not None:
+        problem = (f"has a port in it, but {launcher} reads the host alone from it, and the port from {port_name}: "
+                   f"set {name}={split[0]} and {port_name}={split[1]}")
+    else:
+        problem = f"is not a host name or an IP address: set it to the host of rank 0, e.g. {name}=10.0.0.1"
+    raise ConfigurationError(f"environment variable {name}={quoted(raw)} {problem}")
+
+
+def _host_and_port(text: str) -> tuple[str, str] | None:
+    """``(host, port)`` of ``HOST:PORT`` (``HOST`` a name, an IPv4 address or ``[IPv6]``, returned bare); None
+    when ``text`` is not of that form."""
+    host, _, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]") and ip_version(host[1:-1]) == 6:
+        host = host[1:-1]
+    elif not _is_host_name(host):
+        return None
+    return (host, port) if port.isascii() and port.isdigit() else None
+
+
+def _is_host_name(text: str) -> bool:
+    """Whether ``text`` may be a host name or an IPv4 address: not empty, and nothing a URL's host cannot hold
+    (a resolver refuses the rest)."""
+    return bool(text) and not any(c.isspace() or c in ":[]/@?#" for c in text)
+
+
 def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, ...],
              needed: dict[str, bool]) -> None:
     """Raise one ConfigurationError naming every variable ``needed`` maps to True that is unset."""
@@ -258,7 +304,7 @@ class WorkerEnv:
         node_rank: this node's index (``DMLC_WORKER_ID``), ``0 <= node_rank < num_nodes``.
         local_size: worker processes on this node (``BYTEPS_LOCAL_SIZE``, ``LOCAL_WORLD_SIZE``).
         local_rank: this process's index on its node (``BYTEPS_LOCAL_RANK``, ``LOCAL_RANK``).
-        root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``, ``MASTER_ADDR``).
+        root_addr: host of the rendezvous (``DMLC_PS_ROOT_URI``, ``MASTER_ADDR``); an IPv6 address without brackets.
         root_port: TCP port of the rendezvous (``DMLC_PS_ROOT_PORT``, ``MASTER_PORT``); None in a
             job of one worker that was given none.
         engine: communication engine (``DYNAMIX_ENGINE``), one of :data:`ENGINES` but ``auto``,
@@ -322,7 +368,8 @@ class WorkerEnv:
         """Read and validate the variables (see the module docstring for both launchers' contracts).
 
         Raises:
-            ConfigurationError: a variable is invalid, a contract is partial (the message names
+            ConfigurationError: a variable is invalid (a rendezvous host that is blank or has a port in it
+                too), a contract is partial (the message names
                 every missing variable), the BytePS and torchrun variables disagree, or an MPI
                 launcher's or srun's job of several ranks has no ``MASTER_PORT``.
         """
@@ -387,6 +434,7 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     rank_offset = optional_int(env, "DYNAMIX_RANK_OFFSET", 0, MAX_WORKERS - 1)
     world_size = optional_int(env, "DYNAMIX_SIZE", 1, MAX_WORKERS)
     root_port = optional_int(env, "DMLC_PS_ROOT_PORT", 1, MAX_PORT)
+    root_addr = _rendezvous_host(env, "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "bpslaunch")
     if world_size is not None:
         size = world_size
     else:
@@ -406,7 +454,7 @@ def _byteps_layout(env: Mapping[str, str]) -> WorkerEnv | None:
         raise ConfigurationError(f"DYNAMIX_RANK_OFFSET={rank_offset} + BYTEPS_LOCAL_SIZE={local_size} must be "
                                  f"<= DYNAMIX_SIZE={world_size}: this node's ranks must lie inside the job")
     return WorkerEnv(num_nodes=num_nodes, node_rank=node_rank, local_size=local_size, local_rank=local_rank,
-                     root_addr=env.get("DMLC_PS_ROOT_URI") or "127.0.0.1", root_port=root_port,
+                     root_addr=root_addr or "127.0.0.1", root_port=root_port,
                      rank_offset=rank_offset, world_size=world_size)
 
 
@@ -418,9 +466,10 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
     c = contract
     world_size = optional_int(env, c.size, 1, MAX_WORKERS)
     rank = optional_int(env, c.rank, 0, MAX_WORKERS - 1)
-    local_size = optional_int(env, c.local_size, 1, MAX_WORKERS)
+    local_size, local_size_shown = _local_size(env, c)
     local_rank = optional_int(env, c.local_rank, 0, MAX_WORKERS - 1)
     root_port = optional_int(env, "MASTER_PORT", 1, MAX_PORT)
+    root_addr = _rendezvous_host(env, "MASTER_ADDR", "MASTER_PORT", c.launcher)
     needed = {c.size: True, c.rank: world_size != 1, c.local_size: local_rank is not None,
               c.local_rank: (local_size or 1) > 1}
     if not c.rendezvous_hint:  # the launcher sets these too: name them with the rest
@@ -428,17 +477,50 @@ def _rank_layout(env: Mapping[str, str], contract: RankContract) -> WorkerEnv | 
     _require(env, c.launcher, c.variables, needed)
     rank, local_size, local_rank = rank or 0, local_size or 1, local_rank or 0
     if rank >= world_size:
-        raise ConfigurationError(f"{c.rank}={rank} must be < {c.size}={world_size}")
+        raise _inconsistent(c, f"{c.rank}={rank} must be < {c.size}={world_size}")
     if local_rank >= local_size:
-        raise ConfigurationError(f"{c.local_rank}={local_rank} must be < {c.local_size}={local_size}")
+        raise _inconsistent(c, f"{c.local_rank}={local_rank} must be < {local_size_shown}")
     rank_offset = rank - local_rank
     if rank_offset < 0 or rank_offset + local_size > world_size:
-        raise ConfigurationError(f"{c.rank}={rank} - {c.local_rank}={local_rank} + {c.local_size}={local_size} must "
-                                 f"lie in 0..{c.size}={world_size}: this node's ranks must lie inside the job")
+        raise _inconsistent(c, f"{c.rank}={rank} - {c.local_rank}={local_rank} + {local_size_shown} must lie in "
+                               f"0..{c.size}={world_size}: this node's ranks must lie inside the job")
     return WorkerEnv(num_nodes=-(-world_size // local_size), node_rank=rank_offset // local_size,
                      local_size=local_size, local_rank=local_rank,
-                     root_addr=env.get("MASTER_ADDR") or "127.0.0.1", root_port=root_port,
+                     root_addr=root_addr or "127.0.0.1", root_port=root_port,
                      rank_offset=rank_offset, world_size=world_size, contract=c.name)
+
+
+def _inconsistent(contract: RankContract, problem: str) -> ConfigurationError:
+    """The error for ``contract``'s variables that contradict each other: ``problem``, and what to do."""
+    return ConfigurationError(f"{problem}; start the job with {contract.launcher}, or set its variables as it does")
+
+
+def _local_size(env: Mapping[str, str], contract: RankContract) -> tuple[int | None, str]:
+    """The local size ``contract`` gives this process (None when unset), and how messages name it:
+    ``LOCAL_WORLD_SIZE=3``, or for a list of every node's (srun's) the list and the entry that was read:
+    ``1 (the tasks of node SLURM_NODEID=1 in SLURM_STEP_TASKS_PER_NODE='3,1')``.
+
+    Raises:
+        ConfigurationError: the value or its node's entry is not a local size, or the list has
+            several node sizes and no node index says which is this node's.
+    """
+    if not contract.node_id or not _is_set(env, contract.local_size):
+        local_size = optional_int(env, contract.local_size, 1, MAX_WORKERS)
+        return local_size, f"{contract.local_size}={local_size}"
+    per_node = env[contract.local_size]
+    counts = _tasks_per_node(per_node)
+    # srun always sets SLURM_NODEID; by hand, node 0's count would be read on every node
+    _require(env, contract.launcher, contract.variables, {contract.node_id: len(set(counts)) > 1})
+    node = optional_int(env, contract.node_id, 0, MAX_WORKERS - 1) or 0
+    listed = f"{contract.local_size}={quoted(per_node)}"
+    if node >= len(counts):
+        raise ConfigurationError(f"{contract.node_id}={node} has no entry in {listed}, which lists {len(counts)} "
+                                 f"node{'s' if len(counts) > 1 else ''}; start the job with {contract.launcher}")
+    shown = f"{counts[node]} (the tasks of node {contract.node_id}={node} in {listed})"
+    if not 1 <= counts[node] <= MAX_WORKERS:
+        raise ConfigurationError(f"the local size {shown} must be 1 to {MAX_WORKERS}; start the job with "
+                                 f"{contract.launcher}")
+    return counts[node], shown
 
 
 def _mpi_layout(env: Mapping[str, str]) -> WorkerEnv | None:
@@ -466,22 +548,18 @@ def _slurm_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     ``SLURM_STEP_NUM_TASKS``."""
     if not _is_set(env, SLURM.size):
         return None
-    per_node = env.get(SLURM.local_size)
-    if per_node:
-        node = optional_int(env, "SLURM_NODEID", 0, MAX_WORKERS - 1) or 0
-        env = {**env, SLURM.local_size: str(_tasks_on_node(per_node, node))}
     return _rank_layout(env, SLURM)
 
 
 _TASKS_PER_NODE = re.compile(r"([0-9]{1,6})(?:\(x([0-9]{1,6})\))?")
 
 
-def _tasks_on_node(per_node: str, node: int) -> int:
-    """Tasks on node ``node`` of Slurm's ``SLURM_STEP_TASKS_PER_NODE`` (``"2(x3),1"``: 2 on each of
-    three nodes, then 1).
+def _tasks_per_node(per_node: str) -> list[int]:
+    """The tasks on each node that Slurm's ``SLURM_STEP_TASKS_PER_NODE`` lists (``"2(x3),1"``: 2 on each of
+    three nodes, then 1), at most :data:`MAX_WORKERS` nodes of each group.
 
     Raises:
-        ConfigurationError: the value is not of that form, or has no node ``node``.
+        ConfigurationError: the value is not of that form.
     """
     counts = []
     for field in per_node.split(","):
@@ -490,9 +568,7 @@ def _tasks_on_node(per_node: str, node: int) -> int:
             raise ConfigurationError(f"{SLURM.local_size}={quoted(per_node)} is not Slurm's list of tasks per node "
                                      "(e.g. 2(x3),1)")
         counts += [int(match[1])] * min(int(match[2] or 1), MAX_WORKERS)
-    if node >= len(counts):
-        raise ConfigurationError(f"SLURM_NODEID={node} has no entry in {SLURM.local_size}={quoted(per_node)}")
-    return counts[node]
+    return counts
 
 
 def _checked_rendezvous(env: Mapping[str, str], contract: RankContract, layout: WorkerEnv) -> WorkerEnv:

@@ -4,6 +4,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -119,6 +120,16 @@ def kill_tree(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
 
 
 RANK_WORKER = REPO / "tests" / "scripts" / "torchrun_worker.py"  # joins the job its launcher describes
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this host can listen on ::1."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 def worker_ranks(out: Path) -> list[dict]:

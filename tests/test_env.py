@@ -232,6 +232,46 @@ def test_an_mpi_job_on_one_host_needs_only_a_port_and_one_rank_needs_nothing():
     assert (alone.rank, alone.size, alone.root_port, alone.contract) == (0, 1, None, "mpich")
 
 
+RENDEZVOUS_HOSTS = [  # (the job's variables, the one that names the rendezvous host, its launcher)
+    (TORCHRUN, "MASTER_ADDR", "torchrun"),
+    ({**OPEN_MPI, "MASTER_PORT": "29500"}, "MASTER_ADDR", r"mpirun \(Open MPI\)"),
+    ({"DMLC_NUM_WORKER": "2", "DMLC_WORKER_ID": "1", **ROOT}, "DMLC_PS_ROOT_URI", "bpslaunch"),
+]
+
+
+@pytest.mark.parametrize("variables, name, launcher", RENDEZVOUS_HOSTS)
+@pytest.mark.parametrize("value, problem", [
+    # each rendezvoused at the text as it is: " " and "h 0" waited for DYNAMIX_TIMEOUT, "10.0.0.2:29500" failed with
+    # torch's "Port could not be cast to integer value as '29500:29500'"
+    (" ", "is blank, but {launcher} reads the host of rank 0 from it: set it to that host's name or IP address"),
+    ("\t\n", "is blank"),
+    ("10.0.0.2:29500", "has a port in it, but {launcher} reads the host alone from it, and the port from {port}: set "
+                       "{name}=10.0.0.2 and {port}=29500"),
+    ("[::1]:29500", "has a port in it.*set {name}=::1 and {port}=29500"),
+    ("h 0", "is not a host name or an IP address: set it to the host of rank 0, e.g. {name}=10.0.0.1"),
+    ("tcp://h0", "is not a host name or an IP address"),
+    ("[h0]", "is not a host name or an IP address"),
+])
+def test_a_rendezvous_host_that_is_no_host_is_refused_naming_the_variable(variables, name, launcher, value, problem):
+    port = "MASTER_PORT" if name == "MASTER_ADDR" else "DMLC_PS_ROOT_PORT"
+    message = f"environment variable {name}={re.escape(repr(value))} " + problem.format(launcher=launcher, name=name,
+                                                                                        port=port)
+    with pytest.raises(ConfigurationError, match=message):
+        WorkerEnv.from_environ({**variables, name: value})
+
+
+@pytest.mark.parametrize("variables, name, launcher", RENDEZVOUS_HOSTS)
+@pytest.mark.parametrize("value, host", [
+    (" 10.0.0.2 ", "10.0.0.2"),  # as the integers: spaces around cut (the padded host waited for DYNAMIX_TIMEOUT)
+    ("job-master-0.svc", "job-master-0.svc"),
+    ("::1", "::1"),
+    ("[::1]", "::1"),
+    ("fe80::1%eth0", "fe80::1%eth0"),
+])
+def test_a_rendezvous_host_is_read_without_spaces_around_it_or_ipv6_brackets(variables, name, launcher, value, host):
+    assert WorkerEnv.from_environ({**variables, name: value}).root_addr == host
+
+
 def test_a_partial_mpi_contract_names_what_is_missing():
     with pytest.raises(ConfigurationError, match="^environment variable OMPI_COMM_WORLD_RANK is not set, but .*"
                                                  "OMPI_COMM_WORLD_SIZE=6.*mpirun \\(Open MPI\\)"):
@@ -277,6 +317,33 @@ def test_a_malformed_tasks_per_node_is_refused_naming_it(per_node, node, message
     with pytest.raises(ConfigurationError, match=message):
         WorkerEnv.from_environ({**SRUN, "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": node,
                                 "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+
+
+@pytest.mark.parametrize("variables, message", [
+    # the entry alone was shown: "SLURM_LOCALID=1 must be < SLURM_STEP_TASKS_PER_NODE=1"
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3"},
+     "SLURM_LOCALID=1 must be < 1 (the tasks of node SLURM_NODEID=1 in SLURM_STEP_TASKS_PER_NODE='3,1'); start the "
+     "job with srun (Slurm)"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "2,4", "SLURM_LOCALID": "0"},
+     "SLURM_PROCID=4 - SLURM_LOCALID=0 + 4 (the tasks of node SLURM_NODEID=1 in SLURM_STEP_TASKS_PER_NODE='2,4') must "
+     "lie in 0..SLURM_STEP_NUM_TASKS=6"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,0"},  # was "SLURM_STEP_TASKS_PER_NODE=0 must be >= 1"
+     "the local size 0 (the tasks of node SLURM_NODEID=1 in SLURM_STEP_TASKS_PER_NODE='3,0') must be 1 to 4096"),
+])
+def test_a_local_size_read_from_the_tasks_per_node_is_shown_as_the_list_and_its_node(variables, message):
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        WorkerEnv.from_environ({**SRUN, **variables, "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+
+
+def test_tasks_per_node_that_differ_from_node_to_node_need_the_node_s_index():
+    """Read by hand without SLURM_NODEID, node 0's 1 task was every node's: local rank 0 of 1 instead of 3."""
+    uneven = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "1,3",
+              "MASTER_ADDR": "n0", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigurationError, match="environment variable SLURM_NODEID is not set, but this process has "
+                                                 ".*SLURM_STEP_TASKS_PER_NODE=1,3"):
+        WorkerEnv.from_environ(uneven)
+    even = {**uneven, "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_PROCID": "2"}
+    assert WorkerEnv.from_environ(even).local_size == 2
 
 
 def test_a_batch_script_or_an_allocation_is_one_worker_not_rank_0_of_its_tasks():

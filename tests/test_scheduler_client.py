@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import http.server
 import logging
-import socket
 import threading
 import time
 from concurrent import futures
 
 import grpc
 import pytest
+from conftest import has_ipv6_loopback
 from test_scheduler import ScriptedPolicy, info, running
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
@@ -120,19 +120,10 @@ def test_an_address_that_is_not_a_grpc_server_is_said_once_as_an_error(caplog):
     assert "not as a gRPC server" in record.getMessage() and "DYNAMIX_SCHEDULER" in record.getMessage()
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("bind, target", [
     ("127.0.0.1", "dns:///127.0.0.1:{port}"), ("127.0.0.1", "dns:localhost:{port}"), ("127.0.0.1", "ipv4:127.0.0.1:{port}"),
-    pytest.param("::1", "ipv6:[::1]:{port}", marks=pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 here")),
+    pytest.param("::1", "ipv6:[::1]:{port}", marks=pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 here")),
 ])
 def test_a_grpc_target_the_workers_accept_reaches_a_real_scheduler(bind, target):
     # DYNAMIX_SCHEDULER=dns:///... trained with a policy, then was refused as "not HOST:PORT"

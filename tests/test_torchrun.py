@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import RANK_WORKER, clean_env, run_in_session, worker_ranks
+from conftest import RANK_WORKER, clean_env, has_ipv6_loopback, run_in_session, worker_ranks
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,6 +47,17 @@ def test_torchrun_workers_get_their_ranks_and_sum_exactly(tmp_path, rendezvous):
         assert r["sum"] == 6.0  # 1 + 2 + 3, exactly
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no ::1 here")
+def test_torchrun_workers_rendezvous_at_an_ipv6_master_addr(tmp_path):
+    """torchrun --master-addr ::1 gives its workers MASTER_ADDR=::1, which torch's env:// takes; the workers
+    failed: "Port could not be cast to integer value as ':1:<port>'" (the address was not bracketed in tcp://)."""
+    code, output = run(torchrun("--master-addr", "::1", "--master-port", free_port(),
+                                RANK_WORKER, tmp_path), timeout=50, tmp_path=tmp_path)
+    assert code == 0, output
+    assert [(r["rank"], r["size"], r["sum"]) for r in worker_ranks(tmp_path)] == [(r, 3, 6.0) for r in range(3)], output
+
+
 @pytest.mark.timeout(90)
 def test_the_example_trains_under_torchrun(tmp_path):
     metrics_file = tmp_path / "metrics.json"
@@ -66,3 +77,14 @@ def test_a_hand_made_partial_torchrun_environment_fails_naming_what_is_missing(t
     assert code != 0
     assert "ConfigurationError: environment variable MASTER_PORT is not set" in output, output
     assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.timeout(40)
+def test_a_blank_master_addr_fails_at_once_naming_it(tmp_path):
+    """MASTER_ADDR=" " was dialled as it is: every rank waited DYNAMIX_TIMEOUT for the host ' ', then failed with
+    torch's 'The client socket has timed out ... connect to ( , PORT)'."""
+    env = torchrun_env(WORLD_SIZE="2", RANK="0", MASTER_ADDR=" ", MASTER_PORT=str(free_port()))
+    code, output = run([sys.executable, RANK_WORKER, tmp_path], timeout=30, tmp_path=tmp_path, env=env)
+    assert code != 0
+    assert "ConfigurationError: environment variable MASTER_ADDR=' ' is blank, but torchrun reads the host of rank 0 " \
+           "from it: set it to that host's name or IP address" in output, output

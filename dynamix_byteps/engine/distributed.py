@@ -25,6 +25,7 @@ import datetime
 import gc
 import threading
 
+from dynamix_byteps.argtypes import url_host
 from dynamix_byteps.engine.base import Engine, Handle, describe_collective
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError, EngineUnavailableError
@@ -196,7 +197,7 @@ class TorchDistributedEngine(Engine):
             else:
                 dist.init_process_group(
                     backend,
-                    init_method=f"tcp://{env.root_addr}:{env.root_port}",
+                    init_method=f"tcp://{url_host(env.root_addr)}:{env.root_port}",
                     rank=env.rank,
                     world_size=env.size,
                     timeout=timeout,
@@ -204,7 +205,7 @@ class TorchDistributedEngine(Engine):
                 )
         except (RuntimeError, ValueError) as exc:
             raise CommunicationError(
-                f"{backend} rendezvous at {env.root_addr}:{env.root_port} as rank {env.rank} of {env.size} "
+                f"{backend} rendezvous at {url_host(env.root_addr)}:{env.root_port} as rank {env.rank} of {env.size} "
                 f"failed within {env.timeout_s:g} s (DYNAMIX_TIMEOUT): {exc}. Check that every worker was started "
                 f"with the same {env.root_variables}, that rank 0 can listen there, and that the timeout leaves the "
                 "others time to start."

@@ -26,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from dynamix_byteps.argtypes import url_host
 from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
@@ -130,6 +131,6 @@ class PSRendezvous:
         # TensorPipe's shm transport busy-polls a core in every process, which starves a host that
         # runs several workers and servers (26 rounds/s instead of ~100 on 2 cores); uv (TCP) does
         # not, and is what crosses hosts anyway. Channels stay TensorPipe's choice (cma on one host).
-        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{self.addr}:{self.port}",
+        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{url_host(self.addr)}:{self.port}",
                                                rpc_timeout=self.timeout_s, _transports=["uv"],
                                                _channels=list(self.channels) if self.channels else None)
