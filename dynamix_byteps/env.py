@@ -544,9 +544,9 @@ def _mpi_layout(env: Mapping[str, str]) -> WorkerEnv | None:
 
 def _slurm_layout(env: Mapping[str, str]) -> WorkerEnv | None:
     """The job as srun's variables give it, None outside an srun task: a batch script has
-    ``SLURM_PROCID=0`` and ``SLURM_NTASKS`` too, but is one process, and only srun's tasks have
-    ``SLURM_STEP_NUM_TASKS``."""
-    if not _is_set(env, SLURM.size):
+    ``SLURM_PROCID=0``, ``SLURM_LOCALID=0`` and ``SLURM_NTASKS`` too, but is one process, and only srun's
+    tasks have ``SLURM_STEP_NUM_TASKS`` and ``SLURM_STEP_TASKS_PER_NODE`` (one of them set: a partial contract)."""
+    if not (_is_set(env, SLURM.size) or _is_set(env, SLURM.local_size)):
         return None
     return _rank_layout(env, SLURM)
 

@@ -346,6 +346,14 @@ def test_tasks_per_node_that_differ_from_node_to_node_need_the_node_s_index():
     assert WorkerEnv.from_environ(even).local_size == 2
 
 
+def test_an_srun_task_without_the_step_s_size_names_it_instead_of_running_a_single_worker():
+    """Only srun's tasks have SLURM_STEP_TASKS_PER_NODE: without SLURM_STEP_NUM_TASKS, rank 4 trained alone."""
+    partial = {key: value for key, value in SRUN.items() if key != "SLURM_STEP_NUM_TASKS"}
+    with pytest.raises(ConfigurationError, match="environment variable SLURM_STEP_NUM_TASKS is not set, but this process "
+                                                 "has SLURM_PROCID=4, SLURM_STEP_TASKS_PER_NODE=3\\(x2\\), SLURM_LOCALID=1"):
+        WorkerEnv.from_environ({**partial, "MASTER_ADDR": "n0", "MASTER_PORT": "1"})
+
+
 def test_a_batch_script_or_an_allocation_is_one_worker_not_rank_0_of_its_tasks():
     """sbatch's script has SLURM_PROCID=0 of SLURM_NTASKS too: only srun's tasks have SLURM_STEP_*."""
     batch_script = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_NODEID": "0",
