@@ -26,7 +26,10 @@ holds g exactly; the trailer's digests turn a mismatched plan or samplers built 
 shared samplers mixed with ones drawing their own shard (``num_replicas=1`` on some workers), and
 its steps and epochs workers out of step with each other (a checkpoint loaded on one worker only,
 ``set_epoch`` called with different epochs), into :class:`TensorMismatchError` on every worker.
-One collective per bucket and one trailer per step.
+One collective per bucket and one trailer per step. A worker whose backward pass raised before its
+end still sends the round's every bucket and its trailer, with :data:`FAILED` as its batch size
+(:attr:`Round.failed`), so the collectives stay paired step for step, and every worker raises
+``GradientReductionError`` for that step.
 
 The gradient noise scale (:mod:`dynamix_byteps.scaling.gradient_noise`) needs |g_i|² and |g|², two
 extra passes over every gradient. They are measured on every ``noise_every``-th round only
@@ -49,7 +52,7 @@ import torch
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.batch_plan import SamplerSettings
 from dynamix_byteps.env import optional_int
-from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
+from dynamix_byteps.errors import ConfigurationError, GradientReductionError, TensorMismatchError
 from dynamix_byteps.negotiation import fingerprint, gather_text, negotiate, round_lock
 from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 from dynamix_byteps.scaling.lr_scaling import get_rule
@@ -60,6 +63,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 DEFAULT_NOISE_EVERY = 4
 UNSET = -1  # a worker that declared no batch size for the step
 INDEPENDENT = -2  # the sampler rank of a sampler drawing its own shard (num_replicas=1)
+FAILED = -3  # the batch size a worker sends for a round its backward pass left incomplete
 DIGEST_MASK = (1 << 52) - 1  # digests travel as float64, exact below 2**53
 
 _SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER, _SAMPLER_RANK = range(7)  # the trailer's columns
@@ -209,6 +213,8 @@ class Round:
         measure: whether this round measures the squared norms for the gradient noise scale
             (decided by the round count, so the same on every worker).
         position: the sampler step, epoch and settings the round trains; None without a sampler.
+        failed: this worker's gradients for the round are incomplete (its backward pass raised):
+            set before :meth:`GradientAggregator.close`, it makes every worker's ``finish`` raise.
     """
 
     samples: int
@@ -216,6 +222,7 @@ class Round:
     reference: float
     measure: bool = True
     position: SamplerPosition | None = None
+    failed: bool = False
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
@@ -247,6 +254,18 @@ def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]
         "Build the DynamicBatchSampler with the same dataset (length), seed, shuffle, drop_last, num_replicas and "
         "batch_size (one size, or the same per-rank list) on every worker: a fixed seed (seed=42), not seed=rank "
         "or a random one; to shuffle a shard of its own on each worker, give num_replicas=1, rank=0")
+
+
+def _check_failures(samples: np.ndarray) -> None:
+    """Raise GradientReductionError when some workers sent :data:`FAILED` as their batch size
+    (``samples``: float64, one per rank): their gradients for the round are incomplete."""
+    failed = np.flatnonzero(samples == FAILED).tolist()
+    if not failed:
+        return
+    whose = (f"rank {failed[0]}'s backward pass raised before its end" if len(failed) == 1 else
+             f"the backward passes of ranks {failed} raised before their end")
+    raise GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook, caught by the training loop), "
+                                 "leaving the step's gradients incomplete there")
 
 
 def _check_sampler_modes(sampler_ranks: np.ndarray) -> None:
@@ -400,7 +419,7 @@ class GradientAggregator:
         # tensor each wait for the device. Only the squared norm, a device value, is written there.
         host = torch.zeros(engine.size * _COLUMNS + (0 if counts is None else counts.size), dtype=torch.float64)
         rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
-        rows[engine.rank, _SAMPLES] = step.samples
+        rows[engine.rank, _SAMPLES] = FAILED if step.failed else step.samples
         rows[engine.rank, _DIGEST] = trailer_digest(description)
         sampler_columns = (UNSET,) * 4 if step.position is None else step.position.trailer_columns()
         rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = torch.tensor(sampler_columns, dtype=torch.float64)
@@ -432,6 +451,8 @@ class GradientAggregator:
             description: the plan's description, gathered only to explain a mismatch.
 
         Raises:
+            GradientReductionError: the round failed on some workers (:attr:`Round.failed`); no
+                worker's buffers hold the mean.
             TensorMismatchError: workers reduced different plans, or drew from samplers with
                 different settings, steps or epochs, from other ranks' slices, or some from a shared
                 sampler and others from their own shards (every worker raises).
@@ -443,6 +464,7 @@ class GradientAggregator:
         values = trailer.cpu().numpy()
         cells = self.engine.size * _COLUMNS
         table, step.counts = values[:cells].reshape(self.engine.size, _COLUMNS), values[cells:]
+        _check_failures(table[:, _SAMPLES])
         digests = table[:, _DIGEST]
         if not np.all(digests == digests[0]):
             texts = gather_text(self.engine, description)

@@ -532,6 +532,39 @@ def backward_that_raises(variant: str) -> dict:
     return out
 
 
+
+def backward_raising_on_one_worker(variant: str) -> dict:
+    """Rank 1's backward pass raises half-way (after some buckets left) at step 1, and each worker's
+    loop catches what it raised and goes on with zero_grad(), as a loop skipping a bad batch does.
+    ``optimizer``; ``accumulate``: in the first of 2 passes per step; ``first_step``: at step 0,
+    before the plan exists; ``ddp``. Learning rate 0, so every step's exact mean is the same.
+    Returns each step's error on this rank (type, message) and each completed step's gradient error."""
+    os.environ["DYNAMIX_FUSION_BYTES"] = "64"  # a bucket per parameter: several leave before the failure
+    x, y, mine, parts = _worker_batches()
+    expected = _weighted_reference(x, y, parts)
+    model = Branchy()
+    model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
+    passes = 2 if variant == "accumulate" else 1
+    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
+    opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant == "ddp" else
+           bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
+                                    backward_passes_per_step=passes))
+    failing_step = 0 if variant == "first_step" else 1
+    out = {"errors": {}, "grad_errors": {}}
+    for step in range(4):
+        try:
+            opt.zero_grad()
+            for number in range(passes):
+                _FailOnce.armed = step == failing_step and number == 0 and bps.rank() == 1
+                if variant != "ddp":
+                    opt.set_local_batch_size(mine.stop - mine.start)
+                (torch.nn.functional.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
+            out["grad_errors"][step] = _grad_error(model, expected)
+            opt.step()
+        except RuntimeError as exc:
+            out["errors"][step] = [type(exc).__name__, str(exc)]
+    return out
+
 def sparse_gradient_after_the_first_step() -> str:
     """An embedding with sparse gradients first used on the second step is refused by name."""
     emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)

@@ -187,3 +187,26 @@ def test_backward_with_create_graph_is_reduced_exactly_with_one_warning():
 def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_name():
     for result in ok(run_workers(2, "overlap_cases:parameter_inside_and_outside_a_reentrant_checkpoint")):
         assert result.startswith(("step 1: weight got", "step 1: bias got")) and "a gradient twice in one backward pass" in result, result
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp"])
+def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
+    """The step is dropped on every worker at once, and the workers' later reductions stay paired
+    step for step (before: the healthy rank's remaining buckets met the next step's, silently)."""
+    failing_step = 0 if variant == "first_step" else 1
+    healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_on_one_worker", variant,
+                                      env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
+    assert failing["errors"][str(failing_step)] == ["RuntimeError", "out of memory (simulated)"]
+    kind, said = healthy["errors"][str(failing_step)]
+    assert kind == "GradientReductionError" and "rank 1's backward pass raised before its end" in said, said
+    later = [str(step) for step in range(failing_step + 1, 4)]
+    if variant == "ddp":  # as with PyTorch's DDP, no rank goes on, and none waits for the others
+        for result in (healthy, failing):
+            assert [result["errors"][step][0] for step in later] == ["GradientReductionError"] * len(later)
+            assert "restart the job" in result["errors"][later[0]][1]
+        return
+    for result in (healthy, failing):
+        assert set(result["errors"]) == {str(failing_step)}, result["errors"]
+        assert all(result["grad_errors"][step] < 1e-12 for step in later), result["grad_errors"]
+    assert "optimizer.zero_grad() on every worker" in said

@@ -24,9 +24,13 @@ nested in another's node (reentrant activation checkpointing) ends the round onl
 outermost one ends.
 
 A gradient changed in place or replaced while its bucket is in flight (by another hook during
-backward), or a backward pass that raised before its end, leaves this worker's reduction
-different from the others', so :meth:`finish` (or the next backward) raises
-``GradientReductionError`` instead of returning a wrong mean.
+backward) leaves this worker's reduction different from the others', so :meth:`finish` raises
+``GradientReductionError`` instead of returning a wrong mean. A backward pass that raised before
+its end (out of memory, an error in a hook) on some workers only would leave the others' buckets
+to meet the next step's: the failing worker sends the rest of the step's round at once, marked
+failed, so every worker's collectives stay paired and every worker raises
+``GradientReductionError`` for that step (the failed ones at their next backward or ``step()``);
+``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each.
 """
 
 from __future__ import annotations
@@ -165,7 +169,7 @@ class BucketReducer:
         self._passes = 0  # backward passes completed since the last reduction (or step)
         self._in_backward = False
         self._backward_alive: weakref.ref | None = None  # dies with the backward pass that began the round
-        self._backward_failed = False  # that pass raised before its end: this worker's round is incomplete
+        self._failure: str | None = None  # why this step's round is dropped (a backward pass raised), until discard()
         self._launched_in_backward = False
         self._warned_create_graph = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
@@ -257,7 +261,24 @@ class BucketReducer:
     def _on_backward_gone(self, alive: weakref.ref) -> None:
         if alive is self._backward_alive and self._in_backward:  # it raised: its end callback never ran
             self._in_backward = False
-            self._backward_failed = self._launching  # only a pass that launched buckets leaves them unpaired
+            if self.sync:  # a pass of a step the workers reduce (not one inside no_sync())
+                self._failure = "a backward pass raised before its end on this worker (e.g. out of memory, or an error in a hook)"
+                self._send_failed_round()
+
+    def _send_failed_round(self) -> None:
+        """Send what is left of this step's round at once, whatever the buckets hold, marked failed:
+        the collectives stay paired with the other workers' and every worker's finish raises."""
+        try:
+            if self._launching:
+                self._launching = False
+                self._round.failed = True
+                for number in range(self._next_bucket, len(self._plan.buckets)):
+                    self._launch(number)
+                self.aggregator.close(self._round, self._round_description(), self._had_gradient)
+            else:  # an earlier pass of the step, or the first step (no plan to launch from yet)
+                self._reduce_whole_round(failed=True)
+        except Exception as exc:  # raised in a weak reference's callback, which would only print it
+            self._failure += f", and sending the rest of its round failed ({type(exc).__name__}: {exc})"
 
     def _end_backward(self, alive: _BackwardPass) -> None:
         outer_node = torch._C._current_autograd_node()
@@ -282,9 +303,10 @@ class BucketReducer:
             self._on_reduced(self.finish())
 
     def refuse_if_incomplete(self) -> None:
-        """Raise ``GradientReductionError`` when a backward pass that launched buckets raised before its end."""
-        if self._backward_failed:
-            raise self._incomplete_round_error()
+        """Raise ``GradientReductionError`` while this step's round is dropped: a backward pass raised
+        before its end, on this worker or another, and :meth:`discard` was not called since."""
+        if self._failure is not None:
+            raise self._dropped_step_error()
 
     def reduced_gradients_dropped(self, accumulated: torch.Tensor | None = None) -> bool:
         """Whether every gradient of the round reduced last was set to None since (``model.zero_grad()``
@@ -316,19 +338,18 @@ class BucketReducer:
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             TypeError: a gradient is sparse.
             GradientReductionError: a gradient was changed in place or replaced after its bucket
-                was launched, or the backward pass that launched it raised before its end.
+                was launched, or a backward pass of the step raised before its end on any worker
+                (again at every call until :meth:`discard`).
             CommunicationError: a peer failed.
         """
-        if self._backward_failed:
-            self.discard()
-            raise self._incomplete_round_error()
+        self.refuse_if_incomplete()
         if self._round is None:
             self._reduce_whole_round()
         step = self._round
         try:
             if self._launched_in_backward:
                 self._refuse_changes_in_flight(step)
-            self.aggregator.finish(step, self._round_description())
+            self._finish_round(step)
             if self._next_plan is not None:  # every worker's parameters changed alike: reduce them again
                 self._forget_missing_gradients(step)
                 self._adopt_plan(self._next_plan, step.samples)
@@ -341,6 +362,13 @@ class BucketReducer:
             self._launched_in_backward = False
         self._forget_missing_gradients(step)
         return step.samples
+
+    def _finish_round(self, step: Round) -> None:
+        try:
+            self.aggregator.finish(step, self._round_description())
+        except GradientReductionError as exc:  # another worker's backward pass raised: no worker applies the step
+            self._failure = str(exc)
+            raise self._dropped_step_error() from None
 
     def _forget_missing_gradients(self, step: Round) -> None:
         """``.grad = None`` where no worker had a gradient in ``step`` (its bucket slot held zeros),
@@ -367,15 +395,12 @@ class BucketReducer:
             "other workers'. Change a gradient in a hook on its own parameter (register_post_accumulate_grad_hook), "
             "or after loss.backward() returns, when it holds the reduced mean")
 
-    def _incomplete_round_error(self) -> GradientReductionError:
-        remedy = ("call optimizer.zero_grad() before the next backward to drop this worker's incomplete round (the "
-                  "reductions stay paired only if every worker's backward failed alike)"
-                  if self.kind == "DistributedOptimizer" else
+    def _dropped_step_error(self) -> GradientReductionError:
+        remedy = ("call optimizer.zero_grad() on every worker (each raises for this step) before the next backward, "
+                  "and go on with the next batch" if self.kind == "DistributedOptimizer" else
                   "as with PyTorch's DDP, training cannot go on after that: restart the job (from a checkpoint, e.g. "
                   "bpslaunch --restart-on-failure)")
-        return GradientReductionError(
-            "a backward pass raised before its end (e.g. out of memory, or an error in a hook), so this worker's "
-            f"gradient reduction for that step is incomplete while the other workers' went on; {remedy}")
+        return GradientReductionError(f"{self._failure}, so no worker applies that step's gradients; {remedy}")
 
     def _notice_new_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """When the parameters requiring gradients changed, this round still reduces the agreed
@@ -397,7 +422,7 @@ class BucketReducer:
         self._plan, self._next_plan = plan, None
         self.aggregator.agree_on_plan(self._plan.description, samples)
 
-    def _reduce_whole_round(self) -> None:
+    def _reduce_whole_round(self, failed: bool = False) -> None:
         named = self._parameters()
         sparse = [_parameter_name(name) for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
         if sparse:
@@ -408,10 +433,11 @@ class BucketReducer:
             self._adopt_plan(_Plan(named, self.aggregator.fusion_bytes, self._settings), self._samples)
         else:
             self._notice_new_parameters(named)
-        self._launch_whole_round(self._samples)
+        self._launch_whole_round(self._samples, failed)
 
-    def _launch_whole_round(self, samples: int) -> None:
+    def _launch_whole_round(self, samples: int, failed: bool = False) -> None:
         self._round = self.aggregator.open_round(samples, position=self._trained_position())
+        self._round.failed = failed
         self._had_gradient = np.zeros(len(self._plan.params))
         for number, bucket in enumerate(self._plan.buckets):
             for param, view in zip(bucket.params, bucket.views):
@@ -429,7 +455,8 @@ class BucketReducer:
         if self._round is not None:
             self.aggregator.drain(self._round)
         self._round, self._samples, self._passes = None, None, 0
-        self._launching = self._in_backward = self._launched_in_backward = self._backward_failed = False
+        self._launching = self._in_backward = self._launched_in_backward = False
+        self._failure = None
 
     def _move_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> bool:
         """Make ``param.grad`` its bucket ``view``, holding the round's scale times the gradient
