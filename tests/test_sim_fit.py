@@ -23,11 +23,12 @@ STRAGGLER = 3
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real job: Fashion-MNIST, 4 workers on loopback, rank 3 three times slower, proportional
-    policy every 4 steps, 40 steps of 4 × 32 samples."""
+    policy every 4 steps, 40 steps of 4 × 32 samples. The fit reads the decision log only, so the
+    final evaluation scores 500 test images, not all 10,000."""
     out = tmp_path_factory.mktemp("fit-run")
     job = bpslaunch("-n", 4, "--policy", "proportional", "--slowdown", f"{STRAGGLER}=3", "--decision-interval", 4,
                     "--monitor", "off", "--log-dir", out, "--", sys.executable, REPO / "examples/torch_fashion_mnist.py",
-                    "--limit-train", 5120, "--epochs", 1, "--batch-size", 32)
+                    "--limit-train", 5120, "--epochs", 1, "--batch-size", 32, "--eval-subset", 500)
     try:
         output, _ = job.communicate(timeout=240)
     finally:
