@@ -1,4 +1,7 @@
-"""The main job: the README's example, 4 workers through bpslaunch, on real Fashion-MNIST."""
+"""The main job: the README's example, 4 workers through bpslaunch, on real Fashion-MNIST.
+
+The learning runs train half an epoch (30,000 samples, 118 steps of 256): 0.846 (static) and 0.844
+(per-worker batches) measured, against 0.872 for the full epoch at twice the CPU time."""
 
 import json
 import subprocess
@@ -23,9 +26,12 @@ def train(tmp_path: Path, name: str, *flags: str, launcher_flags=("--num-workers
     return json.loads(metrics_file.read_text()), proc.stdout
 
 
+HALF_EPOCH = ("--limit-train", "30000")
+
+
 @pytest.fixture(scope="module")
 def static_run(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("static"), "static")
+    return train(tmp_path_factory.mktemp("static"), "static", *HALF_EPOCH)
 
 
 @pytest.mark.slow
@@ -45,7 +51,7 @@ def test_example_trains_four_workers_to_80_percent(static_run):
 @pytest.mark.timeout(1800)
 def test_per_worker_batches_with_a_mid_epoch_change_train_as_well_as_static(static_run, tmp_path):
     static, _ = static_run
-    dynamic, stdout = train(tmp_path, "dynamic", "--batch-size", "32,48,80,96", "--batch-schedule", "100:64")
+    dynamic, stdout = train(tmp_path, "dynamic", *HALF_EPOCH, "--batch-size", "32,48,80,96", "--batch-schedule", "100:64")
     assert dynamic["batch_sizes"] == [32, 48, 80, 96]
     assert dynamic["test_accuracy"] >= 0.80, dynamic
     assert abs(dynamic["test_accuracy"] - static["test_accuracy"]) <= 0.02, (static, dynamic)
