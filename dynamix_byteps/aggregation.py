@@ -15,17 +15,22 @@ with steady batch sizes the sums need no division afterwards). Each bucket's sum
 starts as soon as the bucket is full (the PyTorch frontend does this from the backward hooks,
 while backward goes on). The last collective of the round, issued right behind the last bucket,
 is a small float64 *trailer*, one row per worker: its batch size, its local squared gradient
-norm |g_i|², the digest of its bucket plan, and the sampler step it trains with that step's
+norm |g_i|², the digest of its bucket plan, the sampler step it trains with that step's
 epoch, the digest of the sampler's settings and the sampler's rank (:class:`SamplerPosition`;
 epoch, seed, dataset size, shuffling, ``drop_last``, the number of workers and their initial
 batch sizes fix the permutation the batch came from and its cut, the rank this worker's slice).
 A sampler drawing its own shard (``num_replicas=1``) sends only :data:`INDEPENDENT` as its rank.
+The row ends with the steps the worker's training loop began
+(:attr:`GradientAggregator.steps_begun`).
 When the round finishes every worker divides the sums by Σ b_i / R (when that is not 1) and so
 holds g exactly; the trailer's digests turn a mismatched plan or samplers built differently
 (``seed=rank``), its sampler ranks two workers drawing one slice (``rank=bps.local_rank()``) or
 shared samplers mixed with ones drawing their own shard (``num_replicas=1`` on some workers), and
 its steps and epochs workers out of step with each other (a checkpoint loaded on one worker only,
-``set_epoch`` called with different epochs), into :class:`TensorMismatchError` on every worker.
+``set_epoch`` called with different epochs), and its steps begun a worker that skipped a step
+the others trained (an exception caught by its loop, which went on with the next batch), into
+:class:`TensorMismatchError` on every worker: the collectives pair up in order, so such workers
+would otherwise sum one worker's step with another's, silently, from then on.
 One collective per bucket and one trailer per step. A worker whose backward pass raised before its
 end still sends the round's every bucket and its trailer, with :data:`FAILED` as its batch size
 (:attr:`Round.failed`), so the collectives stay paired step for step, and every worker raises
@@ -66,8 +71,8 @@ INDEPENDENT = -2  # the sampler rank of a sampler drawing its own shard (num_rep
 FAILED = -3  # the batch size a worker sends for a round its backward pass left incomplete
 DIGEST_MASK = (1 << 52) - 1  # digests travel as float64, exact below 2**53
 
-_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER, _SAMPLER_RANK = range(7)  # the trailer's columns
-_COLUMNS = 7
+_SAMPLES, _SQ_NORM, _DIGEST, _STEP, _EPOCH, _SAMPLER, _SAMPLER_RANK, _BEGUN = range(8)  # the trailer's columns
+_COLUMNS = 8
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,24 @@ def _check_failures(samples: np.ndarray) -> None:
                                  "leaving the step's gradients incomplete there")
 
 
+def _check_steps_begun(begun: np.ndarray) -> None:
+    """Raise TensorMismatchError unless every worker began as many steps of its training loop
+    (``begun``: float64, each rank's :attr:`GradientAggregator.steps_begun` when it closed the round)."""
+    if np.all(begun == begun[0]):
+        return
+    listed = ", ".join(f"rank {rank}: {int(count)}" for rank, count in enumerate(begun))
+    raise TensorMismatchError(
+        f"workers reduced the same round from different steps of their training loops (steps begun, counted by "
+        f"optimizer.zero_grad(): {listed}): some skipped a step the others trained, or ran an extra one, and the "
+        "reductions pair up in order, so each later step would sum one worker's step with another's. Likely "
+        "causes: an exception (in forward, or in backward before any parameter got its gradient) caught by the "
+        "training loop on some workers only, which went on with the next batch; or unequal numbers of batches per "
+        "worker. Give every worker the same number of steps (a DynamicBatchSampler, or a DistributedSampler with "
+        "drop_last=True), and skip a step on every worker or on none: let such an exception end the job (restart "
+        "it from a checkpoint); a GradientReductionError, which every worker raises, is dropped by calling "
+        "optimizer.zero_grad() on every worker")
+
+
 def _check_sampler_modes(sampler_ranks: np.ndarray) -> None:
     """Raise TensorMismatchError when some workers draw from a shared sampler and others from one
     drawing their own shard; ``sampler_ranks``: int64, each rank's sampler rank (:data:`UNSET`: no
@@ -347,6 +370,11 @@ class GradientAggregator:
         lr_scale: the learning-rate factor of the last step.
         wait_s: seconds the last :meth:`finish` blocked on communication (the exposed push_pull time).
         wait_ns: ``(begin, end)`` of that wait on the host, :func:`~dynamix_byteps.timing.now_ns` nanoseconds.
+        steps_begun: the steps of the training loop this worker began, as its frontend counts them
+            (torch's ``DistributedOptimizer``: its ``zero_grad()`` calls; 0 where it counts none);
+            every round's trailer checks it is the same on every worker. Not checkpointed: a fresh
+            process starts at 0 on every worker, and a checkpoint loaded on rank 0 only, then
+            broadcast (Horovod's way), leaves the workers in step.
 
     Raises:
         ValueError: an unknown ``lr_scaling`` rule or a ``base_batch_size`` below 1.
@@ -365,6 +393,7 @@ class GradientAggregator:
         self.fusion_bytes = fusion_bytes()
         self.noise_every = noise_every()
         self._rounds = 0
+        self.steps_begun = 0
         self.gradient_noise = GradientNoiseScale()
         self.global_batch_size: int | None = None
         self.lr_scale = 1.0
@@ -410,7 +439,8 @@ class GradientAggregator:
 
     def close(self, step: Round, description: str, counts: np.ndarray | None = None) -> None:
         """Start the round's trailer, after its last bucket: this worker's batch size, local
-        squared norm, plan digest (``description``'s), sampler step, epoch, settings digest and rank, and ``counts``
+        squared norm, plan digest (``description``'s), sampler step, epoch, settings digest and rank,
+        :attr:`steps_begun`, and ``counts``
         (float64, one per tensor, e.g. 1 for a gradient this worker had), summed over the workers
         into ``step.counts``."""
         self.before_send()
@@ -423,6 +453,7 @@ class GradientAggregator:
         rows[engine.rank, _DIGEST] = trailer_digest(description)
         sampler_columns = (UNSET,) * 4 if step.position is None else step.position.trailer_columns()
         rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = torch.tensor(sampler_columns, dtype=torch.float64)
+        rows[engine.rank, _BEGUN] = self.steps_begun
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
             rows[engine.rank, _SQ_NORM] = float("nan")
@@ -453,9 +484,10 @@ class GradientAggregator:
         Raises:
             GradientReductionError: the round failed on some workers (:attr:`Round.failed`); no
                 worker's buffers hold the mean.
-            TensorMismatchError: workers reduced different plans, or drew from samplers with
-                different settings, steps or epochs, from other ranks' slices, or some from a shared
-                sampler and others from their own shards (every worker raises).
+            TensorMismatchError: workers began different numbers of steps (:attr:`steps_begun`),
+                reduced different plans, or drew from samplers with different settings, steps or
+                epochs, from other ranks' slices, or some from a shared sampler and others from
+                their own shards (every worker raises).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             CommunicationError: a peer failed.
         """
@@ -478,6 +510,7 @@ class GradientAggregator:
         _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
         _check_sampler_ranks(sampler_ranks)
         _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
+        _check_steps_begun(table[:, _BEGUN])
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)
         effective_total = self.engine.size if total is None else total

@@ -565,6 +565,40 @@ def backward_raising_on_one_worker(variant: str) -> dict:
             out["errors"][step] = [type(exc).__name__, str(exc)]
     return out
 
+def step_skipped_on_one_worker(variant: str) -> dict:
+    """Rank 1 skips step 1 (no sampler feeds the workers): an exception its loop catches before it goes
+    on with the next batch. ``forward``: raised in forward, ``zero_grad()`` begins each step;
+    ``forward_zero_grad_last``: raised in forward, ``zero_grad()`` ends each step and the except
+    clause calls it; ``backward``: raised in backward before any parameter got its gradient.
+    Each worker stops at its first other error. Returns the step that raised and the error (type, message)."""
+    x, y, mine, _ = _worker_batches()
+    model = Branchy()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    zero_grad_first = variant != "forward_zero_grad_last"
+    for step in range(4):
+        skips = step == 1 and bps.rank() == 1
+        try:
+            if zero_grad_first:
+                opt.zero_grad()
+            if skips and variant.startswith("forward"):
+                raise _SkippedBatch("bad batch (simulated)")
+            _FailOnce.armed = skips
+            torch.nn.functional.cross_entropy(_FailOnce.apply(model(x[mine])), y[mine]).backward()
+            opt.step()
+            if not zero_grad_first:
+                opt.zero_grad()
+        except (_SkippedBatch, RuntimeError) as exc:
+            if not skips:
+                return {"step": step, "error": [type(exc).__name__, str(exc)]}
+            if not zero_grad_first:
+                opt.zero_grad()
+    return {"step": None, "error": None}
+
+
+class _SkippedBatch(Exception):
+    """What a loop skips a batch for."""
+
+
 def sparse_gradient_after_the_first_step() -> str:
     """An embedding with sparse gradients first used on the second step is refused by name."""
     emb, lin = torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 1)

@@ -210,3 +210,18 @@ def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(var
         assert set(result["errors"]) == {str(failing_step)}, result["errors"]
         assert all(result["grad_errors"][step] < 1e-12 for step in later), result["grad_errors"]
     assert "optimizer.zero_grad() on every worker" in said
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("variant", ["forward", "forward_zero_grad_last", "backward"])
+def test_a_step_skipped_on_one_worker_raises_on_every_worker_at_the_next_step(variant):
+    """Without a sampler, a worker that skipped a step paired each later step with the others'
+    previous one, silently, until the job's end; every worker now raises at the next reduction."""
+    healthy, skipping = ok(run_workers(2, "overlap_cases:step_skipped_on_one_worker", variant,
+                                       env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
+    assert (healthy["step"], skipping["step"]) == (1, 2), (healthy, skipping)
+    begun = "rank 0: 1, rank 1: 2" if variant == "forward_zero_grad_last" else "rank 0: 2, rank 1: 3"
+    for kind, said in (healthy["error"], skipping["error"]):
+        assert kind == "TensorMismatchError", said
+        assert "different steps of their training loops" in said and begun in said, said
+        assert "same number of steps" in said and "drop_last" in said, said

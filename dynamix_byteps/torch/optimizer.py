@@ -110,7 +110,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; also drops a reduction that backward started
         for this step (a GAN's generator backward may fill the discriminator's gradients, then
-        zero them) and starts a new count of backward passes."""
+        zero them) and starts a new count of backward passes. Each call counts a step begun
+        (:attr:`GradientAggregator.steps_begun <dynamix_byteps.aggregation.GradientAggregator>`):
+        the next reduction raises ``TensorMismatchError`` on every worker when the workers' counts
+        differ (a step skipped on some workers only), so call it alike on every worker."""
+        self._aggregator.steps_begun += 1
         self._reducer.discard()
         self._synchronized = False
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
@@ -152,7 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         kept for Horovod's pattern (synchronize, clip, then step inside :meth:`skip_synchronize`).
 
         Raises:
-            TensorMismatchError: workers have different parameters or settings.
+            TensorMismatchError: workers have different parameters or settings, or called
+                :meth:`zero_grad` different numbers of times (a step skipped on some workers only).
             ConfigurationError: batch sizes were declared on some workers only, or sum to 0.
             TypeError: a gradient is sparse (e.g. ``nn.Embedding(sparse=True)``).
             GradientReductionError: the backward pass that started the reduction raised before

@@ -334,7 +334,8 @@ class BucketReducer:
             The local batch size the step was weighted by (:data:`UNSET`: none).
 
         Raises:
-            TensorMismatchError: workers have different parameters or settings.
+            TensorMismatchError: workers have different parameters or settings, or began different
+                numbers of steps (``GradientAggregator.steps_begun``).
             ConfigurationError: batch sizes declared on some workers only, or summing to 0.
             TypeError: a gradient is sparse.
             GradientReductionError: a gradient was changed in place or replaced after its bucket
