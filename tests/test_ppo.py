@@ -1,7 +1,8 @@
 """The DYNAMIX agent: RLlib PPO training, ONNX export and serving, the scheduler's ``ppo`` policy.
 
 A module-scoped fixture trains one small policy (seeded, a few PPO iterations in a private local
-Ray instance); the tests load, compare, transfer and serve it. ``slow`` tests train longer.
+Ray instance); the tests load, compare, transfer and serve it. ``slow`` tests train longer. Every
+training of the module runs in one Ray instance (``ray_instance``) instead of starting its own.
 """
 
 import dataclasses
@@ -49,7 +50,17 @@ def train_policy(out, seed=0, **settings):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def ray_instance():
+    """One private Ray instance for the module's six trainings: starting and stopping one takes ~8 s
+    (and its helper processes' CPU) each time."""
+    from dynamix_byteps.policy.ppo.train import ray_session
+
+    with ray_session() as ray:
+        yield ray
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, ray_instance):
     out = tmp_path_factory.mktemp("ppo") / "policy"
     summary = train_policy(out)
     return out, summary
@@ -284,7 +295,7 @@ def test_bpslaunch_passes_policy_options_to_the_scheduler_as_it_parses_them(tmp_
 
 
 @pytest.mark.timeout(900)
-def test_a_policy_cloned_from_proportional_starts_ppo_at_proportional(tmp_path):
+def test_a_policy_cloned_from_proportional_starts_ppo_at_proportional(tmp_path, ray_instance):
     """``imitate``: after two tiny PPO iterations the greedy policy drives the straggler job as
     proportional does, far ahead of static; without the clone it is a near-uniform network."""
     summary = train_policy(tmp_path / "p", imitate="proportional", imitation_episodes=6, **TINY)
@@ -318,13 +329,14 @@ def test_imitation_is_checked_before_ray_starts(tmp_path, options, needle):
 
 
 @pytest.mark.timeout(900)
-def test_the_same_seed_gives_the_same_actions(tmp_path, monkeypatch):
+def test_the_same_seed_gives_the_same_actions(tmp_path, monkeypatch, ray_instance):
     obs = recorded_observations(300).reshape(300, 4, NUM_FEATURES)
     monkeypatch.chdir(tmp_path)  # and an output directory relative to the working directory works
     logits = []
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         train_policy(Path(name), seed=seed, **TINY)
         logits.append(PPOPolicy(path=tmp_path / name).logits(obs))
+    assert ray_instance.is_initialized()  # training used the caller's Ray instance and left it running
     assert np.array_equal(logits[0], logits[1])
     assert np.array_equal(logits[0].argmax(-1), logits[1].argmax(-1))
     assert not np.allclose(logits[0], logits[2])
@@ -355,7 +367,7 @@ def test_the_scheduler_runs_a_real_4_worker_job_with_the_ppo_policy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_longer_training_beats_static_and_matches_proportional(tmp_path):
+def test_a_longer_training_beats_static_and_matches_proportional(tmp_path, ray_instance):
     """30 iterations of 1500 decisions, minibatches of 125 at lr 1.5e-3 (45k decisions, ~80 s on a
     2-core machine; the defaults need 60 iterations of 2000 for the same result). Measured, seeds 0
     and 1 alike: ppo beats static by 0.90 (straggler) and 0.50 (two-speed), proportional by 0.07

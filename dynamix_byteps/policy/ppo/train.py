@@ -4,7 +4,9 @@ Imports torch and Ray RLlib (``pip install 'dynamix-byteps[rl]'``). The layout i
 that measured fastest on 2 cores: the new API stack, sampling and learning in the driver
 (``num_env_runners=0``, ``num_learners=0``) with 4 vectorised environments, one torch thread,
 and a private local Ray instance (``num_cpus=2``, no dashboard, a capped object store, its own
-temporary directory, removed afterwards) that is shut down even when training fails.
+temporary directory, removed afterwards) that is shut down even when training fails. Called
+inside a running Ray instance (``ray_session()`` around several trainings saves starting one
+for each, ~8 s), training uses that one and leaves it running.
 
 Determinism: RLlib seeds the global ``random``/numpy/torch generators and the environments
 from ``seed``; on one machine with one torch thread the same seed gives the same network.
@@ -93,9 +95,13 @@ def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict 
 
 @contextlib.contextmanager
 def ray_session():
-    """A private local Ray instance for the duration of the block (module docstring)."""
+    """A private local Ray instance for the duration of the block (module docstring); inside a Ray
+    instance the caller started (a sweep of trainings, a notebook), that one, left running."""
     import ray
 
+    if ray.is_initialized():
+        yield ray
+        return
     temp_dir = tempfile.mkdtemp(prefix="dynamix-ray-")  # short: Ray's socket paths must fit 107 bytes
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
