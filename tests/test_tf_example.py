@@ -27,11 +27,14 @@ def train(tmp_path: Path, *flags: str, launcher_flags: tuple = ()) -> tuple[dict
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_custom_loop_trains_four_workers_to_80_percent(tmp_path):
-    metrics, stdout = train(tmp_path, "--limit-train", "30000", "--eval-every", "5")  # 0.848 measured: half an epoch
+    """Half an epoch (0.848 measured). Every evaluation of the curve scores all 10,000 test images
+    (~5 s of 4 workers' CPU): one every 15 s of the ~40 s of training, not every 5 s."""
+    eval_every = 15
+    metrics, stdout = train(tmp_path, "--limit-train", "30000", "--eval-every", str(eval_every))
     assert metrics["workers"] == 4 and metrics["mode"] == "loop"
     assert metrics["test_samples"] == 10_000 and metrics["samples"] == 30_000
     assert metrics["stopped_by"] == "epochs" and metrics["epochs_trained"] == 1.0 and "time budget" not in stdout
-    assert metrics["curve"] and all(p["train_s"] >= 5 for p in metrics["curve"])
+    assert metrics["curve"] and all(p["train_s"] >= eval_every for p in metrics["curve"])
     assert metrics["test_accuracy"] >= 0.80, metrics
     assert "[0] test_accuracy=" in stdout
 
