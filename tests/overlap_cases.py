@@ -537,16 +537,23 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     """Rank 1's backward pass raises half-way (after some buckets left) at step 1, and each worker's
     loop catches what it raised and goes on with zero_grad(), as a loop skipping a bad batch does.
     ``optimizer``; ``accumulate``: in the first of 2 passes per step; ``first_step``: at step 0,
-    before the plan exists; ``ddp``. Learning rate 0, so every step's exact mean is the same.
+    before the plan exists; ``ddp``; ``hook_first``, ``ddp_hook_first``: raised instead by the
+    user's post-accumulate hook on the first parameter to get its gradient (before any bucket
+    left). Learning rate 0, so every step's exact mean is the same.
     Returns each step's error on this rank (type, message) and each completed step's gradient error."""
     os.environ["DYNAMIX_FUSION_BYTES"] = "64"  # a bucket per parameter: several leave before the failure
     x, y, mine, parts = _worker_batches()
     expected = _weighted_reference(x, y, parts)
     model = Branchy()
-    model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
+    in_hook = variant.endswith("hook_first")
+    if in_hook:
+        for param in model.last.parameters():  # the first to get its gradient: whichever runs first raises
+            param.register_post_accumulate_grad_hook(_raise_once_when_armed)
+    else:
+        model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
     passes = 2 if variant == "accumulate" else 1
-    net = bps.DistributedDataParallel(model) if variant == "ddp" else model
-    opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant == "ddp" else
+    net = bps.DistributedDataParallel(model) if variant.startswith("ddp") else model
+    opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant.startswith("ddp") else
            bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
                                     backward_passes_per_step=passes))
     failing_step = 0 if variant == "first_step" else 1
@@ -555,8 +562,9 @@ def backward_raising_on_one_worker(variant: str) -> dict:
         try:
             opt.zero_grad()
             for number in range(passes):
-                _FailOnce.armed = step == failing_step and number == 0 and bps.rank() == 1
-                if variant != "ddp":
+                armed = step == failing_step and number == 0 and bps.rank() == 1
+                _FailOnce.armed, _raise_once_when_armed.armed = armed and not in_hook, armed and in_hook
+                if not variant.startswith("ddp"):
                     opt.set_local_batch_size(mine.stop - mine.start)
                 (torch.nn.functional.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
             out["grad_errors"][step] = _grad_error(model, expected)
@@ -564,6 +572,17 @@ def backward_raising_on_one_worker(variant: str) -> dict:
         except RuntimeError as exc:
             out["errors"][step] = [type(exc).__name__, str(exc)]
     return out
+
+
+def _raise_once_when_armed(param: torch.Tensor) -> None:
+    """A user's post-accumulate-grad hook that raises once when armed."""
+    if _raise_once_when_armed.armed:
+        _raise_once_when_armed.armed = False
+        raise RuntimeError("error in a gradient hook (simulated)")
+
+
+_raise_once_when_armed.armed = False
+
 
 def step_skipped_on_one_worker(variant: str) -> dict:
     """Rank 1 skips step 1 (no sampler feeds the workers): an exception its loop catches before it goes

@@ -190,18 +190,21 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_nam
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp"])
+@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "hook_first", "ddp_hook_first"])
 def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
     """The step is dropped on every worker at once, and the workers' later reductions stay paired
-    step for step (before: the healthy rank's remaining buckets met the next step's, silently)."""
+    step for step (before: the healthy rank's remaining buckets met the next step's, silently; with
+    an error in a hook on the first parameter to get its gradient, the failing rank's whole round
+    went unsent and every later step paired with the others' previous one)."""
     failing_step = 0 if variant == "first_step" else 1
     healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_on_one_worker", variant,
                                       env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
-    assert failing["errors"][str(failing_step)] == ["RuntimeError", "out of memory (simulated)"]
+    raised = "error in a gradient hook (simulated)" if variant.endswith("hook_first") else "out of memory (simulated)"
+    assert failing["errors"][str(failing_step)] == ["RuntimeError", raised]
     kind, said = healthy["errors"][str(failing_step)]
     assert kind == "GradientReductionError" and "rank 1's backward pass raised before its end" in said, said
     later = [str(step) for step in range(failing_step + 1, 4)]
-    if variant == "ddp":  # as with PyTorch's DDP, no rank goes on, and none waits for the others
+    if variant.startswith("ddp"):  # as with PyTorch's DDP, no rank goes on, and none waits for the others
         for result in (healthy, failing):
             assert [result["errors"][step][0] for step in later] == ["GradientReductionError"] * len(later)
             assert "restart the job" in result["errors"][later[0]][1]

@@ -161,7 +161,7 @@ class BucketReducer:
         self.sync = True
         self._plan: _Plan | None = None
         self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
-        self._hooks: dict[torch.Tensor, object] = {}
+        self._accumulators: dict[torch.Tensor, object] = {}  # per parameter, its gradient accumulator (hooked)
         self._round: Round | None = None
         self._samples: int | None = None  # taken when the round's last backward pass started
         self._launching = False  # this backward pass launches buckets from its hooks
@@ -177,17 +177,22 @@ class BucketReducer:
 
     def _register_hooks(self, params) -> None:
         for p in params:
-            if p not in self._hooks:
+            if p not in self._accumulators:
                 previous = getattr(p, _HOOK_ATTR, None)
                 if previous is not None:  # an earlier reducer over this model
-                    handle, reducer = previous
+                    handles, reducer = previous
                     self._refuse_a_second_kind(reducer())
-                    handle.remove()
-                # The accumulator is held: a parameter keeps only a weak reference to it.
+                    for handle in handles:
+                        handle.remove()
+                # The accumulator is held: a parameter keeps only a weak reference to it. Its
+                # pre-hook runs before the gradient is accumulated and before the user's
+                # post-accumulate hooks, so a backward pass that raises in those, on the first
+                # parameter to get its gradient, has begun a round (and sends it failed).
                 accumulator = torch.autograd.graph.get_gradient_edge(p).node
-                handle = accumulator.register_hook(functools.partial(self._after_accumulation, p))
-                self._hooks[p] = (accumulator, handle)
-                setattr(p, _HOOK_ATTR, (handle, weakref.ref(self)))
+                handles = (accumulator.register_prehook(self._before_accumulation),
+                           accumulator.register_hook(functools.partial(self._after_accumulation, p)))
+                self._accumulators[p] = accumulator
+                setattr(p, _HOOK_ATTR, (handles, weakref.ref(self)))
 
     def backward_writes_gradients(self) -> bool:
         """Whether the running backward pass writes the ``.grad`` of a parameter being reduced
@@ -195,7 +200,7 @@ class BucketReducer:
         named = self._parameters()
         self._register_hooks(p for _, p in named)
         try:
-            return any(torch._C._will_engine_execute_node(self._hooks[p][0]) for _, p in named)
+            return any(torch._C._will_engine_execute_node(self._accumulators[p]) for _, p in named)
         except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
             return False
 
@@ -206,10 +211,12 @@ class BucketReducer:
                 f"{self.kind} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
-    def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
+    def _before_accumulation(self, grad_outputs) -> None:
         self.refuse_if_incomplete()
         if not self._in_backward:
-            self._begin_backward(param)
+            self._begin_backward()
+
+    def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         if not self._launching or param not in self._plan.slot:
             return
         number, view = self._plan.slot[param]
@@ -222,8 +229,8 @@ class BucketReducer:
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
-    def _begin_backward(self, first: torch.Tensor) -> None:
-        if self._passes >= self.passes_per_step and self.reduced_gradients_dropped(accumulated=first):
+    def _begin_backward(self) -> None:
+        if self._passes >= self.passes_per_step and self.reduced_gradients_dropped():
             self._passes = 0  # the step was dropped unapplied (a GradScaler skip, then model.zero_grad())
         if self._passes >= self.passes_per_step:
             raise RuntimeError(
@@ -308,16 +315,13 @@ class BucketReducer:
         if self._failure is not None:
             raise self._dropped_step_error()
 
-    def reduced_gradients_dropped(self, accumulated: torch.Tensor | None = None) -> bool:
+    def reduced_gradients_dropped(self) -> bool:
         """Whether every gradient of the round reduced last was set to None since (``model.zero_grad()``
         after a step the script did not apply): no reduced mean is left for another pass to add to, and
-        the next backward pass starts a new step, as after the optimizer's ``zero_grad()``.
-        ``accumulated``: a parameter whose gradient the running backward pass has just accumulated;
-        it counts as dropped unless it was added to its reduced mean (its bucket view)."""
+        the next backward pass starts a new step, as after the optimizer's ``zero_grad()``."""
         if self._round is not None or self._plan is None:
             return False
-        return all(p.grad is None or (p is accumulated and p.grad is not self._plan.slot[p][1])
-                   for p in self._plan.params)
+        return all(p.grad is None for p in self._plan.params)
 
     @property
     def reducing(self) -> bool:
