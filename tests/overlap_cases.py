@@ -6,6 +6,7 @@ float64, so every rank checks the exact answer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -537,7 +538,8 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     """Rank 1's backward pass raises half-way (after some buckets left) at step 1, and each worker's
     loop catches what it raised and goes on with zero_grad(), as a loop skipping a bad batch does.
     ``optimizer``; ``accumulate``: in the first of 2 passes per step; ``first_step``: at step 0,
-    before the plan exists; ``ddp``; ``hook_first``, ``ddp_hook_first``: raised instead by the
+    before the plan exists; ``ddp``; ``ddp_no_sync``: in the first of 2 passes per step, inside
+    ``no_sync()``; ``hook_first``, ``ddp_hook_first``: raised instead by the
     user's post-accumulate hook on the first parameter to get its gradient (before any bucket
     left). Learning rate 0, so every step's exact mean is the same.
     Returns each step's error on this rank (type, message) and each completed step's gradient error."""
@@ -551,7 +553,7 @@ def backward_raising_on_one_worker(variant: str) -> dict:
             param.register_post_accumulate_grad_hook(_raise_once_when_armed)
     else:
         model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
-    passes = 2 if variant == "accumulate" else 1
+    passes = 2 if variant in ("accumulate", "ddp_no_sync") else 1
     net = bps.DistributedDataParallel(model) if variant.startswith("ddp") else model
     opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant.startswith("ddp") else
            bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
@@ -566,7 +568,8 @@ def backward_raising_on_one_worker(variant: str) -> dict:
                 _FailOnce.armed, _raise_once_when_armed.armed = armed and not in_hook, armed and in_hook
                 if not variant.startswith("ddp"):
                     opt.set_local_batch_size(mine.stop - mine.start)
-                (torch.nn.functional.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
+                with net.no_sync() if number < passes - 1 and variant == "ddp_no_sync" else contextlib.nullcontext():
+                    (torch.nn.functional.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
             out["grad_errors"][step] = _grad_error(model, expected)
             opt.step()
         except RuntimeError as exc:

@@ -190,12 +190,14 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_nam
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "hook_first", "ddp_hook_first"])
+@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "ddp_no_sync", "hook_first",
+                                     "ddp_hook_first"])
 def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
     """The step is dropped on every worker at once, and the workers' later reductions stay paired
     step for step (before: the healthy rank's remaining buckets met the next step's, silently; with
     an error in a hook on the first parameter to get its gradient, the failing rank's whole round
-    went unsent and every later step paired with the others' previous one)."""
+    went unsent and every later step paired with the others' previous one; inside the DDP wrapper's
+    no_sync(), the failing rank skipped the step's reducing pass, the same)."""
     failing_step = 0 if variant == "first_step" else 1
     healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_on_one_worker", variant,
                                       env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))

@@ -342,7 +342,10 @@ class DistributedDataParallel(torch.nn.Module):
         Use it alike on every worker, as with PyTorch's DDP: reductions pair up in order, so a
         worker that skips one the others make pairs each later step with their previous one
         (with a ``DynamicBatchSampler`` feeding the workers, that step raises
-        ``TensorMismatchError`` on every worker, naming each one's sampler step)."""
+        ``TensorMismatchError`` on every worker, naming each one's sampler step). A backward pass
+        that raises inside it on one worker (out of memory, an error in a hook) sends that step's
+        reduction at once, marked failed: every worker's reducing backward of that step raises
+        ``GradientReductionError``, as for a failure outside it."""
         previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield

@@ -267,10 +267,11 @@ class BucketReducer:
 
     def _on_backward_gone(self, alive: weakref.ref) -> None:
         if alive is self._backward_alive and self._in_backward:  # it raised: its end callback never ran
+            # Also a pass inside no_sync(): a loop that goes on with the next batch skips the step's
+            # reducing pass here, which the other workers' would then pair with the next step's.
             self._in_backward = False
-            if self.sync:  # a pass of a step the workers reduce (not one inside no_sync())
-                self._failure = "a backward pass raised before its end on this worker (e.g. out of memory, or an error in a hook)"
-                self._send_failed_round()
+            self._failure = "a backward pass raised before its end on this worker (e.g. out of memory, or an error in a hook)"
+            self._send_failed_round()
 
     def _send_failed_round(self) -> None:
         """Send what is left of this step's round at once, whatever the buckets hold, marked failed:
