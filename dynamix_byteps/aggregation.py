@@ -269,8 +269,8 @@ def _check_failures(samples: np.ndarray) -> None:
         return
     whose = (f"rank {failed[0]}'s backward pass raised before its end" if len(failed) == 1 else
              f"the backward passes of ranks {failed} raised before their end")
-    raise GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook, caught by the training loop), "
-                                 "leaving the step's gradients incomplete there")
+    raise GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook), leaving the step's "
+                                 "gradients incomplete there")
 
 
 def _check_steps_begun(begun: np.ndarray) -> None:
@@ -284,11 +284,12 @@ def _check_steps_begun(begun: np.ndarray) -> None:
         f"optimizer.zero_grad(): {listed}): some skipped a step the others trained, or ran an extra one, and the "
         "reductions pair up in order, so each later step would sum one worker's step with another's. Likely "
         "causes: an exception (in forward, or in backward before any parameter got its gradient) caught by the "
-        "training loop on some workers only, which went on with the next batch; or unequal numbers of batches per "
-        "worker. Give every worker the same number of steps (a DynamicBatchSampler, or a DistributedSampler with "
-        "drop_last=True), and skip a step on every worker or on none: let such an exception end the job (restart "
-        "it from a checkpoint); a GradientReductionError, which every worker raises, is dropped by calling "
-        "optimizer.zero_grad() on every worker")
+        "training loop on some workers only, which went on with the next batch; unequal numbers of batches per "
+        "worker; or gradients zeroed by optimizer.zero_grad() on some workers and by model.zero_grad() on others "
+        "(use one alike everywhere). Give every worker the same number of steps (a DynamicBatchSampler, or a "
+        "DistributedSampler with drop_last=True), and skip a step on every worker or on none: let such an exception "
+        "end the job (restart it from a checkpoint); a GradientReductionError, which every worker raises, is dropped "
+        "by calling optimizer.zero_grad() on every worker")
 
 
 def _check_sampler_modes(sampler_ranks: np.ndarray) -> None:

@@ -7,6 +7,7 @@ float64, so every rank checks the exact answer.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 
@@ -541,7 +542,9 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     before the plan exists; ``ddp``; ``ddp_no_sync``: in the first of 2 passes per step, inside
     ``no_sync()``; ``hook_first``, ``ddp_hook_first``: raised instead by the
     user's post-accumulate hook on the first parameter to get its gradient (before any bucket
-    left). Learning rate 0, so every step's exact mean is the same.
+    left); ``model_zero_grad``, ``model_zero_grad_in_place``: the loop zeroes the gradients with
+    ``model.zero_grad()`` (``set_to_none=False``: in place), which the optimizer does not see,
+    and declares the batch size after. Learning rate 0, so every step's exact mean is the same.
     Returns each step's error on this rank (type, message) and each completed step's gradient error."""
     os.environ["DYNAMIX_FUSION_BYTES"] = "64"  # a bucket per parameter: several leave before the failure
     x, y, mine, parts = _worker_batches()
@@ -559,10 +562,12 @@ def backward_raising_on_one_worker(variant: str) -> dict:
            bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
                                     backward_passes_per_step=passes))
     failing_step = 0 if variant == "first_step" else 1
+    zero_grad = (functools.partial(model.zero_grad, set_to_none=variant == "model_zero_grad")
+                 if variant.startswith("model_zero_grad") else opt.zero_grad)
     out = {"errors": {}, "grad_errors": {}}
     for step in range(4):
         try:
-            opt.zero_grad()
+            zero_grad()
             for number in range(passes):
                 armed = step == failing_step and number == 0 and bps.rank() == 1
                 _FailOnce.armed, _raise_once_when_armed.armed = armed and not in_hook, armed and in_hook

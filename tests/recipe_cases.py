@@ -38,8 +38,9 @@ def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int, zeroed
     """bfloat16 autocast and a GradScaler with clipping; rank 1's input holds an inf at
     ``overflow_step``. ``bps_optimizer`` follows Horovod's pattern (synchronize, unscale, clip,
     step inside skip_synchronize); the others, ``bps_optimizer_plain`` too, the plain torch loop.
-    ``zeroed_by``: whose ``zero_grad()`` clears the gradients, the ``optimizer``'s or the ``model``'s;
-    with the model's, the distributed optimizer also declares each batch's size."""
+    ``zeroed_by``: whose ``zero_grad()`` clears the gradients, the ``optimizer``'s or the ``model``'s
+    (``model_in_place``: ``set_to_none=False``); with the model's, the distributed optimizer also
+    declares each batch's size."""
     model = _model()
     net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     scaler = torch.amp.GradScaler("cpu")
@@ -48,8 +49,8 @@ def _train_with_grad_scaler(wrapper: str, steps: int, overflow_step: int, zeroed
         x, y = _batch(step, bps.rank())
         if step == overflow_step and bps.rank() == 1:
             x[0, 0] = float("inf")
-        if zeroed_by == "model":
-            model.zero_grad()
+        if zeroed_by.startswith("model"):
+            model.zero_grad(set_to_none=zeroed_by == "model")
             if wrapper.startswith("bps_optimizer"):
                 opt.set_local_batch_size(len(x))
         else:

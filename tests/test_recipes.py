@@ -10,13 +10,14 @@ WRAPPERS = ["bps_optimizer", "bps_ddp"]
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("wrapper, overflow_step, zeroed_by", [(w, 2, "optimizer") for w in WRAPPERS] + [
     ("bps_optimizer_plain", 0, "optimizer"), ("bps_optimizer_plain", 2, "optimizer"), ("bps_optimizer", 1, "model"),
-    ("bps_optimizer_plain", 1, "model")])
+    ("bps_optimizer_plain", 1, "model"), ("bps_optimizer_plain", 1, "model_in_place")])
 def test_a_grad_scaler_overflow_on_one_worker_skips_the_step_on_every_worker(wrapper, overflow_step, zeroed_by):
     """bps_optimizer_plain: PyTorch's own AMP loop through DistributedOptimizer, without Horovod's
     synchronize (it left the workers' parameters apart, overflow or not: unscale_ wrote into
     gradients still being reduced); an overflow on the first step too. zeroed_by="model": the
     gradients of the skipped step are cleared by model.zero_grad(), which the optimizer does not see
-    (the next backward, and a batch size declared before it, were refused as a second pass before step())."""
+    (the next backward, and a batch size declared before it, were refused as a second pass before step());
+    model_in_place: zeroed in place, set_to_none=False (refused so until the zeros counted as cleared)."""
     results = ok(run_workers(2, "recipe_cases:grad_scaler_overflow_on_one_worker", wrapper, 4, overflow_step,
                              zeroed_by))
     for result in results:

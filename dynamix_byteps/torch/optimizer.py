@@ -133,12 +133,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ValueError: ``samples`` is not an integer >= 0.
             ConfigurationError: this step's gradients were already reduced, or started reducing,
                 during backward with the size known then; declare before ``loss.backward()``.
-            GradientReductionError: the backward pass that started this step's reduction raised
-                before its end; ``zero_grad()`` drops that round.
+            GradientReductionError: a backward pass of the step raised before its end, on this
+                worker or another; ``zero_grad()`` (or ``model.zero_grad()``) drops that step.
         """
         if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or not 0 <= samples <= MAX_BATCH:
             raise ValueError(f"set_local_batch_size needs an integer number of samples in [0, {MAX_BATCH}], got {samples!r}")
-        self._reducer.refuse_if_incomplete()
+        self._reducer.refuse_if_incomplete(starting=True)
         if self._reducer.reducing or (self._synchronized and not self._reducer.reduced_gradients_dropped()):
             raise ConfigurationError(
                 "set_local_batch_size() was called after this step's gradients had started reducing during "

@@ -212,7 +212,7 @@ class BucketReducer:
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _before_accumulation(self, grad_outputs) -> None:
-        self.refuse_if_incomplete()
+        self.refuse_if_incomplete(starting=True)
         if not self._in_backward:
             self._begin_backward()
 
@@ -285,6 +285,9 @@ class BucketReducer:
                 self.aggregator.close(self._round, self._round_description(), self._had_gradient)
             else:  # an earlier pass of the step, or the first step (no plan to launch from yet)
                 self._reduce_whole_round(failed=True)
+            # The collectives write into the gradients: done before the error reaches the loop,
+            # which may zero them in place (model.zero_grad(set_to_none=False)).
+            self.aggregator.drain(self._round)
         except Exception as exc:  # raised in a weak reference's callback, which would only print it
             self._failure += f", and sending the rest of its round failed ({type(exc).__name__}: {exc})"
 
@@ -310,19 +313,30 @@ class BucketReducer:
         if self._passes == self.passes_per_step:
             self._on_reduced(self.finish())
 
-    def refuse_if_incomplete(self) -> None:
+    def refuse_if_incomplete(self, starting: bool = False) -> None:
         """Raise ``GradientReductionError`` while this step's round is dropped: a backward pass raised
-        before its end, on this worker or another, and :meth:`discard` was not called since."""
-        if self._failure is not None:
-            raise self._dropped_step_error()
+        before its end, on this worker or another, and :meth:`discard` was not called since.
+        ``starting``: a backward pass or a batch size declaration is starting a new step there; for a
+        ``DistributedOptimizer`` the dropped step is then discarded, not refused, once every gradient
+        was cleared (``model.zero_grad()``), as its own ``zero_grad()`` would have."""
+        if self._failure is None:
+            return
+        if starting and self.kind == "DistributedOptimizer" and self._gradients_cleared():
+            self.discard()
+            return
+        raise self._dropped_step_error()
 
     def reduced_gradients_dropped(self) -> bool:
-        """Whether every gradient of the round reduced last was set to None since (``model.zero_grad()``
+        """Whether every gradient of the round reduced last was cleared since (``model.zero_grad()``
         after a step the script did not apply): no reduced mean is left for another pass to add to, and
         the next backward pass starts a new step, as after the optimizer's ``zero_grad()``."""
-        if self._round is not None or self._plan is None:
-            return False
-        return all(p.grad is None for p in self._plan.params)
+        return self._round is None and self._plan is not None and self._gradients_cleared()
+
+    def _gradients_cleared(self) -> bool:
+        """Whether every gradient is None or zeros (``model.zero_grad()``, ``set_to_none`` True or
+        False): nothing of an unapplied step is left for the next backward pass to add to. Called
+        only off the usual path (a step dropped or not applied): it reads every gradient."""
+        return all(p.grad is None or not p.grad.any() for _, p in self._parameters())
 
     @property
     def reducing(self) -> bool:
@@ -402,8 +416,9 @@ class BucketReducer:
             "or after loss.backward() returns, when it holds the reduced mean")
 
     def _dropped_step_error(self) -> GradientReductionError:
-        remedy = ("call optimizer.zero_grad() on every worker (each raises for this step) before the next backward, "
-                  "and go on with the next batch" if self.kind == "DistributedOptimizer" else
+        remedy = ("call optimizer.zero_grad() (or model.zero_grad()) on every worker (each raises for this step) "
+                  "before the next backward, and go on with the next batch; a worker whose loop let the error through "
+                  "has exited, and the next reduction fails with CommunicationError" if self.kind == "DistributedOptimizer" else
                   "as with PyTorch's DDP, training cannot go on after that: restart the job (from a checkpoint, e.g. "
                   "bpslaunch --restart-on-failure)")
         return GradientReductionError(f"{self._failure}, so no worker applies that step's gradients; {remedy}")
