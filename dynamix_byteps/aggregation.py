@@ -228,6 +228,7 @@ class Round:
     measure: bool = True
     position: SamplerPosition | None = None
     failed: bool = False
+    samplers_apart: bool = False  # set by finish: the round failed and its workers' sampler steps differ
     local_sq: torch.Tensor | float = 0.0  # |s_i g_i|² so far, on the buckets' device
     in_flight: list = field(default_factory=list)  # (bucket, handle, wire, ctx) in launch order
     trailer: tuple | None = None  # (tensor, handle) once closed
@@ -261,16 +262,29 @@ def _check_samplers(digests: np.ndarray, gather_settings: Callable[[], list[str]
         "or a random one; to shuffle a shard of its own on each worker, give num_replicas=1, rank=0")
 
 
-def _check_failures(samples: np.ndarray) -> None:
+def _check_failures(samples: np.ndarray, steps: np.ndarray) -> None:
     """Raise GradientReductionError when some workers sent :data:`FAILED` as their batch size
-    (``samples``: float64, one per rank): their gradients for the round are incomplete."""
+    (``samples``: float64, one per rank): their gradients for the round are incomplete. ``steps``:
+    int64, each rank's sampler step (:data:`UNSET`: none); the message says when they differ."""
     failed = np.flatnonzero(samples == FAILED).tolist()
     if not failed:
         return
     whose = (f"rank {failed[0]}'s backward pass raised before its end" if len(failed) == 1 else
              f"the backward passes of ranks {failed} raised before their end")
+    apart = ""
+    if _differ(steps):
+        listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
+        apart = (f", and before the step's last backward pass: its loop has not drawn all of the step's batches from "
+                 f"its DynamicBatchSampler ({listed}), so the workers' samplers stay a draw apart and every later "
+                 "step would raise TensorMismatchError")
     raise GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook), leaving the step's "
-                                 "gradients incomplete there")
+                                 f"gradients incomplete there{apart}")
+
+
+def _differ(values: np.ndarray) -> bool:
+    """Whether the known (not :data:`UNSET`) values differ."""
+    known = values[values != UNSET]
+    return bool(known.size) and not np.all(known == known[0])
 
 
 def _check_steps_begun(begun: np.ndarray) -> None:
@@ -329,11 +343,7 @@ def _check_sampler_ranks(sampler_ranks: np.ndarray) -> None:
 def _check_sampler_positions(steps: np.ndarray, epochs: np.ndarray) -> None:
     """Raise TensorMismatchError unless the workers that know the sampler step (epoch) of the
     round agree on it; :data:`UNSET` marks a worker that does not (no sampler feeds it)."""
-    def differ(values: np.ndarray) -> bool:
-        known = values[values != UNSET]
-        return bool(known.size) and not np.all(known == known[0])
-
-    if differ(epochs):
+    if _differ(epochs):
         listed = ", ".join(f"rank {rank}: " + (f"epoch {e} step {s}" if e != UNSET else f"step {s}")
                            for rank, (s, e) in enumerate(zip(steps, epochs)) if s != UNSET)
         raise TensorMismatchError(
@@ -341,12 +351,14 @@ def _check_sampler_positions(steps: np.ndarray, epochs: np.ndarray) -> None:
             "they draw from different permutations: some samples twice, others never. Call set_epoch with "
             "the same epoch at the same point on every worker (set_epoch(epoch), not set_epoch(epoch + rank)), "
             "or on none, and load a checkpoint on every worker, not only on rank 0")
-    if differ(steps):
+    if _differ(steps):
         listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
         raise TensorMismatchError(
             f"workers reduced different steps of their samplers in the same round ({listed}); every worker "
             "must train the same steps: load a checkpoint on every worker, not only on rank 0, and use "
-            "no_sync() (or backward passes) alike on every worker")
+            "no_sync() (or backward passes) alike on every worker. After a GradientReductionError for a backward "
+            "pass that raised before its step's last one (backward_passes_per_step > 1, or no_sync()), the failing "
+            "worker's loop skipped the rest of the step's batches: the job cannot go on, restart it from a checkpoint")
 
 
 class GradientAggregator:
@@ -497,7 +509,9 @@ class GradientAggregator:
         values = trailer.cpu().numpy()
         cells = self.engine.size * _COLUMNS
         table, step.counts = values[:cells].reshape(self.engine.size, _COLUMNS), values[cells:]
-        _check_failures(table[:, _SAMPLES])
+        steps = table[:, _STEP].astype(np.int64)
+        step.samplers_apart = _differ(steps)
+        _check_failures(table[:, _SAMPLES], steps)
         digests = table[:, _DIGEST]
         if not np.all(digests == digests[0]):
             texts = gather_text(self.engine, description)
@@ -510,7 +524,7 @@ class GradientAggregator:
         settings = "" if step.position is None else step.position.sampler.to_json()
         _check_samplers(table[:, _SAMPLER].astype(np.int64), lambda: gather_text(self.engine, settings))
         _check_sampler_ranks(sampler_ranks)
-        _check_sampler_positions(table[:, _STEP].astype(np.int64), table[:, _EPOCH].astype(np.int64))
+        _check_sampler_positions(steps, table[:, _EPOCH].astype(np.int64))
         _check_steps_begun(table[:, _BEGUN])
         sizes = table[:, _SAMPLES].astype(np.int64)
         total = global_batch(sizes)

@@ -582,6 +582,30 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     return out
 
 
+def backward_raising_before_the_last_pass_with_a_sampler() -> dict:
+    """A DynamicBatchSampler feeds 2 backward passes per step; rank 1's first pass of step 1 raises
+    and its loop goes on with the next step, so it never draws that step's second batch. Returns
+    each step's error on this rank (type, message)."""
+    x, y = _data(64, 1, 1)[0][0]
+    model = Branchy()
+    model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
+                                   backward_passes_per_step=2)
+    batches = iter(bps.DynamicBatchSampler(64, [3, 5], seed=1))
+    errors = {}
+    for step in range(3):
+        try:
+            opt.zero_grad()
+            for number in range(2):
+                indices = next(batches)
+                _FailOnce.armed = step == 1 and number == 0 and bps.rank() == 1
+                (torch.nn.functional.cross_entropy(model(x[indices]), y[indices]) / 2).backward()
+            opt.step()
+        except RuntimeError as exc:
+            errors[step] = [type(exc).__name__, str(exc)]
+    return errors
+
+
 def _raise_once_when_armed(param: torch.Tensor) -> None:
     """A user's post-accumulate-grad hook that raises once when armed."""
     if _raise_once_when_armed.armed:

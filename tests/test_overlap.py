@@ -220,6 +220,22 @@ def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(var
 
 
 @pytest.mark.timeout(150)
+def test_a_backward_that_raised_before_its_step_s_last_pass_with_a_sampler_says_the_job_cannot_go_on():
+    """The failing worker's loop skipped the step's second sampler draw, so every later step raises
+    TensorMismatchError; the messages said to zero the gradients and go on, then to load a
+    checkpoint on every worker or use no_sync() alike, none of which was the cause."""
+    healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_before_the_last_pass_with_a_sampler",
+                                      env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
+    assert failing["1"] == ["RuntimeError", "out of memory (simulated)"], failing
+    kind, said = healthy["1"]
+    assert kind == "GradientReductionError" and "the workers' samplers stay a draw apart" in said, said
+    assert "restart the job" in said and "go on with the next batch" not in said, said
+    for errors in (healthy, failing):
+        kind, said = errors["2"]
+        assert kind == "TensorMismatchError" and "skipped the rest of the step's batches" in said, said
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("variant", ["forward", "forward_zero_grad_last", "backward"])
 def test_a_step_skipped_on_one_worker_raises_on_every_worker_at_the_next_step(variant):
     """Without a sampler, a worker that skipped a step paired each later step with the others'

@@ -170,6 +170,7 @@ class BucketReducer:
         self._in_backward = False
         self._backward_alive: weakref.ref | None = None  # dies with the backward pass that began the round
         self._failure: str | None = None  # why this step's round is dropped (a backward pass raised), until discard()
+        self._failure_ends_the_job = False  # the dropped step left the workers' samplers apart
         self._launched_in_backward = False
         self._warned_create_graph = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
@@ -387,7 +388,7 @@ class BucketReducer:
         try:
             self.aggregator.finish(step, self._round_description())
         except GradientReductionError as exc:  # another worker's backward pass raised: no worker applies the step
-            self._failure = str(exc)
+            self._failure, self._failure_ends_the_job = str(exc), step.samplers_apart
             raise self._dropped_step_error() from None
 
     def _forget_missing_gradients(self, step: Round) -> None:
@@ -416,11 +417,13 @@ class BucketReducer:
             "or after loss.backward() returns, when it holds the reduced mean")
 
     def _dropped_step_error(self) -> GradientReductionError:
-        remedy = ("call optimizer.zero_grad() (or model.zero_grad()) on every worker (each raises for this step) "
-                  "before the next backward, and go on with the next batch; a worker whose loop let the error through "
-                  "has exited, and the next reduction fails with CommunicationError" if self.kind == "DistributedOptimizer" else
-                  "as with PyTorch's DDP, training cannot go on after that: restart the job (from a checkpoint, e.g. "
-                  "bpslaunch --restart-on-failure)")
+        if self.kind == "DistributedOptimizer" and not self._failure_ends_the_job:
+            remedy = ("call optimizer.zero_grad() (or model.zero_grad()) on every worker (each raises for this step) "
+                      "before the next backward, and go on with the next batch; a worker whose loop let the error "
+                      "through has exited, and the next reduction fails with CommunicationError")
+        else:
+            remedy = ("training cannot go on after that (as with PyTorch's DDP): restart the job (from a checkpoint, "
+                      "e.g. bpslaunch --restart-on-failure)")
         return GradientReductionError(f"{self._failure}, so no worker applies that step's gradients; {remedy}")
 
     def _notice_new_parameters(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -477,7 +480,7 @@ class BucketReducer:
             self.aggregator.drain(self._round)
         self._round, self._samples, self._passes = None, None, 0
         self._launching = self._in_backward = self._launched_in_backward = False
-        self._failure = None
+        self._failure, self._failure_ends_the_job = None, False
 
     def _move_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> bool:
         """Make ``param.grad`` its bucket ``view``, holding the round's scale times the gradient
