@@ -362,6 +362,19 @@ def left_behind(pids: list[int], marker: str) -> list[int]:
     return sorted(left)
 
 
+def run_script(script: str, *args: str, timeout: float, cwd: Path | None = None) -> tuple[int, bytes, bytes]:
+    """Run Python ``script`` with ``args`` in the launcher's environment; its exit code, stdout and
+    stderr. Whatever happens, what it started is killed and it is reaped (:func:`kill_tree`)."""
+    proc = None
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", script, *args], env=launcher_env(), cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    finally:
+        kill_tree(proc)
+
+
 def printed_pids(stdout: bytes) -> list[int]:
     """The pids of every complete ``[rank] pids A B C`` line."""
     return [int(pid) for line in PIDS_LINE.findall(stdout) for pid in line.split()]
@@ -473,16 +486,10 @@ own.wait()
 @linux_only
 @pytest.mark.timeout(60)
 def test_an_embedded_supervisor_stops_the_job_s_orphans_only_and_clears_the_subreaper_flag(marker):
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", EMBEDDED, marker], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=40)
-        assert proc.returncode == 0, err
-        assert b"code 0, own child running True, subreaper 0" in out, out + err
-        assert left_behind(printed_pids(out), marker) == []
-    finally:
-        kill_tree(proc)
+    code, out, err = run_script(EMBEDDED, marker, timeout=40)
+    assert code == 0, err
+    assert b"code 0, own child running True, subreaper 0" in out, out + err
+    assert left_behind(printed_pids(out), marker) == []
 
 
 def zombie_making_worker(code: int) -> list[str]:
@@ -532,16 +539,10 @@ if state != "gone":
 @pytest.mark.timeout(60)
 def test_an_embedded_supervisor_leaves_the_daemons_of_the_program_s_own_children_running(tmp_path, marker):
     # Before: the program adopted its helper's daemon during the job and stopped it as the job's orphan.
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_WITH_A_DAEMON, marker, str(tmp_path)],
-                                env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=40)
-        assert proc.returncode == 0, err
-        assert b"code 0, helper 0, daemon running True" in out, out + err
-        assert left_behind(printed_pids(out), marker) == []
-    finally:
-        kill_tree(proc)
+    code, out, err = run_script(EMBEDDED_WITH_A_DAEMON, marker, str(tmp_path), timeout=40)
+    assert code == 0, err
+    assert b"code 0, helper 0, daemon running True" in out, out + err
+    assert left_behind(printed_pids(out), marker) == []
 
 
 @linux_only
@@ -613,16 +614,10 @@ def test_a_signal_that_comes_as_the_launcher_sees_the_job_end_still_ends_the_cle
     # Before: the clean-up counted signals from its own start, so Ctrl-C in the moment between the
     # last worker's exit and that start was lost and the group's SIGTERM-proof child got the whole
     # grace period (a CI run: the launcher ignored SIGINT for over 30 s).
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AS_THE_JOB_ENDS, marker], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=50)
-        assert proc.returncode == 0, err
-        assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err  # well within the 60 s grace period
-        assert left_behind(printed_pids(out), marker) == []
-    finally:
-        kill_tree(proc)
+    code, out, err = run_script(SIGNAL_AS_THE_JOB_ENDS, marker, timeout=50)
+    assert code == 0, err
+    assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err  # well within the 60 s grace period
+    assert left_behind(printed_pids(out), marker) == []
 
 
 SIGNAL_AS_A_WORKER_FAILS = """
@@ -646,14 +641,8 @@ print(f"code {code}", flush=True)
 def test_one_signal_as_a_worker_fails_gives_the_others_the_grace_period(tmp_path):
     # Before (a breaker, on the first version of the signal count): the signal was answered as it came
     # (SIGTERM) and again on the next pass (SIGKILL): the worker that needs 1 s after SIGTERM was killed.
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_AS_A_WORKER_FAILS], env=launcher_env(), cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=60)
-        assert b"[0] clean exit" in out and b"code 3" in out, out + err
-    finally:
-        kill_tree(proc)
+    _, out, err = run_script(SIGNAL_AS_A_WORKER_FAILS, timeout=60, cwd=tmp_path)
+    assert b"[0] clean exit" in out and b"code 3" in out, out + err
 
 
 @linux_only
@@ -700,14 +689,8 @@ print(f"code {code} after {time.monotonic() - start:.0f} s", flush=True)
 @pytest.mark.timeout(90)
 def test_a_signal_while_the_services_stop_after_the_workers_succeeded_kills_them_now_and_keeps_code_0():
     # Before: it was taken for a first signal: forwarded, a new grace period (60 s here), exit 130.
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", SIGNAL_WHILE_A_SERVICE_STOPS], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=80)
-        assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err
-    finally:
-        kill_tree(proc)
+    _, out, err = run_script(SIGNAL_WHILE_A_SERVICE_STOPS, timeout=80)
+    assert re.search(rb"code 0 after ([0-9]|1[0-9]) s", out), out + err
 
 
 ORPHAN_SEEN_MID_EXEC = """
@@ -732,15 +715,9 @@ print(f"code {Supervisor([worker], grace_s=2).run()}", flush=True)
 def test_an_orphan_whose_environment_reads_empty_at_first_is_still_the_job_s(marker):
     # Before: an orphan caught in the middle of an exec (setsid, then sleep), whose /proc/PID/environ reads
     # empty then, was taken for another program's process for good and outlived the job (a fresh-clone run).
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SEEN_MID_EXEC, marker], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=40)
-        assert b"code 0" in out, out + err
-        assert left_behind(printed_pids(out), marker) == []
-    finally:
-        kill_tree(proc)
+    _, out, err = run_script(ORPHAN_SEEN_MID_EXEC, marker, timeout=40)
+    assert b"code 0" in out, out + err
+    assert left_behind(printed_pids(out), marker) == []
 
 
 ORPHAN_SEEN_EXITING = """
@@ -773,15 +750,9 @@ def test_an_orphan_seen_while_it_exits_is_reaped(marker):
     # Before (a CI run): an orphan SIGKILLed by the clean-up and seen between its exit and its becoming a
     # zombie, whose /proc/PID/environ then answers ESRCH (Linux 6.x), was taken for another program's
     # process: the clean-up ended without reaping it, and it stayed a zombie under PID 1.
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SEEN_EXITING, marker], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=40)
-        assert proc.returncode == 0, err
-        assert out.strip().endswith(b"reaped"), out + err
-    finally:
-        kill_tree(proc)
+    code, out, err = run_script(ORPHAN_SEEN_EXITING, marker, timeout=40)
+    assert code == 0, err
+    assert out.strip().endswith(b"reaped"), out + err
 
 
 UNKILLABLE_ORPHAN = """
@@ -804,16 +775,10 @@ stuck.wait()
 @pytest.mark.timeout(60)
 def test_an_orphan_that_survives_sigkill_is_named_and_given_up_on(tmp_path, marker):
     # Before: the clean-up loop waited for it forever.
-    proc = None
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", UNKILLABLE_ORPHAN, marker], env=launcher_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        out, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err
-        pid = re.search(rb"stuck (\d+):", out).group(1)
-        assert b"still run 0.5 s after SIGKILL" in out and pid + b" sleep 316." in out, out
-    finally:
-        kill_tree(proc)
+    code, out, err = run_script(UNKILLABLE_ORPHAN, marker, timeout=30)
+    assert code == 0, err
+    pid = re.search(rb"stuck (\d+):", out).group(1)
+    assert b"still run 0.5 s after SIGKILL" in out and pid + b" sleep 316." in out, out
 
 
 TRACER = """
