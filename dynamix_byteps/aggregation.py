@@ -290,7 +290,7 @@ def _differ(values: np.ndarray) -> bool:
 def _check_steps_begun(begun: np.ndarray) -> None:
     """Raise TensorMismatchError unless every worker began as many steps of its training loop
     (``begun``: float64, each rank's :attr:`GradientAggregator.steps_begun` when it closed the round)."""
-    if np.all(begun == begun[0]):
+    if not _differ(begun):
         return
     listed = ", ".join(f"rank {rank}: {int(count)}" for rank, count in enumerate(begun))
     raise TensorMismatchError(
