@@ -122,13 +122,25 @@ def _host_port_problem(text: str) -> str | None:
         return f"port {int(port)} is outside 1..{MAX_PORT}"
     if not host:
         return "no host before the port"
+    return host_problem(host)
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a host name, an IPv4 address or an IPv6 address in brackets (``[::1]``); None when
+    it is."""
     if host.startswith("[") and host.endswith("]"):
         return None if ip_version(host[1:-1]) == 6 else f"{host} is not an IPv6 address in brackets"
     if ip_version(host) == 6:
         return "an IPv6 address goes in brackets"
-    if any(c.isspace() or c in ":[]" for c in host):
+    if not is_host_name(host):
         return f"{host!r} is not a host name"
     return None
+
+
+def is_host_name(text: str) -> bool:
+    """Whether ``text`` may be a host name or an IPv4 address: not empty, and nothing a URL's host cannot hold
+    (a resolver refuses the rest)."""
+    return bool(text) and not any(c.isspace() or c in ":[]/@?#" for c in text)
 
 
 def ip_version(text: str) -> int | None:

@@ -50,7 +50,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from dynamix_byteps.argtypes import MAX_PORT, dial_address, ip_version
+from dynamix_byteps.argtypes import MAX_PORT, dial_address, host_problem, ip_version, is_host_name
 from dynamix_byteps.errors import ConfigurationError
 
 ENGINES = ("gloo", "nccl", "byteps", "ps", "auto")
@@ -250,7 +250,7 @@ def _rendezvous_host(env: Mapping[str, str], name: str, port_name: str, launcher
     raw = env[name]
     host = raw.strip()
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if ip_version(bare) == 6 or _is_host_name(host):
+    if ip_version(bare) == 6 or is_host_name(host):
         return bare
     if not host:
         problem = f"is blank, but {launcher} reads the host of rank 0 from it: set it to that host's name or IP address"
@@ -263,20 +263,12 @@ def _rendezvous_host(env: Mapping[str, str], name: str, port_name: str, launcher
 
 
 def _host_and_port(text: str) -> tuple[str, str] | None:
-    """``(host, port)`` of ``HOST:PORT`` (``HOST`` a name, an IPv4 address or ``[IPv6]``, returned bare); None
-    when ``text`` is not of that form."""
+    """``(host, port)`` of ``HOST:PORT`` (``HOST`` a name, an IPv4 address or ``[IPv6]``, returned bare; ``PORT``
+    digits); None when ``text`` is not of that form."""
     host, _, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]") and ip_version(host[1:-1]) == 6:
-        host = host[1:-1]
-    elif not _is_host_name(host):
+    if host_problem(host) is not None or not (port.isascii() and port.isdigit()):
         return None
-    return (host, port) if port.isascii() and port.isdigit() else None
-
-
-def _is_host_name(text: str) -> bool:
-    """Whether ``text`` may be a host name or an IPv4 address: not empty, and nothing a URL's host cannot hold
-    (a resolver refuses the rest)."""
-    return bool(text) and not any(c.isspace() or c in ":[]/@?#" for c in text)
+    return host.strip("[]"), port
 
 
 def _require(env: Mapping[str, str], launcher: str, rank_variables: tuple[str, ...],

@@ -77,6 +77,8 @@ def test_bad_variables_are_named(variables, named):
     ("[h0]:50051", "[h0] is not an IPv6 address in brackets"),
     ("h 0:50051", "'h 0' is not a host name"),
     ("x:h0:50051", "'x:h0' is not a host name"),
+    ("h0/x:50051", "'h0/x' is not a host name"),  # were kept: the rendezvous hosts refused / @ ? # already
+    ("user@h0:50051", "'user@h0' is not a host name"),
     # gRPC targets: the scheduler listens on TCP, at one address
     ("unix:/tmp/scheduler.sock", "a unix: target; the scheduler listens on TCP only"),
     ("dns:///h0", "no :PORT at its end"),
