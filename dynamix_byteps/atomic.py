@@ -19,12 +19,16 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 __all__ = ["atomic_write", "write_atomic"]
+
+STALE_TEMPORARY_AGE_S = 600.0  # seconds unmodified before a dead writer's temporary is removed
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -48,8 +52,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
     Guarantees: on a clean exit the whole new content is at ``path`` (flushed; fsynced when
     ``durable``). On any exception in the block (``BaseException``, so ``KeyboardInterrupt``
     too) or while writing, the temporary file is removed, ``path`` is left as it was and the
-    exception propagates. A process killed mid-write leaves ``path`` intact and at most one
-    ``.<name>.<pid>.<random>.tmp`` beside it.
+    exception propagates. A process killed mid-write leaves ``path`` intact and its
+    ``.<name>.<pid>.<random>.tmp`` beside it; the next write to ``path`` that succeeds removes
+    such temporaries once their process is gone and they have been left alone for
+    :data:`STALE_TEMPORARY_AGE_S` (a writer in another pid namespace, another container on a
+    shared volume, may still be writing a fresh one).
 
     Raises:
         ValueError: ``mode`` is not ``"w"`` or ``"wb"``.
@@ -89,6 +96,32 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, durable: bool = T
         raise
     if durable:
         _fsync_directory(target.parent)
+    _remove_stale_temporaries(target)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Remove the temporaries of ``target`` whose writer was killed mid-write (each as large as a
+    checkpoint, one per interrupted save); a directory that cannot be listed keeps them."""
+    # A pid has at most 7 digits (pid_max <= 2**22).
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d{{1,7}})\.[0-9a-f]{{8}}\.tmp")
+    oldest = time.time() - STALE_TEMPORARY_AGE_S
+    with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match and not _process_exists(int(match[1])):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < oldest:
+                        os.unlink(entry.path)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str, *, durable: bool = True) -> None:

@@ -1,7 +1,11 @@
 """dynamix_byteps.atomic: whole replacement, nothing left behind on failure, umask permissions."""
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -82,3 +86,36 @@ def test_a_directory_that_refuses_new_files_is_reported_under_the_callers_name(t
     with pytest.raises(OSError) as error:
         write_atomic("/proc/x.json", "{}")
     assert error.value.filename == "/proc/x.json" and "cannot create a file in /proc" in str(error.value)
+
+
+
+def _temporary(directory, name: str, pid: int, age_s: float) -> str:
+    """An atomic_write temporary of ``name`` as ``pid`` would name it, last written ``age_s`` ago."""
+    path = directory / f".{name}.{pid}.{os.urandom(4).hex()}.tmp"
+    path.write_bytes(b"half a file")
+    past = time.time() - age_s
+    os.utime(path, (past, past))
+    return path.name
+
+
+def test_a_write_removes_what_writers_killed_mid_write_long_ago_left_and_nothing_else(tmp_path):
+    """A worker killed while saving (bpslaunch stopped by SIGTERM, the OOM killer, SIGKILL after
+    the grace period) left a hidden temporary as large as the checkpoint at every interruption,
+    which nothing removed."""
+    path = tmp_path / "ckpt.pt"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal\n"
+        "from dynamix_byteps.atomic import atomic_write\n"
+        f"with atomic_write({str(path)!r}) as f:\n"
+        "    f.write(b'half of a checkpoint'); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n")])
+    assert writer.wait(timeout=60) == -signal.SIGKILL
+    (left,) = os.listdir(tmp_path)
+    os.utime(tmp_path / left, (time.time() - 3600, time.time() - 3600))
+    kept = {
+        _temporary(tmp_path, "ckpt.pt", writer.pid, age_s=60),  # a writer in another pid namespace may be at it
+        _temporary(tmp_path, "ckpt.pt", os.getpid(), age_s=3600),  # its writer lives
+        _temporary(tmp_path, "other.pt", writer.pid, age_s=3600),  # another file's
+    }
+    write_atomic(path, b"whole")
+    assert path.read_bytes() == b"whole"
+    assert set(os.listdir(tmp_path)) == kept | {"ckpt.pt"}
