@@ -29,7 +29,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.reduce_ops import Average, check_gradient_op, check_gradient_predivide_factor
 from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.torch.compression import Compression, Compressor
-from dynamix_byteps.torch.reducer import BucketReducer
+from dynamix_byteps.torch.reducer import OPTIMIZER_OWNER, BucketReducer
 from dynamix_byteps.training_step import TrainingStep
 
 
@@ -56,8 +56,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False
         self._reducer = BucketReducer(
             self._aggregator, self._gradient_params, f"compression={compression.name}", self._take_samples,
-            lambda: self._step_path.trained_position, self._reduced, "DistributedOptimizer",
-            int(backward_passes_per_step), passes_end_at_step=True)
+            lambda: self._step_path.trained_position, self._reduced, OPTIMIZER_OWNER, int(backward_passes_per_step))
 
     # The step's statistics, kept by the shared aggregator.
     gradient_noise = property(lambda self: self._aggregator.gradient_noise,

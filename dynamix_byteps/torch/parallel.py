@@ -27,7 +27,7 @@ from dynamix_byteps.aggregation import UNSET, GradientAggregator
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
-from dynamix_byteps.torch.reducer import BucketReducer
+from dynamix_byteps.torch.reducer import DATA_PARALLEL_OWNER, BucketReducer
 from dynamix_byteps.training_step import TrainingStep
 
 
@@ -189,7 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
                                       self._take_samples, lambda: self._step_path.trained_position,
-                                      self._backward_ended, "DistributedDataParallel")
+                                      self._backward_ended, DATA_PARALLEL_OWNER)
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 

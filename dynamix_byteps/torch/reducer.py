@@ -49,9 +49,33 @@ from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
 
 # Parameter attribute holding (hook handle, weak reference to its reducer): a new reducer of the
-# same kind over the same model removes the old one's, which would otherwise count (and refuse)
+# same owner over the same model removes the old one's, which would otherwise count (and refuse)
 # the new passes.
 _HOOK_ATTR = "_dynamix_reducer_hook"
+
+
+@dataclass(frozen=True)
+class ReducerOwner:
+    """What a :class:`BucketReducer`'s owner means by a step.
+
+    Attributes:
+        name: the owner's class name, for messages.
+        passes_end_at_step: True: backward passes count until the owner's step calls :meth:`BucketReducer.end_step`,
+            so one more than ``passes_per_step`` before it raises, as with Horovod; False: each finished round
+            starts a new count, as PyTorch's DDP reduces every backward pass.
+        zero_grad_drops_a_failed_step: True: after a backward pass raised on some worker, clearing every gradient
+            (``zero_grad()``) drops that step on every worker and training goes on; False: training cannot go on
+            (as with PyTorch's DDP).
+    """
+
+    name: str
+    passes_end_at_step: bool
+    zero_grad_drops_a_failed_step: bool
+
+
+OPTIMIZER_OWNER = ReducerOwner("DistributedOptimizer", passes_end_at_step=True, zero_grad_drops_a_failed_step=True)
+DATA_PARALLEL_OWNER = ReducerOwner("DistributedDataParallel", passes_end_at_step=False,
+                                   zero_grad_drops_a_failed_step=False)
 
 
 @dataclass
@@ -134,12 +158,8 @@ class BucketReducer:
             round trains (None without a sampler), checked to be the same on every worker.
         on_reduced: called with the step's local batch size once a round finished at the end of
             its last backward pass.
-        kind: the owner's class name, ``DistributedOptimizer`` or ``DistributedDataParallel``, for messages.
+        owner: what the owner means by a step: :data:`OPTIMIZER_OWNER` or :data:`DATA_PARALLEL_OWNER`.
         passes_per_step: backward passes accumulated before a reduction (``backward_passes_per_step``).
-        passes_end_at_step: True (``DistributedOptimizer``): backward passes count until the owner's
-            step calls :meth:`end_step`, so one more than ``passes_per_step`` before it raises, as
-            with Horovod; False (``DistributedDataParallel``): each finished round starts a new
-            count, as PyTorch's DDP reduces every backward pass.
 
     Attributes:
         sync: whether the next backward pass reduces (``DistributedDataParallel.no_sync`` clears it).
@@ -147,17 +167,15 @@ class BucketReducer:
 
     def __init__(self, aggregator: GradientAggregator, parameters: Callable[[], list], settings: str,
                  step_samples: Callable[[], int], trained_position: Callable[[], SamplerPosition | None],
-                 on_reduced: Callable[[int], None], kind: str, passes_per_step: int = 1,
-                 passes_end_at_step: bool = False):
+                 on_reduced: Callable[[int], None], owner: ReducerOwner, passes_per_step: int = 1):
         self.aggregator = aggregator
         self._parameters = parameters
         self._settings = settings
         self._step_samples = step_samples
         self._trained_position = trained_position
         self.passes_per_step = passes_per_step
-        self._passes_end_at_step = passes_end_at_step
         self._on_reduced = on_reduced
-        self.kind = kind
+        self.owner = owner
         self.sync = True
         self._plan: _Plan | None = None
         self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
@@ -182,7 +200,7 @@ class BucketReducer:
                 previous = getattr(p, _HOOK_ATTR, None)
                 if previous is not None:  # an earlier reducer over this model
                     handles, reducer = previous
-                    self._refuse_a_second_kind(reducer())
+                    self._refuse_a_second_owner(reducer())
                     for handle in handles:
                         handle.remove()
                 # The accumulator is held: a parameter keeps only a weak reference to it. Its
@@ -205,11 +223,11 @@ class BucketReducer:
         except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
             return False
 
-    def _refuse_a_second_kind(self, other: BucketReducer | None) -> None:
-        if other is not None and other is not self and other.kind != self.kind:
+    def _refuse_a_second_owner(self, other: BucketReducer | None) -> None:
+        if other is not None and other is not self and other.owner != self.owner:
             raise ConfigurationError(
-                f"this model's gradients are already reduced by a live {other.kind}; wrapping it in a "
-                f"{self.kind} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
+                f"this model's gradients are already reduced by a live {other.owner.name}; wrapping it in a "
+                f"{self.owner.name} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _before_accumulation(self, grad_outputs) -> None:
@@ -317,12 +335,13 @@ class BucketReducer:
     def refuse_if_incomplete(self, starting: bool = False) -> None:
         """Raise ``GradientReductionError`` while this step's round is dropped: a backward pass raised
         before its end, on this worker or another, and :meth:`discard` was not called since.
-        ``starting``: a backward pass or a batch size declaration is starting a new step there; for a
-        ``DistributedOptimizer`` the dropped step is then discarded, not refused, once every gradient
-        was cleared (``model.zero_grad()``), as its own ``zero_grad()`` would have."""
+        ``starting``: a backward pass or a batch size declaration is starting a new step there; where
+        the owner's ``zero_grad_drops_a_failed_step`` (``DistributedOptimizer``) the dropped step is then
+        discarded, not refused, once every gradient was cleared (``model.zero_grad()``), as its own
+        ``zero_grad()`` would have."""
         if self._failure is None:
             return
-        if starting and self.kind == "DistributedOptimizer" and self._gradients_cleared():
+        if starting and self.owner.zero_grad_drops_a_failed_step and self._gradients_cleared():
             self.discard()
             return
         raise self._dropped_step_error()
@@ -379,7 +398,7 @@ class BucketReducer:
                 self.aggregator.finish(step, self._round_description())
         finally:
             self._round, self._samples = None, None
-            self._passes = self._passes if self._passes_end_at_step else 0
+            self._passes = self._passes if self.owner.passes_end_at_step else 0
             self._launched_in_backward = False
         self._forget_missing_gradients(step)
         return step.samples
@@ -417,7 +436,7 @@ class BucketReducer:
             "or after loss.backward() returns, when it holds the reduced mean")
 
     def _dropped_step_error(self) -> GradientReductionError:
-        if self.kind == "DistributedOptimizer" and not self._failure_ends_the_job:
+        if self.owner.zero_grad_drops_a_failed_step and not self._failure_ends_the_job:
             remedy = ("call optimizer.zero_grad() (or model.zero_grad()) on every worker (each raises for this step) "
                       "before the next backward, and go on with the next batch; a worker whose loop let the error "
                       "through has exited, and the next reduction fails with CommunicationError")
