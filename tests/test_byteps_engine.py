@@ -8,10 +8,10 @@ only here). They check the engine's contract with BytePS: in-place push_pull wit
 """
 
 import sys
-import types
 
 import pytest
 import torch
+from byteps_stand_in import RecordingBytePSFrontend
 
 import dynamix_byteps.torch as bps
 from dynamix_byteps import engine, timing
@@ -19,29 +19,12 @@ from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import EngineUnavailableError
 
 
-class RecordingBytePS(types.ModuleType):
-    """One worker of a 1-worker job: push_pull completes after two polls."""
+class RecordingBytePS(RecordingBytePSFrontend):
+    """``byteps.torch``: push_pull completes after two polls."""
 
     def __init__(self):
-        super().__init__("byteps.torch")
-        self.calls = []
+        super().__init__("torch")
         self._polls = {}
-
-    def init(self):
-        self.calls.append(("init",))
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
-
-    def rank(self):
-        return 0
-
-    local_rank = rank
-
-    def size(self):
-        return 1
-
-    local_size = size
 
     def declare(self, name):
         self.calls.append(("declare", name))
@@ -66,10 +49,7 @@ class RecordingBytePS(types.ModuleType):
 @pytest.fixture
 def fake_byteps(monkeypatch):
     fake = RecordingBytePS()
-    package = types.ModuleType("byteps")
-    package.torch = fake
-    monkeypatch.setitem(sys.modules, "byteps", package)
-    monkeypatch.setitem(sys.modules, "byteps.torch", fake)
+    fake.install(monkeypatch)
     engine.start(WorkerEnv(engine="byteps"))
     try:
         yield fake

@@ -9,7 +9,6 @@ comes back into the engine's buffer, and a missing BytePS names the fix.
 
 import re
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ except RuntimeError:  # another test already started TensorFlow's runtime in thi
     pass
 
 import keras
+from byteps_stand_in import RecordingBytePSFrontend
 
 import dynamix_byteps.tensorflow as bps
 from dynamix_byteps.engine.byteps_tensorflow import op_name
@@ -30,28 +30,11 @@ from dynamix_byteps.errors import EngineUnavailableError
 OP_NAME = re.compile(r"[A-Za-z0-9.][A-Za-z0-9_.\-/]*")
 
 
-class RecordingBytePSTensorFlow(types.ModuleType):
-    """One worker of a 1-worker job: ``_push_pull`` returns the sum over that one worker."""
+class RecordingBytePSTensorFlow(RecordingBytePSFrontend):
+    """``byteps.tensorflow``: ``_push_pull`` returns the sum over the one worker."""
 
     def __init__(self):
-        super().__init__("byteps.tensorflow")
-        self.calls = []
-
-    def init(self):
-        self.calls.append(("init",))
-
-    def shutdown(self):
-        self.calls.append(("shutdown",))
-
-    def rank(self):
-        return 0
-
-    local_rank = rank
-
-    def size(self):
-        return 1
-
-    local_size = size
+        super().__init__("tensorflow")
 
     def _push_pull(self, tensor, scope="", name=None):
         if not tf.executing_eagerly():
@@ -63,10 +46,7 @@ class RecordingBytePSTensorFlow(types.ModuleType):
 @pytest.fixture
 def fake_byteps(monkeypatch):
     fake = RecordingBytePSTensorFlow()
-    package = types.ModuleType("byteps")
-    package.tensorflow = fake
-    monkeypatch.setitem(sys.modules, "byteps", package)
-    monkeypatch.setitem(sys.modules, "byteps.tensorflow", fake)
+    fake.install(monkeypatch)
     monkeypatch.setenv("DYNAMIX_ENGINE", "byteps")
     bps.init()
     try:
