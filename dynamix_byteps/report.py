@@ -92,6 +92,18 @@ class RunData:
     end: float = 0.0
     decisions: Decisions | None = None
 
+    @property
+    def size(self) -> int:
+        """The job's workers as far as the run shows them: its highest rank with scalars + 1, or
+        the decisions' worker count when larger."""
+        seen = [rank + 1 for rank in self.workers] + ([self.decisions.batch.shape[1]] if self.decisions else [])
+        return max(seen, default=0)
+
+    @property
+    def missing_workers(self) -> list[int]:
+        """Ranks of the job (:attr:`size`) without a ``batch_size`` series."""
+        return [rank for rank in range(self.size) if "batch_size" not in self.workers.get(rank, {})]
+
 
 def _event_accumulator():
     """tensorboard's event reader. tensorboard imports TensorFlow (seconds, and log noise) when it
@@ -176,6 +188,11 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
             data.workers[int(name[len(WORKER_RUN_PREFIX):])] = series
     data.workers = dict(sorted(data.workers.items()))
     data.decisions = load_decisions(run_dir, start)
+    if missing := data.missing_workers:
+        log.warning("%s: no batch sizes of worker %s (of %d workers; a multi-host run keeps each host's scalars in "
+                    "its own --log-dir unless that folder is shared: copy their tensorboard/worker-<rank> folders "
+                    "here); the report leaves them out and draws no reported global batch", run_dir,
+                    ", ".join(map(str, missing)), data.size)
     return data
 
 
@@ -333,10 +350,11 @@ def _mark_decisions(ax, decisions: Decisions | None) -> None:
 
 def global_batch_reported(data: RunData) -> Series | None:
     """Sum over workers of the reported mean local batch at the report steps every worker has
-    (``wall``: the latest worker's time of that step); None without any ``batch_size`` scalar."""
-    series = [s["batch_size"] for s in data.workers.values() if "batch_size" in s]
-    if not series:
+    (``wall``: the latest worker's time of that step); None when a worker has no ``batch_size``
+    scalar (:attr:`RunData.missing_workers`): the others' sum is not the global batch."""
+    if not data.workers or data.missing_workers:
         return None
+    series = [s["batch_size"] for s in data.workers.values()]
     steps = series[0].step
     for s in series[1:]:
         steps = np.intersect1d(steps, s.step)

@@ -129,6 +129,28 @@ def test_a_damaged_event_file_is_left_out_with_a_warning_naming_it(tmp_path, cap
     assert "no readable TensorBoard event in worker-1" in caplog.text
 
 
+
+@pytest.mark.parametrize("ranks, decided_workers", [((0,), 2), ((0, 2), None)], ids=["decisions", "rank_gap"])
+def test_a_worker_without_scalars_is_named_and_no_partial_sum_is_drawn_as_the_global_batch(
+        tmp_path, caplog, ranks, decided_workers):
+    """A multi-host run whose --log-dir is not shared holds only its host's workers: the report
+    showed them alone, without a word, and drew their sum as the job's global batch."""
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    for rank in ranks:
+        writer = ScalarWriter(tmp_path / "tensorboard" / f"worker-{rank}")
+        writer.open()
+        writer.add({"batch_size": 64.0}, step=10)
+        writer.close()
+    if decided_workers:
+        (tmp_path / "decisions.jsonl").write_text(DecisionRecord(
+            time=1e9, decision=1, step=10, batch_sizes=[64] * decided_workers).to_json() + "\n")
+    with caplog.at_level("WARNING", logger="dynamix_byteps.report"):
+        data = load_run(tmp_path)
+    assert f"no batch sizes of worker 1 (of {decided_workers or 3} workers" in caplog.text and "--log-dir" in caplog.text
+    lines = {line.get_label() for line in batch_figure(data).axes[1].lines}
+    assert "reported (sum of the workers' means)" not in lines
+
 def test_a_run_whose_every_worker_file_is_unreadable_names_them(tmp_path):
     from dynamix_byteps.tensorboard_scalars import ScalarWriter
 
