@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,6 +93,17 @@ def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     env.update(extra)
     return env
+
+
+def wait_until(predicate, timeout: float = 30.0, step: float = 0.05):
+    """Call ``predicate`` every ``step`` seconds until it returns a true value or ``timeout`` seconds
+    passed; returns its last value (false when the time ran out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(step)
+    return predicate()
 
 
 def kill_tree(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:

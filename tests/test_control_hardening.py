@@ -18,6 +18,7 @@ import urllib.request
 
 import grpc
 import pytest
+from conftest import wait_until
 from test_scheduler import TOKEN, K, ScriptedPolicy, code_of, decisions, info, register_all, report, running, stub_for
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
@@ -235,23 +236,17 @@ def test_a_worker_refused_by_another_registration_of_its_rank_registers_again():
         client = SchedulerClient(f"127.0.0.1:{server.port}", None, lambda: info(0, world=1))
         try:
             client.submit(report(0, K))
-            _wait_for(lambda: server.cluster.last_step.get(0) == K)
+            assert wait_until(lambda: server.cluster.last_step.get(0) == K, 10)
             clock.now += LIVE_RANK_S + 1  # the worker was silent: another client takes its rank
             stub.Register(info(0, world=1, lo=100, batch=100, host="10.9.9.9"), metadata=md)
             client.submit(report(0, 2 * K))  # refused: 32 is outside [100, 128]
-            _wait_for(lambda: client._failing)
+            assert wait_until(lambda: client._failing, 10)
             clock.now += LIVE_RANK_S + 1
             client.submit(report(0, 3 * K))  # registers again, then reports
-            _wait_for(lambda: server.cluster.workers[0].host == "127.0.0.1" and server.cluster.last_step.get(0) == 3 * K)
+            assert wait_until(lambda: server.cluster.workers[0].host == "127.0.0.1"
+                              and server.cluster.last_step.get(0) == 3 * K, 10)
         finally:
             client.close()
-
-
-def _wait_for(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 # ---- 12: /metrics needs the token ------------------------------------------------------------
@@ -301,7 +296,7 @@ def test_calls_dropped_after_queueing_past_their_deadline_are_logged(caplog):
         dropped = [stub.Register.future(info(1), metadata=md, timeout=0.3) for _ in range(5)]
         codes = {f.exception().code() for f in dropped}
         assert deciding.result().batch_sizes
-        _wait_for(lambda: server.queue_watch.slow_calls == 5)
+        assert wait_until(lambda: server.queue_watch.slow_calls == 5, 10)
     assert codes == {grpc.StatusCode.DEADLINE_EXCEEDED}
     first, at_stop = [r.getMessage() for r in caplog.records if "handler threads" in r.getMessage()]
     assert first.startswith("1 call(s) waited up to ") and "1 of them dropped unanswered" in first

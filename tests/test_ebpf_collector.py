@@ -13,9 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
+from conftest import wait_until
 from tcp_peers import (
     Peer,
     connect_peers,
@@ -36,15 +36,6 @@ def collector():
     c = ebpf_collector_or_skip()
     yield c
     c.close()
-
-
-def wait_for(pred, timeout: float = 10.0, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (v := pred()):
-            return v
-        time.sleep(step)
-    return pred()
 
 
 @pytest.mark.timeout(60)
@@ -77,7 +68,7 @@ def test_loopback_bytes_rtt_and_close(collector):
 
         assert client.cmd("close") == ["closed"]
         assert server.cmd("close") == ["closed"]
-        assert wait_for(lambda: not conn_entries()), f"closed sockets still in the map: {conn_entries()}"
+        assert wait_until(lambda: not conn_entries(), 10), f"closed sockets still in the map: {conn_entries()}"
 
         after = collector.sample({client.pid, server.pid})
         c, s = after[client.pid], after[server.pid]

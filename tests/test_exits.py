@@ -13,12 +13,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from conftest import clean_env, kill_tree
+from conftest import clean_env, kill_tree, wait_until
 
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name, remove_job_mailboxes
 from dynamix_byteps.launcher.config import LaunchConfig
@@ -28,15 +27,6 @@ MAILBOX_WORKER = str(REPO / "tests" / "scripts" / "mailbox_worker.py")
 LAUNCH = [sys.executable, "-m", "dynamix_byteps.launcher"]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs Linux POSIX shared memory in /dev/shm")
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # ---- item 13: mailboxes ---------------------------------------------------------------------------
@@ -59,7 +49,7 @@ def test_the_launcher_removes_its_jobs_mailboxes_however_the_job_ends(tmp_path, 
     try:
         proc = subprocess.Popen(LAUNCH + args, env=clean_env(), stdout=subprocess.DEVNULL,
                                 stderr=open(tmp_path / "launcher.err", "wb"))
-        assert wait_for(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
+        assert wait_until(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
         job = (tmp_path / "0.job").read_text()
         assert job_mailboxes(job) or ending == "normal_exit"
         if ending in ("sigterm", "sigint"):
@@ -81,12 +71,12 @@ def test_a_sigkilled_launchers_guardian_removes_the_jobs_mailboxes(tmp_path):
     job, proc = None, None
     try:
         proc = subprocess.Popen(LAUNCH + args, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        assert wait_for(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
+        assert wait_until(lambda: len(list(tmp_path.glob("*.job"))) == 2 or proc.poll() is not None, 90), "no worker started"
         job = (tmp_path / "0.job").read_text()
         assert len(job_mailboxes(job)) == 2
         proc.kill()
         proc.wait(timeout=20)
-        assert wait_for(lambda: not job_mailboxes(job), 30), f"left in /dev/shm: {job_mailboxes(job)}"
+        assert wait_until(lambda: not job_mailboxes(job), 30), f"left in /dev/shm: {job_mailboxes(job)}"
     finally:
         kill_tree(proc)
         if job is not None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import clean_env, kill_tree
+from conftest import clean_env, kill_tree, wait_until
 from multiworker import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,15 +58,6 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def wait_until(predicate, timeout: float = 30.0, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return predicate()
 
 
 def read_pids(directory: Path, count: int, timeout: float = 30.0) -> list[int]:

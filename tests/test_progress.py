@@ -6,29 +6,21 @@ import os
 import pty
 import sys
 import threading
-import time
 import tty
 
 import pytest
-from conftest import OBSERVED_WORKER, run_bpslaunch
+from conftest import OBSERVED_WORKER, run_bpslaunch, wait_until
 
 from dynamix_byteps.progress import ConsoleProgress
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_the_bar_follows_the_progress_file_epoch_by_epoch(tmp_path):
     path, stream = tmp_path / "progress.json", io.StringIO()
     with ConsoleProgress(path, stream=stream, poll_s=0.02):
         path.write_text(json.dumps({"step": 812, "epoch": 2, "samples": 27000, "dataset_size": 60000}))
-        wait_for(lambda: "27.0k/60.0k" in stream.getvalue())
+        assert wait_until(lambda: "27.0k/60.0k" in stream.getvalue(), 20), stream.getvalue()
         path.write_text(json.dumps({"step": 900, "epoch": 3, "samples": 600, "dataset_size": 60000}))
-        wait_for(lambda: "epoch 4" in stream.getvalue())
+        assert wait_until(lambda: "epoch 4" in stream.getvalue(), 20), stream.getvalue()
     text = stream.getvalue()
     assert "epoch 3:  45%" in text  # sampler epoch 2 is the third and "step 812" in text
     assert not path.exists(), "the progress file outlives the job"
@@ -38,7 +30,7 @@ def test_without_a_sampler_the_bar_counts_steps(tmp_path):
     path, stream = tmp_path / "progress.json", io.StringIO()
     with ConsoleProgress(path, stream=stream, poll_s=0.02):
         path.write_text(json.dumps({"step": 42, "epoch": None, "samples": None, "dataset_size": None}))
-        wait_for(lambda: "42step" in stream.getvalue().replace(" ", ""))
+        assert wait_until(lambda: "42step" in stream.getvalue().replace(" ", ""), 20), stream.getvalue()
 
 
 @pytest.mark.timeout(200)

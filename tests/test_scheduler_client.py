@@ -11,7 +11,7 @@ from concurrent import futures
 
 import grpc
 import pytest
-from conftest import has_ipv6_loopback
+from conftest import has_ipv6_loopback, wait_until
 from test_scheduler import ScriptedPolicy, info, running
 
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
@@ -140,13 +140,6 @@ def _report_twice(address: str) -> None:
     try:
         for _ in range(2):
             client.submit(_report())
-            _wait_until(lambda: not client._sending and client._pending is None)
+            assert wait_until(lambda: not client._sending and client._pending is None, 10)
     finally:
         client.close()
-
-
-def _wait_until(condition, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
 import pytest
-from conftest import kill_tree
+from conftest import kill_tree, wait_until
 from slurm_cluster import is_running, processes_using, slurm_available, slurm_cluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="slurmd starts job steps as their user: needs root")
@@ -21,15 +20,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="slurmd starts job ste
 def _slurm_installed():
     if not slurm_available():
         pytest.fail("Slurm or munge is not installed: scripts/install-system-packages.sh installs slurm-wlm and munge")
-
-
-def wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def names_using(folder) -> list[str]:
@@ -51,7 +41,7 @@ def test_nothing_the_cluster_started_outlives_it_not_even_a_running_step(tmp_pat
         with slurm_cluster(tmp_path) as cluster:
             left_running = subprocess.Popen(["srun", "--ntasks=2", "sleep", "300"], env=cluster.env,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            assert wait_for(lambda: names_using(tmp_path).count("sleep") == 2, 20), names_using(tmp_path)
+            assert wait_until(lambda: names_using(tmp_path).count("sleep") == 2, 20, step=0.2), names_using(tmp_path)
             used = processes_using(tmp_path)
             assert {"munged", "slurmctld", "slurmd", "slurmstepd", "srun"} <= {p.name() for p in used}
         assert [p for p in used if is_running(p)] == []
