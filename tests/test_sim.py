@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import json
 import math
 
 import numpy as np
@@ -108,6 +109,22 @@ def test_params_reject_bad_fields(mutate, needle):
     with pytest.raises(ConfigurationError, match=needle):
         SimParams.from_dict(data)
 
+
+@pytest.mark.parametrize("field, value", [
+    ("max_batch", None), ("max_batch", "x"), ("min_batch", []), ("dataset_size", None), ("dataset_size", {}),
+    ("decision_interval", 2.5), ("decision_interval", True), ("max_decisions", "250"),
+    ("initial_batch", ["x", 32, 32, 32]), ("initial_batch", [float("nan"), 32, 32, 32]),
+    ("initial_batch", [32.9, 32, 32, 32]), ("node_metrics", "no"),
+])
+def test_a_job_field_of_another_type_is_refused_naming_it_and_the_file(tmp_path, field, value):
+    """A hand-edited --sim-params file: these raised TypeError or ValueError from a comparison,
+    an int() or numpy, with a traceback, or were truncated (32.9 trained as 32)."""
+    data = reference().to_dict()
+    data[field] = value
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigurationError, match=f"{path}: simulator parameter {field}"):
+        SimParams.from_json(path)
 
 @pytest.mark.parametrize("data", [[1, 2], "x", None, 3])
 def test_params_that_are_not_a_json_object_are_refused(data):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from dynamix_byteps.atomic import write_atomic
+from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.scenarios import Scenario
 
@@ -50,6 +52,12 @@ def _positive(x, name: str) -> None:
 
 def _non_negative(x, name: str) -> None:
     _check(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0, f"{name}={x!r} must be a finite number >= 0")
+
+
+def _whole(x, name: str, high: int | None = None) -> None:
+    """An integer >= 1 (numpy's too), at most ``high`` when given; a bool or 32.9 is refused."""
+    _check(isinstance(x, numbers.Integral) and not isinstance(x, bool) and 1 <= x <= (high or x),
+           f"{name}={x!r} must be an integer >= 1" + (f" and <= {high}" if high else ""))
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,13 @@ class SimParams:
 
     def __post_init__(self):
         _check(len(self.workers) >= 1, "workers must hold at least one worker")
+        for name in ("min_batch", "max_batch"):
+            _whole(getattr(self, name), name, MAX_BATCH)
+        for batch in self.initial_batch:
+            _whole(batch, "initial_batch entry", MAX_BATCH)
+        for name in ("decision_interval", "max_decisions", "dataset_size"):
+            _whole(getattr(self, name), name)
+        _check(isinstance(self.node_metrics, bool), f"node_metrics={self.node_metrics!r} must be true or false")
         _check(len(self.initial_batch) == len(self.workers),
                f"initial_batch has {len(self.initial_batch)} entries for {len(self.workers)} workers")
         _check(1 <= self.min_batch <= self.max_batch, f"bounds [{self.min_batch}, {self.max_batch}] must satisfy 1 <= min <= max")
@@ -262,7 +277,7 @@ class SimParams:
             )
             comm = _build(CommParams, data.pop("comm", {}))
             stats = _build(StatParams, data.pop("stats", {}))
-            data["initial_batch"] = tuple(int(b) for b in data.pop("initial_batch"))
+            data["initial_batch"] = tuple(data.pop("initial_batch"))
         except (KeyError, TypeError, AttributeError) as error:
             raise ConfigurationError(f"simulator parameters are malformed: {error!r}") from None
         return _build(cls, dict(data, workers=workers, comm=comm, stats=stats))
@@ -279,7 +294,10 @@ class SimParams:
             raise ConfigurationError(f"cannot read simulator parameters {path}: {error.strerror}") from None
         except json.JSONDecodeError as error:
             raise ConfigurationError(f"simulator parameters {path} are not JSON: {error}") from None
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{path}: {error}") from None
 
 
 def _build(cls, data: dict):
