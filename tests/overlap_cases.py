@@ -542,7 +542,8 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     before the plan exists; ``ddp``; ``ddp_no_sync``: in the first of 2 passes per step, inside
     ``no_sync()``; ``hook_first``, ``ddp_hook_first``: raised instead by the
     user's post-accumulate hook on the first parameter to get its gradient (before any bucket
-    left); ``model_zero_grad``, ``model_zero_grad_in_place``: the loop zeroes the gradients with
+    left); ``ddp_tensor_hook_first``: by the user's tensor hook there (``register_hook``, before
+    any of the reducer's hooks on a parameter); ``model_zero_grad``, ``model_zero_grad_in_place``: the loop zeroes the gradients with
     ``model.zero_grad()`` (``set_to_none=False``: in place), which the optimizer does not see,
     and declares the batch size after. Learning rate 0, so every step's exact mean is the same.
     Returns each step's error on this rank (type, message) and each completed step's gradient error."""
@@ -553,7 +554,10 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     in_hook = variant.endswith("hook_first")
     if in_hook:
         for param in model.last.parameters():  # the first to get its gradient: whichever runs first raises
-            param.register_post_accumulate_grad_hook(_raise_once_when_armed)
+            if variant == "ddp_tensor_hook_first":  # runs before the gradient accumulator and its pre-hooks
+                param.register_hook(_raise_once_when_armed)
+            else:
+                param.register_post_accumulate_grad_hook(_raise_once_when_armed)
     else:
         model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
     passes = 2 if variant in ("accumulate", "ddp_no_sync") else 1
@@ -582,6 +586,52 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     return out
 
 
+def _gan(mine: slice, distributed: bool, fails_at: int | None) -> tuple[dict, torch.Tensor]:
+    """A GAN trained 4 steps on samples ``mine`` of each step's 10: a generator and a discriminator,
+    each behind its own optimizer (a DistributedOptimizer when ``distributed``), a discriminator step
+    then a generator step. The generator's backward pass goes through the discriminator first
+    (filling its gradients too) and raises in the discriminator's first layer at step ``fails_at``;
+    the loop catches what it raised and goes on. Returns each step's error (type, message) and the
+    parameters at the end (generator's, then discriminator's)."""
+    torch.manual_seed(0)
+    generator = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6)).double()
+    critic = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    critic[0].register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
+    opt_g, opt_d = (torch.optim.SGD(net.parameters(), lr=0.1) for net in (generator, critic))
+    if distributed:
+        opt_g, opt_d = (bps.DistributedOptimizer(opt, net.named_parameters())
+                        for opt, net in ((opt_g, generator), (opt_d, critic)))
+    loss = torch.nn.functional.binary_cross_entropy_with_logits
+    errors = {}
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        real = torch.randn(10, 6, generator=g, dtype=torch.float64)[mine]
+        noise = torch.randn(10, 4, generator=g, dtype=torch.float64)[mine]
+        ones, zeros = torch.ones(len(real), 1, dtype=torch.float64), torch.zeros(len(real), 1, dtype=torch.float64)
+        try:
+            opt_d.zero_grad()
+            fake = generator(noise)
+            (loss(critic(real), ones) + loss(critic(fake.detach()), zeros)).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            _FailOnce.armed = step == fails_at
+            loss(critic(fake), ones).backward()
+            opt_g.step()
+        except RuntimeError as exc:
+            errors[step] = [type(exc).__name__, str(exc)]
+    return errors, torch.cat([p.detach().reshape(-1) for net in (generator, critic) for p in net.parameters()])
+
+
+def gan_with_two_optimizers(fails: bool) -> dict:
+    """:func:`_gan` on 5 samples of each step per worker, rank 1's generator backward raising at
+    step 1 when ``fails``, against one process on all 10 (its generator backward raising there too).
+    Returns this worker's errors and the parameters' greatest difference from the one process's."""
+    fails_at = 1 if fails else None
+    errors, trained = _gan(slice(5 * bps.rank(), 5 * bps.rank() + 5), True, fails_at if bps.rank() == 1 else None)
+    _, expected = _gan(slice(0, 10), False, fails_at)
+    return {"errors": errors, "param_error": _error(trained, expected)}
+
+
 def backward_raising_before_the_last_pass_with_a_sampler() -> dict:
     """A DynamicBatchSampler feeds 2 backward passes per step; rank 1's first pass of step 1 raises
     and its loop goes on with the next step, so it never draws that step's second batch. Returns
@@ -606,8 +656,8 @@ def backward_raising_before_the_last_pass_with_a_sampler() -> dict:
     return errors
 
 
-def _raise_once_when_armed(param: torch.Tensor) -> None:
-    """A user's post-accumulate-grad hook that raises once when armed."""
+def _raise_once_when_armed(tensor: torch.Tensor) -> None:
+    """A user's post-accumulate-grad hook (or tensor hook) that raises once when armed."""
     if _raise_once_when_armed.armed:
         _raise_once_when_armed.armed = False
         raise RuntimeError("error in a gradient hook (simulated)")

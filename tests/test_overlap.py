@@ -191,15 +191,17 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_nam
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "ddp_no_sync", "hook_first",
-                                     "ddp_hook_first", "model_zero_grad", "model_zero_grad_in_place"])
+                                     "ddp_hook_first", "ddp_tensor_hook_first", "model_zero_grad",
+                                     "model_zero_grad_in_place"])
 def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
     """The step is dropped on every worker at once, and the workers' later reductions stay paired
     step for step (before: the healthy rank's remaining buckets met the next step's, silently; with
     an error in a hook on the first parameter to get its gradient, the failing rank's whole round
     went unsent and every later step paired with the others' previous one; inside the DDP wrapper's
-    no_sync(), the failing rank skipped the step's reducing pass, the same). A loop zeroing the
-    gradients through the model goes on as one zeroing them through the optimizer (before: every
-    later step raised GradientReductionError)."""
+    no_sync(), the failing rank skipped the step's reducing pass, the same; a user's tensor hook,
+    which runs before the reducer's hooks on a parameter, did so with the DDP wrapper, silently). A
+    loop zeroing the gradients through the model goes on as one zeroing them through the optimizer
+    (before: every later step raised GradientReductionError)."""
     failing_step = 0 if variant == "first_step" else 1
     healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_on_one_worker", variant,
                                       env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
@@ -217,6 +219,24 @@ def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(var
         assert set(result["errors"]) == {str(failing_step)}, result["errors"]
         assert all(result["grad_errors"][step] < 1e-12 for step in later), result["grad_errors"]
     assert "optimizer.zero_grad() (or model.zero_grad()) on every worker" in said, said
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fails", [False, True], ids=["steady", "generator_backward_raises"])
+def test_a_gan_s_two_optimizers_train_exactly_and_a_failure_drops_the_step_on_every_worker(fails):
+    """Generator and discriminator each behind a DistributedOptimizer (as with Horovod); the
+    generator's backward fills the discriminator's gradients too. When it raised inside the
+    discriminator on one worker, before the generator's reducer had begun, that worker sent the
+    discriminator's round only and gloo aborted the other ('Received data size doesn't match')."""
+    healthy, failing = ok(run_workers(2, "overlap_cases:gan_with_two_optimizers", fails,
+                                      env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))
+    for result in (healthy, failing):
+        assert result["param_error"] < 1e-12, result
+        assert set(result["errors"]) == ({"1"} if fails else set()), result["errors"]
+    if fails:
+        assert failing["errors"]["1"] == ["RuntimeError", "out of memory (simulated)"]
+        kind, said = healthy["errors"]["1"]
+        assert kind == "GradientReductionError" and "rank 1's backward pass raised before its end" in said, said
 
 
 @pytest.mark.timeout(150)

@@ -252,6 +252,9 @@ class DistributedDataParallel(torch.nn.Module):
         task = torch._C._current_graph_task_id()
         if record.seen == task or not self._updates_parameters(task):
             return
+        # Begun here, before any parameter's gradient: a pass that raises from now on (out of
+        # memory in the module's last layer, a user's tensor hook) sends the step's round failed.
+        self._reducer.begin_pass()
         record.seen = task
         if record.task == task:  # counted when the weight was taken
             return

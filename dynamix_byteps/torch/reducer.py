@@ -30,7 +30,11 @@ its end (out of memory, an error in a hook) on some workers only would leave the
 to meet the next step's: the failing worker sends the rest of the step's round at once, marked
 failed, so every worker's collectives stay paired and every worker raises
 ``GradientReductionError`` for that step (the failed ones at their next backward or ``step()``);
-``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each.
+``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each. A pass begins as soon as
+one of its hooks runs (the DDP wrapper's on its module's outputs, before any parameter's), and
+begins with it every other reducer whose parameters it will write (a GAN's generator behind its
+discriminator); such a pass reduces each one's whole round at its end, one after the other, so
+that a worker whose pass raised can send their rounds in the same order.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ from dynamix_byteps.negotiation import describe, fingerprint
 # same owner over the same model removes the old one's, which would otherwise count (and refuse)
 # the new passes.
 _HOOK_ATTR = "_dynamix_reducer_hook"
+
+# Every reducer of this process: a backward pass that begins one begins each other whose
+# parameters it will write (a GAN's generator behind its discriminator), so that a failure before
+# their first gradient sends their rounds too.
+_REDUCERS: weakref.WeakSet[BucketReducer] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -186,6 +195,8 @@ class BucketReducer:
         self._next_bucket = 0
         self._passes = 0  # backward passes completed since the last reduction (or step)
         self._in_backward = False
+        self._opening = False  # this backward pass reduces, and its round opens at its first gradient
+        self._overlapping = True  # this backward pass launches buckets from its hooks once a plan exists
         self._backward_alive: weakref.ref | None = None  # dies with the backward pass that began the round
         self._failure: str | None = None  # why this step's round is dropped (a backward pass raised), until discard()
         self._failure_ends_the_job = False  # the dropped step left the workers' samplers apart
@@ -193,6 +204,7 @@ class BucketReducer:
         self._warned_create_graph = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
         self._register_hooks(p for _, p in parameters())
+        _REDUCERS.add(self)
 
     def _register_hooks(self, params) -> None:
         for p in params:
@@ -231,9 +243,44 @@ class BucketReducer:
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _before_accumulation(self, grad_outputs) -> None:
+        self.begin_pass()
+        if self._opening:
+            self._open_round()
+
+    def begin_pass(self) -> None:
+        """Begin the running backward pass here, unless begun: from the first gradient accumulator
+        it runs, or earlier (the DDP wrapper's hooks on its module's outputs). From then on the pass
+        raising before its end sends this step's round failed (see :meth:`_on_backward_gone`). It
+        also begins every other reducer whose parameters this pass will write.
+
+        Raises:
+            GradientReductionError: this step's round is dropped (:meth:`refuse_if_incomplete`).
+            RuntimeError: more backward passes than ``passes_per_step`` before ``step()``.
+        """
         self.refuse_if_incomplete(starting=True)
-        if not self._in_backward:
-            self._begin_backward()
+        if self._in_backward:
+            return
+        self._begin_pass()
+        others = [other for other in list(_REDUCERS)
+                  if other is not self and not other._in_backward and other._hooked_gradients_written()]
+        for other in others:
+            other.refuse_if_incomplete(starting=True)
+            other._begin_pass()
+        if others:
+            # Buckets launched from the hooks would interleave the reducers' collectives in the order
+            # the gradients come, which a worker whose pass raises cannot repeat: each reduces its
+            # whole round at the end of the pass instead, in the order they began, on every worker.
+            for reducer in [self, *others]:
+                reducer._overlapping = False
+
+    def _hooked_gradients_written(self) -> bool:
+        """Whether the running backward pass writes a gradient whose accumulator this reducer's
+        hooks are on (not those a newer reducer over the same model took over)."""
+        try:
+            return any(getattr(p, _HOOK_ATTR)[1]() is self and torch._C._will_engine_execute_node(node)
+                       for p, node in self._accumulators.items())
+        except RuntimeError:  # torch.autograd.grad(): no .grad is written
+            return False
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         if not self._launching or param not in self._plan.slot:
@@ -248,7 +295,7 @@ class BucketReducer:
         self._plan.buckets[number].pending.discard(param)
         self._launch_ready()
 
-    def _begin_backward(self) -> None:
+    def _begin_pass(self) -> None:
         if self._passes >= self.passes_per_step and self.reduced_gradients_dropped():
             self._passes = 0  # the step was dropped unapplied (a GradScaler skip, then model.zero_grad())
         if self._passes >= self.passes_per_step:
@@ -260,10 +307,14 @@ class BucketReducer:
         alive = _BackwardPass()  # owned by the queued callback: freed unrun when backward raises
         self._backward_alive = weakref.ref(alive, self._on_backward_gone)
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, alive))
-        if not (self.sync and self._passes + 1 == self.passes_per_step):
-            return
+        self._opening = self.sync and self._passes + 1 == self.passes_per_step
+        self._overlapping = True
+
+    def _open_round(self) -> None:
+        """Take the step's weight and open its round, launched from the hooks once a plan exists."""
+        self._opening = False
         self._samples = self._step_samples()
-        self._launching = self._plan is not None
+        self._launching = self._plan is not None and self._overlapping
         if self._launching:
             self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples, position=self._trained_position())
@@ -288,7 +339,7 @@ class BucketReducer:
         if alive is self._backward_alive and self._in_backward:  # it raised: its end callback never ran
             # Also a pass inside no_sync(): a loop that goes on with the next batch skips the step's
             # reducing pass here, which the other workers' would then pair with the next step's.
-            self._in_backward = False
+            self._in_backward = self._opening = False
             self._failure = "a backward pass raised before its end on this worker (e.g. out of memory, or an error in a hook)"
             self._send_failed_round()
 
@@ -317,7 +368,7 @@ class BucketReducer:
             # the gradients after that node's are still to come.
             _queue_after(outer_node, functools.partial(self._end_backward, alive))
             return
-        self._in_backward = False
+        self._in_backward = self._opening = False
         if not self.sync:
             return
         self._passes += 1
@@ -498,7 +549,7 @@ class BucketReducer:
         if self._round is not None:
             self.aggregator.drain(self._round)
         self._round, self._samples, self._passes = None, None, 0
-        self._launching = self._in_backward = self._launched_in_backward = False
+        self._launching = self._in_backward = self._opening = self._launched_in_backward = False
         self._failure, self._failure_ends_the_job = None, False
 
     def _move_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> bool:
