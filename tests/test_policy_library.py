@@ -106,6 +106,17 @@ def test_a_policy_directory_without_its_onnx_file_says_which_way_it_is_wrong(tmp
         make_policy("ppo", path=tmp_path / "p")
 
 
+@pytest.mark.parametrize("section, value", [("observation", float("nan")), ("actions", "x"), ("actions", -1),
+                                            ("onnx", True), ("onnx", ["policy.onnx"])])
+def test_a_features_json_section_that_is_no_object_is_refused_naming_it(tmp_path, section, value):
+    """A hand-edited or damaged features.json raised AttributeError ('str' object has no attribute
+    'get') from --policy-path and `dynamix policy eval`."""
+    shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "p")
+    features = tmp_path / "p" / "features.json"
+    features.write_text(json.dumps(json.loads(features.read_text()) | {section: value}))
+    with pytest.raises(ConfigurationError, match=f"{features}: its {section!r} section must be a JSON object"):
+        make_policy("ppo", path=tmp_path / "p")
+
 def test_a_policy_is_served_with_the_ladder_it_records(tmp_path):
     shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "p")
     features = tmp_path / "p" / "features.json"

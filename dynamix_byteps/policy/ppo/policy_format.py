@@ -69,8 +69,8 @@ def read_metadata(path) -> tuple[Path, dict]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
                                  "`dynamix policy export CHECKPOINT --out DIR`")
-    check_spec(meta.get("observation") or {}, str(meta_path))
-    actions = meta.get("actions") or {}
+    check_spec(_section(meta, "observation", meta_path), str(meta_path))
+    actions = _section(meta, "actions", meta_path)
     ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
     if actions.get("keep") != keep_index(len(ladder)):
         raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
@@ -79,8 +79,17 @@ def read_metadata(path) -> tuple[Path, dict]:
     if not onnx_path.is_file():
         raise ConfigurationError(f"{onnx_path} is {'not a file' if onnx_path.exists() else 'missing'}; re-export the "
                                  "policy with `dynamix policy export`")
-    recorded = (meta.get("onnx") or {}).get("sha256")
+    recorded = _section(meta, "onnx", meta_path).get("sha256")
     if recorded != sha256(onnx_path):
         raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
                                  "file from another export); re-export the policy")
     return directory, meta
+
+
+def _section(meta: dict, name: str, meta_path: Path) -> dict:
+    """``meta[name]``, ``{}`` when absent (the checks that follow name what it lacks)."""
+    section = meta.get(name) or {}
+    if not isinstance(section, dict):
+        raise ConfigurationError(f"{meta_path}: its {name!r} section must be a JSON object, not "
+                                 f"{type(section).__name__}; re-export the policy with `dynamix policy export`")
+    return section
