@@ -22,6 +22,10 @@ decision log, the number of decisions and changes and the mean global batch assi
 first and the last third of the decisions (did the policy go large early and small late, or the
 reverse?).
 
+Where a series' steps go back (a restart from a checkpoint, or a --log-dir that holds an earlier
+run too), the report keeps the newest event at each step and warns, as TensorBoard purges the
+events a restart orphaned; the wall time still spans every event file.
+
 A worker's first interval is warm-up: its first step's compute time also holds what ran between
 creating the optimizer and that step (the parameter broadcast, the loader's start), so the step
 time plot and the table's means leave it out when there are later intervals.
@@ -176,17 +180,25 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                     "leaves them out", run_dir, ", ".join(unreadable))
     start = min(first for first, _ in raw.values())
     data = RunData(start=start)
+    went_back = []
     for name, (_, tags) in raw.items():
+        newest = {tag: _newest_at_each_step(events) for tag, events in tags.items()}
+        if any(len(kept) < len(tags[tag]) for tag, kept in newest.items()) and name != SCHEDULER_RUN:
+            went_back.append(name[len(WORKER_RUN_PREFIX):])
         series = {tag: Series(np.array([e.step for e in events], dtype=np.int64),
                               np.array([e.wall_time - start for e in events], dtype=np.float64),
                               np.array([e.value for e in events], dtype=np.float64))
-                  for tag, events in tags.items() if events}
+                  for tag, events in newest.items() if events}
         data.end = max([data.end] + [float(s.wall[-1]) for s in series.values()])
         if name == SCHEDULER_RUN:
             data.scheduler = series
         else:
             data.workers[int(name[len(WORKER_RUN_PREFIX):])] = series
     data.workers = dict(sorted(data.workers.items()))
+    if went_back:
+        log.warning("%s: the steps of worker %s go back: the job restarted from a checkpoint, or this --log-dir "
+                    "holds an earlier run too; the report keeps the newest events at each step, as TensorBoard "
+                    "does after a restart (give each run its own --log-dir)", run_dir, ", ".join(sorted(went_back, key=int)))
     data.decisions = load_decisions(run_dir, start)
     if missing := data.missing_workers:
         log.warning("%s: no batch sizes of worker %s (of %d workers; a multi-host run keeps each host's scalars in "
@@ -194,6 +206,17 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                     "here); the report leaves them out and draws no reported global batch", run_dir,
                     ", ".join(map(str, missing)), data.size)
     return data
+
+
+def _newest_at_each_step(events: list) -> list:
+    """``events`` (each with a ``step``, in file order) without those that a later event at the
+    same or an earlier step supersedes: the steps increase, as the plots and sums assume."""
+    kept = []
+    for event in events:
+        while kept and kept[-1].step >= event.step:
+            kept.pop()
+        kept.append(event)
+    return kept
 
 
 def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None:
@@ -205,7 +228,7 @@ def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None
     if not path.is_file():
         return None
     records = [r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes]
-    records = [r for r in records if records and len(r.batch_sizes) == len(records[0].batch_sizes)]
+    records = _newest_at_each_step([r for r in records if len(r.batch_sizes) == len(records[0].batch_sizes)])
     if not records:
         return None
     batch = np.array([r.batch_sizes for r in records], dtype=np.int64)

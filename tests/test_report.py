@@ -151,6 +151,24 @@ def test_a_worker_without_scalars_is_named_and_no_partial_sum_is_drawn_as_the_gl
     lines = {line.get_label() for line in batch_figure(data).axes[1].lines}
     assert "reported (sum of the workers' means)" not in lines
 
+def test_a_run_dir_reused_by_a_later_run_is_reported_from_its_newest_events_with_a_warning(tmp_path, caplog):
+    """bpslaunch --log-dir DIR run twice (or a restart from a checkpoint): each worker's series
+    went back to step 10 half-way, and the report died with IndexError in the global batch."""
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    for batch, steps in ((64, (10, 20, 30, 40)), (32, (10, 20))):
+        for rank in (0, 1):
+            writer = ScalarWriter(tmp_path / "tensorboard" / f"worker-{rank}")
+            for step in steps:
+                writer.add({"batch_size": float(batch)}, step=step)
+            writer.close()
+    with caplog.at_level("WARNING", logger="dynamix_byteps.report"):
+        data = load_run(tmp_path)
+    assert "the steps of worker 0, 1 go back" in caplog.text and "own --log-dir" in caplog.text
+    assert {rank: s["batch_size"].value.tolist() for rank, s in data.workers.items()} == {0: [32, 32], 1: [32, 32]}
+    lines = {line.get_label(): line for line in batch_figure(data).axes[1].lines}
+    assert lines["reported (sum of the workers' means)"].get_ydata().tolist() == [64, 64]
+
 def test_a_run_whose_every_worker_file_is_unreadable_names_them(tmp_path):
     from dynamix_byteps.tensorboard_scalars import ScalarWriter
 
