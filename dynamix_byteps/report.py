@@ -45,7 +45,7 @@ import numpy as np
 
 from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.control.cluster import DECISION_LOG
-from dynamix_byteps.control.decision_record import read_decisions_lenient
+from dynamix_byteps.control.decision_record import newest_at_each_step, read_decisions_lenient
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.tensorboard_scalars import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
@@ -182,7 +182,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     data = RunData(start=start)
     went_back = []
     for name, (_, tags) in raw.items():
-        newest = {tag: _newest_at_each_step(events) for tag, events in tags.items()}
+        newest = {tag: newest_at_each_step(events) for tag, events in tags.items()}
         if any(len(kept) < len(tags[tag]) for tag, kept in newest.items()) and name != SCHEDULER_RUN:
             went_back.append(name[len(WORKER_RUN_PREFIX):])
         series = {tag: Series(np.array([e.step for e in events], dtype=np.int64),
@@ -208,17 +208,6 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     return data
 
 
-def _newest_at_each_step(events: list) -> list:
-    """``events`` (each with a ``step``, in file order) without those that a later event at the
-    same or an earlier step supersedes: the steps increase, as the plots and sums assume."""
-    kept = []
-    for event in events:
-        while kept and kept[-1].step >= event.step:
-            kept.pop()
-        kept.append(event)
-    return kept
-
-
 def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None:
     """``RUN_DIR/decisions.jsonl`` relative to ``start`` (seconds since the Unix epoch, see
     :class:`RunData`); None when the run has no decision log (no ``--policy``) or no decision
@@ -228,7 +217,7 @@ def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None
     if not path.is_file():
         return None
     records = [r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes]
-    records = _newest_at_each_step([r for r in records if len(r.batch_sizes) == len(records[0].batch_sizes)])
+    records = newest_at_each_step([r for r in records if len(r.batch_sizes) == len(records[0].batch_sizes)])
     if not records:
         return None
     batch = np.array([r.batch_sizes for r in records], dtype=np.int64)

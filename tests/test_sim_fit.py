@@ -137,6 +137,15 @@ def test_the_partial_last_line_of_a_killed_run_is_left_out(tmp_path):
         load_log(tmp_path)
 
 
+def test_a_log_holding_an_earlier_run_too_is_fitted_from_its_newest_decisions_with_a_warning(tmp_path, caplog):
+    """bpslaunch --log-dir DIR run twice appends to one decisions.jsonl: the fit read both runs as
+    one whose steps and losses started again half-way, without a word."""
+    (tmp_path / "decisions.jsonl").write_text("\n".join(_lines(count=6) + _lines(count=4)) + "\n")
+    with caplog.at_level("WARNING", logger="dynamix_byteps.policy.sim.fit"):
+        log = load_log(tmp_path)
+    assert log.steps.tolist() == [10, 20, 30, 40]
+    assert "its steps go back at line 7 (step 10 after 60)" in caplog.text and "own --log-dir" in caplog.text
+
 def test_a_rank_without_compute_time_is_named(tmp_path, capsys):
     (tmp_path / "decisions.jsonl").write_text("\n".join(_lines(compute=(0.1, 0.0))) + "\n")
     assert main(["sim", "fit", str(tmp_path)]) == 2

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import math
+import operator
 import reprlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -239,3 +240,17 @@ def read_decisions_lenient(path: str | Path) -> list[DecisionRecord]:
     lines = Path(path).read_bytes().splitlines()
     records = (parse_decision_lenient(line, path, n) for n, line in enumerate(lines, 1) if line.strip())
     return [r for r in records if r is not None]
+
+
+def newest_at_each_step(items: list, step: Callable[[Any], int] = operator.attrgetter("step")) -> list:
+    """``items`` (in the order they were written) without those that a later item at the same or
+    an earlier ``step`` supersedes, so that the steps increase: a run restarted from a checkpoint,
+    or a run dir that holds an earlier run too, goes back to earlier steps (TensorBoard purges the
+    events such a restart orphaned the same way)."""
+    kept = []
+    for item in items:
+        while kept and step(kept[-1]) >= step(item):
+            kept.pop()
+        kept.append(item)
+    return kept
+

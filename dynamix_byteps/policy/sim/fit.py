@@ -82,7 +82,9 @@ homogeneous --sim-params FILE`` (other scenarios add their slowdowns on top of t
 
 from __future__ import annotations
 
+import logging
 import math
+import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -91,7 +93,7 @@ from pathlib import Path
 import numpy as np
 
 from dynamix_byteps.control.cluster import DECISION_LOG, MAX_RATE, MAX_SECONDS, THROUGHPUT_SMOOTHING
-from dynamix_byteps.control.decision_record import read_decisions
+from dynamix_byteps.control.decision_record import newest_at_each_step, read_decisions
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.sim.dynamics import Simulator
 from dynamix_byteps.policy.sim.params import (
@@ -102,6 +104,8 @@ from dynamix_byteps.policy.sim.params import (
     loss_remaining,
     reference,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LOSS_TAILS", "MIN_BATCH_SPREAD", "MIN_GLOBAL_BATCH_SPREAD", "MIN_INTERVALS", "NOISE_GROWTHS", "NOISE_SCALE_FACTORS",
            "RunLog", "WorkerFit", "fit_compute", "fit_log", "fit_run", "fitted_rows", "global_batch_spread", "learned", "load_log",
@@ -204,6 +208,17 @@ def _finite(x) -> float:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
 
 
+def _newest_run(path: Path, rows: list[dict]) -> list[dict]:
+    """``rows`` without those a later decision at the same or an earlier step supersedes, with a
+    warning when there were any (a restart from a checkpoint, or a log holding an earlier run)."""
+    back = next(((earlier, later) for earlier, later in zip(rows, rows[1:]) if later["step"] <= earlier["step"]), None)
+    if back is not None:
+        log.warning("%s: its steps go back at line %d (step %d after %d): the job restarted from a checkpoint, or "
+                    "this --log-dir holds an earlier run too; the fit keeps the newest decision at each step (give "
+                    "each run its own --log-dir)", path, back[1]["line"], back[1]["step"], back[0]["step"])
+    return newest_at_each_step(rows, step=operator.itemgetter("step"))
+
+
 def load_log(run_dir) -> RunLog:
     """Read ``run_dir/decisions.jsonl`` (or that file itself) into a :class:`RunLog`.
 
@@ -262,6 +277,7 @@ def load_log(run_dir) -> RunLog:
                      "exposed": exposed, "engine": state.get("engine") or "",
                      "loss": sum(losses) / len(losses) if losses else math.nan,
                      "noise": _finite(state.get("noise_scale")), "nodes": nodes, "record": record})
+    rows = _newest_run(path, rows)
     if len(rows) < MIN_INTERVALS:
         raise ConfigurationError(
             f"{path} holds {len(rows)} decision(s) with timings, at least {MIN_INTERVALS} are needed: record a "
