@@ -3,8 +3,9 @@
 ``run_workers(n, "module:function", *args)`` starts ``n`` worker processes, each with the
 ``DMLC_*``/``BYTEPS_*`` variables bpslaunch would set as its environment, calls ``bps.init()`` and
 then ``function(*args)``, and returns each rank's JSON result. The workers are forked from a fork
-server (one per pytest process, started on first use, ending with it) that has imported torch and
-``dynamix_byteps.torch`` already, which spares each worker the seconds those imports take. A hard
+server (one per pytest process, started on first use, ending with it) that has imported torch,
+``torch._dynamo`` and ``dynamix_byteps.torch`` already, which spares each worker the seconds those
+imports take (every torch optimizer imports ``torch._dynamo`` when it is first built). A hard
 timeout kills every child; children are always reaped, also when the test fails. With
 ``servers=K`` the job runs the ``ps`` engine: K summation servers (``python -m
 dynamix_byteps.engine.ps_server``) start first and are killed after the workers have exited.
@@ -31,7 +32,9 @@ from dynamix_byteps.launcher.topology import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 _ENTRY = "import sys, multiworker; multiworker.run_target(*sys.argv[1:])"
-_PRELOADED = ["torch", "dynamix_byteps.torch", "multiworker"]  # what the fork server imports once
+# What the fork server imports once. torch._dynamo: the first torch.optim optimizer a process builds
+# imports it (~800 modules, ~2 s of CPU), so each worker that trains would pay it after the fork.
+_PRELOADED = ["torch", "torch._dynamo", "dynamix_byteps.torch", "multiworker"]
 
 
 def run_target(target: str, args_json: str, out: str) -> None:
