@@ -152,11 +152,19 @@ def test_resume_mid_epoch_with_another_worker_count_loses_and_repeats_nothing(be
     assert sum(c - 1 for c in seen.values()) <= after - 1
 
 
-def test_resume_refuses_a_different_dataset():
-    (old,) = make_job(100, [10], seed=1)
-    (new,) = make_job(101, [10], seed=1)
-    with pytest.raises(Exception, match="dataset_size"):
-        new.load_state_dict(old.state_dict())
+@pytest.mark.parametrize("setting, saved, resumed", [
+    ("dataset_size", 100, 101), ("seed", 1, 2), ("shuffle", True, False),
+    ("drop_last", False, True), ("drop_last", True, False)])  # drop_last was taken without a word
+def test_resume_refuses_a_setting_that_changes_the_epoch_naming_it_and_the_fix(setting, saved, resumed):
+    """drop_last decides whether an epoch's last partial global batch is trained: resuming with the
+    other value changed the epoch's length and which samples it trains, silently."""
+    built = {"dataset_size": 100, "seed": 1, "shuffle": True, "drop_last": False}
+    (old,) = make_job(**dict(built, **{setting: saved}), sizes=[10])
+    (new,) = make_job(**dict(built, **{setting: resumed}), sizes=[10])
+    state = old.state_dict()
+    with pytest.raises(ConfigurationError, match=rf"checkpoint was taken with {setting}={saved!r}, this sampler has "
+                                                 rf"{setting}={resumed!r}.*build the sampler with {setting}={saved!r}"):
+        new.load_state_dict(state)
 
 
 def test_a_batch_size_list_for_another_job_size_names_both_counts():

@@ -45,6 +45,10 @@ from dynamix_byteps.errors import ConfigurationError
 
 _HISTORY_STEPS = 4096
 MAX_EPOCH = 2**53 - 1  # epochs travel in the float64 gradient trailer, exact up to 2**53
+#: What a checkpoint's sampler must share with the one resuming it: each sets which samples an epoch
+#: draws, in which order, or where it ends (drop_last: its last partial global batch). The number of
+#: workers may differ (the global batch in force is split again).
+_SETTINGS_OF_THE_EPOCH = ("dataset_size", "seed", "shuffle", "drop_last")
 
 
 def _initial_sizes(batch_size, num_replicas: int) -> list[int]:
@@ -270,7 +274,7 @@ class DynamicBatchSampler:
         batch in force is kept and split evenly over the new workers (clamped to the bounds).
 
         Raises:
-            ConfigurationError: the dataset size, seed or shuffling differs from the saved run, or
+            ConfigurationError: the dataset size, seed, shuffling or drop_last differs from the saved run, or
                 ``state`` is not a valid :meth:`state_dict` (a missing key, a value of the wrong
                 type or range); the sampler is then unchanged.
         """
@@ -289,10 +293,12 @@ class DynamicBatchSampler:
         """The position and schedule state ``load_state_dict`` would install; ConfigurationError
         when ``state`` is not a valid state of a sampler this one may continue."""
         try:
-            for key in ("dataset_size", "seed", "shuffle"):
+            for key in _SETTINGS_OF_THE_EPOCH:
                 if state[key] != getattr(self, key):
                     raise ConfigurationError(f"checkpoint was taken with {key}={state[key]!r}, this sampler has "
-                                             f"{key}={getattr(self, key)!r}; they must match to resume the epoch")
+                                             f"{key}={getattr(self, key)!r}; they must match to resume the epoch: "
+                                             f"build the sampler with {key}={state[key]!r}, or start a new run "
+                                             "without loading the sampler's state")
             position = self._saved_position(state["position"])
             saved = [Assignment.from_dict(a) for a in state["schedule"]["assignments"]]
             num_replicas = state["num_replicas"]
