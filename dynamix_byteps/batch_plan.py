@@ -24,6 +24,7 @@ import dataclasses
 import json
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from dynamix_byteps import engine as _engine
@@ -118,6 +119,8 @@ class BatchPlan:
         self._trained: tuple[int, int] | None = None  # (epoch, samples) of the newest draw taken
         self._consumed = False  # a frontend takes the draws: those not taken were prefetched, not trained on
         self._followed = False  # a frontend given no plan took draws from it as the process default
+        self._takers: weakref.WeakSet = weakref.WeakSet()  # the frontends' step paths that took draws
+        self._last_taker: weakref.ref | None = None
         self._shared: dict[Hashable, tuple[object, bool]] = {}  # key -> (object, moves with the default)
 
     def attach(self, monitor, gradient_noise) -> None:
@@ -142,16 +145,22 @@ class BatchPlan:
         """True once a frontend took a draw of this plan (its first step)."""
         return self._consumed
 
-    def take_draws(self, count: int = 1, as_default: bool = False) -> list[tuple[int, int]]:
+    def take_draws(self, count: int = 1, as_default: bool = False, taker: object = None) -> list[tuple[int, int]]:
         """The oldest ``count`` ``(step, samples)`` draws no step has trained on yet (fewer when
         fewer exist), removed from the plan; marks training as started.
 
         Args:
             count: draws to take (one per backward pass of the step).
             as_default: the caller was given no plan and follows the process default.
+            taker: the frontend's step path taking them; None: an anonymous caller.
+
+        Raises:
+            ConfigurationError: this plan's sampler feeds two frontends that take its draws in
+                turn (a GAN's two optimizers): each draw can weight one step of one of them only.
         """
         taken = []
         with self._lock:
+            self._check_one_taker(taker)
             self._consumed = True
             self._followed = self._followed or as_default
             for _ in range(min(count, len(self._draws))):
@@ -159,6 +168,24 @@ class BatchPlan:
                 self._trained = (epoch, epoch_samples)
                 taken.append((step, samples))
         return taken
+
+    def _check_one_taker(self, taker: object) -> None:
+        if taker is None:
+            return
+        last = self._last_taker() if self._last_taker is not None else None
+        # A frontend that took before taking again after another's take: they alternate. A new
+        # frontend replacing an old one takes from then on alone, which is fine.
+        if self.sampler_settings is not None and last is not None and last is not taker and taker in self._takers:
+            raise ConfigurationError(
+                "two training frontends (DistributedOptimizer, DistributedDataParallel or gradient tape) take their "
+                "batch sizes from one DynamicBatchSampler in turn, e.g. a GAN's generator and discriminator "
+                "optimizers: each batch's size weights one step of one of them, so the other's gradients would be "
+                "weighted by another batch's size and the sampler's checkpointed position would run ahead. Train "
+                "with one DistributedOptimizer per sampler (one optimizer over both models' parameter groups), or "
+                "use torch.utils.data.DistributedSampler with equal batch sizes for alternating optimizers "
+                "(equal batches need no weights)")
+        self._takers.add(taker)
+        self._last_taker = weakref.ref(taker)
 
     def trained_position(self) -> tuple[int, int] | None:
         """``(epoch, samples)`` of the newest step a frontend took from the sampler: the epoch and

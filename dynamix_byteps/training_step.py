@@ -73,9 +73,14 @@ class TrainingStep:
     def take_samples(self, declared: int = UNSET, passes: int = 1) -> int:
         """This step's local sample count: ``declared`` if set, else the sum of the next
         ``passes`` batches the sampler handed out, else :data:`~dynamix_byteps.aggregation.UNSET`.
-        Consumes those draws from the plan either way."""
+        Consumes those draws from the plan either way.
+
+        Raises:
+            ConfigurationError: another frontend takes this plan's draws in turn with this one
+                (:meth:`~dynamix_byteps.batch_plan.BatchPlan.take_draws`).
+        """
         plan = self.plan()
-        drawn = plan.take_draws(passes, as_default=self._given is None)
+        drawn = plan.take_draws(passes, as_default=self._given is None, taker=self)
         # trained_position() is the newest taken draw's (epoch, samples): drawn[-1]'s epoch.
         self.trained_position = (SamplerPosition(drawn[-1][0], plan.trained_position()[0], plan.sampler_settings,
                                                  plan.sampler_rank)

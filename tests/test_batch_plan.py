@@ -77,3 +77,49 @@ def test_replacing_a_default_plan_warns_only_when_a_frontend_following_it_traine
 def test_a_plan_without_a_sampler_refuses_set_batch_sizes():
     with pytest.raises(ConfigurationError, match="needs a DynamicBatchSampler"):
         BatchPlan().set_batch_sizes([4])
+
+
+class _Frontend:
+    """Stands in for a frontend's step path: any object that can be weakly referenced."""
+
+
+def test_two_frontends_taking_one_samplers_draws_in_turn_are_refused_and_a_replacement_is_not():
+    plan = _sampler([4, 4]).batch_plan
+    discriminator, generator = _Frontend(), _Frontend()
+    plan.take_draws(1, taker=discriminator)
+    plan.take_draws(1, taker=generator)
+    with pytest.raises(ConfigurationError, match="from one DynamicBatchSampler in turn"):
+        plan.take_draws(1, taker=discriminator)
+    replaced, replacement = _Frontend(), _Frontend()
+    plan = _sampler([4, 4]).batch_plan
+    for taker in (replaced, replaced, replacement, replacement):  # a new optimizer after the old one
+        plan.take_draws(1, taker=taker)
+    without_sampler = BatchPlan()  # sizes come from set_local_batch_size: nothing to share
+    for taker in (discriminator, generator, discriminator):
+        without_sampler.take_draws(1, taker=taker)
+
+
+def test_a_gan_s_two_optimizers_on_one_sampler_are_refused_at_the_first_alternation(monkeypatch):
+    import torch
+
+    import dynamix_byteps.torch as bps
+
+    for name in ("DMLC_NUM_WORKER", "BYTEPS_LOCAL_SIZE", "DYNAMIX_ENGINE"):
+        monkeypatch.delenv(name, raising=False)
+    bps.init()
+    try:
+        sampler = bps.DynamicBatchSampler(64, 4, seed=1)
+        generator, critic = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+        opt_g, opt_d = (bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+                        for net in (generator, critic))
+        with pytest.raises(ConfigurationError, match="from one DynamicBatchSampler in turn"):
+            for batch in sampler:
+                fake = generator(torch.randn(len(batch), 2))
+                opt_d.zero_grad()
+                critic(fake.detach()).mean().backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                critic(fake).mean().backward()
+                opt_g.step()
+    finally:
+        bps.shutdown()
