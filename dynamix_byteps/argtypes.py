@@ -179,7 +179,10 @@ def output_path(kind: str, example: str = "out", *, appends: tuple[str, ...] = (
     """Parse a path the command will write: ``kind`` ``"file"`` or ``"dir"`` (created with its parents);
     ``example`` is the file name the message suggests for a file path that is a directory; ``appends``
     (``"dir"`` only) the entries in the directory that the command only appends to or writes in
-    when they exist (e.g. ``decisions.jsonl``), so that it needs to create nothing there.
+    when they exist (e.g. ``decisions.jsonl``; a directory's name ends in ``/``), so that it needs to
+    create nothing there. An entry, or a folder on its way, that exists as the other kind (a folder
+    where the command appends to a file, a file where it writes in a folder) or cannot be written is
+    refused naming it.
 
     A symlink is followed, as ``open`` and :func:`~dynamix_byteps.atomic.atomic_write` follow it: the
     checks apply to where it leads. Refused at parse time, so that the command exits 2 naming the
@@ -204,10 +207,37 @@ def output_path(kind: str, example: str = "out", *, appends: tuple[str, ...] = (
         folder = _nearest_existing(target if kind == "dir" else target.parent)
         if not folder.is_dir():
             raise argparse.ArgumentTypeError(f"{shown}: {folder} is a file, not a directory; give a path under a directory")
+        if folder == target:
+            for entry in appends:
+                if problem := run_dir_entry_problem(target, entry):
+                    raise argparse.ArgumentTypeError(f"{shown}: {problem}")
         if not (folder == target and appends and all(os.access(target / entry, os.W_OK) for entry in appends)):
             _probe_creating(shown, folder)
         return path
     return parse
+
+
+def run_dir_entry_problem(directory: Path, entry: str) -> str | None:
+    """Why the command cannot append to or write in ``directory/entry`` (a directory's ``entry`` ends
+    in ``/``; ``"tensorboard/scheduler/"``), or None: the entry or a folder on its way exists as the
+    other kind, or the entry (or the folder it would be created in, below ``directory``) cannot be
+    written. ``directory`` itself is the caller's to check."""
+    parts = Path(entry).parts
+    path = directory
+    for depth, part in enumerate(parts, 1):
+        if not (path / part).exists():
+            return _not_writable(path) if depth > 1 else None
+        path = path / part
+        wants_folder = depth < len(parts) or entry.endswith("/")
+        if path.is_dir() != wants_folder:
+            what = ("a file, where the command writes in a folder" if wants_folder else
+                    "a directory, where the command appends to a file")
+            return f"{path} is {what}; move it away or give another directory"
+    return _not_writable(path)
+
+
+def _not_writable(path: Path) -> str | None:
+    return None if os.access(path, os.W_OK) else f"{path} is not writable; make it writable or give another directory"
 
 
 def _probe_creating(shown: str, folder: Path) -> None:

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import run_bpslaunch
 
 from dynamix_byteps.cli import build_parser, main
 from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
@@ -105,6 +106,48 @@ def test_a_run_dir_whose_files_can_be_appended_to_is_taken_though_nothing_can_be
     assert "argument --out: run: cannot create anything in" in parse_error(["report", "run", "--out", "run"], capsys)
     (paths / "run" / "tensorboard" / "scheduler").rmdir()  # the scheduler would have to create it
     assert "argument --run-dir: run: cannot create anything in" in parse_error(["scheduler", "--run-dir", "run"], capsys)
+
+
+RUN_DIR_ENTRIES = [  # what the folder holds: folders end in /
+    (["decisions.jsonl/"], "decisions.jsonl", "a directory, where the command appends to a file"),
+    (["tensorboard"], "tensorboard", "a file, where the command writes in a folder"),
+    (["tensorboard/", "tensorboard/scheduler"], "tensorboard/scheduler", "a file, where the command writes in a folder"),
+]
+
+
+def _make(root: Path, entries: list[str]) -> None:
+    (root / "decisions.jsonl").unlink()  # the fixture's
+    for entry in entries:
+        (root / entry).mkdir() if entry.endswith("/") else (root / entry).write_text("")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("entries, odd, what", RUN_DIR_ENTRIES, ids=[c[1] for c in RUN_DIR_ENTRIES])
+def test_a_run_dir_entry_of_the_other_kind_is_usage_naming_it(paths, capsys, entries, odd, what):
+    # the scheduler started and then died with a bare "[Errno 21] Is a directory: 'run/decisions.jsonl'"
+    # (or "[Errno 20] Not a directory: 'run/tensorboard/scheduler'")
+    _make(paths / "run", entries)
+    assert f"argument --run-dir: run: {paths / 'run' / odd} is {what}; move it away or give another directory" \
+        in parse_error(["scheduler", "--run-dir", "run"], capsys)
+
+
+def test_a_run_dir_entry_that_cannot_be_written_is_usage_naming_it(paths, monkeypatch, capsys):
+    log = paths / "run" / "decisions.jsonl"
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != log and access(path, mode))  # as for a non-root user
+    assert f"argument --run-dir: run: {log} is not writable; make it writable or give another directory" in parse_error(
+        ["scheduler", "--run-dir", "run"], capsys)
+
+
+@pytest.mark.timeout(60)
+def test_bpslaunch_refuses_a_log_dir_whose_tensorboard_folder_is_a_file_before_starting(paths):
+    # the job started (here: exit 0); a worker opening its scalars there raised OSError '[Errno 20] Not a directory'
+    (paths / "run" / "tensorboard").write_text("")
+    code, output = run_bpslaunch(["-n", "1", "--log-dir", paths / "run", "--", sys.executable, "-c", "print('started')"],
+                                 timeout=50)
+    assert code == 2, output
+    assert f"argument --log-dir: {paths / 'run' / 'tensorboard'} is a file, where the command writes in a folder" in output
+    assert "started" not in output
 
 
 def test_a_check_that_cannot_remove_its_probe_says_so_and_names_it(paths, monkeypatch, capsys):

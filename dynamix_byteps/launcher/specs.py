@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dynamix_byteps.argtypes import run_dir_entry_problem
 from dynamix_byteps.assignment import BatchBounds, parse_batch_sizes
+from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.engine.ps_rendezvous import MAX_SERVERS
 from dynamix_byteps.env import (
     CHECKPOINT_ENV,
@@ -39,8 +41,12 @@ from dynamix_byteps.launcher.topology import (
     interface_towards,
     visible_gpu_count,
 )
+from dynamix_byteps.tensorboard_scalars import TENSORBOARD_DIR
 
 __all__ = ["build_specs", "env_mode", "local_mode", "worker_specs"]
+
+#: What the run writes in --log-dir besides the children's logs (a directory's name ends in /).
+RUN_DIR_ENTRIES = (DECISION_LOG, f"{TENSORBOARD_DIR}/")
 
 _ENV_MODE_HINT = (
     "pass --num-workers N to run N local workers, or set the BytePS variables DMLC_ROLE, "
@@ -353,11 +359,15 @@ def _ps_env_server(config: LaunchConfig, env: Mapping[str, str]) -> ChildSpec:
 
 
 def _prepare_log_files(log_dir: Path, specs: Sequence[ChildSpec]) -> None:
-    """Create ``log_dir`` and check that every child's log file can be written, before any starts."""
+    """Create ``log_dir`` and check that every child's log file, the decision log and the TensorBoard
+    folder can be written, before any starts."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UsageError(f"argument --log-dir: cannot create {log_dir}: {error.strerror}") from None
+    for entry in RUN_DIR_ENTRIES:
+        if problem := run_dir_entry_problem(log_dir, entry):
+            raise UsageError(f"argument --log-dir: {problem}")
     for spec in specs:
         if spec.log_path is None:
             continue
