@@ -24,7 +24,11 @@ reverse?).
 
 Where a series' steps go back (a restart from a checkpoint, or a --log-dir that holds an earlier
 run too), the report keeps the newest event at each step and warns, as TensorBoard purges the
-events a restart orphaned; the wall time still spans every event file.
+events a restart orphaned; the wall time still spans every event file. Where the decisions' number
+of workers changes (``bpslaunch --restart-on-failure`` going on with fewer workers), each decision
+keeps its own, both plots of ``batch_size.png`` draw a solid line labelled 'N → M workers' at the
+first decision of the new size, the table says so, and the reported global batch sums the workers
+of the job at each step.
 
 A worker's first interval is warm-up: its first step's compute time also holds what ran between
 creating the optimizer and that step (the parameter broadcast, the loader's start), so the step
@@ -70,18 +74,33 @@ class Series:
 @dataclass(frozen=True)
 class Decisions:
     """The scheduler's decisions, in log order: ``wall`` float64 (seconds since the run's start),
-    ``step`` int64 (the step decided at), ``batch`` int64 (T, N) local batches assigned, ``changed``
-    bool (the assignment differs from the one before)."""
+    ``step`` int64 (the step decided at), ``batch`` int64 (T, N) local batches assigned (N: the
+    most workers any decision had; 0 for the ranks a decision of fewer workers does not have),
+    ``workers`` int64 (T,) each decision's number of workers, ``changed`` bool (the assignment
+    differs from the one before)."""
 
     wall: np.ndarray
     step: np.ndarray
     batch: np.ndarray
+    workers: np.ndarray
     changed: np.ndarray
 
     @property
     def global_batch(self) -> np.ndarray:
         """(T,) global batch each decision assigned (samples)."""
         return self.batch.sum(axis=1)
+
+    @property
+    def resized(self) -> np.ndarray:
+        """Indices of the decisions whose number of workers differs from the one before (an elastic
+        restart on fewer workers, or a run dir that holds a run of another size too)."""
+        return np.flatnonzero(np.diff(self.workers)) + 1
+
+    def workers_at(self, steps: np.ndarray) -> np.ndarray:
+        """(S,) the number of workers at each of ``steps`` (int64, increasing): that of the newest
+        decision at or before the step, of the first decision before it."""
+        newest = np.searchsorted(self.step, steps, side="right") - 1
+        return self.workers[np.maximum(newest, 0)]
 
 
 @dataclass
@@ -212,19 +231,22 @@ def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None
     """``RUN_DIR/decisions.jsonl`` relative to ``start`` (seconds since the Unix epoch, see
     :class:`RunData`); None when the run has no decision log (no ``--policy``) or no decision
     with a time and batch sizes. Damaged lines are skipped with a warning (a run still going
-    may end with half a line); lines whose worker count differs from the first's are left out."""
+    may end with half a line). Each decision keeps its own number of workers (an elastic restart
+    goes on with fewer, see :attr:`Decisions.resized`)."""
     path = Path(run_dir) / DECISION_LOG
     if not path.is_file():
         return None
-    records = [r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes]
-    records = newest_at_each_step([r for r in records if len(r.batch_sizes) == len(records[0].batch_sizes)])
+    records = newest_at_each_step([r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes])
     if not records:
         return None
-    batch = np.array([r.batch_sizes for r in records], dtype=np.int64)
+    workers = np.array([len(r.batch_sizes) for r in records], dtype=np.int64)
+    batch = np.zeros((len(records), workers.max()), dtype=np.int64)
+    for row, record in zip(batch, records):
+        row[:len(record.batch_sizes)] = record.batch_sizes
     before = [r.batch_sizes_before or r.batch_sizes for r in records]
     changed = np.array([list(b) != list(r.batch_sizes) for b, r in zip(before, records)], dtype=bool)
     return Decisions(np.array([r.time - start for r in records], dtype=np.float64),
-                     np.array([r.step for r in records], dtype=np.int64), batch, changed)
+                     np.array([r.step for r in records], dtype=np.int64), batch, workers, changed)
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -272,11 +294,16 @@ def summary(data: RunData) -> tuple[list[dict], dict]:
 def rhythm(decisions: Decisions) -> dict:
     """``decisions``, ``changes``, and the mean global batch assigned over the first and the last
     third of the decisions (``early_global_batch``, ``late_global_batch``, samples; a third holds at
-    least one decision)."""
+    least one decision); ``resized``: ``(step, workers before, workers after)`` of each decision whose
+    number of workers changed, when any."""
     g = decisions.global_batch.astype(np.float64)
     third = max(1, len(g) // 3)
-    return {"decisions": len(g), "changes": int(decisions.changed.sum()),
-            "early_global_batch": float(g[:third].mean()), "late_global_batch": float(g[-third:].mean())}
+    out = {"decisions": len(g), "changes": int(decisions.changed.sum()),
+           "early_global_batch": float(g[:third].mean()), "late_global_batch": float(g[-third:].mean())}
+    if len(decisions.resized):
+        out["resized"] = [(int(decisions.step[i]), int(decisions.workers[i - 1]), int(decisions.workers[i]))
+                          for i in decisions.resized]
+    return out
 
 
 def format_summary(rows: list[dict], job: dict) -> str:
@@ -306,6 +333,9 @@ def format_summary(rows: list[dict], job: dict) -> str:
         trend = "larger late" if late > 1.05 * early else "smaller late" if late < early / 1.05 else "about the same"
         lines.append(f"decisions: {r['decisions']} ({r['changes']} changed the batch sizes); global batch assigned: "
                      f"{early:.0f} over the first third, {late:.0f} over the last ({trend})")
+        for step, before, after in r.get("resized", ()):
+            lines.append(f"workers: {before} -> {after} from the decision at step {step} (an elastic restart, or "
+                         "this --log-dir holds a run of another size too); each decision counts its own workers")
     return "\n".join(lines)
 
 
@@ -344,14 +374,20 @@ def _finish(ax, title: str, ylabel: str) -> None:
         ax.legend(fontsize="small")
 
 
-#: ``gid`` of the artists marking decisions: every decision, and those that changed the assignment.
-DECISION_TICKS, DECISION_CHANGES = "decision-ticks", "decision-changes"
+#: ``gid`` of the artists marking decisions: every decision, those that changed the assignment, and
+#: those whose number of workers differs from the one before (:attr:`Decisions.resized`).
+DECISION_TICKS, DECISION_CHANGES, WORKER_COUNT_CHANGES = "decision-ticks", "decision-changes", "worker-count-changes"
 
 
 def _mark_decisions(ax, decisions: Decisions | None) -> None:
-    """A tick at the top of ``ax`` per decision; a dotted vertical line per change."""
+    """A tick at the top of ``ax`` per decision; a dotted vertical line per change; a solid one,
+    labelled 'N → M workers', at each decision whose number of workers changed."""
     if decisions is None:
         return
+    for i in decisions.resized:
+        ax.axvline(decisions.wall[i], color="C3", linewidth=1.2, gid=WORKER_COUNT_CHANGES)
+        ax.text(decisions.wall[i], 0.5, f" {decisions.workers[i - 1]} → {decisions.workers[i]} workers ",
+                transform=ax.get_xaxis_transform(), rotation=90, va="center", ha="right", fontsize="small", color="C3")
     ax.plot(decisions.wall, np.ones(len(decisions.wall)), linestyle="none", marker="|", markersize=9, color="0.3",
             transform=ax.get_xaxis_transform(), clip_on=False, gid=DECISION_TICKS, label="decision")
     changes = decisions.wall[decisions.changed]
@@ -361,18 +397,23 @@ def _mark_decisions(ax, decisions: Decisions | None) -> None:
 
 
 def global_batch_reported(data: RunData) -> Series | None:
-    """Sum over workers of the reported mean local batch at the report steps every worker has
-    (``wall``: the latest worker's time of that step); None when a worker has no ``batch_size``
-    scalar (:attr:`RunData.missing_workers`): the others' sum is not the global batch."""
+    """Sum over the job's workers of the reported mean local batch at the report steps every one
+    of them has (``wall``: the latest worker's time of that step). The job at a step is ranks
+    ``0..n-1``, ``n`` the decisions' number of workers there (:meth:`Decisions.workers_at`; an
+    elastic restart goes on with fewer), else every worker. None when a worker has no
+    ``batch_size`` scalar (:attr:`RunData.missing_workers`): the others' sum is not the global batch."""
     if not data.workers or data.missing_workers:
         return None
-    series = [s["batch_size"] for s in data.workers.values()]
-    steps = series[0].step
-    for s in series[1:]:
-        steps = np.intersect1d(steps, s.step)
-    picks = [np.searchsorted(s.step, steps) for s in series]  # steps are increasing within a series
-    value = np.sum([s.value[i] for s, i in zip(series, picks)], axis=0)
-    wall = np.max([s.wall[i] for s, i in zip(series, picks)], axis=0)
+    series = [s["batch_size"] for s in data.workers.values()]  # ranks 0, 1, ...: none is missing
+    steps = np.unique(np.concatenate([s.step for s in series]))
+    size = data.decisions.workers_at(steps) if data.decisions is not None else np.full(len(steps), len(series))
+    in_job = np.arange(len(series))[:, None] < size  # (ranks, steps)
+    has = np.array([np.isin(steps, s.step) for s in series])
+    every = np.all(has | ~in_job, axis=0)
+    steps, in_job = steps[every], in_job[:, every]
+    picks = [np.minimum(np.searchsorted(s.step, steps), len(s.step) - 1) for s in series]  # steps increase
+    value = np.sum([np.where(job, s.value[i], 0.0) for s, i, job in zip(series, picks, in_job)], axis=0)
+    wall = np.max([np.where(job, s.wall[i], -np.inf) for s, i, job in zip(series, picks, in_job)], axis=0)
     return Series(steps, wall, value)
 
 

@@ -15,10 +15,12 @@ from dynamix_byteps.report import (
     DECISION_CHANGES,
     DECISION_TICKS,
     PLOTS,
+    WORKER_COUNT_CHANGES,
     RunData,
     Series,
     batch_figure,
     format_summary,
+    global_batch_reported,
     load_decisions,
     load_run,
     summary,
@@ -168,6 +170,49 @@ def test_a_run_dir_reused_by_a_later_run_is_reported_from_its_newest_events_with
     assert {rank: s["batch_size"].value.tolist() for rank, s in data.workers.items()} == {0: [32, 32], 1: [32, 32]}
     lines = {line.get_label(): line for line in batch_figure(data).axes[1].lines}
     assert lines["reported (sum of the workers' means)"].get_ydata().tolist() == [64, 64]
+
+def test_an_elastic_restart_on_fewer_workers_is_reported_in_both_parts_with_a_boundary(tmp_path, caplog, monkeypatch):
+    """bpslaunch --restart-on-failure --min-workers: 4 workers to step 8, a worker lost, the job resumed
+    at step 7 on 3 (the checkpoint after step 6). The report kept only the 4-worker decisions, silently,
+    and summed the reported batches only while worker 3 reported."""
+    import itertools
+    import time
+
+    from dynamix_byteps import tensorboard_scalars
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    # both runs' files within one second of one process: names sort by their counter, 1-7, not 9 before 13
+    monkeypatch.setattr(tensorboard_scalars, "_file_ids", itertools.count(1))
+
+    runs = [(4, [8, 8, 8, 8], (2, 4, 6, 8)), (3, [10, 10, 14], (8, 10, 12))]
+    lines = []
+    for workers, sizes, steps in runs:
+        for rank in range(workers):
+            writer = ScalarWriter(tmp_path / "tensorboard" / f"worker-{rank}")
+            for step in steps:
+                writer.add({"batch_size": float(sizes[rank])}, step=step)
+            writer.close()
+        lines += [DecisionRecord(time=time.time(), decision=i, step=step, batch_sizes_before=sizes, batch_sizes=sizes)
+                  for i, step in enumerate(steps)]
+    (tmp_path / "decisions.jsonl").write_text("".join(r.to_json() + "\n" for r in lines))
+    with caplog.at_level("WARNING", logger="dynamix_byteps.report"):
+        data = load_run(tmp_path)
+    assert "no batch sizes" not in caplog.text
+    decisions = data.decisions
+    assert decisions.step.tolist() == [2, 4, 6, 8, 10, 12]  # the restarted run's step 8 supersedes the lost one's
+    assert decisions.workers.tolist() == [4, 4, 4, 3, 3, 3] and decisions.global_batch.tolist() == [32] * 3 + [34] * 3
+    rows, job = summary(data)
+    table = format_summary(rows, job)
+    assert "decisions: 6 (" in table and "workers: 4 -> 3 from the decision at step 8" in table, table
+    for ax in batch_figure(data).axes:
+        (boundary,) = _artists(ax, WORKER_COUNT_CHANGES)
+        assert boundary.get_xdata()[0] == decisions.wall[3]
+        assert any(text.get_text().strip() == "4 → 3 workers" for text in ax.texts)
+    lines = {line.get_label(): line for line in batch_figure(data).axes[1].lines}
+    assert lines["assigned by the decisions"].get_ydata().tolist() == [32] * 3 + [34] * 3
+    reported = lines["reported (sum of the workers' means)"]
+    assert reported.get_ydata().tolist() == [32] * 3 + [34] * 3  # from step 8 workers 0-2: worker 3 left the job
+    assert global_batch_reported(data).step.tolist() == [2, 4, 6, 8, 10, 12]
 
 def test_a_run_whose_every_worker_file_is_unreadable_names_them(tmp_path):
     from dynamix_byteps.tensorboard_scalars import ScalarWriter
