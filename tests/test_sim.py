@@ -25,6 +25,7 @@ from dynamix_byteps.policy.ppo.mdp import (
     ladder_factors,
 )
 from dynamix_byteps.policy.sim import (
+    CommParams,
     SimParams,
     Simulator,
     StatParams,
@@ -125,6 +126,44 @@ def test_a_job_field_of_another_type_is_refused_naming_it_and_the_file(tmp_path,
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigurationError, match=f"{path}: simulator parameter {field}"):
         SimParams.from_json(path)
+
+@pytest.mark.parametrize("section, field, value, valid", [
+    ("stats", "gap_free_ratio", 1e308, "[1e-06, 1e+06]"), ("stats", "noise_growth", 1e308, "[0, 10]"),
+    ("stats", "noise_growth", 1e30, "[0, 10]"), ("stats", "measured_noise_growth", 1e30, "[0, 10] or null"),
+    ("stats", "noise_scale", 1e308, "(0, 1e+12]"), ("comm", "model_bytes", 1e308, "[0, 1e+15]"),
+    ("comm", "jitter", 1e30, "[0, 10]"), ("workers", "jitter", 1e30, "[0, 10]"),
+    ("workers", "samples_per_s", 1e-300, "[1e-06, 1e+12]"), ("slowdowns", "factor", 1e308, "[1, 1e+06]"),
+])
+def test_an_absurd_number_is_refused_at_load_with_its_range_naming_the_file(tmp_path, section, field, value, valid):
+    """Well-typed but absurd --sim-params values crashed `dynamix policy eval` mid-episode: OverflowError
+    (noise_growth 1e30: x ** gamma), 'math domain error' (gap_free_ratio 1e308: log2(m / inf)), or
+    'noise_scale=inf must be a finite number' once randomisation scaled 1e308."""
+    data = reference().to_dict()
+    if section == "workers":
+        data["workers"][0][field] = value
+    elif section == "slowdowns":
+        data["workers"][0]["slowdowns"] = [{"factor": value, "start": 0.0, "end": 1.0}]
+    else:
+        data[section][field] = value
+    path = tmp_path / "sim.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigurationError) as refused:
+        SimParams.from_json(path)
+    assert str(refused.value) == f"{path}: simulator parameter {field}={value!r} must be a number in {valid}"
+
+
+def test_a_job_at_the_upper_bounds_simulates_randomised_without_a_math_error():
+    """The ranges keep the simulator's arithmetic finite (the losses and accuracies keep their order)."""
+    data = reference().to_dict()
+    ordered = {"initial_loss", "min_loss", "target_loss", "chance_accuracy", "max_accuracy"}
+    for cls, values in ((StatParams, data["stats"]), (CommParams, data["comm"]), (WorkerParams, data["workers"][0])):
+        for f in dataclasses.fields(cls):
+            if "range" in f.metadata and f.name not in ordered:
+                values[f.name] = f.metadata["range"][1]
+    sim = Simulator(randomised(SimParams.from_dict(data), np.random.default_rng(0)), rng=np.random.default_rng(0))
+    sim.reset()
+    assert math.isfinite(sim.step([32] * 4).reward)
+
 
 @pytest.mark.parametrize("data", [[1, 2], "x", None, 3])
 def test_params_that_are_not_a_json_object_are_refused(data):

@@ -14,7 +14,8 @@
 ``f`` in a slowdown window is the fraction of the way from the initial loss to the target loss,
 the simulator's "budget" (scenario windows are fractions of a run's budget, see
 :mod:`dynamix_byteps.scenarios`). ``to_json``/``from_json`` round-trip exactly; ``from_dict``
-rejects unknown keys so a fitted file from a newer version fails loudly.
+rejects unknown keys so a fitted file from a newer version fails loudly, and a number outside its
+field's range (``metadata["range"]``, e.g. ``noise_growth`` in [0, 10]) naming the field and the range.
 """
 
 from __future__ import annotations
@@ -54,6 +55,30 @@ def _non_negative(x, name: str) -> None:
     _check(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0, f"{name}={x!r} must be a finite number >= 0")
 
 
+def _ranged(low: float, high: float, default=None, *, low_open: bool = False, optional: bool = False):
+    """A number field whose value in a parameters file (:meth:`SimParams.from_dict`) must lie in
+    ``[low, high]`` (``(low, high]`` with ``low_open``; None too with ``optional``): bounds far
+    beyond any real job, inside which the simulator's arithmetic stays finite, also after
+    :func:`~dynamix_byteps.policy.sim.randomise.randomised` scales a value by up to 5."""
+    spec = {"metadata": {"range": (low, high, low_open, optional)}}
+    return field(**spec) if default is None and not optional else field(default=default, **spec)
+
+
+def _check_range(cls, data: dict) -> None:
+    """ConfigurationError naming the first field of ``data`` outside its ``cls`` field's range."""
+    for f in fields(cls):
+        if "range" not in f.metadata or f.name not in data:
+            continue
+        low, high, low_open, optional = f.metadata["range"]
+        x = data[f.name]
+        if optional and x is None:
+            continue
+        number = isinstance(x, (int, float)) and not isinstance(x, bool)
+        _check(number and (low < x if low_open else low <= x) and x <= high,
+               f"{f.name}={x!r} must be a number in {'(' if low_open else '['}{low:g}, {high:g}]"
+               + (" or null" if optional else ""))
+
+
 def _whole(x, name: str, high: int | None = None) -> None:
     """An integer >= 1 (numpy's too), at most ``high`` when given; a bool or 32.9 is refused."""
     _check(isinstance(x, numbers.Integral) and not isinstance(x, bool) and 1 <= x <= (high or x),
@@ -64,7 +89,7 @@ def _whole(x, name: str, high: int | None = None) -> None:
 class Window:
     """Compute ``factor`` (>= 1) times slower while the progress fraction is in ``[start, end)``."""
 
-    factor: float
+    factor: float = _ranged(1.0, 1e6)
     start: float = 0.0
     end: float = 1.0
 
@@ -85,11 +110,11 @@ class WorkerParams:
         bandwidth_bytes_per_s: this worker's link, None = :attr:`CommParams.bandwidth_bytes_per_s`.
     """
 
-    fixed_s: float = 0.01
-    samples_per_s: float = 2000.0
-    jitter: float = 0.05
+    fixed_s: float = _ranged(0.0, 1e6, 0.01)
+    samples_per_s: float = _ranged(1e-6, 1e12, 2000.0)
+    jitter: float = _ranged(0.0, 10.0, 0.05)
     slowdowns: tuple[Window, ...] = ()
-    bandwidth_bytes_per_s: float | None = None
+    bandwidth_bytes_per_s: float | None = _ranged(1.0, 1e15, optional=True)
 
     def __post_init__(self):
         _non_negative(self.fixed_s, "fixed_s")
@@ -119,10 +144,10 @@ class CommParams:
         jitter: relative standard deviation per step (lognormal, mean 1).
     """
 
-    model_bytes: float = 1.7e6
-    bandwidth_bytes_per_s: float = 1.25e8
-    latency_s: float = 5e-4
-    jitter: float = 0.05
+    model_bytes: float = _ranged(0.0, 1e15, 1.7e6)
+    bandwidth_bytes_per_s: float = _ranged(1.0, 1e15, 1.25e8)
+    latency_s: float = _ranged(0.0, 1e6, 5e-4)
+    jitter: float = _ranged(0.0, 10.0, 0.05)
 
     def __post_init__(self):
         _non_negative(self.model_bytes, "model_bytes")
@@ -158,22 +183,22 @@ class StatParams:
             from runs at several global batches.
     """
 
-    initial_loss: float = 2.3
-    min_loss: float = 0.15
-    target_loss: float = 0.4
-    steps_scale: float = 120.0
-    noise_scale: float = 200.0
-    noise_growth: float = 1.0
-    gap_per_doubling: float = 0.02
-    gap_free_ratio: float = 1.0
-    gap_steps: float = 50.0
-    chance_accuracy: float = 0.1
-    max_accuracy: float = 0.92
-    loss_noise: float = 0.02
-    noise_scale_noise: float = 0.2
-    measured_noise_scale: float | None = None
-    measured_noise_growth: float | None = None
-    loss_tail: float | None = None
+    initial_loss: float = _ranged(0.0, 1e6, 2.3)
+    min_loss: float = _ranged(0.0, 1e6, 0.15)
+    target_loss: float = _ranged(0.0, 1e6, 0.4)
+    steps_scale: float = _ranged(0.0, 1e12, 120.0, low_open=True)
+    noise_scale: float = _ranged(0.0, 1e12, 200.0, low_open=True)
+    noise_growth: float = _ranged(0.0, 10.0, 1.0)
+    gap_per_doubling: float = _ranged(0.0, 1.0, 0.02)
+    gap_free_ratio: float = _ranged(1e-6, 1e6, 1.0)
+    gap_steps: float = _ranged(0.0, 1e12, 50.0, low_open=True)
+    chance_accuracy: float = _ranged(0.0, 1.0, 0.1)
+    max_accuracy: float = _ranged(0.0, 1.0, 0.92)
+    loss_noise: float = _ranged(0.0, 10.0, 0.02)
+    noise_scale_noise: float = _ranged(0.0, 10.0, 0.2)
+    measured_noise_scale: float | None = _ranged(0.0, 1e12, low_open=True, optional=True)
+    measured_noise_growth: float | None = _ranged(0.0, 10.0, optional=True)
+    loss_tail: float | None = _ranged(0.0, 1e6, low_open=True, optional=True)
 
     def __post_init__(self):
         optional = ("measured_noise_scale", "measured_noise_growth", "loss_tail")
@@ -304,6 +329,7 @@ def _build(cls, data: dict):
     names = {f.name for f in fields(cls)}
     unknown = set(data) - names
     _check(not unknown, f"{cls.__name__} has no field(s) {sorted(unknown)}; known: {sorted(names)}")
+    _check_range(cls, data)
     return cls(**data)
 
 
