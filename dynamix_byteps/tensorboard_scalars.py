@@ -78,7 +78,8 @@ def _tensorboard(submodule: str):
 class ScalarWriter:
     """Scalars into one TensorBoard run directory, in a new event file
     ``events.out.tfevents.<unix time>.<host>.<pid>.<n>`` created on :meth:`open` or the first
-    :meth:`add`. Thread-safe; each :meth:`add` is written and flushed before it returns (about
+    :meth:`add` (``<n>`` zero-padded: TensorBoard reads a directory's files in name order, so a
+    process's files of one second sort in the order they were made). Thread-safe; each :meth:`add` is written and flushed before it returns (about
     0.07 ms for the 8 worker tags here, most of it tensorboard's pure-Python CRC).
     """
 
@@ -100,7 +101,7 @@ class ScalarWriter:
 
                 self.logdir.mkdir(parents=True, exist_ok=True)
                 now = time.time()
-                name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids)}"
+                name = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}.{next(_file_ids):06d}"
                 self._records = RecordWriter(open(self.logdir / name, "wb"))
                 self._write(Event(wall_time=now, file_version=FILE_VERSION))
                 atexit.register(self.close)

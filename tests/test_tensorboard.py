@@ -86,6 +86,19 @@ def test_a_killed_process_loses_no_scalar_it_had_written(tmp_path):
     assert [(e.step, e.value) for e in scalars["step_s"]] == [(20, 0.25)]
 
 
+def test_a_process_s_event_files_sort_in_the_order_it_made_them(tmp_path, monkeypatch):
+    """TensorBoard (and ``dynamix report``) read a directory's files in name order: the 10th file
+    of a second must not come before the 9th."""
+    import itertools
+
+    monkeypatch.setattr(tensorboard_scalars, "_file_ids", itertools.count(8))
+    made = []
+    for value in range(4):
+        tensorboard_scalars.ScalarWriter(tmp_path / str(value)).open()
+        made.append(next((tmp_path / str(value)).iterdir()).name)
+    assert sorted(made) == made, made
+
+
 def test_without_a_log_dir_nothing_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("DYNAMIX_LOG_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
