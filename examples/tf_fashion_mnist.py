@@ -193,7 +193,11 @@ def evaluate(model, images, labels, rank, size) -> tuple[float, float]:
         logits = model(x, training=False)
         stats += [float(loss_fn(y, logits)) * len(y), int(np.sum(np.argmax(logits, 1) == y)), len(y)]
     total = bps.push_pull(tf.constant(stats), average=False, name="test_stats").numpy()
-    return total[1] / total[2], total[0] / total[2]
+    accuracy, test_loss = total[1] / total[2], total[0] / total[2]
+    if rank == 0:  # TensorBoard, with bpslaunch --log-dir: what `dynamix report` reads
+        bps.log_scalar("test/accuracy", accuracy)
+        bps.log_scalar("test/loss", test_loss)
+    return accuracy, test_loss
 
 
 def eval_subset(images, labels, n):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dynamix_byteps.report import load_run
+
 pytest.importorskip("tensorflow")
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +58,7 @@ def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_p
     """Keras epochs of 1,000 samples (4 steps), several of them in 10 s: the budget, not the epochs, ends
     training. (With 6 s, a loaded CI machine spent all of it in the first epoch: 4.6 s tracing the first step.)"""
     metrics, stdout = train(tmp_path, "--fit", "--epochs", "1000", "--limit-train", "1000", "--time-budget", "10",
-                            "--eval-every", "1", "--eval-subset", "500")
+                            "--eval-every", "1", "--eval-subset", "500", launcher_flags=("--log-dir", str(tmp_path / "run")))
     curve = metrics["curve"]
     assert metrics["test_samples"] == 500 and len(curve) >= 3
     times = [p["train_s"] for p in curve]
@@ -68,3 +70,6 @@ def test_model_fit_stops_at_the_time_budget_and_records_the_accuracy_curve(tmp_p
     assert metrics["stopped_by"] == "time_budget" and metrics["epochs_trained"] == metrics["samples"] / 1000
     assert "time budget of 10 s ran out at t=" in stdout, stdout[-2000:]
     assert f"{metrics['steps']} steps, {metrics['samples']} samples" in stdout
+    logged = load_run(tmp_path / "run").workers[0]  # what `dynamix report` shows as the final accuracy
+    assert logged["test/accuracy"].value[-1] == pytest.approx(metrics["test_accuracy"])
+    assert logged["test/loss"].value[-1] == pytest.approx(metrics["test_loss"])
