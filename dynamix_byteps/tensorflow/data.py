@@ -11,9 +11,14 @@ iterator when an epoch ends early), so no sample is lost or repeated.
 
 With ``model.fit``: the number of steps per epoch is not known in advance (it follows the
 batch sizes), so Keras ends each epoch when the data runs out and says "Your input ran out of
-data" once; that is expected here. Keras counts later epochs in the first epoch's steps: when a
-later epoch has more steps, Keras's epoch ends early and the next one finishes the sampler's
-epoch first. Pass ``shuffle=False`` (the sampler shuffles).
+data" once; that is expected here. Keras counts the later epochs of one ``fit`` call in its first
+epoch's steps: when the global batch shrinks (``goodput``, ``ppo``, a schedule that lowers it), a
+later epoch has more steps, Keras ends it early, the next one finishes the sampler's epoch first,
+and the last call's epochs end before the sampler's (measured, Keras 3.15, one worker, 640 samples,
+the batch 64 → 32 at step 12: ``fit(epochs=3)`` ran 10, 11 and 7 steps, two of the sampler's
+epochs; one ``fit(initial_epoch=e, epochs=e + 1)`` per epoch ran 10, 18 and 20, all three). So
+when the batch can shrink, call ``fit`` once per epoch. Pass ``shuffle=False`` (the sampler
+shuffles).
 
 tf.data autotuning is off for this dataset: there is nothing to tune (one Python generator, one
 gather), and an iterator that Keras drops at an epoch's end waited for the autotuning thread's
