@@ -230,8 +230,13 @@ class BucketReducer:
         (False for ``torch.autograd.grad`` and for ``backward(inputs=...)`` of other tensors)."""
         named = self._parameters()
         self._register_hooks(p for _, p in named)
+        return self._backward_executes(self._accumulators[p] for _, p in named)
+
+    @staticmethod
+    def _backward_executes(accumulators) -> bool:
+        """Whether the running backward pass runs any of ``accumulators`` (gradient accumulator nodes)."""
         try:
-            return any(torch._C._will_engine_execute_node(self._accumulators[p]) for _, p in named)
+            return any(torch._C._will_engine_execute_node(node) for node in accumulators)
         except RuntimeError:  # torch.autograd.grad(): no parameter's .grad is written
             return False
 
@@ -275,12 +280,11 @@ class BucketReducer:
 
     def _hooked_gradients_written(self) -> bool:
         """Whether the running backward pass writes a gradient whose accumulator this reducer's
-        hooks are on (not those a newer reducer over the same model took over)."""
-        try:
-            return any(getattr(p, _HOOK_ATTR)[1]() is self and torch._C._will_engine_execute_node(node)
-                       for p, node in self._accumulators.items())
-        except RuntimeError:  # torch.autograd.grad(): no .grad is written
-            return False
+        hooks are on (not those a newer reducer over the same model took over). Unlike
+        :meth:`backward_writes_gradients` it hooks no new parameter: that would take them back from
+        the newer reducer."""
+        return self._backward_executes(node for p, node in self._accumulators.items()
+                                       if getattr(p, _HOOK_ATTR)[1]() is self)
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         if not self._launching or param not in self._plan.slot:
