@@ -110,6 +110,25 @@ def clean_env(*, unset: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def no_job_variables(monkeypatch):
+    """This test's process environment without any launcher's job variables (as :func:`clean_env`)."""
+    for name in [name for name in os.environ if name.startswith(JOB_VARIABLES)]:
+        monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def single_process_job(no_job_variables):
+    """``dynamix_byteps.torch`` initialised as a script run without a launcher (one worker), shut down after."""
+    import dynamix_byteps.torch as bps
+
+    bps.init()
+    try:
+        yield bps
+    finally:
+        bps.shutdown()
+
+
 def wait_until(predicate, timeout: float = 30.0, step: float = 0.05):
     """Call ``predicate`` every ``step`` seconds until it returns a true value or ``timeout`` seconds
     passed; returns its last value (false when the time ran out)."""

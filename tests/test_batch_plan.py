@@ -99,27 +99,20 @@ def test_two_frontends_taking_one_samplers_draws_in_turn_are_refused_and_a_repla
         without_sampler.take_draws(1, taker=taker)
 
 
-def test_a_gan_s_two_optimizers_on_one_sampler_are_refused_at_the_first_alternation(monkeypatch):
+def test_a_gan_s_two_optimizers_on_one_sampler_are_refused_at_the_first_alternation(single_process_job):
     import torch
 
-    import dynamix_byteps.torch as bps
-
-    for name in ("DMLC_NUM_WORKER", "BYTEPS_LOCAL_SIZE", "DYNAMIX_ENGINE"):
-        monkeypatch.delenv(name, raising=False)
-    bps.init()
-    try:
-        sampler = bps.DynamicBatchSampler(64, 4, seed=1)
-        generator, critic = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
-        opt_g, opt_d = (bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
-                        for net in (generator, critic))
-        with pytest.raises(ConfigurationError, match="from one DynamicBatchSampler in turn"):
-            for batch in sampler:
-                fake = generator(torch.randn(len(batch), 2))
-                opt_d.zero_grad()
-                critic(fake.detach()).mean().backward()
-                opt_d.step()
-                opt_g.zero_grad()
-                critic(fake).mean().backward()
-                opt_g.step()
-    finally:
-        bps.shutdown()
+    bps = single_process_job
+    sampler = bps.DynamicBatchSampler(64, 4, seed=1)
+    generator, critic = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    opt_g, opt_d = (bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), net.named_parameters())
+                    for net in (generator, critic))
+    with pytest.raises(ConfigurationError, match="from one DynamicBatchSampler in turn"):
+        for batch in sampler:
+            fake = generator(torch.randn(len(batch), 2))
+            opt_d.zero_grad()
+            critic(fake.detach()).mean().backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            critic(fake).mean().backward()
+            opt_g.step()

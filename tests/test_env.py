@@ -118,9 +118,7 @@ def test_queries_before_init_raise():
         bps.rank()
 
 
-def test_single_process_init_and_shutdown(monkeypatch):
-    for name in ("DMLC_NUM_WORKER", "BYTEPS_LOCAL_SIZE", "DYNAMIX_ENGINE"):
-        monkeypatch.delenv(name, raising=False)
+def test_single_process_init_and_shutdown(no_job_variables):
     bps.init()
     try:
         assert (bps.rank(), bps.size(), bps.local_rank(), bps.local_size()) == (0, 1, 0, 1)

@@ -199,15 +199,7 @@ def test_a_numpy_integer_is_a_dataset_length():
     assert len(drawn) == 20 and len(set(drawn)) == 20  # its half of the epoch, each sample once
 
 
-def test_num_replicas_other_than_the_jobs_size_is_refused(monkeypatch):
-    import dynamix_byteps.torch as bps
-
-    for name in ("DMLC_NUM_WORKER", "BYTEPS_LOCAL_SIZE", "DYNAMIX_ENGINE"):
-        monkeypatch.delenv(name, raising=False)
-    bps.init()
-    try:
-        with pytest.raises(ConfigurationError, match="num_replicas=4 but the job has 1 workers"):
-            DynamicBatchSampler(100, 8, num_replicas=4, rank=0)
-        DynamicBatchSampler(100, 8, num_replicas=1, rank=0)  # a worker's own shard
-    finally:
-        bps.shutdown()
+def test_num_replicas_other_than_the_jobs_size_is_refused(single_process_job):
+    with pytest.raises(ConfigurationError, match="num_replicas=4 but the job has 1 workers"):
+        DynamicBatchSampler(100, 8, num_replicas=4, rank=0)
+    DynamicBatchSampler(100, 8, num_replicas=1, rank=0)  # a worker's own shard
