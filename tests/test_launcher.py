@@ -953,6 +953,13 @@ def test_engine_auto_is_resolved_once_and_passed_on(monkeypatch, gpus, expected)
         assert [s.env["DYNAMIX_ENGINE"] for s in specs] == [expected] * 3
 
 
+@pytest.mark.parametrize("flag", ["-n", "-np", "--num-workers"])
+def test_worker_count_is_read_from_bpslaunch_s_and_horovodrun_s_spellings(flag):
+    from dynamix_byteps.launcher.cli import parse_args
+
+    assert parse_args([flag, "3", "--", "true"]).num_workers == 3
+
+
 @pytest.mark.parametrize("engine", ["nccl", "auto"])
 def test_env_mode_server_roles_need_no_process_with_nccl(engine):
     from dynamix_byteps.launcher.cli import parse_args

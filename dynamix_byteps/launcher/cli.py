@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dynamix_byteps {__version__}")
     parser.add_argument(
-        "-n", "--num-workers", type=_num_workers, metavar="N",
-        help=f"run N (at most {MAX_WORKERS}) local worker processes on this machine (local mode); "
+        "-n", "-np", "--num-workers", type=_num_workers, metavar="N",
+        help=f"run N (at most {MAX_WORKERS}) local worker processes on this machine (local mode; -np as "
+        "horovodrun and mpirun spell it); "
         "without it, the DMLC_* environment decides (BytePS environment mode)",
     )
     parser.add_argument(
