@@ -106,7 +106,7 @@ class Decisions:
 @dataclass
 class RunData:
     """A run's scalars: ``workers[rank][tag]``, ``scheduler[tag]``; ``start``: wall time (seconds
-    since the Unix epoch) of its earliest event; ``end``: seconds from ``start`` to its last event;
+    since the Unix epoch) of its workers' earliest event; ``end``: seconds from ``start`` to its last event;
     ``decisions``: the scheduler's decision log, None without one."""
 
     workers: dict[int, dict[str, Series]] = field(default_factory=dict)
@@ -197,7 +197,9 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
     if unreadable:
         log.warning("%s: no readable TensorBoard event in %s (event files missing, empty or damaged); the report "
                     "leaves them out", run_dir, ", ".join(unreadable))
-    start = min(first for first, _ in raw.values())
+    # The job starts with its first worker: a scheduler started by hand earlier opened its event
+    # file at its own start, which would count the wait for the workers as the job's time.
+    start = min(first for name, (first, tags) in raw.items() if name.startswith(WORKER_RUN_PREFIX) and tags)
     data = RunData(start=start)
     went_back = []
     for name, (_, tags) in raw.items():

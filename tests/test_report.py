@@ -153,6 +153,28 @@ def test_a_worker_without_scalars_is_named_and_no_partial_sum_is_drawn_as_the_gl
     lines = {line.get_label() for line in batch_figure(data).axes[1].lines}
     assert "reported (sum of the workers' means)" not in lines
 
+def test_the_job_s_wall_time_counts_from_its_first_worker_not_from_a_scheduler_started_earlier(tmp_path, monkeypatch):
+    """The torchrun recipe starts the scheduler by hand: one started 60 s before 2 s of training
+    made the report say 62 s of wall time."""
+    import time
+
+    from dynamix_byteps.tensorboard_scalars import ScalarWriter
+
+    started = time.time()
+    scheduler = ScalarWriter(tmp_path / "tensorboard" / "scheduler")
+    scheduler.open()
+    monkeypatch.setattr(time, "time", lambda: started + 60.0)
+    worker = ScalarWriter(tmp_path / "tensorboard" / "worker-0")
+    worker.open()
+    worker.add({"batch_size": 64.0}, step=10, walltime=started + 61.0)
+    scheduler.add({"global_batch": 64.0}, step=10, walltime=started + 61.5)
+    worker.add({"batch_size": 64.0}, step=20, walltime=started + 62.0)
+    for writer in (worker, scheduler):
+        writer.close()
+    _, job = summary(load_run(tmp_path))
+    assert job["wall_s"] == pytest.approx(2.0)
+
+
 def test_a_run_dir_reused_by_a_later_run_is_reported_from_its_newest_events_with_a_warning(tmp_path, caplog):
     """bpslaunch --log-dir DIR run twice (or a restart from a checkpoint): each worker's series
     went back to step 10 half-way, and the report died with IndexError in the global batch."""
