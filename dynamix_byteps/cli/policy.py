@@ -21,7 +21,7 @@ from dynamix_byteps.env import MAX_WORKERS
 from dynamix_byteps.errors import ConfigurationError, UsageError
 from dynamix_byteps.policy.ppo.imitate import DEADBAND, TEACHERS
 from dynamix_byteps.policy.ppo.mdp import LADDERS
-from dynamix_byteps.policy.ppo.policy_format import read_metadata
+from dynamix_byteps.policy.ppo.policy_format import read_metadata, trained_reward
 from dynamix_byteps.policy.ppo.served import prepare_served
 from dynamix_byteps.scenarios import load_scenarios, scenario
 
@@ -271,7 +271,6 @@ def run_eval(args: argparse.Namespace) -> int:
     """Compare the policy with the heuristics and print the table; UsageError for a bad policy, scenario or parameters."""
     from dynamix_byteps.policy import make_policy
     from dynamix_byteps.policy.ppo import library
-    from dynamix_byteps.policy.ppo.mdp import RewardWeights
     from dynamix_byteps.policy.ppo.serve import PPOPolicy
     from dynamix_byteps.policy.sim.env import scenario_params
     from dynamix_byteps.policy.sim.evaluate import compare
@@ -284,7 +283,7 @@ def run_eval(args: argparse.Namespace) -> int:
             jobs = scenario_params(args.scenario, args.workers, base, args.scenario_file)
         else:
             jobs = [from_scenario(scenario(n, args.scenario_file), base=base) for n in args.scenario]
-        weights = RewardWeights.from_dict(ppo.metadata.get("training", {}).get("reward"))
+        weights = trained_reward(ppo.directory, ppo.metadata)
     except ConfigurationError as error:
         raise UsageError(str(error)) from None
     policies = {"ppo": ppo, **{name: make_policy(name) for name in BASELINES}}

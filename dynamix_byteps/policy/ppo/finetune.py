@@ -62,6 +62,7 @@ from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
+from dynamix_byteps.policy.ppo.policy_format import read_metadata, trained_reward
 from dynamix_byteps.policy.ppo.publish import generation_dir, publish, read_manifest
 
 __all__ = ["EVENTS", "STATE_FILE", "FineTuner", "Transition", "transition_reward", "transitions"]
@@ -253,8 +254,8 @@ class FineTuner:
         self.tail = DecisionTail(self.run_dir / DECISION_LOG)
         manifest = read_manifest(self.root)
         served = manifest.path(self.root)
-        meta = json.loads((served / "features.json").read_text())
-        self.weights = RewardWeights.from_dict((meta.get("training") or {}).get("reward"))
+        served, meta = read_metadata(served)
+        self.weights = trained_reward(served, meta)
         self.module = load_module(checkpoint if checkpoint is not None else self.root / "checkpoint")
         self.num_actions = int(self.module.action_space.nvec[0])  # the length of its ladder
         trained = module_ladder(self.module)

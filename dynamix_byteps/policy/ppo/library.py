@@ -53,7 +53,7 @@ def entries() -> dict[str, dict]:
             continue
         try:
             info = json.loads((d / INFO_FILE).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError) as error:  # ValueError: not JSON, or bytes that are not UTF-8
             info = {"error": f"cannot read {INFO_FILE}: {error}"}
         if not (isinstance(info, dict) and all(isinstance(info.get(k, ""), str) for k in _TEXT)
                 and isinstance(info.get("workers", []), list) and isinstance(info.get("scenarios", []), list)

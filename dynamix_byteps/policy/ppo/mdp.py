@@ -125,12 +125,19 @@ class RewardWeights:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> RewardWeights:
-        """Build from a (possibly partial) dict; unknown keys raise :class:`ConfigurationError`."""
-        data = dict(data or {})
+        """Build from a (possibly partial) dict of name -> number (None: the defaults).
+
+        Raises:
+            ConfigurationError: ``data`` is no dict, a key is unknown, or a value is no finite number >= 0.
+        """
+        if data is not None and not isinstance(data, dict):
+            raise ConfigurationError(f"reward weights must be an object of name: number, not {type(data).__name__}")
+        data = data or {}
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigurationError(f"unknown reward weight(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        return cls(**{k: float(v) for k, v in data.items()})
+        # anything but a number is left to __post_init__, which refuses it naming the weight
+        return cls(**{k: float(v) if isinstance(v, (int, float)) else v for k, v in data.items()})
 
 
 def apply_ladder(batch: np.ndarray, actions: np.ndarray, low: np.ndarray, high: np.ndarray,

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import check_spec
-from dynamix_byteps.policy.ppo.mdp import check_ladder, keep_index
+from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, keep_index
 
 __all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "TRAINING_FILE",
-           "policy_directory", "read_metadata", "sha256"]
+           "policy_directory", "read_metadata", "sha256", "trained_reward"]
 
 POLICY_FILE = "policy.onnx"
 FEATURES_FILE = "features.json"
@@ -64,7 +64,7 @@ def read_metadata(path) -> tuple[Path, dict]:
     except FileNotFoundError:
         raise ConfigurationError(f"{meta_path} is missing: {directory} is not a policy directory "
                                  "(expected policy.onnx and features.json from `dynamix policy export`)") from None
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # ValueError: not JSON, or bytes that are not UTF-8
         raise ConfigurationError(f"cannot read {meta_path}: {error}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
         raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
@@ -84,6 +84,24 @@ def read_metadata(path) -> tuple[Path, dict]:
         raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
                                  "file from another export); re-export the policy")
     return directory, meta
+
+
+def trained_reward(directory: Path, meta: dict) -> RewardWeights:
+    """The reward weights the policy in ``directory`` was trained with (``meta``, its
+    ``features.json`` content, section ``training``, entry ``reward``); the defaults when it
+    records none.
+
+    Raises:
+        ConfigurationError: the ``training`` section or its ``reward`` is malformed (the message
+            names the file).
+    """
+    meta_path = Path(directory) / FEATURES_FILE
+    training = _section(meta, "training", meta_path)
+    try:
+        return RewardWeights.from_dict(training.get("reward"))
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{meta_path}: its training reward: {error}; re-export the policy with "
+                                 "`dynamix policy export`") from None
 
 
 def _section(meta: dict, name: str, meta_path: Path) -> dict:
