@@ -62,3 +62,47 @@ def test_reward_weights_from_a_dict_keep_numbers_as_floats_and_default_without_o
     assert RewardWeights.from_dict({"progress": 2}).progress == 2.0
     assert isinstance(RewardWeights.from_dict({"progress": 2}).progress, float)
     assert RewardWeights.from_dict(None) == RewardWeights()
+
+
+@pytest.fixture
+def damaged_checkpoint(tmp_path):
+    """A small RLlib checkpoint of the policy module whose weights file was cut short (a copy
+    interrupted, a full disk)."""
+    pytest.importorskip("ray")
+    import gymnasium as gym
+    import numpy as np
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
+
+    from dynamix_byteps.policy.ppo.features import NUM_FEATURES
+    from dynamix_byteps.policy.ppo.mdp import LADDER
+    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
+
+    checkpoint = tmp_path / "checkpoint"
+    RLModuleSpec(module_class=PerWorkerPPOModule,
+                 observation_space=gym.spaces.Box(-np.inf, np.inf, (2 * NUM_FEATURES,), np.float32),
+                 action_space=gym.spaces.MultiDiscrete([len(LADDER)] * 2),
+                 model_config={"hidden": 8}).build().save_to_path(str(checkpoint))
+    weights = checkpoint / "module_state.pkl"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    return checkpoint
+
+
+@pytest.mark.timeout(120)
+def test_export_refuses_a_damaged_checkpoint_naming_it(damaged_checkpoint, tmp_path, capsys):
+    """It raised _pickle.UnpicklingError with a traceback."""
+    assert main(["policy", "export", str(damaged_checkpoint), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load {damaged_checkpoint}: a file of it is damaged (UnpicklingError" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_train_refuses_a_damaged_init_checkpoint_before_starting_ray(damaged_checkpoint, tmp_path, capsys):
+    """It started Ray, built the algorithm (~15 s) and then raised UnpicklingError with a traceback."""
+    import ray
+
+    out = tmp_path / "out"
+    assert main(["policy", "train", "--scenario", "straggler", "--out", str(out), "--iterations", "1", "--quiet",
+                 "--init", str(damaged_checkpoint)]) == 2
+    assert "a file of it is damaged" in capsys.readouterr().err
+    assert not ray.is_initialized() and not out.exists()

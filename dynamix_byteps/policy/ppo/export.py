@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def load_module(checkpoint):
     configuration raises instead of leaving random weights.
 
     Raises:
-        ConfigurationError: not a checkpoint of this module class, or its weights do not match.
+        ConfigurationError: not a checkpoint of this module class, its weights do not match, or
+            one of its pickle files is truncated or damaged.
     """
     from ray.rllib.core.rl_module.rl_module import RLModule
 
@@ -78,6 +80,9 @@ def load_module(checkpoint):
             module = RLModule.from_checkpoint(str(path.resolve()))  # RLlib reads a relative path as a URI
         except ValueError as error:
             raise ConfigurationError(f"cannot load {path}: {error}") from None
+        except (pickle.UnpicklingError, EOFError) as error:  # a file of it truncated or overwritten
+            raise ConfigurationError(f"cannot load {path}: a file of it is damaged ({type(error).__name__}: {error}); "
+                                     "copy the checkpoint again, or train anew") from None
     if not isinstance(module, PerWorkerPPOModule):
         raise ConfigurationError(f"{path} holds a {type(module).__name__}, not a dynamix PerWorkerPPOModule")
     module.eval()

@@ -157,8 +157,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
 
     Raises:
         ConfigurationError: a bad scenario, worker count, reward weight or ladder name, a profile
-            fitted to a held-out scenario, an unknown teacher, a dead band outside [0, 1), or
-            ``imitate`` with ``init`` (before Ray starts).
+            fitted to a held-out scenario, an unknown teacher, a dead band outside [0, 1),
+            ``imitate`` with ``init``, or an ``init`` checkpoint that does not load (before Ray starts).
     """
     import torch
     from tqdm import tqdm
@@ -196,7 +196,10 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
         check_imitation(imitate, imitation_episodes, imitation_deadband)
         if init is not None:
             raise ConfigurationError("start from a checkpoint (init) or from a cloned heuristic (imitate), not both")
-    init_dir = module_dir(init).resolve() if init is not None else None
+    init_dir = None
+    if init is not None:
+        load_module(init)  # a damaged checkpoint is refused now, not after Ray has started
+        init_dir = module_dir(init).resolve()
     steps = int(ppo_overrides.get("train_batch_size_per_learner", PPO_SETTINGS["train_batch_size_per_learner"]))
     ppo_overrides.setdefault("entropy_coeff", [[0, ENTROPY[0]], [max(1, iterations * steps), ENTROPY[1]]])
     if imitate is not None:
