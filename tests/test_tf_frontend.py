@@ -67,6 +67,26 @@ def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
         assert seen == list(range(size)), f"epoch {epoch}: a sample was lost or repeated"
 
 
+@pytest.mark.timeout(150)
+def test_one_keras_fit_of_several_epochs_trains_each_whole_when_the_batch_shrinks():
+    # Keras counts an unknown-length dataset's steps in the first epoch of a fit call and ended the
+    # later, longer ones there (before fit_epochs: 10, 11 and 7 steps, the second sampler epoch over two).
+    epochs, size = 3, 640
+    (result,) = ok(run_workers(1, "tf_dist_cases:fit_with_batch_change", size, [64], "12:32", epochs, timeout=120))
+    for epoch in range(epochs):
+        assert sorted(result["trained"][epoch]) == list(range(size)), f"epoch {epoch} did not train every sample once"
+    assert [s[2] for s in result["steps"]] == [64] * 12 + [32] * 36  # 10 + 18 + 20 steps
+    assert result["history_epochs"] == epochs
+
+
+@pytest.mark.timeout(150)
+def test_where_keras_moved_its_epoch_iterator_a_dynamic_batch_dataset_warns_naming_the_version_and_the_remedy():
+    (result,) = ok(run_workers(1, "tf_dist_cases:dataset_where_keras_moved_its_epoch_iterator", timeout=120))
+    (message,) = result["warnings"]
+    assert f"Keras {result['keras']}" in message and "keras.src.trainers.epoch_iterator" in message
+    assert "call fit once per epoch" in message
+
+
 @pytest.fixture(scope="module")
 def mixed_precision(tmp_path_factory):
     """One 2-worker job of mixed-precision checks (tests/tf_dist_cases.py:mixed_precision)."""

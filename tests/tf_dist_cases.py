@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import warnings
+from unittest import mock
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -278,6 +281,16 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
     return {"steps": steps, "trained": trained, "weights": float(sum(np.sum(v) for v in model.get_weights())),
             "logs": epoch_logs, "history_epochs": len(history.history["loss"]),
             "autotune": dataset.options().autotune.enabled}
+
+
+def dataset_where_keras_moved_its_epoch_iterator() -> dict:
+    """The warnings ``dynamic_batch_dataset`` gives where ``keras.src.trainers.epoch_iterator``
+    cannot be imported, as in a Keras version that moved it, and this Keras's version."""
+    with mock.patch.dict(sys.modules, {"keras.src.trainers.epoch_iterator": None}), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bps.dynamic_batch_dataset(bps.DynamicBatchSampler(8, [4], seed=0), np.zeros(8))
+    return {"warnings": [str(w.message) for w in caught], "keras": keras.__version__}
 
 
 @contextlib.contextmanager

@@ -10,15 +10,17 @@ A new iteration starts again from the oldest batch no optimizer trained on (Kera
 iterator when an epoch ends early), so no sample is lost or repeated.
 
 With ``model.fit``: the number of steps per epoch is not known in advance (it follows the
-batch sizes), so Keras ends each epoch when the data runs out and says "Your input ran out of
-data" once; that is expected here. Keras counts the later epochs of one ``fit`` call in its first
-epoch's steps: when the global batch shrinks (``goodput``, ``ppo``, a schedule that lowers it), a
-later epoch has more steps, Keras ends it early, the next one finishes the sampler's epoch first,
-and the last call's epochs end before the sampler's (measured, Keras 3.15, one worker, 640 samples,
-the batch 64 → 32 at step 12: ``fit(epochs=3)`` ran 10, 11 and 7 steps, two of the sampler's
-epochs; one ``fit(initial_epoch=e, epochs=e + 1)`` per epoch ran 10, 18 and 20, all three). So
-when the batch can shrink, call ``fit`` once per epoch. Pass ``shuffle=False`` (the sampler
-shuffles).
+batch sizes), so each Keras epoch runs until the data runs out, and Keras says "Your input ran out
+of data" once; that is expected here. Keras 3 alone would end every later epoch of one ``fit``
+call at the first epoch's step count, so with a global batch that shrinks (``goodput``, ``ppo``, a
+schedule that lowers it) the later epochs ended early and the last ones never trained (Keras 3.15,
+one worker, 640 samples, the batch 64 → 32 at step 12: ``fit(epochs=3)`` ran 10, 11 and 7 steps,
+two of the sampler's epochs). This dataset, and any built on it (``.prefetch()``), makes every
+epoch of ``fit`` run to the sampler's epoch end (now 10, 18 and 20 steps), through private Keras
+internals (:mod:`dynamix_byteps.tensorflow.fit_epochs`); where a Keras version lacks them, the
+first call warns, naming the version: then call ``fit`` once per epoch
+(``fit(initial_epoch=e, epochs=e + 1)``). Keras's progress bar keeps the first epoch's step count
+as every later epoch's total. Pass ``shuffle=False`` (the sampler shuffles).
 
 tf.data autotuning is off for this dataset: there is nothing to tune (one Python generator, one
 gather), and an iterator that Keras drops at an epoch's end waited for the autotuning thread's
@@ -33,6 +35,7 @@ import tensorflow as tf
 
 from dynamix_byteps.data.sampler import DynamicBatchSampler
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.tensorflow.fit_epochs import run_whole_passes
 
 
 def dynamic_batch_dataset(sampler: DynamicBatchSampler, data) -> tf.data.Dataset:
@@ -49,6 +52,10 @@ def dynamic_batch_dataset(sampler: DynamicBatchSampler, data) -> tf.data.Dataset
 
     Raises:
         ConfigurationError: an array's first axis is not the sampler's dataset size.
+
+    Warns:
+        UserWarning: (first call only) this Keras version lacks the internals that make each
+            ``model.fit`` epoch run to the sampler's epoch end; call ``fit`` once per epoch.
     """
     tensors = tf.nest.map_structure(tf.convert_to_tensor, data)
     lengths = {int(t.shape[0]) if t.shape.rank else -1 for t in tf.nest.flatten(tensors)}
@@ -63,4 +70,5 @@ def dynamic_batch_dataset(sampler: DynamicBatchSampler, data) -> tf.data.Dataset
     indices = tf.data.Dataset.from_generator(batches, output_signature=tf.TensorSpec([None], tf.int64))
     options = tf.data.Options()
     options.autotune.enabled = False
-    return indices.map(lambda batch: tf.nest.map_structure(lambda t: tf.gather(t, batch), tensors)).with_options(options)
+    gathered = indices.map(lambda batch: tf.nest.map_structure(lambda t: tf.gather(t, batch), tensors))
+    return run_whole_passes(gathered.with_options(options))
