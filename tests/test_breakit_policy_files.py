@@ -4,8 +4,15 @@ refused with an error naming the file, never a traceback (``dynamix policy eval 
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+from conftest import clean_env, kill_tree, wait_until
 
 from dynamix_byteps.cli import main
 from dynamix_byteps.errors import ConfigurationError
@@ -106,3 +113,34 @@ def test_train_refuses_a_damaged_init_checkpoint_before_starting_ray(damaged_che
                  "--init", str(damaged_checkpoint)]) == 2
     assert "a file of it is damaged" in capsys.readouterr().err
     assert not ray.is_initialized() and not out.exists()
+
+
+IN_RAY_SESSION = """
+import time
+from dynamix_byteps.policy.ppo.train import ray_session
+with ray_session():
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_during_training_stops_ray_and_removes_its_directory():
+    """`dynamix policy train` killed by SIGTERM (a job scheduler, `timeout`) dumped Ray's stack
+    trace and aborted (SIGABRT, a core file where enabled), leaving its /tmp/dynamix-ray-* folder."""
+    pytest.importorskip("ray")
+    scratch = Path(tempfile.mkdtemp(prefix="dxs", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    job = subprocess.Popen([sys.executable, "-c", IN_RAY_SESSION], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True, env=clean_env(TMPDIR=str(scratch)))
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        assert wait_until(lambda: list(scratch.glob("dynamix-ray-*/session_*")), timeout=30)
+        time.sleep(1)  # Ray's handlers are in place once ray.init has returned
+        job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=60)
+        assert job.returncode == 128 + signal.SIGTERM, output
+        assert "SIGTERM received" not in output, output
+        assert not list(scratch.glob("dynamix-ray-*"))
+    finally:
+        kill_tree(job)
+        shutil.rmtree(scratch, ignore_errors=True)

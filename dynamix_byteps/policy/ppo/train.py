@@ -26,7 +26,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -96,20 +98,35 @@ def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict 
 @contextlib.contextmanager
 def ray_session():
     """A private local Ray instance for the duration of the block (module docstring); inside a Ray
-    instance the caller started (a sweep of trainings, a notebook), that one, left running."""
+    instance the caller started (a sweep of trainings, a notebook), that one, left running. While
+    the private instance runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that Ray
+    is shut down and its directory removed as after Ctrl-C."""
     import ray
 
     if ray.is_initialized():
         yield ray
         return
     temp_dir = tempfile.mkdtemp(prefix="dynamix-ray-")  # short: Ray's socket paths must fit 107 bytes
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  object_store_memory=200 * 2**20, _temp_dir=temp_dir)
+        if on_main_thread:
+            # ray.init installs Ray's fatal-signal handler for SIGTERM, which dumps a stack trace and
+            # aborts (exit 134, a core file where enabled) with Ray's helpers and temp_dir left behind
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         yield ray
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+
+
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM's exit status (143), through the ``finally`` blocks that stop the training and Ray."""
+    raise SystemExit(128 + signum)
 
 
 def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: int | list[int] = 4,
