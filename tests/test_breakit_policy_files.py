@@ -144,3 +144,51 @@ def test_sigterm_during_training_stops_ray_and_removes_its_directory():
     finally:
         kill_tree(job)
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_training_stopped_before_its_export_leaves_no_earlier_policy_beside_its_checkpoint(policy_copy, monkeypatch):
+    """Trained into the folder of an earlier policy and stopped (Ctrl-C, SIGTERM, an ExportError)
+    between saving its checkpoint and exporting, the folder held the new checkpoint beside the old
+    policy.onnx and features.json, which the scheduler served and `bpslaunch --fine-tune` took for
+    the checkpoint's own (it then published the checkpoint's other weights as generation 1)."""
+    pytest.importorskip("ray")
+    from dynamix_byteps.policy.ppo import export
+    from dynamix_byteps.policy.ppo.policy_format import read_metadata
+    from dynamix_byteps.policy.ppo.train import train
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "export_module", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        train(policy_copy, ["straggler"], iterations=1, randomise=False, progress=False,
+              train_batch_size_per_learner=64, minibatch_size=64, num_epochs=1)
+    assert (policy_copy / "checkpoint" / "rllib_checkpoint.json").is_file()
+    with pytest.raises(ConfigurationError, match="features.json is missing"):
+        read_metadata(policy_copy)
+    assert not list(policy_copy.glob(".checkpoint.*"))
+
+
+@pytest.mark.timeout(120)
+def test_an_interrupt_during_ray_s_shutdown_still_removes_its_directory(monkeypatch):
+    """Ctrl-C at the end of a training lands in ray.shutdown (seconds long), which skipped the
+    removal of /tmp/dynamix-ray-* after it."""
+    ray = pytest.importorskip("ray")
+    from dynamix_byteps.policy.ppo.train import ray_session
+
+    scratch = Path(tempfile.mkdtemp(prefix="dxs", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    shutdown = ray.shutdown
+
+    def interrupted(*args, **kwargs):
+        shutdown(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "shutdown", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt), ray_session():
+            assert list(scratch.glob("dynamix-ray-*"))
+        assert not list(scratch.glob("dynamix-ray-*"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -42,7 +42,7 @@ from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
-from dynamix_byteps.policy.ppo.policy_format import TRAINING_FILE
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, TRAINING_FILE
 
 __all__ = ["IMITATION_LR", "PPO_SETTINGS", "ppo_config", "ray_session", "train"]
 
@@ -118,10 +118,12 @@ def ray_session():
             signal.signal(signal.SIGTERM, _exit_on_sigterm)
         yield ray
     finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
+        try:
+            ray.shutdown()
+        finally:  # Ctrl-C or SIGTERM may come during the shutdown, which takes seconds
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            if on_main_thread:
+                signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
 
 
 def _exit_on_sigterm(signum, frame):
@@ -137,7 +139,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     """Train, save the checkpoint, export ONNX + features; return a summary dict.
 
     Args:
-        out_dir: output directory (created; an existing ``checkpoint/`` inside is replaced).
+        out_dir: output directory (created; an earlier policy inside is replaced: its files are
+            removed when the new checkpoint is saved, before the new ones are exported).
         scenarios: scenario names for the simulator (one is drawn per episode); ignored with ``profiles``.
         iterations: PPO iterations of ``train_batch_size_per_learner`` environment steps.
         seed: seeds RLlib, numpy, torch and the environments.
@@ -252,12 +255,7 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
                                 "seconds": time.monotonic() - t0})
                 if value is not None:
                     bar.set_postfix(mean_return=f"{value:.3f}")
-            checkpoint = out / "checkpoint"
-            staging = out / f".checkpoint.{os.getpid()}.tmp"
-            shutil.rmtree(staging, ignore_errors=True)
-            algo.save_to_path(str(staging))
-            shutil.rmtree(checkpoint, ignore_errors=True)
-            os.replace(staging, checkpoint)
+            checkpoint = _save_checkpoint(algo, out)
         finally:
             algo.stop()
     seconds = time.monotonic() - started
@@ -269,6 +267,26 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     record = {**summary, "history": history, "metadata": metadata}
     write_atomic(out / TRAINING_FILE, json.dumps(record, indent=2) + "\n")
     return summary
+
+
+def _save_checkpoint(algo, out: Path) -> Path:
+    """Save ``algo`` as ``out/checkpoint``; return that path. The files of a policy trained earlier
+    into ``out`` are removed first (``features.json`` first, which makes ``out`` a policy): stopped
+    before the export, a run must not leave them beside a checkpoint they were not exported from,
+    where the scheduler would serve them and fine-tuning train the checkpoint's other weights."""
+    checkpoint = out / "checkpoint"
+    staging = out / f".checkpoint.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        algo.save_to_path(str(staging))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for name in (FEATURES_FILE, POLICY_FILE, TRAINING_FILE):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    os.replace(staging, checkpoint)
+    return checkpoint
 
 
 def _cloned_teacher(module_path: Path, env, teacher: str, episodes: int, deadband: float, seed: int, model_config: dict,
