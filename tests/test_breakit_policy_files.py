@@ -192,3 +192,18 @@ def test_an_interrupt_during_ray_s_shutdown_still_removes_its_directory(monkeypa
         assert not list(scratch.glob("dynamix-ray-*"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damaged, content", [("policy.onnx", b"\x08\x07"), ("manifest.json", b"{bad")])
+def test_a_damaged_fine_tuned_copy_kept_in_the_log_dir_is_refused_before_the_job_starts(tmp_path, damaged, content):
+    """bpslaunch --fine-tune reusing a --log-dir keeps RUN/policy; damaged, it was taken as it was,
+    the scheduler then refused it after start with 'did not become ready' and advice, re-export
+    the policy, that does not apply to the copy."""
+    from dynamix_byteps.policy.ppo.served import prepare_served
+
+    source = library.library_root() / "small-cnn-sgd"
+    served = prepare_served(source, tmp_path)
+    (served / damaged).write_bytes(content)
+    with pytest.raises(ConfigurationError, match=f"{served}, the fine-tuned copy .* cannot be served: .*"
+                                                 f"Remove {served} to start again from {source}"):
+        prepare_served(source, tmp_path)

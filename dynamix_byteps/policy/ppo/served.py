@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
+from dynamix_byteps.policy.ppo.publish import read_manifest
 
 __all__ = ["SERVED_DIR", "prepare_served"]
 
@@ -26,7 +27,8 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
 
     Raises:
         ConfigurationError: ``source`` is not a policy directory, or ``run_dir/policy`` holds a
-            copy of another policy (a reused --log-dir).
+            copy of another policy (a reused --log-dir) or one that cannot be served (a damaged
+            file, in it or in the generation its manifest names).
     """
     served = Path(run_dir) / SERVED_DIR
     directory, _ = read_metadata(source)
@@ -34,6 +36,7 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
         if (served / FEATURES_FILE).read_bytes() != (directory / FEATURES_FILE).read_bytes():
             raise ConfigurationError(f"{served} holds the fine-tuning of another policy than {directory}; give this "
                                      f"job a new --log-dir, or remove {served} to start again from {directory}")
+        _check_kept_copy(served, directory)
     else:
         staging = served.with_name(f".{SERVED_DIR}.tmp")
         shutil.rmtree(staging, ignore_errors=True)
@@ -43,3 +46,15 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
         shutil.rmtree(served, ignore_errors=True)
         staging.rename(served)
     return served
+
+
+def _check_kept_copy(served: Path, source: Path) -> None:
+    """Refuse a copy kept from an earlier run whose served generation does not pass
+    :func:`read_metadata`: the scheduler would refuse it with a fix ("re-export the policy") that
+    does not apply to a copy, after the job has started."""
+    try:
+        read_metadata(read_manifest(served).path(served))
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{served}, the fine-tuned copy of {source} an earlier run of this --log-dir left, "
+                                 f"cannot be served: {error}. Remove {served} to start again from {source}, or give "
+                                 "this job a new --log-dir") from None
