@@ -207,3 +207,13 @@ def test_a_damaged_fine_tuned_copy_kept_in_the_log_dir_is_refused_before_the_job
     with pytest.raises(ConfigurationError, match=f"{served}, the fine-tuned copy .* cannot be served: .*"
                                                  f"Remove {served} to start again from {source}"):
         prepare_served(source, tmp_path)
+
+
+@pytest.mark.parametrize("spec", ["progress", "progress="])
+def test_a_reward_flag_without_its_number_is_named_as_such(tmp_path, capsys, spec):
+    """`--reward progress` said 'reward weight progress=nan must be a finite number >= 0', a
+    value the user never gave."""
+    assert main(["policy", "train", "--scenario", "straggler", "--out", str(tmp_path / "p"), "--reward", spec]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --reward: {spec!r} is not KEY=NUMBER" in err and "nan" not in err, err
+    assert not (tmp_path / "p").exists()

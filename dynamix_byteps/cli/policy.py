@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import signal
 import sys
 import threading
@@ -47,9 +46,9 @@ def _counts(text: str) -> list[int]:
 
 
 def _weight(text: str) -> tuple[str, float]:
-    key, sep, raw = text.partition("=")
+    key, _, raw = text.partition("=")
     try:
-        return key.strip(), float(raw) if sep else math.nan
+        return key.strip(), float(raw)  # no '=': raw is "", which float() refuses
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=NUMBER") from None
 
