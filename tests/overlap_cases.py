@@ -542,8 +542,9 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     before the plan exists; ``ddp``; ``ddp_no_sync``: in the first of 2 passes per step, inside
     ``no_sync()``; ``hook_first``, ``ddp_hook_first``: raised instead by the
     user's post-accumulate hook on the first parameter to get its gradient (before any bucket
-    left); ``ddp_tensor_hook_first``: by the user's tensor hook there (``register_hook``, before
-    any of the reducer's hooks on a parameter); ``model_zero_grad``, ``model_zero_grad_in_place``: the loop zeroes the gradients with
+    left); ``tensor_hook_first``, ``ddp_tensor_hook_first``: by the user's tensor hook there
+    (``register_hook``, registered before wrapping: it runs before the gradient is accumulated);
+    ``model_zero_grad``, ``model_zero_grad_in_place``: the loop zeroes the gradients with
     ``model.zero_grad()`` (``set_to_none=False``: in place), which the optimizer does not see,
     and declares the batch size after. Learning rate 0, so every step's exact mean is the same.
     Returns each step's error on this rank (type, message) and each completed step's gradient error."""
@@ -554,7 +555,7 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     in_hook = variant.endswith("hook_first")
     if in_hook:
         for param in model.last.parameters():  # the first to get its gradient: whichever runs first raises
-            if variant == "ddp_tensor_hook_first":  # runs before the gradient accumulator and its pre-hooks
+            if variant.endswith("tensor_hook_first"):  # runs before the gradient accumulator and its pre-hooks
                 param.register_hook(_raise_once_when_armed)
             else:
                 param.register_post_accumulate_grad_hook(_raise_once_when_armed)

@@ -191,15 +191,16 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_nam
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "ddp_no_sync", "hook_first",
-                                     "ddp_hook_first", "ddp_tensor_hook_first", "model_zero_grad",
-                                     "model_zero_grad_in_place"])
+                                     "ddp_hook_first", "tensor_hook_first", "ddp_tensor_hook_first",
+                                     "model_zero_grad", "model_zero_grad_in_place"])
 def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
     """The step is dropped on every worker at once, and the workers' later reductions stay paired
     step for step (before: the healthy rank's remaining buckets met the next step's, silently; with
     an error in a hook on the first parameter to get its gradient, the failing rank's whole round
     went unsent and every later step paired with the others' previous one; inside the DDP wrapper's
     no_sync(), the failing rank skipped the step's reducing pass, the same; a user's tensor hook,
-    which runs before the reducer's hooks on a parameter, did so with the DDP wrapper, silently). A
+    which ran before the reducer's hooks on a parameter, did so with the DDP wrapper, silently, and
+    with the optimizer each later step raised TensorMismatchError). A
     loop zeroing the gradients through the model goes on as one zeroing them through the optimizer
     (before: every later step raised GradientReductionError)."""
     failing_step = 0 if variant == "first_step" else 1

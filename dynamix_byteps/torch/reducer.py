@@ -30,11 +30,12 @@ its end (out of memory, an error in a hook) on some workers only would leave the
 to meet the next step's: the failing worker sends the rest of the step's round at once, marked
 failed, so every worker's collectives stay paired and every worker raises
 ``GradientReductionError`` for that step (the failed ones at their next backward or ``step()``);
-``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each. A pass begins as soon as
-one of its hooks runs (the DDP wrapper's on its module's outputs, before any parameter's), and
-begins with it every other reducer whose parameters it will write (a GAN's generator behind its
-discriminator); such a pass reduces each one's whole round at its end, one after the other, so
-that a worker whose pass raised can send their rounds in the same order.
+``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each. A pass begins as soon
+as one of its hooks runs (the first parameter's tensor hook, before the user's; the DDP wrapper's
+on its module's outputs, before any parameter's), and begins with it every other reducer whose
+parameters it will write (a GAN's generator behind its discriminator); such a pass reduces each
+one's whole round at its end, one after the other, so that a worker whose pass raised can send
+their rounds in the same order.
 """
 
 from __future__ import annotations
@@ -215,12 +216,14 @@ class BucketReducer:
                     self._refuse_a_second_owner(reducer())
                     for handle in handles:
                         handle.remove()
-                # The accumulator is held: a parameter keeps only a weak reference to it. Its
-                # pre-hook runs before the gradient is accumulated and before the user's
-                # post-accumulate hooks, so a backward pass that raises in those, on the first
-                # parameter to get its gradient, has begun a round (and sends it failed).
+                # The accumulator is held: a parameter keeps only a weak reference to it. The
+                # tensor hook, first of the parameter's, runs before the user's tensor hooks, the
+                # accumulation and the user's post-accumulate hooks, so a backward pass that raises
+                # in those, on the first parameter to get its gradient, has begun a round (and
+                # sends it failed).
                 accumulator = torch.autograd.graph.get_gradient_edge(p).node
-                handles = (accumulator.register_prehook(self._before_accumulation),
+                handles = (_register_first_tensor_hook(p, functools.partial(_before_gradient, weakref.ref(self),
+                                                                             weakref.ref(p))),
                            accumulator.register_hook(functools.partial(self._after_accumulation, p)))
                 self._accumulators[p] = accumulator
                 setattr(p, _HOOK_ATTR, (handles, weakref.ref(self)))
@@ -247,16 +250,19 @@ class BucketReducer:
                 f"{self.owner.name} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
-    def _before_accumulation(self, grad_outputs) -> None:
+    def _before_accumulation(self, param: torch.Tensor) -> None:
+        if (self._opening or not self._in_backward) and not self._backward_executes([self._accumulators[param]]):
+            return  # torch.autograd.grad(): it runs the parameter's tensor hooks, not its accumulator
         self.begin_pass()
         if self._opening:
             self._open_round()
 
     def begin_pass(self) -> None:
-        """Begin the running backward pass here, unless begun: from the first gradient accumulator
-        it runs, or earlier (the DDP wrapper's hooks on its module's outputs). From then on the pass
-        raising before its end sends this step's round failed (see :meth:`_on_backward_gone`). It
-        also begins every other reducer whose parameters this pass will write.
+        """Begin the running backward pass here, unless begun: from the first parameter gradient
+        it computes (before the user's tensor hooks on it), or earlier (the DDP wrapper's hooks on
+        its module's outputs). From then on the pass raising before its end sends this step's round
+        failed (see :meth:`_on_backward_gone`). It also begins every other reducer whose parameters
+        this pass will write.
 
         Raises:
             GradientReductionError: this step's round is dropped (:meth:`refuse_if_incomplete`).
@@ -584,6 +590,27 @@ class BucketReducer:
             torch.mul(grad, scale, out=view)
         param.grad = view
         return grad is not None
+
+
+def _before_gradient(reducer: weakref.ref, param: weakref.ref, grad: torch.Tensor) -> None:
+    """A parameter's tensor hook: ``reducer``'s :meth:`BucketReducer._before_accumulation`. Weak
+    references: the parameter holds its hooks, and must keep neither its reducer nor itself alive."""
+    live, tensor = reducer(), param()
+    if live is not None and tensor is not None:
+        live._before_accumulation(tensor)
+
+
+def _register_first_tensor_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+    """``param.register_hook(hook)``, moved before the hooks registered earlier. The engine runs a
+    tensor's hooks in the order of its hook dict's storage, which ``OrderedDict.move_to_end``
+    leaves as it is: the dict (the object the engine holds) is refilled instead."""
+    handle = param.register_hook(hook)
+    hooks = param._backward_hooks
+    earlier = [(key, value) for key, value in hooks.items() if key != handle.id]
+    hooks.clear()
+    hooks[handle.id] = hook
+    hooks.update(earlier)
+    return handle
 
 
 class _BackwardPass:
