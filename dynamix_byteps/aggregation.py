@@ -269,16 +269,22 @@ def _check_failures(samples: np.ndarray, steps: np.ndarray) -> None:
     failed = np.flatnonzero(samples == FAILED).tolist()
     if not failed:
         return
-    whose = (f"rank {failed[0]}'s backward pass raised before its end" if len(failed) == 1 else
-             f"the backward passes of ranks {failed} raised before their end")
     apart = ""
     if _differ(steps):
         listed = ", ".join(f"rank {rank}: step {s}" for rank, s in enumerate(steps) if s != UNSET)
         apart = (f", and before the step's last backward pass: its loop has not drawn all of the step's batches from "
                  f"its DynamicBatchSampler ({listed}), so the workers' samplers stay a draw apart and every later "
                  "step would raise TensorMismatchError")
-    raise GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook), leaving the step's "
-                                 f"gradients incomplete there{apart}")
+    raise failed_backward_error(failed, apart)
+
+
+def failed_backward_error(failed: list[int], apart: str = "") -> GradientReductionError:
+    """The error for a round that the backward passes of ranks ``failed`` left incomplete;
+    ``apart``: what else the message says (it follows the ranks' cause)."""
+    whose = (f"rank {failed[0]}'s backward pass raised before its end" if len(failed) == 1 else
+             f"the backward passes of ranks {failed} raised before their end")
+    return GradientReductionError(f"{whose} (e.g. out of memory, or an error in a hook), leaving the step's "
+                                  f"gradients incomplete there{apart}")
 
 
 def _differ(values: np.ndarray) -> bool:
@@ -427,6 +433,28 @@ class GradientAggregator:
         with round_lock:
             table = negotiate(self.engine, "gradient reduction", description, samples)
         self._reference = float(np.where(table[:, 0] == UNSET, 1, table[:, 0]).sum() or 1)
+
+    def announce(self, failed: bool) -> list[int]:
+        """The small blocking all-reduce that begins a round where a frontend's collectives of its
+        own (the DDP wrapper's buffer broadcasts) could meet it on another worker: there each worker
+        announces whether its backward pass raised (``failed``: the rest of its round follows, marked
+        failed), so that a worker at such a collective learns it there. Nothing is sent with one worker.
+
+        Returns:
+            The ranks that announced a failed round, ascending.
+
+        Raises:
+            CommunicationError: a peer failed.
+        """
+        engine = self.engine
+        if engine.size == 1:
+            return []
+        flags = torch.zeros(engine.size, dtype=torch.float64, device=engine.device)
+        flags[engine.rank] = float(failed)
+        with round_lock:
+            handle = engine.all_reduce_async(flags, "Gradient.announcement")
+        handle.wait()
+        return np.flatnonzero(flags.cpu().numpy()).tolist()
 
     def open_round(self, samples: int, measure: bool = True, position: SamplerPosition | None = None) -> Round:
         """Start a step's reduction for ``samples`` local samples (:data:`UNSET`: undeclared);

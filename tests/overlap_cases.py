@@ -540,7 +540,9 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     loop catches what it raised and goes on with zero_grad(), as a loop skipping a bad batch does.
     ``optimizer``; ``accumulate``: in the first of 2 passes per step; ``first_step``: at step 0,
     before the plan exists; ``ddp``; ``ddp_no_sync``: in the first of 2 passes per step, inside
-    ``no_sync()``; ``hook_first``, ``ddp_hook_first``: raised instead by the
+    ``no_sync()``; ``ddp_no_sync_buffers``: the same with a module buffer, which the wrapper
+    broadcasts in each forward; ``ddp_no_sync_buffers_forwards_first``: the same, both forward passes
+    run before the first backward; ``hook_first``, ``ddp_hook_first``: raised instead by the
     user's post-accumulate hook on the first parameter to get its gradient (before any bucket
     left); ``tensor_hook_first``, ``ddp_tensor_hook_first``: by the user's tensor hook there
     (``register_hook``, registered before wrapping: it runs before the gradient is accumulated);
@@ -561,7 +563,10 @@ def backward_raising_on_one_worker(variant: str) -> dict:
                 param.register_post_accumulate_grad_hook(_raise_once_when_armed)
     else:
         model.middle.register_forward_hook(lambda module, args, output: _FailOnce.apply(output))
-    passes = 2 if variant in ("accumulate", "ddp_no_sync") else 1
+    if variant.startswith("ddp_no_sync_buffers"):
+        model.register_buffer("seen", torch.zeros(2, dtype=torch.float64))
+    passes = 2 if variant == "accumulate" or variant.startswith("ddp_no_sync") else 1
+    forwards_first = variant.endswith("forwards_first")
     net = bps.DistributedDataParallel(model) if variant.startswith("ddp") else model
     opt = (torch.optim.SGD(model.parameters(), lr=0.0) if variant.startswith("ddp") else
            bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
@@ -573,13 +578,16 @@ def backward_raising_on_one_worker(variant: str) -> dict:
     for step in range(4):
         try:
             zero_grad()
+            outputs = [net(x[mine]) for _ in range(passes)] if forwards_first else []
             for number in range(passes):
                 armed = step == failing_step and number == 0 and bps.rank() == 1
                 _FailOnce.armed, _raise_once_when_armed.armed = armed and not in_hook, armed and in_hook
                 if not variant.startswith("ddp"):
                     opt.set_local_batch_size(mine.stop - mine.start)
-                with net.no_sync() if number < passes - 1 and variant == "ddp_no_sync" else contextlib.nullcontext():
-                    (torch.nn.functional.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
+                no_sync = number < passes - 1 and variant.startswith("ddp_no_sync")
+                with net.no_sync() if no_sync else contextlib.nullcontext():
+                    output = outputs[number] if forwards_first else net(x[mine])
+                    (torch.nn.functional.cross_entropy(output, y[mine]) / passes).backward()
             out["grad_errors"][step] = _grad_error(model, expected)
             opt.step()
         except RuntimeError as exc:

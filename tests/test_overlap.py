@@ -118,6 +118,7 @@ def test_a_failed_reduction_is_named_for_the_user_not_by_its_internal_tensor():
 
     assert describe_collective("Gradient.bucket.3") == "the gradient reduction of bucket 3"
     assert describe_collective("Gradient.trailer").startswith("the gradient reduction's trailer")
+    assert describe_collective("Gradient.announcement").startswith("the announcement that begins a gradient reduction")
     assert describe_collective("loss") == "push_pull of 'loss'"
 
 
@@ -190,7 +191,8 @@ def test_a_parameter_inside_and_outside_a_reentrant_checkpoint_is_refused_by_nam
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "ddp_no_sync", "hook_first",
+@pytest.mark.parametrize("variant", ["optimizer", "accumulate", "first_step", "ddp", "ddp_no_sync",
+                                     "ddp_no_sync_buffers", "ddp_no_sync_buffers_forwards_first", "hook_first",
                                      "ddp_hook_first", "tensor_hook_first", "ddp_tensor_hook_first",
                                      "model_zero_grad", "model_zero_grad_in_place"])
 def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(variant):
@@ -198,11 +200,12 @@ def test_a_backward_that_raised_on_one_worker_drops_the_step_on_every_worker(var
     step for step (before: the healthy rank's remaining buckets met the next step's, silently; with
     an error in a hook on the first parameter to get its gradient, the failing rank's whole round
     went unsent and every later step paired with the others' previous one; inside the DDP wrapper's
-    no_sync(), the failing rank skipped the step's reducing pass, the same; a user's tensor hook,
-    which ran before the reducer's hooks on a parameter, did so with the DDP wrapper, silently, and
-    with the optimizer each later step raised TensorMismatchError). A
-    loop zeroing the gradients through the model goes on as one zeroing them through the optimizer
-    (before: every later step raised GradientReductionError)."""
+    no_sync(), the failing rank skipped the step's reducing pass, the same; with a module buffer
+    there, the failing rank's round met the healthy one's buffer broadcast, which timed out with
+    CommunicationError; a user's tensor hook, which ran before the reducer's hooks on a parameter,
+    did so with the DDP wrapper, silently, and with the optimizer each later step raised
+    TensorMismatchError). A loop zeroing the gradients through the model goes on as one zeroing them
+    through the optimizer (before: every later step raised GradientReductionError)."""
     failing_step = 0 if variant == "first_step" else 1
     healthy, failing = ok(run_workers(2, "overlap_cases:backward_raising_on_one_worker", variant,
                                       env={"DYNAMIX_TIMEOUT": "20"}, timeout=120))

@@ -40,6 +40,8 @@ def describe_collective(name: str) -> str:
         return f"the gradient reduction of bucket {name.rsplit('.', 1)[1]}"
     if name == "Gradient.trailer":
         return "the gradient reduction's trailer (batch sizes, norms, plan digests)"
+    if name == "Gradient.announcement":
+        return "the announcement that begins a gradient reduction (whether a worker's backward pass raised)"
     for prefix, operation in (("dynamix.broadcast.", "broadcast"), ("dynamix.barrier.", "barrier")):
         if name.startswith(prefix):  # the BytePS engine's broadcast and barrier are all-reduces
             return operation if operation == "barrier" else f"broadcast of {name[len(prefix):]!r}"

@@ -189,7 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_parameters(self.module.state_dict(), root_rank=0)
         self._reducer = BucketReducer(self._aggregator, self._trained_parameters, f"compression={compression.name}",
                                       self._take_samples, lambda: self._step_path.trained_position,
-                                      self._backward_ended, DATA_PARALLEL_OWNER)
+                                      self._backward_ended, DATA_PARALLEL_OWNER, announces_rounds=self._syncs_buffers)
 
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 
@@ -215,9 +215,13 @@ class DistributedDataParallel(torch.nn.Module):
         """Inside the reducing backward pass (or one nested in it), after its weight was taken."""
         return self._weight is not None and self._weight.task >= 0
 
+    def _syncs_buffers(self) -> bool:
+        """Whether a forward pass that records gradients broadcasts rank 0's buffers."""
+        return self.broadcast_buffers and next(self.module.buffers(), None) is not None
+
     def forward(self, *inputs, **kwargs):
         counting = torch.is_grad_enabled()
-        if counting and self.broadcast_buffers:
+        if counting and self._syncs_buffers():
             self._broadcast_buffers()
         output = self.module(*inputs, **kwargs)
         if counting:
@@ -321,9 +325,11 @@ class DistributedDataParallel(torch.nn.Module):
                           "model, or a policy that keeps the global batch (proportional)", stacklevel=2)
 
     def _broadcast_buffers(self) -> None:
-        """One broadcast per buffer dtype and device, of the buffers fused into one tensor."""
+        """One broadcast per buffer dtype and device, of the buffers fused into one tensor, after the
+        announcement that a worker whose backward pass raised inside ``no_sync()`` sends instead
+        (:meth:`BucketReducer.before_own_collective`): nothing once the step was dropped."""
         engine = _engine.current()
-        if engine.size == 1:
+        if engine.size == 1 or not self._reducer.before_own_collective():
             return
         groups: dict[tuple, list[torch.Tensor]] = {}
         for b in self.module.buffers():
@@ -348,7 +354,10 @@ class DistributedDataParallel(torch.nn.Module):
         ``TensorMismatchError`` on every worker, naming each one's sampler step). A backward pass
         that raises inside it on one worker (out of memory, an error in a hook) sends that step's
         reduction at once, marked failed: every worker's reducing backward of that step raises
-        ``GradientReductionError``, as for a failure outside it."""
+        ``GradientReductionError``, as for a failure outside it, or its forward pass before that,
+        where the module's buffers are broadcast (so there the first forward pass or reducing
+        backward after each pass inside this block begins with a small all-reduce that says whether
+        a worker's raised)."""
         previous, self._reducer.sync = self._reducer.sync, False
         try:
             yield

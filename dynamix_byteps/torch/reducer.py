@@ -30,12 +30,16 @@ its end (out of memory, an error in a hook) on some workers only would leave the
 to meet the next step's: the failing worker sends the rest of the step's round at once, marked
 failed, so every worker's collectives stay paired and every worker raises
 ``GradientReductionError`` for that step (the failed ones at their next backward or ``step()``);
-``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each. A pass begins as soon
-as one of its hooks runs (the first parameter's tensor hook, before the user's; the DDP wrapper's
-on its module's outputs, before any parameter's), and begins with it every other reducer whose
-parameters it will write (a GAN's generator behind its discriminator); such a pass reduces each
-one's whole round at its end, one after the other, so that a worker whose pass raised can send
-their rounds in the same order.
+``zero_grad()`` of a ``DistributedOptimizer`` then drops the step on each. Where the owner has
+collectives of its own (the DDP wrapper's buffer broadcasts, in forward), a worker whose pass
+inside ``no_sync()`` raised sends its round while the others may be at one of those: after such a
+pass, the next broadcast or round on every worker begins with an announcement (a small all-reduce)
+that says whether a worker's pass raised, and one at a broadcast then sends its round failed too.
+A pass begins as soon as one of its hooks runs (the first parameter's tensor hook, before the
+user's; the DDP wrapper's on its module's outputs, before any parameter's), and begins with it
+every other reducer whose parameters it will write (a GAN's generator behind its discriminator);
+such a pass reduces each one's whole round at its end, one after the other, so that a worker
+whose pass raised can send their rounds in the same order.
 """
 
 from __future__ import annotations
@@ -49,7 +53,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dynamix_byteps.aggregation import FIRST_BUCKET_BYTES, GradientAggregator, Round, SamplerPosition, plan_buckets
+from dynamix_byteps.aggregation import (
+    FIRST_BUCKET_BYTES,
+    GradientAggregator,
+    Round,
+    SamplerPosition,
+    failed_backward_error,
+    plan_buckets,
+)
 from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
 
@@ -170,6 +181,12 @@ class BucketReducer:
             its last backward pass.
         owner: what the owner means by a step: :data:`OPTIMIZER_OWNER` or :data:`DATA_PARALLEL_OWNER`.
         passes_per_step: backward passes accumulated before a reduction (``backward_passes_per_step``).
+        announces_rounds: whether the owner has collectives of its own that another worker's round
+            could meet (the DDP wrapper's buffer broadcasts, each begun with
+            :meth:`before_own_collective`). Where it returns True, the first of those or of the rounds
+            after a backward pass inside ``no_sync()`` begins with an announcement
+            (:meth:`GradientAggregator.announce`), which a worker whose such pass raised sends at once,
+            with its round, so that it pairs with the others' whichever they are at.
 
     Attributes:
         sync: whether the next backward pass reduces (``DistributedDataParallel.no_sync`` clears it).
@@ -177,7 +194,8 @@ class BucketReducer:
 
     def __init__(self, aggregator: GradientAggregator, parameters: Callable[[], list], settings: str,
                  step_samples: Callable[[], int], trained_position: Callable[[], SamplerPosition | None],
-                 on_reduced: Callable[[int], None], owner: ReducerOwner, passes_per_step: int = 1):
+                 on_reduced: Callable[[int], None], owner: ReducerOwner, passes_per_step: int = 1,
+                 announces_rounds: Callable[[], bool] = lambda: False):
         self.aggregator = aggregator
         self._parameters = parameters
         self._settings = settings
@@ -186,6 +204,8 @@ class BucketReducer:
         self.passes_per_step = passes_per_step
         self._on_reduced = on_reduced
         self.owner = owner
+        self._announces_rounds = announces_rounds
+        self._local_pass_unannounced = False  # a pass inside no_sync() began since the last announcement
         self.sync = True
         self._plan: _Plan | None = None
         self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
@@ -319,6 +339,7 @@ class BucketReducer:
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, alive))
         self._opening = self.sync and self._passes + 1 == self.passes_per_step
         self._overlapping = True
+        self._local_pass_unannounced |= not self.sync
 
     def _open_round(self) -> None:
         """Take the step's weight and open its round, launched from the hooks once a plan exists."""
@@ -326,6 +347,7 @@ class BucketReducer:
         self._samples = self._step_samples()
         self._launching = self._plan is not None and self._overlapping
         if self._launching:
+            self._announce_round()
             self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples, position=self._trained_position())
             self._launched_in_backward = True
@@ -526,7 +548,46 @@ class BucketReducer:
         self._plan, self._next_plan = plan, None
         self.aggregator.agree_on_plan(self._plan.description, samples)
 
+    def _announce_round(self, failed: bool = False) -> None:
+        """Begin the round with an announcement where one is due (see ``announces_rounds``): this
+        worker's pass raised (``failed``) or not. Another worker's failure comes in the trailer too."""
+        if self._announcement_due():
+            self.aggregator.announce(failed)
+
+    def _announcement_due(self) -> bool:
+        """Whether the round or owner's collective beginning now begins with an announcement; it
+        is then no longer due."""
+        due, self._local_pass_unannounced = self._local_pass_unannounced and self._announces_rounds(), False
+        return due
+
+    def before_own_collective(self) -> bool:
+        """Begin a collective of the owner's own that another worker's round could meet (the DDP
+        wrapper's buffer broadcast, in forward) with an announcement where one is due (see
+        ``announces_rounds``): a worker whose backward pass raised inside ``no_sync()`` sends its
+        round at once, while the others may still have forward passes of the step to run.
+
+        Returns:
+            False once this worker's step was dropped: the other workers' steps are dropped too and
+            none sends the owner's collectives any more.
+
+        Raises:
+            GradientReductionError: another worker's backward pass raised and that worker announced
+                its round, failed: this worker sends its own, failed, to pair with it, and drops the
+                step (training cannot go on, see :meth:`refuse_if_incomplete`).
+            CommunicationError: a peer failed.
+        """
+        if self._failure is not None:
+            return False
+        failed = self.aggregator.announce(False) if self._announcement_due() else []
+        if not failed:
+            return True
+        self._failure = str(failed_backward_error(failed))
+        self._reduce_whole_round(failed=True)  # announced: its announcement was what came in
+        self.aggregator.drain(self._round)
+        raise self._dropped_step_error()
+
     def _reduce_whole_round(self, failed: bool = False) -> None:
+        self._announce_round(failed)
         named = self._parameters()
         sparse = [_parameter_name(name) for name, p in named if p.grad is not None and p.grad.layout != torch.strided]
         if sparse:
