@@ -3,6 +3,7 @@ DYNAMIX_SIZE contract read by WorkerEnv, and one real two-launcher gloo job on l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -288,3 +289,17 @@ def test_network_scenario_maps_to_hosts():
     for links in ((Link(0, 10.0),), (Link(2, 10.0),)):
         with pytest.raises(ConfigurationError, match="highest"):
             Scenario("s", 4, links=links).host_layout()
+
+
+def test_each_host_s_node_agent_logs_to_its_own_file_in_a_shared_log_dir(tmp_path):
+    """With --policy every host runs a node agent; one --log-dir on a shared file system must not
+    give two hosts' agents the same log file (the later one truncated the other's)."""
+    port, scheduler_port = free_port(), free_port()
+    agent_logs = []
+    for node_rank in (0, 1):
+        args = parse_args(["--hosts", "127.0.0.1,127.0.0.1", "--node-rank", str(node_rank), "-n", "1",
+                           "--port", str(port), "--policy", "static", "--scheduler-port", str(scheduler_port),
+                           "--log-dir", str(tmp_path), "--", "true"])
+        specs = local_mode(dataclasses.replace(args, run_dir=tmp_path), {"DYNAMIX_TOKEN": "t" * 32}, [])
+        agent_logs += [s.log_path for s in specs if s.label == "agent"]
+    assert agent_logs == [tmp_path / "agent.log", tmp_path / "agent-1.log"]

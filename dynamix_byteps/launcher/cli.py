@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-dir", type=Path, metavar="DIR",
         help="the run's folder, which `dynamix report DIR` reads: each worker's output (DIR/worker-<rank>.log) "
         "and TensorBoard scalars (DIR/tensorboard/; the workers get DYNAMIX_LOG_DIR=DIR), and with --policy the "
-        "scheduler's decisions.jsonl, scheduler.log and agent.log",
+        "scheduler's decisions.jsonl, scheduler.log and agent.log (agent-I.log on host I >= 1 of --hosts)",
     )
     parser.add_argument(
         "--port", type=_port, metavar="P",

@@ -167,15 +167,17 @@ def _fine_tune_spec(config: LaunchConfig, env: Mapping[str, str], scheduler_argv
                      log_path=config.log_dir / "finetune.log", service=True)
 
 
-def agent_spec(config: LaunchConfig, env: Mapping[str, str], scheduler: str) -> ChildSpec:
-    """This host's node agent (``dynamix agent``), reporting to ``scheduler``; the workers start once it is ready."""
+def agent_spec(config: LaunchConfig, env: Mapping[str, str], scheduler: str, node_rank: int) -> ChildSpec:
+    """This host's node agent (``dynamix agent``), reporting to ``scheduler``; the workers start once it is ready.
+    It logs to ``agent.log`` on node 0 and ``agent-<node_rank>.log`` on the others, so that hosts sharing
+    one ``--log-dir`` keep each its own log."""
     ready = config.run_dir / f".agent-{os.getpid()}.ready"
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "dynamix_byteps.cli", "agent", "--job", config.job_id, "--scheduler", scheduler,
             "--monitor", config.monitor, "--ready-file", str(ready)]
     if config.tls_ca is not None:
         argv += ["--tls-ca", str(config.tls_ca)]
-    return ChildSpec(label="agent", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=_log(config, "agent.log"),
+    return ChildSpec(label="agent", argv=argv, env=dict(env, PYTHONUNBUFFERED="1"), log_path=_log(config, "agent.log" if node_rank == 0 else f"agent-{node_rank}.log"),
                      service=True, ready_file=ready)
 
 

@@ -200,7 +200,7 @@ def local_mode(config: LaunchConfig, env: Mapping[str, str], notes: list[str]) -
     elif config.num_servers is not None or config.server_hosts is not None:
         raise UsageError(f"--{'num-servers' if config.num_servers is not None else 'server-hosts'} is for --engine ps")
     if scheduler is not None and config.monitor != "off":
-        services.append(agent_spec(config, env, scheduler))
+        services.append(agent_spec(config, env, scheduler, node_rank))
     return services + worker_specs(
         config, env, engine=engine, num_nodes=len(hosts), node_rank=node_rank, local_size=topology.local_size,
         root_addr=topology.root, root_port=port, notes=notes, scheduler=scheduler,
