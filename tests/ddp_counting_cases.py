@@ -22,9 +22,7 @@ class Net(torch.nn.Module):
     """Linear, BatchNorm (``norm``), tanh, Linear in float64; the same weights in every instance.
     With ``dict_output`` it returns ``{"logits", "features"}``; ``temperature`` is used only by
     ``forward(x, scaled=True)``. Without buffers, a forward with gradients on one rank only is no collective (the
-    buffer broadcast is skipped), so the cases where rank 0 alone runs one use ``norm=False``, as
-    does the one with two forwards before a backward (the second forward's broadcast would write
-    the running statistics the first saved for backward, as with PyTorch's DDP)."""
+    buffer broadcast is skipped), so the cases where rank 0 alone runs one use ``norm=False``."""
 
     def __init__(self, dict_output: bool = False, norm: bool = True):
         super().__init__()
@@ -157,7 +155,7 @@ CASES = {
     "metric_forward_on_rank_0": (lambda: [Net(norm=False)], _metric),
     "eval_mode": (lambda: [Net()], _eval_mode),
     "two_backward_one_forward": (lambda: [Net()], _two_backward),
-    "two_forwards_one_loss": (lambda: [Net(norm=False)], _two_forwards),
+    "two_forwards_one_loss": (lambda: [Net()], _two_forwards),
     "no_sync": (lambda: [Net()], _no_sync),
     "dict_output": (lambda: [Net(dict_output=True)], _dict_output),
     "two_models_one_loss": (lambda: [_head(), Net()], _two_models),

@@ -338,10 +338,14 @@ class DistributedDataParallel(torch.nn.Module):
             for buffers in groups.values():
                 flat = torch.cat([b.reshape(-1) for b in buffers])
                 engine.broadcast(flat, 0, "Buffers")
-                offset = 0
-                for b in buffers:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                    offset += b.numel()
+                # Unseen by autograd, as PyTorch's DDP writes them: an earlier forward pass whose
+                # backward is still to come saved BatchNorm's running statistics (two forward passes
+                # in one loss), and training-mode BatchNorm's backward does not read them.
+                with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                    offset = 0
+                    for b in buffers:
+                        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                        offset += b.numel()
 
     @contextlib.contextmanager
     def no_sync(self):
