@@ -231,6 +231,9 @@ def interval90(samples, method: str = "linear") -> list[float]:
     return [float(q) for q in np.quantile(np.asarray(samples, dtype=float), [0.05, 0.95], method=method)]
 
 
+MIN_PAIRS = 2  # common seeds a verdict needs
+
+
 def verdict(interval: list[float], lower_is_better: bool = True) -> str:
     """``ahead``, ``behind`` or ``tie`` from the 90% interval ``[low, high]`` of a ratio
     (configuration / reference): ahead when the whole interval is on the better side of 1,

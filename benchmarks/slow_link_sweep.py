@@ -9,7 +9,8 @@ target differ by their steps and the learning noise. Per link rate:
 * the step of each configuration (the job's training seconds / steps, ms): median over the
   report's seeds and its range;
 * ``proportional / static64``: the ratio of the median steps with a 90% bootstrap interval over
-  the seed pairs, and its verdict (``ahead``, ``tie``, ``behind``);
+  the seed pairs, and its verdict (``ahead``, ``tie``, ``behind``; ``n/a`` with one seed, whose
+  interval is that seed's ratio alone);
 * the slow-link worker under ``proportional``: its mean batch and its compute and push+pull ms per
   step (from its own timing: ``compute_s`` and ``push_pull_s`` over its steps);
 * ``link floor``: that push+pull over ``static64``'s step. A split of the global batch cannot make
@@ -39,7 +40,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from common import RESULTS, markdown_table, paired_ratio_interval, summarise_reports, verdict
+from common import MIN_PAIRS, RESULTS, markdown_table, paired_ratio_interval, summarise_reports, verdict
 
 from dynamix_byteps.scenarios import scenario
 
@@ -83,7 +84,8 @@ def sweep_row(report: dict, cpu_floor_ms: float) -> dict:
     transfer_ms = float(np.median([_per_step_ms(w, "push_pull_s") for w in slow]))
     return {"scenario": name, "link_mbit": links[0].rate_mbit, "seeds": [run["seed"] for run in static],
             "static_step_ms": static_ms, "split_step_ms": split_ms,
-            "ratio": float(np.median(split_ms)) / static_median, "ratio_interval": interval, "verdict": verdict(interval),
+            "ratio": float(np.median(split_ms)) / static_median, "ratio_interval": interval,
+            "verdict": verdict(interval) if len(static) >= MIN_PAIRS else "n/a",
             "slow_batch": float(np.median([w["samples"] / w["steps"] for w in slow])),
             "slow_compute_ms": float(np.median([_per_step_ms(w, "compute_s") for w in slow])),
             "slow_transfer_ms": transfer_ms,

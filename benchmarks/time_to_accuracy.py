@@ -93,6 +93,7 @@ from pathlib import Path
 
 import numpy as np
 from common import (
+    MIN_PAIRS,
     REPO,
     RESULTS,
     LoadSampler,
@@ -129,7 +130,6 @@ TARGETS = {"cnn": (0.86, 0.88, 0.89, 0.90), "resnet8": (0.75, 0.80, 0.83, 0.86)}
 QUICK_TARGETS = (0.5, 0.6, 0.7)
 QUICK_CONFIGS = ("static32", "static64", "proportional", "goodput")
 ROUNDS = 2000  # bootstrap resamples
-MIN_PAIRS = 2  # common seeds a verdict needs
 LOAD_RETRIES = 2  # remakes of a loaded run without --allow-load
 CHANCE = 0.1  # accuracy at 0 s: 10 classes
 #: One colour and marker per configuration, for every figure of every scenario (Okabe-Ito colours).

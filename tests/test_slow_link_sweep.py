@@ -57,6 +57,13 @@ def test_a_ratio_whose_interval_holds_one_is_a_tie():
     assert row["ratio_interval"][0] < 1 < row["ratio_interval"][1] and row["verdict"] == "tie"
 
 
+
+def test_one_seed_gives_no_verdict():
+    """One pair of runs has a degenerate interval; like time_to_accuracy.py, it gets no verdict."""
+    row = sweep([_homogeneous(), _linked("network", [318], [303])])["rows"][0]
+    assert row["ratio"] == pytest.approx(303 / 318) and row["verdict"] == "n/a"
+    assert "0.95x [0.95x, 0.95x] n/a" in markdown({"rows": [row]})
+
 @pytest.mark.parametrize("reports, message", [
     ([_linked("network", [300], [290])], "needs one homogeneous report"),
     ([_homogeneous(), _homogeneous(), _linked("network", [300], [290])], "needs one homogeneous report"),
