@@ -272,3 +272,21 @@ def test_a_step_skipped_on_one_worker_raises_on_every_worker_at_the_next_step(va
         assert kind == "TensorMismatchError", said
         assert "different steps of their training loops" in said and begun in said, said
         assert "same number of steps" in said and "drop_last" in said, said
+
+
+def test_a_model_the_optimizer_reduces_is_saved_whole_and_its_plain_tensors_without_a_warning(single_process_job):
+    """torch.save(model) raised TypeError ('cannot pickle ...': the reducer's record of its hooks
+    lay in each parameter's __dict__), and torch.save of a plain leaf tensor warned that the
+    reducer's tensor hook 'will not be serialized'."""
+    import io
+    import warnings
+
+    import torch
+
+    model, scale = torch.nn.Linear(2, 2), torch.ones(2, requires_grad=True)
+    named = [*model.named_parameters(), ("scale", scale)]
+    single_process_job.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.1), named)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.save(model, io.BytesIO())
+        torch.save(scale, io.BytesIO())

@@ -64,10 +64,10 @@ from dynamix_byteps.aggregation import (
 from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
 
-# Parameter attribute holding (hook handle, weak reference to its reducer): a new reducer of the
-# same owner over the same model removes the old one's, which would otherwise count (and refuse)
-# the new passes.
-_HOOK_ATTR = "_dynamix_reducer_hook"
+# Per parameter, (hook handles, weak reference to its reducer): a new reducer of the same owner
+# over the same model removes the old one's, which would otherwise count (and refuse) the new
+# passes. Kept beside the parameters, not in their __dict__, which torch.save(model) pickles.
+_HOOKS = torch.utils.weak.WeakIdKeyDictionary()
 
 # Every reducer of this process: a backward pass that begins one begins each other whose
 # parameters it will write (a GAN's generator behind its discriminator), so that a failure before
@@ -230,7 +230,7 @@ class BucketReducer:
     def _register_hooks(self, params) -> None:
         for p in params:
             if p not in self._accumulators:
-                previous = getattr(p, _HOOK_ATTR, None)
+                previous = _HOOKS.get(p)
                 if previous is not None:  # an earlier reducer over this model
                     handles, reducer = previous
                     self._refuse_a_second_owner(reducer())
@@ -242,11 +242,11 @@ class BucketReducer:
                 # in those, on the first parameter to get its gradient, has begun a round (and
                 # sends it failed).
                 accumulator = torch.autograd.graph.get_gradient_edge(p).node
-                handles = (_register_first_tensor_hook(p, functools.partial(_before_gradient, weakref.ref(self),
-                                                                             weakref.ref(p))),
+                begin = functools.partial(_before_gradient, weakref.ref(self), weakref.ref(p))
+                handles = (_register_first_tensor_hook(p, torch.utils.hooks.unserializable_hook(begin)),
                            accumulator.register_hook(functools.partial(self._after_accumulation, p)))
                 self._accumulators[p] = accumulator
-                setattr(p, _HOOK_ATTR, (handles, weakref.ref(self)))
+                _HOOKS[p] = (handles, weakref.ref(self))
 
     def backward_writes_gradients(self) -> bool:
         """Whether the running backward pass writes the ``.grad`` of a parameter being reduced
@@ -310,7 +310,7 @@ class BucketReducer:
         :meth:`backward_writes_gradients` it hooks no new parameter: that would take them back from
         the newer reducer."""
         return self._backward_executes(node for p, node in self._accumulators.items()
-                                       if getattr(p, _HOOK_ATTR)[1]() is self)
+                                       if _HOOKS[p][1]() is self)
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         if not self._launching or param not in self._plan.slot:
