@@ -486,23 +486,25 @@ class GradientAggregator:
         into ``step.counts``."""
         self.before_send()
         engine = self.engine
-        # Filled on the host and sent to the device in one copy: element writes into a CUDA
-        # tensor each wait for the device. Only the squared norm, a device value, is written there.
-        host = torch.zeros(engine.size * _COLUMNS + (0 if counts is None else counts.size), dtype=torch.float64)
-        rows = host[:engine.size * _COLUMNS].view(engine.size, _COLUMNS)
-        rows[engine.rank, _SAMPLES] = FAILED if step.failed else step.samples
-        rows[engine.rank, _DIGEST] = trailer_digest(description)
-        sampler_columns = (UNSET,) * 4 if step.position is None else step.position.trailer_columns()
-        rows[engine.rank, _STEP:_SAMPLER_RANK + 1] = torch.tensor(sampler_columns, dtype=torch.float64)
-        rows[engine.rank, _BEGUN] = self.steps_begun
+        # Filled in numpy (an element write into a torch tensor costs ~7 us, ~60 us a step in all)
+        # and sent to the device in one copy: element writes into a CUDA tensor each wait for the
+        # device. Only the squared norm, a device value, is written there.
+        host = np.zeros(engine.size * _COLUMNS + (0 if counts is None else counts.size))
+        row = host[engine.rank * _COLUMNS:(engine.rank + 1) * _COLUMNS]
+        row[_SAMPLES] = FAILED if step.failed else step.samples
+        row[_DIGEST] = trailer_digest(description)
+        row[_STEP:_SAMPLER_RANK + 1] = (UNSET,) * 4 if step.position is None else step.position.trailer_columns()
+        row[_BEGUN] = self.steps_begun
         local_sq = step.local_sq / (step.scale * step.scale) if step.measure and step.scale > 0 else 0.0
         if not step.measure:
-            rows[engine.rank, _SQ_NORM] = float("nan")
+            row[_SQ_NORM] = float("nan")
         elif not isinstance(local_sq, torch.Tensor):
-            rows[engine.rank, _SQ_NORM] = local_sq
+            row[_SQ_NORM] = local_sq
         if counts is not None:
-            host[engine.size * _COLUMNS:] = torch.from_numpy(counts)
-        trailer = host if engine.device.type == "cpu" else host.pin_memory().to(engine.device, non_blocking=True)
+            host[engine.size * _COLUMNS:] = counts
+        trailer = torch.from_numpy(host)
+        if engine.device.type != "cpu":
+            trailer = trailer.pin_memory().to(engine.device, non_blocking=True)
         if isinstance(local_sq, torch.Tensor):
             trailer[engine.rank * _COLUMNS + _SQ_NORM] = local_sq
         with round_lock:
