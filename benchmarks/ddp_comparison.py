@@ -13,8 +13,10 @@ labels 0-9) and the same number of steps, over the process group that ``bps.init
 * ``torch DDP``: ``torch.nn.parallel.DistributedDataParallel(model)`` and a plain SGD, the baseline.
 
 DDP averages gradients, dynamix weights them by batch size: with equal batches the same update.
-Models: ``cnn``, the example's CNN (examples/torch_fashion_mnist.py:Net, 421,642 parameters), and
-``mlp``, a communication-heavy 784-2048-2048-1024-1024-10 perceptron (8,962,058 parameters).
+Models: ``cnn``, the example's CNN (examples/torch_fashion_mnist.py:Net, 421,642 parameters),
+``mlp``, a communication-heavy 784-2048-2048-1024-1024-10 perceptron (8,962,058 parameters), and,
+when named in ``--models``, ``small-mlp``, a 784-256-10 perceptron (203,530 parameters) whose
+steps of a few milliseconds show the fixed cost of a step.
 
 Each (model, worker count) is one bpslaunch job, one torch thread per worker. A run builds a fresh
 model (same seed) and optimizer, takes untimed warm-up steps, meets the other workers at a barrier
@@ -35,6 +37,7 @@ dynamix variant at most 1.00x torch DDP, at most 0.97x on the MLP at 4 workers; 
 whole interval is at or below the target, ``missed`` when it is entirely above, else ``unresolved``.
 
     python benchmarks/ddp_comparison.py --workers 2,4 --models cnn,mlp --repeats 5
+    python benchmarks/ddp_comparison.py --workers 2 --models small-mlp --steps 200 --out small.json
     python benchmarks/ddp_comparison.py --table-only --markdown     # the README table, from --out
     python benchmarks/ddp_comparison.py --engine nccl --workers 1 --out cuda.json    # one worker per GPU
 
@@ -58,8 +61,9 @@ from common import RESULTS, cnn_worker, interval90, markdown_table, text_table, 
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
 BASELINE = "torch DDP"
-MODELS = ("cnn", "mlp")
-MLP_WIDTHS = (784, 2048, 2048, 1024, 1024, 10)
+MODELS = ("cnn", "mlp", "small-mlp")
+DEFAULT_MODELS = ("cnn", "mlp")
+MLP_WIDTHS = {"mlp": (784, 2048, 2048, 1024, 1024, 10), "small-mlp": (784, 256, 10)}
 LR, MOMENTUM = 0.01, 0.9
 PARITY_TOLERANCE = 1e-3  # largest parameter difference to torch DDP / largest change since initialisation
 BOOTSTRAP_ROUNDS = 2000
@@ -67,13 +71,13 @@ TARGET = 1.00
 TARGETS = {("mlp", 4): 0.97}  # (model, workers) with a stricter target than TARGET
 
 
-def mlp():
-    """The communication-heavy model: flatten, then Linear+ReLU layers of :data:`MLP_WIDTHS`
-    (8,962,058 float32 parameters, 36 MB of gradients per step)."""
+def mlp(widths: tuple[int, ...]):
+    """Flatten, then Linear+ReLU layers of ``widths`` (:data:`MLP_WIDTHS`: the communication-heavy
+    ``mlp`` has 8,962,058 float32 parameters, 36 MB of gradients per step)."""
     import torch.nn as nn
 
     layers = [nn.Flatten()]
-    for fan_in, fan_out in zip(MLP_WIDTHS, MLP_WIDTHS[1:]):
+    for fan_in, fan_out in zip(widths, widths[1:]):
         layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 
@@ -96,7 +100,7 @@ def _worker(args: argparse.Namespace) -> None:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
 
     def build():
-        return {"cnn": Net, "mlp": mlp}[args.model]().to(device)
+        return (Net() if args.model == "cnn" else mlp(MLP_WIDTHS[args.model])).to(device)
 
     def distributed_optimizer():
         model = build()
@@ -270,7 +274,8 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts (default 2,4)")
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated subset of {', '.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per worker and step (default 64)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per run (default 5)")

@@ -13,7 +13,7 @@ SCRIPT = REPO / "benchmarks" / "ddp_comparison.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from conftest import clean_env, run_in_session
-from ddp_comparison import VARIANTS, markdown, mlp, sanity_failures, summarise
+from ddp_comparison import MLP_WIDTHS, VARIANTS, markdown, mlp, sanity_failures, summarise
 
 from dynamix_byteps.launcher.topology import free_port
 
@@ -50,8 +50,9 @@ def test_sanity_failures_name_ranks_that_disagree_and_training_that_left_torch_d
     assert "torch DDP, repeat 1" in failures[0] and "DistributedOptimizer, repeat 2" in failures[1]
 
 
-def test_mlp_is_the_communication_heavy_model_of_about_nine_million_parameters():
-    assert sum(p.numel() for p in mlp().parameters()) == 8_962_058
+def test_the_mlps_are_the_communication_heavy_model_and_the_small_one_of_fixed_step_costs():
+    assert sum(p.numel() for p in mlp(MLP_WIDTHS["mlp"]).parameters()) == 8_962_058
+    assert sum(p.numel() for p in mlp(MLP_WIDTHS["small-mlp"]).parameters()) == 203_530
 
 
 @pytest.mark.timeout(120)
