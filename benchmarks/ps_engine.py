@@ -84,13 +84,17 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", default="2,4", type=lambda text: worker_counts(parser, text))
-    parser.add_argument("--servers", type=int, default=2)
-    parser.add_argument("--sizes", default="1.7MB,36MB", help=f"comma-separated, of {', '.join(SIZES)}")
-    parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=10000, help="back-to-back rounds to check; 0 skips")
-    parser.add_argument("--out", default=RESULTS / "ps_engine.json")
+    parser.add_argument("--workers", default="2,4", type=lambda text: worker_counts(parser, text),
+                        help="comma-separated worker counts of the round-trip jobs (default 2,4)")
+    parser.add_argument("--servers", type=int, default=2, help="summation servers of the ps jobs (default 2)")
+    parser.add_argument("--sizes", default="1.7MB,36MB", help=f"comma-separated, of {', '.join(SIZES)} (default 1.7MB,36MB)")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"comma-separated, of {', '.join(ENGINES)} (default {','.join(ENGINES)})")
+    parser.add_argument("--repeats", type=int, default=20, help="timed round trips per case (default 20)")
+    parser.add_argument("--rounds", type=int, default=10000, help="back-to-back rounds to check; 0 skips (default 10000)")
+    parser.add_argument("--out", default=RESULTS / "ps_engine.json",
+                        help="JSON to write (default benchmarks/results/ps_engine.json, the one the docs show: "
+                        "give another path for a look that should not replace it)")
     parser.add_argument("--table-only", action="store_true", help="run nothing: print --out's table as markdown")
     args = parser.parse_args()
     if args.table_only:
