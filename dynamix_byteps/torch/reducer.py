@@ -270,7 +270,7 @@ class BucketReducer:
                 f"{self.owner.name} as well would reduce them twice. Use bps.DistributedDataParallel with a plain torch "
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
-    def _before_accumulation(self, param: torch.Tensor) -> None:
+    def _on_parameter_gradient(self, param: torch.Tensor) -> None:
         if (self._opening or not self._in_backward) and not self._backward_executes([self._accumulators[param]]):
             return  # torch.autograd.grad(): it runs the parameter's tensor hooks, not its accumulator
         self.begin_pass()
@@ -654,11 +654,11 @@ class BucketReducer:
 
 
 def _before_gradient(reducer: weakref.ref, param: weakref.ref, grad: torch.Tensor) -> None:
-    """A parameter's tensor hook: ``reducer``'s :meth:`BucketReducer._before_accumulation`. Weak
+    """A parameter's tensor hook: ``reducer``'s :meth:`BucketReducer._on_parameter_gradient`. Weak
     references: the parameter holds its hooks, and must keep neither its reducer nor itself alive."""
     live, tensor = reducer(), param()
     if live is not None and tensor is not None:
-        live._before_accumulation(tensor)
+        live._on_parameter_gradient(tensor)
 
 
 def _register_first_tensor_hook(param: torch.Tensor, hook: Callable) -> torch.utils.hooks.RemovableHandle:
