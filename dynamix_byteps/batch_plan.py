@@ -117,6 +117,7 @@ class BatchPlan:
         # (step, samples, epoch, epoch samples drawn through this step), oldest first
         self._draws: collections.deque[tuple[int, int, int, int]] = collections.deque(maxlen=MAX_UNTRAINED_DRAWS)
         self._trained: tuple[int, int] | None = None  # (epoch, samples) of the newest draw taken
+        self._next_trained_step: int | None = None  # the step after the newest draw taken
         self._consumed = False  # a frontend takes the draws: those not taken were prefetched, not trained on
         self._followed = False  # a frontend given no plan took draws from it as the process default
         self._takers: weakref.WeakSet = weakref.WeakSet()  # the frontends' step paths that took draws
@@ -165,7 +166,7 @@ class BatchPlan:
             self._followed = self._followed or as_default
             for _ in range(min(count, len(self._draws))):
                 step, samples, epoch, epoch_samples = self._draws.popleft()
-                self._trained = (epoch, epoch_samples)
+                self._trained, self._next_trained_step = (epoch, epoch_samples), step + 1
                 taken.append((step, samples))
         return taken
 
@@ -186,6 +187,18 @@ class BatchPlan:
                 "(equal batches need no weights)")
         self._takers.add(taker)
         self._last_taker = weakref.ref(taker)
+
+    def next_trained_step(self) -> int | None:
+        """The global step after the newest one a frontend took from the sampler: the first step
+        not trained on yet, which a prefetching loader has already drawn; None before the first."""
+        return self._next_trained_step
+
+    def resume_at(self, step: int) -> None:
+        """The sampler resumes at global ``step`` (a loaded checkpoint): once a frontend has taken
+        draws, ``step`` is the first step not trained on yet."""
+        with self._lock:
+            if self._next_trained_step is not None:
+                self._next_trained_step = step
 
     def trained_position(self) -> tuple[int, int] | None:
         """``(epoch, samples)`` of the newest step a frontend took from the sampler: the epoch and

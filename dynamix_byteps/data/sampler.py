@@ -253,13 +253,17 @@ class DynamicBatchSampler:
 
         Args:
             step: save the position *before* global step ``step`` (the first step not yet
-                trained on, which lags the sampler when a DataLoader prefetches); default:
-                the sampler's own position.
+                trained on, which lags the sampler when a DataLoader prefetches); default: the
+                step after the newest one a frontend (``DistributedOptimizer``,
+                ``DistributedDataParallel``, a gradient tape) took from this sampler's
+                ``batch_plan``, else, with no frontend taking its draws, the sampler's own position.
 
         Raises:
             ValueError: ``step`` is older than the remembered history or not drawn yet.
         """
         position = self._position
+        if step is None:
+            step = self.batch_plan.next_trained_step()
         if step is not None and step != position.step:
             if step not in self._history:
                 raise ValueError(f"step {step} is not among the last {_HISTORY_STEPS} steps drawn "
@@ -284,6 +288,7 @@ class DynamicBatchSampler:
         self._unfinished_from = None
         self._history.clear()
         self.schedule.rewind(position.step)
+        self.batch_plan.resume_at(position.step)
 
     def check_state_dict(self, state: dict) -> None:
         """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""

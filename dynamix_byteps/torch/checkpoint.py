@@ -88,8 +88,9 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
         optimizer: a ``DistributedOptimizer`` (or a plain optimizer): its state, its class name
             and its parameters' shapes (checked by :func:`load_checkpoint`), and its noise
             statistics and step.
-        sampler: a ``DynamicBatchSampler``: its position at the optimizer's next step (not the
-            sampler's own, which runs ahead when a DataLoader prefetches).
+        sampler: a ``DynamicBatchSampler``: its position at the first step not trained on yet
+            (not the sampler's own, which runs ahead when a DataLoader prefetches), also when a
+            ``DistributedDataParallel`` trains a plain torch optimizer (``sampler.state_dict()``).
         extra: anything else picklable (epoch counters, metrics); returned by ``load_checkpoint``.
 
     Raises:
@@ -137,8 +138,7 @@ def _write_checkpoint(path, workers: int, model, optimizer, sampler, extra: dict
         if hasattr(optimizer, "dynamix_state_dict"):
             state["dynamix"] = optimizer.dynamix_state_dict()
     if sampler is not None:
-        step = getattr(optimizer, "next_step", None)
-        state["sampler"] = sampler.state_dict(step=step)
+        state["sampler"] = sampler.state_dict()
     with atomic_write(path) as f:
         writer = _DigestingWriter(f)
         torch.save(state, writer)
