@@ -1,13 +1,14 @@
 """``dynamix sim fit``: the simulator fitted to a real 4-worker run reproduces its step times."""
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import kill_tree
+from conftest import kill_tree, run_in_session
 from test_control_e2e import bpslaunch
 from test_decision_record import MALFORMED_LINES
 
@@ -246,6 +247,26 @@ def test_a_folder_without_permission_is_a_usage_error(tmp_path):
     assert done.returncode == 2, done.stderr  # was 1, a bare "[Errno 13]" from Path.is_dir
     assert "argument RUN_DIR: cannot read" in done.stderr and "Traceback" not in done.stderr
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given, kind", [("fifo", "a FIFO (named pipe)"), ("run-dir/decisions.jsonl", "a FIFO (named pipe)"),
+                                         ("/dev/null", "a character device")])
+def test_a_fifo_or_a_device_is_refused_naming_it_not_read(tmp_path, given, kind):
+    """A FIFO as RUN_DIR (or as RUN_DIR/decisions.jsonl) was read like `cat` reads one: until a
+    writer closed it, so for ever without one; /dev/zero was read without end."""
+    if given.startswith("/"):
+        path = shown = Path(given)
+    else:
+        shown = tmp_path / given
+        shown.parent.mkdir(exist_ok=True)
+        os.mkfifo(shown)
+        path = shown.parent if given.startswith("run-dir") else shown
+    code, output = run_in_session([sys.executable, "-m", "dynamix_byteps.cli", "sim", "fit", path,
+                                   "--out", tmp_path / "p.json"], timeout=30)
+    assert code == 2, output
+    assert f"argument RUN_DIR: {shown} is {kind}, not a decision log file: give a run's --log-dir" in output, output
+    assert not (tmp_path / "p.json").exists()
 
 # ---- noise-scale calibration from runs at several global batches ------------------------------
 
