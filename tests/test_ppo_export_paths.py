@@ -1,5 +1,6 @@
-"""``load_module`` (behind ``dynamix policy export``) accepts a checkpoint path relative to the
-working directory: RLlib alone reads ``ck`` as a URI with no scheme and refuses it."""
+"""``load_module`` and ``export_module`` (behind ``dynamix policy export``): a checkpoint path relative to the
+working directory loads (RLlib alone reads ``ck`` as a URI with no scheme and refuses it), the export records
+the policy's ladder and writes nothing in the policy folder but its two files."""
 
 import gymnasium as gym
 import numpy as np
@@ -8,20 +9,28 @@ import pytest
 pytest.importorskip("ray")
 
 
-@pytest.mark.timeout(120)
-def test_a_relative_checkpoint_path_loads(tmp_path, monkeypatch):
+def small_module(workers: int = 2, steps: int | None = None, **model_config):
+    """An untrained PerWorkerPPOModule (hidden 8) for ``workers`` workers choosing among ``steps``
+    actions (default: the coarse ladder's)."""
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    from dynamix_byteps.policy.ppo.export import load_module
     from dynamix_byteps.policy.ppo.features import NUM_FEATURES
     from dynamix_byteps.policy.ppo.mdp import LADDER
     from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
 
+    return RLModuleSpec(module_class=PerWorkerPPOModule,
+                        observation_space=gym.spaces.Box(-np.inf, np.inf, (workers * NUM_FEATURES,), np.float32),
+                        action_space=gym.spaces.MultiDiscrete([steps or len(LADDER)] * workers),
+                        model_config={"hidden": 8, **model_config}).build()
+
+
+@pytest.mark.timeout(120)
+def test_a_relative_checkpoint_path_loads(tmp_path, monkeypatch):
+    from dynamix_byteps.policy.ppo.export import load_module
+    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
+
     workers = 2
-    saved = RLModuleSpec(module_class=PerWorkerPPOModule,
-                         observation_space=gym.spaces.Box(-np.inf, np.inf, (workers * NUM_FEATURES,), np.float32),
-                         action_space=gym.spaces.MultiDiscrete([len(LADDER)] * workers),
-                         model_config={"hidden": 8}).build()
+    saved = small_module(workers)
     saved.save_to_path(str(tmp_path / "ck"))
     monkeypatch.chdir(tmp_path)
     loaded = load_module("ck")
@@ -32,21 +41,13 @@ def test_a_relative_checkpoint_path_loads(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_the_export_records_the_ladder_the_policy_was_trained_with(tmp_path):
-    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-
     from dynamix_byteps.policy import make_policy
     from dynamix_byteps.policy.base import ClusterState, WorkerState
     from dynamix_byteps.policy.ppo.export import ExportError, export_module
-    from dynamix_byteps.policy.ppo.features import NUM_FEATURES
     from dynamix_byteps.policy.ppo.mdp import LADDER, ladder_factors
-    from dynamix_byteps.policy.ppo.module import PerWorkerPPOModule
 
     def exported(name, config, steps=5):
-        module = RLModuleSpec(module_class=PerWorkerPPOModule,
-                              observation_space=gym.spaces.Box(-np.inf, np.inf, (2 * NUM_FEATURES,), np.float32),
-                              action_space=gym.spaces.MultiDiscrete([steps] * 2),
-                              model_config={"hidden": 8, **config}).build()
-        return make_policy("ppo", path=export_module(module, tmp_path / name))
+        return make_policy("ppo", path=export_module(small_module(steps=steps, **config), tmp_path / name))
 
     fine = exported("fine", {"dynamix": {"ladder": list(ladder_factors("fine"))}})
     assert fine.metadata["actions"]["ladder"] == list(ladder_factors("fine"))
@@ -60,3 +61,27 @@ def test_the_export_records_the_ladder_the_policy_was_trained_with(tmp_path):
     with pytest.raises(ExportError, match="chooses among 7 actions but records a 5-step ladder"):
         exported("mismatch", {"dynamix": {"ladder": list(LADDER)}}, steps=7)
     assert not (tmp_path / "mismatch" / "features.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_export_builds_its_graph_outside_the_policy_folder(tmp_path, monkeypatch):
+    """The ONNX graph was built in OUT/.policy.onnx.<pid>.build and removed in a ``finally``, which a
+    SIGTERM to `dynamix policy export` (or to `policy train` while it exports) skips: the process
+    ended with the file left in the policy folder for good. What the folder holds the moment the
+    graph is built is what such a SIGTERM leaves."""
+    import torch
+
+    from dynamix_byteps.policy.ppo.export import export_module
+
+    out = tmp_path / "out"
+    build = torch.onnx.export
+    while_building = []
+
+    def observed(*args, **kwargs):
+        build(*args, **kwargs)
+        while_building.extend(p.name for p in out.iterdir())
+
+    monkeypatch.setattr(torch.onnx, "export", observed)
+    export_module(small_module(), out)
+    assert while_building == []
+    assert sorted(p.name for p in out.iterdir()) == ["features.json", "policy.onnx"]

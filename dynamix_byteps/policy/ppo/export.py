@@ -9,8 +9,8 @@ ONNX file first, so a reader never sees a ``features.json`` whose hash names a m
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import pickle
 import warnings
 from pathlib import Path
@@ -162,16 +162,14 @@ def export_module(module, out_dir, extra: dict | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     net = module.policy_net.eval()
     example = torch.zeros(1, 4, NUM_FEATURES)
-    tmp = out / f".{POLICY_FILE}.{os.getpid()}.build"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-            torch.onnx.export(net, (example,), str(tmp), input_names=[INPUT], output_names=[OUTPUT],
-                              dynamic_axes={INPUT: {0: "batch", 1: "workers"}, OUTPUT: {0: "batch", 1: "workers"}},
-                              opset_version=OPSET, dynamo=False)
-        onnx_bytes = tmp.read_bytes()
-    finally:
-        tmp.unlink(missing_ok=True)
+    # In memory: a build file in ``out`` was left there by a process killed (SIGTERM) while exporting
+    graph = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(net, (example,), graph, input_names=[INPUT], output_names=[OUTPUT],
+                          dynamic_axes={INPUT: {0: "batch", 1: "workers"}, OUTPUT: {0: "batch", 1: "workers"}},
+                          opset_version=OPSET, dynamo=False)
+    onnx_bytes = graph.getvalue()
     params = _verify(net, onnx_bytes)
     write_atomic(out / POLICY_FILE, onnx_bytes)
     meta = {
