@@ -3,6 +3,9 @@ frontend trains on the sampler's batches."""
 
 import pytest
 import torch
+from conftest import clean_env, run_bpslaunch
+
+from dynamix_byteps.launcher.elastic import RunReport, decide
 
 
 @pytest.mark.timeout(15)
@@ -32,3 +35,41 @@ def test_a_checkpoint_of_the_ddp_wrapper_with_a_plain_optimizer_keeps_the_prefet
     bps.load_checkpoint(path, sampler=resumed)
     rest = [i for batch in resumed for i in batch]
     assert sorted(trained + rest) == list(range(100))
+
+
+# A worker that joins (leaves its rank in DYNAMIX_STARTED_DIR, as bps.init does) and then dies
+# the way each run asks: run 0 loses rank 2 after the start; in run 1 rank 1 is killed between the
+# restart and the rendezvous, which rank 0 then waits in; run 2 succeeds.
+_KILLED_BEFORE_INIT_IN_RUN_1 = """
+rank=$((DYNAMIX_RANK_OFFSET + BYTEPS_LOCAL_RANK))
+if [ "$DYNAMIX_RESTART" = 1 ]; then [ "$rank" = 1 ] && kill -KILL $$; sleep 30; fi
+touch "$DYNAMIX_STARTED_DIR/$rank"
+if [ "$DYNAMIX_RESTART" = 0 ] && [ "$rank" = 2 ]; then kill -KILL $$; fi
+if [ "$DYNAMIX_RESTART" = 2 ]; then exit 0; fi
+sleep 30
+"""
+
+
+@pytest.mark.timeout(15)
+def test_a_worker_killed_before_the_rendezvous_of_a_restarted_run_is_a_lost_worker(tmp_path):
+    """Restarts are for lost workers; a run in which no worker got through bps.init was taken for an
+    error in the command even when the same command had trained in the run before and a worker of
+    this one was SIGKILLed (the OOM killer): the job ended with restarts left."""
+    code, output = run_bpslaunch(["-n", 3, "--restart-on-failure", 2, "--checkpoint", tmp_path / "c.pt",
+                                  "--grace-period", 2, "--", "sh", "-c", _KILLED_BEFORE_INIT_IN_RUN_1],
+                                 timeout=12, env=clean_env())
+    assert code == 0, output
+    assert "restart 2 of 2 with 1 workers" in output and "failed before it started" not in output, output
+
+
+def _run_report(node, run, code, failed, killed, started):
+    return RunReport(node=node, run=run, code=code, failed=failed, failed_at=2.0 - node, killed=killed,
+                     self_failed=[], workers=[2 * node, 2 * node + 1], started=started)
+
+
+@pytest.mark.parametrize("run, killed, expected", [(1, [3], {"slots": [2, 1], "lost": [3]}), (0, [3], {"exit": 137}),
+                                                   (1, [], {"exit": 137})])
+def test_across_hosts_a_worker_killed_before_a_restarted_run_s_rendezvous_is_lost(run, killed, expected):
+    reports = [_run_report(0, run, 143, 0, [], False), _run_report(1, run, 137, 3, killed, False)]
+    decision = decide([2, 2], reports, restarts_left=1)
+    assert {k: v for k, v in decision.items() if k != "reason"} == expected, decision

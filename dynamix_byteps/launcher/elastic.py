@@ -5,9 +5,11 @@ On one host, a failed worker's run is followed by one with a worker fewer (ranks
 fresh scheduler for the new size, logs appended to), up to N times; every child sees
 ``DYNAMIX_RESTART`` (0, 1, 2, ...) and ``DYNAMIX_CHECKPOINT``. A run that failed before any worker
 got through ``bps.init``, or in which every worker failed on its own, is an error in the command,
-not a lost worker: it is not restarted. A worker failed on its own when it exited with a code > 0
-by itself (the others get a moment for it after the first failure, see :mod:`.supervisor`) and no
-collective of it had failed (it raised no CommunicationError, which a peer's failure causes).
+not a lost worker: it is not restarted, unless it is a restarted run in which a worker was killed
+by a signal the launcher did not send (the OOM killer between the restart and the rendezvous). A
+worker failed on its own when it exited with a code > 0 by itself (the others get a moment for it
+after the first failure, see :mod:`.supervisor`) and no collective of it had failed (it raised no
+CommunicationError, which a peer's failure causes).
 
 Across hosts, the ``bpslaunch`` of every host agrees on the next run.
 With ``--hosts ... --restart-on-failure N``, node 0's launcher serves the gRPC restart rendezvous
@@ -85,7 +87,8 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
         return {"exit": first, "reason": "a launcher was stopped; not restarting"}
     if restarts_left <= 0:
         return {"exit": first, "reason": "no restart left"}
-    if not any(r.started for r in reports):
+    killed = [rank for r in reports for rank in r.killed]
+    if not any(r.started for r in reports) and not _lost_before_init(reports[0].run, killed):
         return {"exit": first, "reason": "the job failed before it started (no worker got through bps.init): an "
                 "error in the command or its environment, not a lost worker; not restarting"}
     workers = {w for r in reports for w in r.workers}
@@ -101,6 +104,15 @@ def decide(slots: list[int], reports: list[RunReport], restarts_left: int) -> di
     if new[0] <= 0:
         return {"exit": first, "reason": "host 0 (the rendezvous and scheduler) lost its last worker; not restarting"}
     return {"slots": new, "lost": sorted(rank for _, rank in lost)}
+
+
+def _lost_before_init(run: int, killed: Sequence) -> bool:
+    """Whether a run in which no worker got through ``bps.init`` lost a worker rather than failed
+    on an error in its command: a restarted run (an earlier one got through ``bps.init`` with the
+    same command) in which a worker was killed by a signal its launcher did not send (the OOM
+    killer, a ``kill -9``), as between the restart and the rendezvous. In the first run such a
+    death may be the command's own (a crash at import), and it is not restarted."""
+    return run > 0 and bool(killed)
 
 
 # ---- the restart loop -----------------------------------------------------------------------------
@@ -140,7 +152,7 @@ def run(config: LaunchConfig, env: Mapping[str, str], build: Build, specs: list[
                       flush=True)
                 return code
             workers = [s.label for s in specs if not s.service]
-            if not started_workers:
+            if not started_workers and not _lost_before_init(config.run, supervisor.killed):
                 print(f"{PROG}: the job failed before it started (no worker got through bps.init; exit codes "
                       f"{_exit_codes(self_failed, workers)}): an error in the command or its environment, not a lost "
                       "worker; not restarting", file=sys.stderr, flush=True)
