@@ -40,6 +40,22 @@ def test_a_features_json_that_is_not_utf8_is_refused_naming_it(policy_copy):
         make_policy("ppo", path=policy_copy)
 
 
+@pytest.mark.timeout(60)
+def test_a_file_given_as_policy_path_is_named_with_what_a_policy_directory_holds(policy_copy, tmp_path):
+    """`bpslaunch --policy ppo --policy-path FILE` said "<FILE's folder>/features.json is missing: <FILE's
+    folder> is not a policy directory", naming a folder the user never gave. A policy's own
+    policy.onnx still names its directory (the scheduler's help shows path=policy.onnx)."""
+    given = tmp_path / "notes.txt"
+    given.write_text("not a policy")
+    done = subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--policy", "ppo",
+                           "--policy-path", str(given), "--", "true"],
+                          capture_output=True, text=True, timeout=30, check=False, env=clean_env())
+    assert done.returncode == 2, done.stderr
+    assert (f"--policy-path: policy path {given} is a file, not a policy directory; pass the directory holding "
+            "policy.onnx and features.json") in done.stderr, done.stderr
+    assert make_policy("ppo", path=policy_copy / "policy.onnx").directory == policy_copy
+
+
 def test_a_library_policy_json_that_is_not_utf8_is_listed_as_unreadable(tmp_path, monkeypatch, capsys):
     shutil.copytree(library.library_root() / "small-cnn-sgd", tmp_path / "damaged")
     (tmp_path / "damaged" / library.INFO_FILE).write_bytes(NOT_UTF8)

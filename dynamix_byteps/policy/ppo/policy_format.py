@@ -35,18 +35,20 @@ def sha256(path: Path) -> str:
 
 
 def policy_directory(path) -> Path:
-    """The policy directory ``path`` names (the directory itself, or a file in it).
+    """The policy directory ``path`` names: the directory itself, or its ``policy.onnx`` or ``features.json``.
 
     Raises:
-        ConfigurationError: it does not exist.
+        ConfigurationError: it does not exist, or is another file (the message names ``path``).
     """
     path = Path(path)
-    if path.is_file():
-        path = path.parent
-    if not path.is_dir():
-        raise ConfigurationError(f"policy path {path} does not exist; pass the directory written by "
-                                 "`dynamix policy train --out DIR` or `dynamix policy export --out DIR`")
-    return path
+    if path.is_file() and path.name in (POLICY_FILE, FEATURES_FILE):
+        return path.parent
+    if path.is_dir():
+        return path
+    problem = "is a file, not a policy directory" if path.exists() else "does not exist"
+    raise ConfigurationError(f"policy path {path} {problem}; pass the directory holding {POLICY_FILE} and "
+                             f"{FEATURES_FILE} that `dynamix policy train --out DIR` or `dynamix policy export --out DIR` "
+                             "wrote")
 
 
 def read_metadata(path) -> tuple[Path, dict]:
