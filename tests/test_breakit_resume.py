@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import clean_env, run_bpslaunch
 
+from dynamix_byteps.data.sampler import DynamicBatchSampler
 from dynamix_byteps.launcher.elastic import RunReport, decide
 
 
@@ -73,3 +74,16 @@ def test_across_hosts_a_worker_killed_before_a_restarted_run_s_rendezvous_is_los
     reports = [_run_report(0, run, 143, 0, [], False), _run_report(1, run, 137, 3, killed, False)]
     decision = decide([2, 2], reports, restarts_left=1)
     assert {k: v for k, v in decision.items() if k != "reason"} == expected, decision
+
+
+@pytest.mark.parametrize("bounds, resumed_size", [({"max_batch": 32}, 32), ({"min_batch": 80}, 80)])
+def test_a_resumed_sampler_keeps_to_its_own_batch_bounds_as_with_another_worker_count(bounds, resumed_size):
+    """A run resumed with a lower --max-batch (after an out-of-memory at the policy's 64, say) went
+    on at the checkpoint's 64 with the same worker count, while another count was clamped."""
+    saved = DynamicBatchSampler(1000, 64, num_replicas=2, rank=0)
+    next(iter(saved))
+    resumed = DynamicBatchSampler(1000, resumed_size, num_replicas=2, rank=0, **bounds)
+    with pytest.warns(UserWarning, match=r"batch sizes \[64, 64\] are outside"):
+        resumed.load_state_dict(saved.state_dict())
+    assert resumed.schedule.at(1).batch_sizes == (resumed_size, resumed_size)
+    assert len(next(iter(resumed))) == resumed_size

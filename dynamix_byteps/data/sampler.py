@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 
 from dynamix_byteps import batch_plan as _batch_plan
@@ -276,13 +277,19 @@ class DynamicBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state``, also with a different number of workers: then the global
         batch in force is kept and split evenly over the new workers (clamped to the bounds).
+        Saved sizes outside this sampler's ``min_batch``/``max_batch`` (bounds changed since,
+        e.g. a lower ``--max-batch`` after an out-of-memory) are clamped to them, with a warning.
 
         Raises:
             ConfigurationError: the dataset size, seed, shuffling or drop_last differs from the saved run, or
                 ``state`` is not a valid :meth:`state_dict` (a missing key, a value of the wrong
                 type or range); the sampler is then unchanged.
         """
-        position, schedule_state = self._planned_load(state)
+        position, schedule_state, out_of_bounds = self._planned_load(state)
+        if out_of_bounds is not None:
+            warnings.warn(f"the checkpoint's batch sizes {list(out_of_bounds)} are outside this sampler's "
+                          f"min_batch/max_batch; resuming with {schedule_state['assignments'][0]['batch_sizes']}",
+                          stacklevel=2)
         self.schedule.load_state_dict(schedule_state)
         self._position = position
         self._unfinished_from = None
@@ -294,8 +301,9 @@ class DynamicBatchSampler:
         """Raise what :meth:`load_state_dict` would raise for ``state``, changing nothing."""
         self._planned_load(state)
 
-    def _planned_load(self, state) -> tuple[Position, dict]:
-        """The position and schedule state ``load_state_dict`` would install; ConfigurationError
+    def _planned_load(self, state) -> tuple[Position, dict, tuple[int, ...] | None]:
+        """The position and schedule state ``load_state_dict`` would install, and the saved sizes
+        in force when they were clamped to this sampler's bounds (else None); ConfigurationError
         when ``state`` is not a valid state of a sampler this one may continue."""
         try:
             for key in _SETTINGS_OF_THE_EPOCH:
@@ -316,11 +324,16 @@ class DynamicBatchSampler:
                                for a in saved):
             raise ConfigurationError(f"invalid sampler state: its {len(saved)} assignments are not all sizes >= 1 for "
                                      f"{num_replicas!r} workers, or none is in force at step {position.step}")
+        current, out_of_bounds = in_force[-1], None
         if num_replicas == self.num_replicas:
-            return position, {"assignments": [a.to_dict() for a in saved]}
-        current = in_force[-1]
-        sizes = self._resplit(current.global_batch_size)
-        return position, {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]}
+            out_of_bounds = next((a.batch_sizes for a in saved if a.effective_step >= current.effective_step
+                                  and self._within_bounds(a.batch_sizes) != a.batch_sizes), None)
+            if out_of_bounds is None:
+                return position, {"assignments": [a.to_dict() for a in saved]}, None
+            sizes = self._within_bounds(current.batch_sizes)
+        else:
+            sizes = self._within_bounds(tail_sizes(current.global_batch_size, [1] * self.num_replicas))
+        return position, {"assignments": [Assignment(sizes, position.step, current.version + 1).to_dict()]}, out_of_bounds
 
     def _saved_position(self, saved: dict) -> Position:
         fields = {name: saved[name] for name in ("epoch", "offset", "step")}
@@ -332,8 +345,8 @@ class DynamicBatchSampler:
             raise ValueError(f"position offset {fields['offset']} is past the dataset's {self.dataset_size} samples")
         return Position(**fields)
 
-    def _resplit(self, global_batch: int) -> tuple[int, ...]:
-        even = tail_sizes(global_batch, [1] * self.num_replicas)
+    def _within_bounds(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """``sizes`` (one per rank) each clamped to its rank's ``min_batch``/``max_batch``."""
         bounds = self.schedule.bounds
         return tuple(max(low, b if high is None else min(b, high))
-                     for b, low, high in zip(even, bounds.min_batch, bounds.max_batch))
+                     for b, low, high in zip(sizes, bounds.min_batch, bounds.max_batch))
