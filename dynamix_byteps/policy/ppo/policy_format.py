@@ -17,7 +17,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.policy.ppo.features import check_spec
 from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, keep_index
 
-__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "TRAINING_FILE",
+__all__ = ["FEATURES_FILE", "FORMAT", "FORMAT_VERSION", "INPUT", "OUTPUT", "POLICY_FILE", "REEXPORT", "TRAINING_FILE",
            "policy_directory", "read_metadata", "sha256", "trained_reward"]
 
 POLICY_FILE = "policy.onnx"
@@ -27,6 +27,8 @@ FORMAT = "dynamix-ppo-policy"
 FORMAT_VERSION = 1
 INPUT = "obs"
 OUTPUT = "logits"
+#: The fix for a policy directory whose files are damaged or of another export (:func:`read_metadata`'s default).
+REEXPORT = "re-export the policy with `dynamix policy export CHECKPOINT --out DIR`"
 
 
 def sha256(path: Path) -> str:
@@ -51,8 +53,12 @@ def policy_directory(path) -> Path:
                              "wrote")
 
 
-def read_metadata(path) -> tuple[Path, dict]:
+def read_metadata(path, *, fix: str | None = REEXPORT) -> tuple[Path, dict]:
     """``(directory, features.json content)`` of a policy directory, validated against this code.
+
+    Args:
+        fix: what the message about a damaged or foreign file ends with; None for nothing (a
+            caller that knows the directory is no export, e.g. a copy, gives its own fix).
 
     Raises:
         ConfigurationError: missing files, another format or version, a feature spec this
@@ -69,22 +75,20 @@ def read_metadata(path) -> tuple[Path, dict]:
     except (OSError, ValueError) as error:  # ValueError: not JSON, or bytes that are not UTF-8
         raise ConfigurationError(f"cannot read {meta_path}: {error}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file; re-export the policy with "
-                                 "`dynamix policy export CHECKPOINT --out DIR`")
-    check_spec(_section(meta, "observation", meta_path), str(meta_path))
-    actions = _section(meta, "actions", meta_path)
+        raise ConfigurationError(f"{meta_path} is not a {FORMAT} v{FORMAT_VERSION} file{_advice(fix)}")
+    check_spec(_section(meta, "observation", meta_path, fix), str(meta_path))
+    actions = _section(meta, "actions", meta_path, fix)
     ladder = check_ladder(actions.get("ladder"), f"{meta_path}: the policy's action ladder")
     if actions.get("keep") != keep_index(len(ladder)):
         raise ConfigurationError(f"{meta_path}: the policy keeps a batch with action {actions.get('keep')!r}, this "
                                  f"version with {keep_index(len(ladder))} (the ladder's middle); retrain it")
     onnx_path = directory / POLICY_FILE
     if not onnx_path.is_file():
-        raise ConfigurationError(f"{onnx_path} is {'not a file' if onnx_path.exists() else 'missing'}; re-export the "
-                                 "policy with `dynamix policy export`")
-    recorded = _section(meta, "onnx", meta_path).get("sha256")
+        raise ConfigurationError(f"{onnx_path} is {'not a file' if onnx_path.exists() else 'missing'}{_advice(fix)}")
+    recorded = _section(meta, "onnx", meta_path, fix).get("sha256")
     if recorded != sha256(onnx_path):
         raise ConfigurationError(f"{onnx_path} does not match the SHA-256 recorded in {meta_path} (a partial copy or a "
-                                 "file from another export); re-export the policy")
+                                 f"file from another export){_advice(fix)}")
     return directory, meta
 
 
@@ -102,14 +106,17 @@ def trained_reward(directory: Path, meta: dict) -> RewardWeights:
     try:
         return RewardWeights.from_dict(training.get("reward"))
     except ConfigurationError as error:
-        raise ConfigurationError(f"{meta_path}: its training reward: {error}; re-export the policy with "
-                                 "`dynamix policy export`") from None
+        raise ConfigurationError(f"{meta_path}: its training reward: {error}; {REEXPORT}") from None
 
 
-def _section(meta: dict, name: str, meta_path: Path) -> dict:
+def _section(meta: dict, name: str, meta_path: Path, fix: str | None = REEXPORT) -> dict:
     """``meta[name]``, ``{}`` when absent (the checks that follow name what it lacks)."""
     section = meta.get(name) or {}
     if not isinstance(section, dict):
         raise ConfigurationError(f"{meta_path}: its {name!r} section must be a JSON object, not "
-                                 f"{type(section).__name__}; re-export the policy with `dynamix policy export`")
+                                 f"{type(section).__name__}{_advice(fix)}")
     return section
+
+
+def _advice(fix: str | None) -> str:
+    return f"; {fix}" if fix else ""

@@ -53,7 +53,7 @@ def _check_kept_copy(served: Path, source: Path) -> None:
     :func:`read_metadata`: the scheduler would refuse it with a fix ("re-export the policy") that
     does not apply to a copy, after the job has started."""
     try:
-        read_metadata(read_manifest(served).path(served))
+        read_metadata(read_manifest(served).path(served), fix=None)
     except ConfigurationError as error:
         raise ConfigurationError(f"{served}, the fine-tuned copy of {source} an earlier run of this --log-dir left, "
                                  f"cannot be served: {error}. Remove {served} to start again from {source}, or give "
