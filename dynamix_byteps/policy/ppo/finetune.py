@@ -62,8 +62,9 @@ from dynamix_byteps.policy.ppo.mdp import RewardWeights, check_ladder, reward
 from dynamix_byteps.policy.ppo.module import (
     PerWorkerPPOModule,  # first: keeps TensorFlow out of RLlib
 )
-from dynamix_byteps.policy.ppo.policy_format import read_metadata, trained_reward
+from dynamix_byteps.policy.ppo.policy_format import trained_reward
 from dynamix_byteps.policy.ppo.publish import generation_dir, publish, read_manifest
+from dynamix_byteps.policy.ppo.served import served_metadata
 
 __all__ = ["EVENTS", "STATE_FILE", "FineTuner", "Transition", "transition_reward", "transitions"]
 
@@ -252,9 +253,7 @@ class FineTuner:
         self.every, self.window, self.collapse_k = int(every), int(window), float(collapse_k)
         self.lr, self.epochs, self.minibatch = float(lr), int(epochs), int(minibatch or every)
         self.tail = DecisionTail(self.run_dir / DECISION_LOG)
-        manifest = read_manifest(self.root)
-        served = manifest.path(self.root)
-        served, meta = read_metadata(served)
+        manifest, served, meta = served_metadata(self.root)
         self.weights = trained_reward(served, meta)
         self.module = load_module(checkpoint if checkpoint is not None else self.root / "checkpoint")
         self.num_actions = int(self.module.action_space.nvec[0])  # the length of its ladder

@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 from dynamix_byteps.errors import ConfigurationError
-from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, read_metadata
-from dynamix_byteps.policy.ppo.publish import read_manifest
+from dynamix_byteps.policy.ppo.policy_format import FEATURES_FILE, POLICY_FILE, REEXPORT, read_metadata
+from dynamix_byteps.policy.ppo.publish import Generation, read_manifest
 
-__all__ = ["SERVED_DIR", "prepare_served"]
+__all__ = ["SERVED_DIR", "prepare_served", "served_metadata"]
 
 #: Where ``bpslaunch --fine-tune`` keeps the policy the scheduler serves, inside the run directory.
 SERVED_DIR = "policy"
@@ -48,12 +48,25 @@ def prepare_served(source: Path, run_dir: Path) -> Path:
     return served
 
 
+def served_metadata(root, *, fix: str | None = REEXPORT) -> tuple[Generation, Path, dict]:
+    """``(manifest, directory, features.json content)`` of the generation the served policy
+    directory ``root`` serves (``root`` itself, generation 0, without a manifest).
+
+    Raises:
+        ConfigurationError: the manifest cannot be read or names a directory outside ``root``, or
+            that directory does not pass :func:`read_metadata` (whose messages end with ``fix``).
+    """
+    manifest = read_manifest(root)
+    directory, meta = read_metadata(manifest.path(root), fix=fix)
+    return manifest, directory, meta
+
+
 def _check_kept_copy(served: Path, source: Path) -> None:
     """Refuse a copy kept from an earlier run whose served generation does not pass
     :func:`read_metadata`: the scheduler would refuse it with a fix ("re-export the policy") that
     does not apply to a copy, after the job has started."""
     try:
-        read_metadata(read_manifest(served).path(served), fix=None)
+        served_metadata(served, fix=None)
     except ConfigurationError as error:
         raise ConfigurationError(f"{served}, the fine-tuned copy of {source} an earlier run of this --log-dir left, "
                                  f"cannot be served: {error}. Remove {served} to start again from {source}, or give "
