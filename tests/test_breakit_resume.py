@@ -87,3 +87,22 @@ def test_a_resumed_sampler_keeps_to_its_own_batch_bounds_as_with_another_worker_
         resumed.load_state_dict(saved.state_dict())
     assert resumed.schedule.at(1).batch_sizes == (resumed_size, resumed_size)
     assert len(next(iter(resumed))) == resumed_size
+
+
+@pytest.mark.parametrize("next_epoch", [1, 0, None])
+def test_a_loop_that_leaves_an_epoch_early_under_a_prefetching_loader_starts_the_epoch_set_next(next_epoch):
+    """A loop that breaks after a few steps (a steps_per_epoch limit) leaves prefetched batches
+    behind; the next pass drew them again even after set_epoch(1), so 'epoch 1' trained the rest
+    of epoch 0 (80 of 100 samples, in epoch 0's order). The same epoch, or none set, goes on."""
+    sampler = DynamicBatchSampler(100, 5, num_replicas=1, rank=0, seed=3)
+    batches = iter(sampler)
+    first = [next(batches) for _ in range(6)]  # 4 trained, 2 prefetched
+    sampler.batch_plan.take_draws(4)
+    if next_epoch is not None:
+        sampler.set_epoch(next_epoch)
+    rest = [i for batch in sampler for i in batch]
+    if next_epoch == 1:
+        assert sorted(rest) == list(range(100))
+        assert sampler.schedule.next_open_step == 4 + 20  # the steps go on from the first untrained one
+    else:
+        assert sorted(rest + [i for batch in first[:4] for i in batch]) == list(range(100))

@@ -167,6 +167,7 @@ class DynamicBatchSampler:
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
+        self._epoch_asked: int | None = None  # set_epoch's since the last pass began
         self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings(initial), self.rank)
         _batch_plan.make_default(self.batch_plan)
 
@@ -193,6 +194,7 @@ class DynamicBatchSampler:
                 integers are integers; floats and bools are not); the sampler is unchanged.
         """
         epoch = _epoch_number(epoch)
+        self._epoch_asked = epoch
         if epoch != self._position.epoch:
             self._position = Position(epoch, 0, self._position.step)
             self._unfinished_from = None
@@ -224,16 +226,21 @@ class DynamicBatchSampler:
         """Draw again, with the same indices, the batches no optimizer step trained on.
 
         Once the optimizer takes draws, those it has not taken were prefetched and are drawn
-        again. Before its first step nothing was trained: an iterator left before the epoch's end
+        again, unless ``set_epoch`` asked for another epoch since: that epoch then starts from
+        its beginning at their step. Before its first step nothing was trained: an iterator left before the epoch's end
         (``next(iter(loader))`` to peek at shapes, or a prefetching loader dropped) is started
         over from where it began, as a new pass over torch's ``DistributedSampler`` would.
         """
         untrained = self.batch_plan.forget_draws()
+        asked, self._epoch_asked = self._epoch_asked, None
         if untrained is None and not self.batch_plan.training_started() and self._unfinished_from is not None:
             self._position = self._unfinished_from
             self.schedule.rewind(self._position.step)
         elif untrained is not None and untrained in self._history:
-            self._position = self._history[untrained]
+            drawn = self._history[untrained]
+            # Left behind for another epoch (a loop that breaks after N steps, then set_epoch):
+            # that epoch starts from its beginning, at the first step not trained on.
+            self._position = drawn if asked in (None, drawn.epoch) else Position(asked, 0, untrained)
             self.schedule.rewind(untrained)
 
     def __len__(self) -> int:
