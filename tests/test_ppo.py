@@ -32,8 +32,6 @@ from dynamix_byteps.scenarios import scenario
 
 pytest.importorskip("ray")
 pytest.importorskip("onnxruntime")
-# RLlib registers its environment wrapper again for every algorithm it builds.
-pytestmark = pytest.mark.filterwarnings("ignore:.*Overriding environment:UserWarning")
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests/scripts/control_worker.py"
@@ -125,6 +123,15 @@ def test_training_writes_a_loadable_checkpoint_onnx_and_features(trained):
     assert PPOPolicy(path=out).metadata == meta
     assert json.loads((out / "training.json").read_text())["iterations"] == SMALL["iterations"]
 
+
+@pytest.mark.timeout(180)
+def test_trainings_in_one_process_say_nothing_of_rllib_s_environment_name(ray_instance, tmp_path, recwarn):
+    """RLlib registers its environment wrapper with gymnasium again for every algorithm it builds:
+    every training after the first in a process warned "Overriding environment
+    rllib-single-agent-env-v0 already in registry", of a name the user never gave."""
+    for name in ("a", "b"):
+        train_policy(tmp_path / name, iterations=1, train_batch_size_per_learner=64, minibatch_size=64, num_epochs=1)
+    assert [str(w.message) for w in recwarn if "Overriding environment" in str(w.message)] == []
 
 @pytest.mark.timeout(900)
 def test_short_training_beats_a_random_policy(trained):

@@ -234,6 +234,11 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     started = time.monotonic()
     with ray_session(), warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="dynamix-clone-") as scratch:
         warnings.simplefilter("ignore", DeprecationWarning)
+        # RLlib registers its environment wrapper with gymnasium under this one name for every
+        # algorithm it builds, on purpose (SingleAgentEnvRunner.make_env); gymnasium's notice of it
+        # came with every training after the first in a process
+        warnings.filterwarnings("ignore", message=".*Overriding environment rllib-single-agent-env-v0 already in "
+                                "registry", category=UserWarning)
         if imitate is not None:
             init_dir = Path(scratch)
             metadata["imitation"] = _cloned_teacher(init_dir, env_class(env_config), imitate, imitation_episodes,
