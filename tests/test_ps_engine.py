@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import REPO, run_bpslaunch
+from conftest import REPO, kill_tree, run_bpslaunch, wait_until
 from multiworker import free_port, ok, ps_env, run_workers, start_servers, worker_command, worker_env
 
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
@@ -237,6 +238,54 @@ def test_a_worker_that_exits_early_stops_a_ps_job_at_once_with_its_code_and_name
     assert "worker 1 left the job without pushing" in output, output
     assert "the workers cannot go on without it" not in output, output  # no server blamed, however slow the workers
     assert [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker] == []
+
+
+# Rank 1 is slow: interrupted, it leaves while rank 0 waits for its push (a round stranded).
+TRAINS_UNTIL_INTERRUPTED = """
+import time, torch
+import dynamix_byteps.torch as bps
+bps.init()
+print("training", flush=True)
+while True:
+    time.sleep(0.05 * bps.rank())
+    bps.push_pull(torch.ones(1000), average=False, name="g")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_a_ps_job_quietly_and_leaves_nothing_running(tmp_path):
+    """SIGINT to bpslaunch's process group, as a terminal's Ctrl-C: exit 130, the launcher's line and
+    one line per worker, no traceback, no TensorPipe warning (before: ~150 lines, a KeyboardInterrupt
+    traceback from every worker and server, the RPC agents' warnings of the connections they lost)."""
+    marker = f"ps-interrupted-{os.getpid()}-{time.time_ns()}"
+    scratch = tmp_path / "tmp"  # the launcher's TMPDIR: its temporary folders must go with it
+    scratch.mkdir()
+    out, script = tmp_path / "out", tmp_path / "train.py"
+    script.write_text(TRAINS_UNTIL_INTERRUPTED)
+    launcher = None
+    try:
+        with out.open("wb") as sink:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "dynamix_byteps.launcher", "-n", "2", "--engine", "ps", "--num-servers", "2",
+                 "--", sys.executable, script], stdout=sink, stderr=subprocess.STDOUT,
+                env={**os.environ, "DYNAMIX_TEST_MARKER": marker, "OMP_NUM_THREADS": "1", "TMPDIR": str(scratch)},
+                start_new_session=True)
+        assert wait_until(lambda: out.read_text().count("training") == 2, timeout=40), out.read_text()
+        os.killpg(launcher.pid, signal.SIGINT)
+        assert launcher.wait(timeout=15) == 130, out.read_text()
+        output = out.read_text()
+        assert "Traceback" not in output and "RPC agent" not in output, output
+        where = sorted(re.sub(r":\d+ in", ":N in", line) for line in output.splitlines() if "interrupted" in line)
+        assert where == [f"[{rank}] interrupted at {script}:N in <module>" for rank in range(2)], output
+        assert len(output.splitlines()) == 5, output  # "training" twice, "received SIGINT; stopping 4 process(es)"
+        assert wait_until(lambda: not _running_with(marker), timeout=10), _running_with(marker)
+        assert list(scratch.iterdir()) == []
+    finally:
+        kill_tree(launcher)
+
+
+def _running_with(marker: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter() if _environ(p).get("DYNAMIX_TEST_MARKER") == marker]
 
 
 def _environ(process) -> dict:

@@ -13,6 +13,8 @@ of it fails (it raises :class:`~dynamix_byteps.errors.CommunicationError`: if it
 failure came from a peer's or the network's, not its own), and checks that its
 monitoring mailbox (``DYNAMIX_JOB_ID``) can be created: when it cannot, it warns and unsets
 ``DYNAMIX_JOB_ID``, so the job trains without this worker's host metrics instead of crashing.
+Under bpslaunch, which forwards a Ctrl-C to every worker and says so, a KeyboardInterrupt that ends
+the worker prints one line, where it was, instead of its traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import atexit
 import dataclasses
 import functools
 import os
+import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 
@@ -77,6 +81,7 @@ def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
             atexit.register(stop)
             _tell_launcher_started(_current.rank)
             _give_up_unusable_mailbox(_current.rank)
+            _leave_interrupts_to_bpslaunch()
         return _current
 
 
@@ -87,6 +92,34 @@ def _tell_launcher_started(rank: int) -> None:
     if folder:
         _touch(Path(folder) / str(rank))
         on_communication_failure(functools.partial(_touch, Path(folder) / f"{rank}{COLLECTIVE_FAILED_SUFFIX}"))
+
+
+_excepthook_found = sys.excepthook  # the hook before ours: it prints every other exception
+
+
+def _leave_interrupts_to_bpslaunch() -> None:
+    """Under bpslaunch (``DYNAMIX_STARTED_DIR`` set), a KeyboardInterrupt that ends the program prints
+    one line, where the program was, instead of its traceback: bpslaunch forwards its SIGINT (Ctrl-C)
+    to every worker and says so itself."""
+    global _excepthook_found
+    if os.environ.get(STARTED_DIR_ENV) and sys.excepthook is not _interrupt_in_one_line:
+        _excepthook_found = sys.excepthook
+        sys.excepthook = _interrupt_in_one_line
+
+
+def _interrupt_in_one_line(kind, error, tb) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        print(f"interrupted{_where(traceback.extract_tb(tb))}", file=sys.stderr, flush=True)
+    else:
+        _excepthook_found(kind, error, tb)
+
+
+def _where(frames: traceback.StackSummary) -> str:
+    """`` at FILE:LINE in FUNCTION`` of the innermost of ``frames`` in the program's own file (else the
+    innermost); empty without frames."""
+    program = getattr(sys.modules.get("__main__"), "__file__", None)
+    own = [frame for frame in frames if frame.filename == program] or frames
+    return f" at {own[-1].filename}:{own[-1].lineno} in {own[-1].name}" if own else ""
 
 
 def _touch(path: Path) -> None:

@@ -23,6 +23,7 @@ A server that dies or an RPC that exceeds ``DYNAMIX_TIMEOUT`` makes :meth:`Handl
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -110,8 +111,8 @@ class ParameterServerEngine(Engine):
         name: ``ps``.
         group: the RPC group (servers, workers, rendezvous, timeout).
         plan: the partitions and key owners declared so far.
-        broken: a collective failed, or this worker left before the others; :meth:`shutdown` then
-            leaves without waiting for them.
+        broken: a collective failed; :meth:`shutdown` then stops the servers and leaves without
+            waiting for the other workers.
     """
 
     name = "ps"
@@ -217,13 +218,20 @@ class ParameterServerEngine(Engine):
         """Leave the job and destroy the workers' process group. The servers are told first
         (rounds the others still wait for fail there at once); then the RPC group is left, waiting up
         to the timeout for the others, unless this worker leaves early (the others had started rounds
-        without it) or a collective failed, in which case the servers still reachable are told to stop."""
-        if self.broken:
+        without it) or a collective failed, in which case the servers still reachable are told to stop.
+        A worker interrupted (KeyboardInterrupt: its launcher forwards SIGINT to every worker) waits for
+        the others all the same: they are leaving too, and leaving together is quiet (TensorPipe warns
+        of every connection that closes under a live RPC agent)."""
+        if _interrupted():
+            self._leave()
+            graceful = True
+        elif self.broken:
             self._stop_servers()
-        elif self._leave():
-            self.broken = True
+            graceful = False
+        else:
+            graceful = not self._leave()
         try:
-            rpc.shutdown(graceful=not self.broken, timeout=self.group.timeout_s)
+            rpc.shutdown(graceful=graceful, timeout=self.group.timeout_s)
         except RuntimeError:
             try:
                 rpc.shutdown(graceful=False)
@@ -231,3 +239,8 @@ class ParameterServerEngine(Engine):
                 pass
         finally:
             self._default_group.shutdown()
+
+
+def _interrupted() -> bool:
+    """Whether a KeyboardInterrupt is being handled, or ended the program (Python's ``sys.last_value``)."""
+    return any(isinstance(error, KeyboardInterrupt) for error in (sys.exception(), getattr(sys, "last_value", None)))

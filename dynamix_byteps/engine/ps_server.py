@@ -26,13 +26,15 @@ or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIM
 ``DYNAMIX_PS_CHANNELS`` restricts TensorPipe's channels (:mod:`~dynamix_byteps.engine.ps_rendezvous`). The
 server returns once every worker has shut its engine down, exits with status 3
 (``STOPPED_BY_A_WORKER``) when a worker reports that the job failed, and exits by itself when its
-parent process (the launcher) is gone, so it never outlives the job.
+parent process (the launcher) is gone, so it never outlives the job. SIGINT ends it as SIGTERM does,
+without a word.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -269,6 +271,9 @@ def _main(argv: list[str] | None) -> int:
             parser.error(f"--{option.replace('_', '-')} is required (or its environment variable)")
     torch.set_num_threads(1)
     group = PSRendezvous(args.num_servers, args.num_workers, args.addr, args.port, args.timeout, channels_from_env())
+    # Interrupted, a server has nothing to save or say: it ends as SIGTERM ends it, without a
+    # KeyboardInterrupt traceback and the RPC agent's warnings of a shutdown that is not graceful.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         serve(args.server_id, group)
     except (RuntimeError, ValueError) as error:

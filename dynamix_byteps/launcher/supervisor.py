@@ -22,8 +22,10 @@ given. The first child to exit non-zero decides the exit code; the workers still
 failing the same way a moment apart are each seen failing on their own rather than stopped by the
 launcher; the caller's ``settled`` ends that wait early. Then what still runs gets SIGTERM, and
 SIGKILL after ``grace_s`` seconds. SIGINT, SIGTERM or SIGHUP to the launcher is forwarded to
-every group the same way (at once, also during ``settle_s``) and the launcher returns
-``128 + signal``. A child whose exit the launcher has not seen ``AFTER_KILL_S`` after its SIGKILL
+every worker's group at once (during ``settle_s``, it is SIGTERM to every group) and the launcher
+returns ``128 + signal``; the services are stopped once the workers have exited, as at the end of a
+job (ps workers leave through their servers, and report to the scheduler until they exit), or at
+SIGKILL with the rest. A child whose exit the launcher has not seen ``AFTER_KILL_S`` after its SIGKILL
 (uninterruptible sleep on a hung file system or device, or a debugger attached to it that does not
 reap it) is named in a warning and left; the job's exit code stands (a worker is SIGKILLed only
 once the job has failed or been signalled, so that code is never 0).
@@ -347,7 +349,7 @@ class Supervisor:
             if seen > self._answered and exit_code is None and not services_stopping:
                 exit_code = 128 + self._signals.first
                 self.output.note(f"received {_signal_name(self._signals.first)}; stopping {self._count_live()} process(es)")
-                self._signal_live(self._signals.first)
+                self._signal_live(self._signals.first, services=False)
                 stopping_since, self._answered = time.monotonic(), seen
             # Workers first: a server a lost worker's peers stopped (abort) exits right after it.
             for child in sorted(self._children, key=lambda c: c.spec.service):
@@ -443,9 +445,9 @@ class Supervisor:
     def _count_live(self) -> int:
         return sum(1 for c in self._children if c.returncode is None)
 
-    def _signal_live(self, sig: int) -> None:
+    def _signal_live(self, sig: int, services: bool = True) -> None:
         for child in self._children:
-            if child.returncode is None:
+            if child.returncode is None and (services or not child.spec.service):
                 # One that already exited keeps its own code (it is reaped by the next pass of _wait).
                 child.signalled = child.signalled or child.proc.poll() is None
                 self._killpg(child, sig)
