@@ -49,6 +49,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -105,7 +106,8 @@ class _Bucket:
     params: list[torch.Tensor]
     views: list[torch.Tensor]  # views of buffer shaped like each parameter
     names: list[str]
-    pending: set = field(default_factory=set)  # parameters whose gradient is not in the bucket yet
+    indices: list[int]  # each parameter's position in the plan
+    pending: set = field(default_factory=set)  # plan positions whose gradient is not in the bucket yet
     # The engine reduces an alias with a version counter of its own, so the buffer's counts only
     # writes through the gradients' views: a change after the launch is a change in flight.
     wire: torch.Tensor = field(init=False)
@@ -115,28 +117,39 @@ class _Bucket:
         self.wire = self.buffer.data
 
 
+class _Slot(NamedTuple):
+    """Where a parameter's gradient goes: its ``bucket``'s number, its ``index`` in the plan and its ``view`` there."""
+
+    bucket: int
+    index: int
+    view: torch.Tensor
+
+
 class _Plan:
-    """Buckets over the parameters that require gradients, in reverse registration order."""
+    """Buckets over the parameters that require gradients, in reverse registration order.
+
+    ``slot`` finds a parameter's :class:`_Slot` by ``id()``, not by the tensor (whose ``__hash__``
+    is Python code, run several times per parameter per step): the plan holds its parameters, so
+    their ids stay theirs."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], limit: int, settings: str):
         self.key = _key(named)
         ordered = list(reversed(named))
         self.params = [p for _, p in ordered]
         self.names = [_parameter_name(name) for name, _ in ordered]  # for messages
-        self.index = {p: i for i, p in enumerate(self.params)}
         groups = plan_buckets([(p.numel() * p.element_size(), (p.dtype, p.device)) for _, p in ordered], limit,
                               min(limit, FIRST_BUCKET_BYTES))
         self.buckets: list[_Bucket] = []
-        self.slot: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
+        self.slot: dict[int, _Slot] = {}
         for number, group in enumerate(groups):
             params = [ordered[i][1] for i in group]
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
-            for p in params:
+            for i, p in zip(group, params):
                 views.append(_bucket_view(buffer, offset, p))
-                self.slot[p] = (number, views[-1])
+                self.slot[id(p)] = _Slot(number, i, views[-1])
                 offset += p.numel()
-            self.buckets.append(_Bucket(buffer, params, views, [self.names[i] for i in group]))
+            self.buckets.append(_Bucket(buffer, params, views, [self.names[i] for i in group], group))
         digest = fingerprint(describe(name, p) for name, p in ordered)
         self.description = (f"gradient buckets over {len(named)} parameters (digest {digest:016x}), "
                             f"{len(self.buckets)} buckets, {settings}")
@@ -209,7 +222,8 @@ class BucketReducer:
         self.sync = True
         self._plan: _Plan | None = None
         self._next_plan: _Plan | None = None  # announced when the parameters changed, adopted once all agree
-        self._accumulators: dict[torch.Tensor, object] = {}  # per parameter, its gradient accumulator (hooked)
+        # Per parameter, by id() (held, so the id stays its own), the parameter and its hooked gradient accumulator.
+        self._accumulators: dict[int, tuple[torch.Tensor, object]] = {}
         self._round: Round | None = None
         self._samples: int | None = None  # taken when the round's last backward pass started
         self._launching = False  # this backward pass launches buckets from its hooks
@@ -229,7 +243,7 @@ class BucketReducer:
 
     def _register_hooks(self, params) -> None:
         for p in params:
-            if p not in self._accumulators:
+            if id(p) not in self._accumulators:
                 previous = _HOOKS.get(p)
                 if previous is not None:  # an earlier reducer over this model
                     handles, reducer = previous
@@ -245,7 +259,7 @@ class BucketReducer:
                 begin = functools.partial(_before_gradient, weakref.ref(self), weakref.ref(p))
                 handles = (_register_first_tensor_hook(p, torch.utils.hooks.unserializable_hook(begin)),
                            accumulator.register_hook(functools.partial(self._after_accumulation, p)))
-                self._accumulators[p] = accumulator
+                self._accumulators[id(p)] = (p, accumulator)
                 _HOOKS[p] = (handles, weakref.ref(self))
 
     def backward_writes_gradients(self) -> bool:
@@ -253,7 +267,7 @@ class BucketReducer:
         (False for ``torch.autograd.grad`` and for ``backward(inputs=...)`` of other tensors)."""
         named = self._parameters()
         self._register_hooks(p for _, p in named)
-        return self._backward_executes(self._accumulators[p] for _, p in named)
+        return self._backward_executes(self._accumulators[id(p)][1] for _, p in named)
 
     @staticmethod
     def _backward_executes(accumulators) -> bool:
@@ -271,7 +285,9 @@ class BucketReducer:
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _on_parameter_gradient(self, param: torch.Tensor) -> None:
-        if (self._opening or not self._in_backward) and not self._backward_executes([self._accumulators[param]]):
+        if self._in_backward and not self._opening:
+            return  # the pass has begun, and opened its round if it reduces: every gradient after the first
+        if (self._opening or not self._in_backward) and not self._backward_executes([self._accumulators[id(param)][1]]):
             return  # torch.autograd.grad(): it runs the parameter's tensor hooks, not its accumulator
         self.begin_pass()
         if self._opening:
@@ -309,21 +325,23 @@ class BucketReducer:
         hooks are on (not those a newer reducer over the same model took over). Unlike
         :meth:`backward_writes_gradients` it hooks no new parameter: that would take them back from
         the newer reducer."""
-        return self._backward_executes(node for p, node in self._accumulators.items()
+        return self._backward_executes(node for p, node in self._accumulators.values()
                                        if _HOOKS[p][1]() is self)
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
-        if not self._launching or param not in self._plan.slot:
+        slot = self._launching and self._plan.slot.get(id(param))
+        if not slot:
             return
-        number, view = self._plan.slot[param]
-        if param not in self._plan.buckets[number].pending:
+        pending = self._plan.buckets[slot.bucket].pending
+        if slot.index not in pending:
             raise GradientReductionError(
-                f"{self._plan.names[self._plan.index[param]]} got a gradient twice in one backward pass (a parameter "
+                f"{self._plan.names[slot.index]} got a gradient twice in one backward pass (a parameter "
                 "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True)); the first part was "
                 "already scaled for the reduction. Use use_reentrant=False (PyTorch's DDP refuses this case too)")
-        self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
-        self._plan.buckets[number].pending.discard(param)
-        self._launch_ready()
+        self._had_gradient[slot.index] = self._move_into_bucket(param, slot.view)
+        pending.discard(slot.index)
+        if not pending:
+            self._launch_ready()
 
     def _begin_pass(self) -> None:
         if self._passes >= self.passes_per_step and self.reduced_gradients_dropped():
@@ -354,7 +372,7 @@ class BucketReducer:
             self._had_gradient = np.zeros(len(self._plan.params))
             self._next_bucket = 0
             for bucket in self._plan.buckets:
-                bucket.pending = set(bucket.params)
+                bucket.pending = set(bucket.indices)
 
     def _launch_ready(self) -> None:
         buckets = self._plan.buckets
@@ -407,8 +425,9 @@ class BucketReducer:
         if self._launching:
             self._launching = False
             for bucket in self._plan.buckets[self._next_bucket:]:
-                for param in bucket.pending:  # no gradient this pass: its own, or zeros
-                    self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, self._plan.slot[param][1])
+                for i in bucket.pending:  # no gradient this pass: its own, or zeros
+                    param = self._plan.params[i]
+                    self._had_gradient[i] = self._move_into_bucket(param, self._plan.slot[id(param)].view)
                 bucket.pending.clear()
             self._launch_ready()
             self.aggregator.close(self._round, self._round_description(), self._had_gradient)
@@ -605,8 +624,8 @@ class BucketReducer:
         self._round.failed = failed
         self._had_gradient = np.zeros(len(self._plan.params))
         for number, bucket in enumerate(self._plan.buckets):
-            for param, view in zip(bucket.params, bucket.views):
-                self._had_gradient[self._plan.index[param]] = self._move_into_bucket(param, view)
+            for i, param, view in zip(bucket.indices, bucket.params, bucket.views):
+                self._had_gradient[i] = self._move_into_bucket(param, view)
             self._launch(number)
         self.aggregator.close(self._round, self._round_description(), self._had_gradient)
 
@@ -632,7 +651,7 @@ class BucketReducer:
         """
         grad, scale = param.grad, self._round.scale
         if grad is not None and grad.layout != torch.strided:
-            raise _sparse_error([self._plan.names[self._plan.index[param]]])
+            raise _sparse_error([self._plan.names[self._plan.slot[id(param)].index]])
         if grad is not None and grad.requires_grad:  # backward(create_graph=True)
             if not self._warned_create_graph:
                 self._warned_create_graph = True
