@@ -304,7 +304,8 @@ def resume_and_finish_epoch(path: str) -> dict:
 
 
 def optimizer_patterns() -> dict:
-    """Patterns a tester found broken: unfreezing after wrapping, closures, GAN-style zero_grad."""
+    """Patterns a tester found broken: unfreezing after wrapping, closures, GAN-style zero_grad; and a
+    parameter group added after wrapping."""
     rank, out = bps.rank(), {}
     model = _model()
     model[0].weight.requires_grad_(False)
@@ -330,6 +331,13 @@ def optimizer_patterns() -> dict:
         model(x).sum().backward()
         opt.step()
     out["gan_loop"] = _digest(model.parameters())
+
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt.add_param_group({"params": [extra]})  # after steps were reduced: from its first step on
+    opt.zero_grad()
+    (model(x).sum() + (extra * (rank + 1)).sum()).backward()
+    opt.step()
+    out["added_group"] = _digest([extra])
     return out
 
 

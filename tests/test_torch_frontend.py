@@ -124,9 +124,9 @@ def test_resume_mid_epoch_from_4_to_2_workers_loses_and_repeats_nothing(tmp_path
 
 
 @pytest.mark.timeout(120)
-def test_unfrozen_parameters_closures_and_gan_loops_stay_in_sync():
+def test_unfrozen_parameters_closures_gan_loops_and_added_groups_stay_in_sync():
     results = ok(run_workers(2, "dist_cases:optimizer_patterns"))
-    for key in ("unfrozen", "after_closure", "gan_loop"):
+    for key in ("unfrozen", "after_closure", "gan_loop", "added_group"):
         assert results[0][key] == results[1][key], key
     assert results[0]["closure_loss"] != results[1]["closure_loss"]  # each rank's own loss, as in torch
 

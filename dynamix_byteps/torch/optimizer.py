@@ -51,6 +51,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                               None if base_batch_size is None else int(base_batch_size))
         self._step_path = TrainingStep(self._aggregator, family, batch_plan)
         self._names = self._name_parameters(named_parameters)
+        self._named: tuple[tuple, list] = ((), [])  # (param_groups' layout, every parameter named), see _gradient_params
         self._samples = UNSET
         self._synchronized = False
         self._skip_sync = False
@@ -91,9 +92,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _gradient_params(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters to reduce: every one in ``param_groups`` that requires grad now (so
-        parameters unfrozen or groups added after wrapping are reduced too)."""
-        return [(self._names.get(p, f"Gradient.group{g}.{i}"), p)
-                for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"]) if p.requires_grad]
+        parameters unfrozen or groups added after wrapping are reduced too). Named again only when
+        the groups' layout changed: the names' lookup hashes every tensor, in Python."""
+        groups = self.param_groups
+        layout = tuple(len(group["params"]) for group in groups), tuple(id(p) for group in groups for p in group["params"])
+        if layout != self._named[0]:
+            self._named = layout, [(self._names.get(p, f"Gradient.group{g}.{i}"), p)
+                                   for g, group in enumerate(groups) for i, p in enumerate(group["params"])]
+        return [(name, p) for name, p in self._named[1] if p.requires_grad]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally before each reduction (as BytePS's and

@@ -27,6 +27,7 @@ from dynamix_byteps.aggregation import UNSET, GradientAggregator
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
+from dynamix_byteps.torch.module_tensors import ModuleTensors
 from dynamix_byteps.torch.reducer import DATA_PARALLEL_OWNER, BucketReducer
 from dynamix_byteps.training_step import TrainingStep
 
@@ -172,6 +173,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.output_device = output_device
         del find_unused_parameters, gradient_as_bucket_view, static_graph
         self.module = module
+        self._tensors = ModuleTensors(module)
         self.broadcast_buffers = broadcast_buffers
         self._aggregator = GradientAggregator("sgd", compression, "none")
         self._step_path = TrainingStep(self._aggregator, "sgd", batch_plan)
@@ -194,7 +196,7 @@ class DistributedDataParallel(torch.nn.Module):
     gradient_noise = property(lambda self: self._aggregator.gradient_noise)
 
     def _trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"Gradient.{name}", p) for name, p in self.module.named_parameters() if p.requires_grad]
+        return [(f"Gradient.{name}", p) for name, p in self._tensors.parameters() if p.requires_grad]
 
     def _take_samples(self) -> int:
         """This step's weight, when the reducing backward starts (its first parameter gradient)."""
@@ -217,7 +219,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _syncs_buffers(self) -> bool:
         """Whether a forward pass that records gradients broadcasts rank 0's buffers."""
-        return self.broadcast_buffers and next(self.module.buffers(), None) is not None
+        return self.broadcast_buffers and bool(self._tensors.buffers())
 
     def forward(self, *inputs, **kwargs):
         counting = torch.is_grad_enabled()
@@ -332,7 +334,7 @@ class DistributedDataParallel(torch.nn.Module):
         if engine.size == 1 or not self._reducer.before_own_collective():
             return
         groups: dict[tuple, list[torch.Tensor]] = {}
-        for b in self.module.buffers():
+        for _, b in self._tensors.buffers():
             groups.setdefault((b.dtype, b.device), []).append(b)
         with torch.no_grad():
             for buffers in groups.values():
