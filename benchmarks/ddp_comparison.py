@@ -16,7 +16,9 @@ DDP averages gradients, dynamix weights them by batch size: with equal batches t
 Models: ``cnn``, the example's CNN (examples/torch_fashion_mnist.py:Net, 421,642 parameters),
 ``mlp``, a communication-heavy 784-2048-2048-1024-1024-10 perceptron (8,962,058 parameters), and,
 when named in ``--models``, ``small-mlp``, a 784-256-10 perceptron (203,530 parameters) whose
-steps of a few milliseconds show the fixed cost of a step.
+steps of a few milliseconds show the fixed cost of a step, and ``resnet8``, the example's ResNet-8
+(examples/torch_fashion_mnist.py:ResNet8, 77,754 parameters in 29 tensors, 27 BatchNorm buffers that
+both wrappers broadcast before each forward), whose many small tensors show the cost per tensor.
 
 Each (model, worker count) is one bpslaunch job, one torch thread per worker. A run builds a fresh
 model (same seed) and optimizer, takes untimed warm-up steps, meets the other workers at a barrier
@@ -61,7 +63,7 @@ from common import RESULTS, cnn_worker, interval90, markdown_table, text_table, 
 
 VARIANTS = ("DistributedOptimizer", "bps.DistributedDataParallel", "torch DDP")
 BASELINE = "torch DDP"
-MODELS = ("cnn", "mlp", "small-mlp")
+MODELS = ("cnn", "mlp", "small-mlp", "resnet8")
 DEFAULT_MODELS = ("cnn", "mlp")
 MLP_WIDTHS = {"mlp": (784, 2048, 2048, 1024, 1024, 10), "small-mlp": (784, 256, 10)}
 LR, MOMENTUM = 0.01, 0.9
@@ -90,6 +92,7 @@ def _worker(args: argparse.Namespace) -> None:
     watchdog_s = args.timeout + 5
     faulthandler.dump_traceback_later(watchdog_s, exit=True)
     bps, Net, x, y, loss_fn = cnn_worker(args.batch_size)
+    from torch_fashion_mnist import ResNet8  # beside Net, which cnn_worker put on the path
     if not torch.distributed.is_initialized():
         raise SystemExit("torch DDP needs the default process group that the gloo and nccl engines create; "
                          "launch with --engine gloo or nccl")
@@ -100,7 +103,9 @@ def _worker(args: argparse.Namespace) -> None:
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
 
     def build():
-        return (Net() if args.model == "cnn" else mlp(MLP_WIDTHS[args.model])).to(device)
+        if args.model in MLP_WIDTHS:
+            return mlp(MLP_WIDTHS[args.model]).to(device)
+        return (Net() if args.model == "cnn" else ResNet8()).to(device)
 
     def distributed_optimizer():
         model = build()
