@@ -287,7 +287,7 @@ class BucketReducer:
     def _on_parameter_gradient(self, param: torch.Tensor) -> None:
         if self._in_backward and not self._opening:
             return  # the pass has begun, and opened its round if it reduces: every gradient after the first
-        if (self._opening or not self._in_backward) and not self._backward_executes([self._accumulators[id(param)][1]]):
+        if not self._backward_executes([self._accumulators[id(param)][1]]):
             return  # torch.autograd.grad(): it runs the parameter's tensor hooks, not its accumulator
         self.begin_pass()
         if self._opening:
@@ -329,8 +329,10 @@ class BucketReducer:
                                        if _HOOKS[p][1]() is self)
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
-        slot = self._launching and self._plan.slot.get(id(param))
-        if not slot:
+        if not self._launching:
+            return
+        slot = self._plan.slot.get(id(param))
+        if slot is None:
             return
         pending = self._plan.buckets[slot.bucket].pending
         if slot.index not in pending:
