@@ -32,7 +32,8 @@ def test_a_checkpoint_of_the_ddp_wrapper_with_a_plain_optimizer_keeps_the_prefet
     path = tmp_path / "ckpt.pt"
     bps.save_checkpoint(path, model=model, optimizer=optimizer, sampler=sampler)
 
-    resumed = bps.DynamicBatchSampler(100, batch_size=5, seed=1)
+    with pytest.warns(UserWarning, match="replaces the one training has used"):  # a fresh process would not warn
+        resumed = bps.DynamicBatchSampler(100, batch_size=5, seed=1)
     bps.load_checkpoint(path, sampler=resumed)
     rest = [i for batch in resumed for i in batch]
     assert sorted(trained + rest) == list(range(100))
