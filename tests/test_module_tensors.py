@@ -67,3 +67,15 @@ def test_buffers_replaced_by_a_conversion_are_listed_anew():
     listed = dict(tensors.buffers())
     assert all(listed[name] is buffer for name, buffer in model.named_buffers())
     assert listed["1.running_mean"].dtype == torch.float64
+
+
+def test_a_submodule_swapped_in_its_parents_dict_is_listed_anew():
+    model = _model()
+    spare = nn.Linear(4, 2)  # built before the walk: its registrations do not come after it
+    tensors = ModuleTensors(model)
+    tensors.parameters()
+    # What torch.ao.quantization's convert and NamedMemberAccessor.swap_submodule do: no registration hook runs
+    model._modules["4"] = spare
+    assert _named(tensors.parameters()) == _expected(model, "parameters")
+    del model[2]  # a removed submodule's tensors are no longer listed
+    assert _named(tensors.parameters()) == _expected(model, "parameters")

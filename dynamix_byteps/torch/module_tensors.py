@@ -8,11 +8,13 @@ when it may be stale:
 * a parameter, buffer or submodule was registered on any module of the process since (torch's
   global registration hooks, which ``__setattr__``, ``register_parameter``, ``register_buffer``
   and ``add_module`` run), or
-* one it holds is no longer in its module's dictionary (``Module._apply``, behind ``.to()`` and
-  ``.half()``, replaces buffers there without a registration), checked at every call.
+* a tensor or submodule it walked is no longer in its parent's dictionary, checked at every call:
+  ``Module._apply`` (behind ``.to()`` and ``.half()``) replaces buffers there without a
+  registration, ``del model.fc`` removes a submodule, and ``torch.ao.quantization``'s convert or
+  ``NamedMemberAccessor.swap_submodule`` put another (possibly built before the walk) in its place.
 
-Removing a submodule (``del model.fc``) is neither: its tensors stay listed, so they are reduced
-as zeros (no gradient reaches them) and broadcast, which changes nothing the model uses.
+A new name written straight into a module's ``_parameters``, ``_buffers`` or ``_modules``
+dictionary, bypassing ``register_*``/``add_module``, is not seen until the next registration.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ class ModuleTensors:
         self._walked_at = -1
         self._parameters: list[tuple[str, torch.Tensor]] = []
         self._buffers: list[tuple[str, torch.Tensor]] = []
-        self._places: list[tuple[dict, str, torch.Tensor]] = []  # (owner's _parameters or _buffers, key, tensor)
+        # (parent's _parameters, _buffers or _modules, key, what the walk found there)
+        self._places: list[tuple[dict, str, torch.Tensor | torch.nn.Module]] = []
 
     def parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``list(module.named_parameters())``, walked again only when it may have changed."""
@@ -71,12 +74,13 @@ class ModuleTensors:
         return self._buffers
 
     def _refresh(self) -> None:
-        if self._walked_at == _registrations and all(place.get(key) is t for place, key, t in self._places):
+        if self._walked_at == _registrations and all(place.get(key) is found for place, key, found in self._places):
             return
         self._walked_at = _registrations
         self._parameters, self._buffers, self._places = [], [], []
         seen_parameters, seen_buffers = set(), set()
         for prefix, module in self._module.named_modules():
+            self._places += [(module._modules, key, child) for key, child in module._modules.items() if child is not None]
             for place, listed, seen in ((module._parameters, self._parameters, seen_parameters),
                                         (module._buffers, self._buffers, seen_buffers)):
                 for key, tensor in place.items():
