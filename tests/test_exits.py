@@ -317,3 +317,22 @@ def test_shutdown_frees_an_unreachable_torch_ddp_before_it_destroys_the_group(mo
         engine.shutdown()
         gc.enable()
     assert alive_at_destroy == [False]
+
+
+def test_a_collective_after_the_user_destroyed_the_process_group_names_that():
+    # The engine sends its all-reduces to the default group itself; it must not keep the group (a
+    # kept group runs gloo's threads into the interpreter's exit) nor fail with torch's internals.
+    import torch
+    import torch.distributed as dist
+
+    from dynamix_byteps.engine.distributed import TorchDistributedEngine
+    from dynamix_byteps.env import WorkerEnv
+    from dynamix_byteps.errors import CommunicationError
+
+    engine = TorchDistributedEngine(WorkerEnv(), "gloo")
+    try:
+        dist.destroy_process_group()
+        with pytest.raises(CommunicationError, match=r"'late\.tensor'.*process group was destroyed.*bps\.init\(\)"):
+            engine.all_reduce_async(torch.ones(2), "late.tensor")
+    finally:
+        engine.shutdown()

@@ -57,6 +57,16 @@ def _communication_error(exc: Exception, what: str) -> CommunicationError:
     )
 
 
+def _default_group(what: str):
+    """torch.distributed's default process group, or :class:`CommunicationError` for ``what`` once
+    it was destroyed."""
+    group = dist.group.WORLD
+    if group is None:
+        raise CommunicationError(f"{what} after the process group was destroyed (bps.shutdown() or "
+                                 "torch.distributed.destroy_process_group()): call bps.init() again first")
+    return group
+
+
 class _CudaTimings:
     """Collectives whose CUDA events are not yet resolved, oldest first (thread-safe)."""
 
@@ -210,6 +220,13 @@ class TorchDistributedEngine(Engine):
                 f"with the same {env.root_variables}, that rank 0 can listen there, and that the timeout leaves the "
                 "others time to start."
             ) from exc
+        # All-reduces go to the group itself: torch.distributed's function adds ~45 us of Python checks
+        # per call here (the DDP reducer calls the group from C++). The group is looked up per call,
+        # never kept: a reference held past destroy_process_group keeps gloo's threads alive into the
+        # interpreter's exit (see the import of torch.distributed.nn.functional above).
+        self._sum = dist.AllreduceOptions()
+        self._sum.reduceOp = dist.ReduceOp.SUM
+        self._sum.asyncOp = True
 
     @property
     def device(self) -> torch.device:
@@ -223,7 +240,8 @@ class TorchDistributedEngine(Engine):
             start.record()
         what = describe_collective(name)
         try:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+            work = _default_group(what).allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor],
+                                                  self._sum)
         except RuntimeError as exc:
             raise _communication_error(exc, what) from exc
         if self._timings is not None:
