@@ -2,6 +2,7 @@
 refused with an error naming the file, never a traceback (``dynamix policy eval | export``,
 ``--policy-path``, the library listing)."""
 
+import contextlib
 import json
 import shutil
 import signal
@@ -11,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import clean_env, kill_tree, wait_until
 
@@ -159,6 +161,36 @@ def test_sigterm_during_training_stops_ray_and_removes_its_directory():
         assert not list(scratch.glob("dynamix-ray-*"))
     finally:
         kill_tree(job)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_sigkilled_training_leaves_none_of_ray_s_processes_nor_its_directory():
+    """`dynamix policy train` SIGKILLed (the OOM killer, `kill -9`) left Ray's dashboard and runtime-env
+    agents running ~65 s (Ray ties only the processes it starts itself to the trainer; the agents, the
+    raylet's, wait on the dead GCS before they exit) and its /tmp/dynamix-ray-* folder for good."""
+    pytest.importorskip("ray")
+    scratch = Path(tempfile.mkdtemp(prefix="dxk", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    job = subprocess.Popen([sys.executable, "-m", "dynamix_byteps", "policy", "train", "--scenario", "straggler",
+                            "--iterations", "1000", "--out", str(scratch / "out"), "--quiet"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                           env=clean_env(TMPDIR=str(scratch)))
+    started = []
+    try:
+        trainer = psutil.Process(job.pid)
+        assert wait_until(lambda: "ray::IDLE" in {p.name() for p in trainer.children(recursive=True)}, timeout=60)
+        time.sleep(1)  # the raylet has started its agents and workers
+        started = trainer.children(recursive=True)
+        job.kill()
+        job.wait()
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert not alive, [p.name() for p in alive]
+        assert wait_until(lambda: not list(scratch.glob("dynamix-ray-*")), timeout=5)
+    finally:
+        kill_tree(job)
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

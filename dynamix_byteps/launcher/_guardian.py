@@ -1,4 +1,5 @@
-"""Guardian process of ``bpslaunch``: kills the job's process groups if the launcher dies.
+"""Guardian process of ``bpslaunch`` (and of a private Ray instance): kills what the launcher started
+if the launcher dies.
 
 ``PR_SET_PDEATHSIG`` reaches only the launcher's direct children; a worker's own children
 (data-loader workers, a shell pipeline, ...) would survive a SIGKILLed launcher. This tiny
@@ -9,11 +10,15 @@ on stdin and writes one line per event:
 * ``mailboxes <job>``: the job's workers keep mailboxes ``/dev/shm/dynamix.<job>.<rank>``;
 * ``scratch <dir>``: a temporary directory of the launcher's (an absolute path whose name starts
   with ``dynamix-``);
+* ``users <dir>``: such a directory, where every process of a program the launcher started keeps an
+  open file (a private Ray instance: its logs and sockets), including those ``PR_SET_PDEATHSIG``
+  and process groups miss (the raylet's agents and workers, in sessions or groups of their own);
 * ``exit``: the launcher is finishing normally and has cleaned up; stop guarding.
 
 End of file without ``exit`` means the launcher died (it was SIGKILLed or crashed): the
-guardian sends SIGTERM to every recorded group, waits ``argv[1]`` seconds (default 5) for
-them to empty, sends SIGKILL to what is left, removes the recorded jobs' mailboxes and the
+guardian sends SIGTERM to every recorded group and to every process with a file of a ``users``
+directory open, waits ``argv[1]`` seconds (default 5) for them to end, sends SIGKILL to what is
+left, removes the recorded jobs' mailboxes and the
 recorded scratch directories that belong to its user (a killed process cannot remove its own),
 and exits. It runs by path, so it starts without importing the package; the launcher imports
 :class:`Guardian`, its end of the pipe, and the two checks both sides share.
@@ -103,12 +108,46 @@ def process_stats():
         yield int(name), stat[stat.rfind(b")") + 2 :].split()
 
 
-def _signal_all(pgids, sig) -> None:
-    for pgid in pgids:
+def users_of(folders) -> set[int]:
+    """The processes, other than this one, that have a file under one of ``folders`` (absolute
+    paths, as bytes) open; those of other users cannot be read and are not listed."""
+    me = os.getpid()
+    return {pid for pid, fields in process_stats()
+            if pid != me and fields[0] not in (b"Z", b"X") and _has_open_file_under(pid, folders)}
+
+
+def _has_open_file_under(pid: int, folders) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
         try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            target = os.readlink(f"/proc/{pid}/fd/{fd}".encode())
+        except OSError:
+            continue
+        if any(target.startswith(folder + b"/") for folder in folders):
+            return True
+    return False
+
+
+def _signal_all(pgids, pids, sig) -> None:
+    for kill, targets in ((os.killpg, pgids), (os.kill, pids)):
+        for target in targets:
+            try:
+                kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _stop(pgids, users, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL ``grace_s`` seconds later, to the groups ``pgids`` and the processes with
+    a file under one of ``users`` open; waits up to ``grace_s`` seconds after each for them to end."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _signal_all(pgids, users_of(users) if users else (), sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (any(group_alive(p) for p in pgids) or users and users_of(users)):
+            time.sleep(0.05)
 
 
 def _valid_job(job: bytes) -> bool:
@@ -150,7 +189,7 @@ def main() -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     grace_s = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
-    pgids, jobs, scratch = [], set(), set()
+    pgids, jobs, scratch, users = [], set(), set(), set()
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
@@ -161,15 +200,10 @@ def main() -> int:
             jobs.add(line[len(b"mailboxes "):].decode())
         elif line.startswith(b"scratch ") and valid_scratch(line[len(b"scratch "):]):
             scratch.add(line[len(b"scratch "):])
+        elif line.startswith(b"users ") and valid_scratch(line[len(b"users "):]):
+            users.add(line[len(b"users "):])
     # The launcher is gone without saying goodbye: tear the job down.
-    _signal_all(pgids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
-        time.sleep(0.05)
-    _signal_all(pgids, signal.SIGKILL)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
-        time.sleep(0.05)
+    _stop(pgids, users, grace_s)
     _remove_mailboxes(jobs)
     _remove_scratch(scratch)
     return 0

@@ -4,7 +4,8 @@ Imports torch and Ray RLlib (``pip install 'dynamix-byteps[rl]'``). The layout i
 that measured fastest on 2 cores: the new API stack, sampling and learning in the driver
 (``num_env_runners=0``, ``num_learners=0``) with 4 vectorised environments, one torch thread,
 and a private local Ray instance (``num_cpus=2``, no dashboard, a capped object store, its own
-temporary directory, removed afterwards) that is shut down even when training fails. Called
+temporary directory, removed afterwards) that is shut down even when training fails, and whose
+processes and directory a guardian process removes if the trainer is killed (SIGKILL). Called
 inside a running Ray instance (``ray_session()`` around several trainings saves starting one
 for each, ~8 s), training uses that one and leaves it running.
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.launcher._guardian import Guardian
 from dynamix_byteps.policy.ppo.imitate import DEADBAND, check_imitation, clone, demonstrations
 from dynamix_byteps.policy.ppo.mdp import RewardWeights, ladder_factors
 from dynamix_byteps.policy.ppo.module import (
@@ -69,6 +71,8 @@ IMITATION_LR = 1.5e-4
 # Environments stepped together: one forward pass of the network per step for all of them. RLlib's
 # per-call overhead, not the simulator, dominates sampling; 16 instead of 4 halves it.
 ENVS_PER_RUNNER = 16
+# Seconds a killed trainer's Ray processes get to end after SIGTERM (then SIGKILL): they own no data.
+RAY_GRACE_S = 2.0
 
 
 def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict | None = None, padded: bool = False,
@@ -100,7 +104,10 @@ def ray_session():
     """A private local Ray instance for the duration of the block (module docstring); inside a Ray
     instance the caller started (a sweep of trainings, a notebook), that one, left running. While
     the private instance runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that Ray
-    is shut down and its directory removed as after Ctrl-C."""
+    is shut down and its directory removed as after Ctrl-C. A guardian (bpslaunch's) stops every
+    process that keeps a file of that directory open and removes it if this process dies without
+    doing so (SIGKILL, the OOM killer): Ray ties to this process only the processes it starts
+    itself, and the raylet's agents outlived it by about a minute."""
     import ray
 
     if ray.is_initialized():
@@ -109,7 +116,11 @@ def ray_session():
     temp_dir = tempfile.mkdtemp(prefix="dynamix-ray-")  # short: Ray's socket paths must fit 107 bytes
     on_main_thread = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if on_main_thread else None
+    guardian = Guardian(grace_s=RAY_GRACE_S)
     try:
+        guardian.start()
+        guardian.tell(f"users {temp_dir}")
+        guardian.tell(f"scratch {temp_dir}")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  object_store_memory=200 * 2**20, _temp_dir=temp_dir)
         if on_main_thread:
@@ -122,6 +133,7 @@ def ray_session():
             ray.shutdown()
         finally:  # Ctrl-C or SIGTERM may come during the shutdown, which takes seconds
             shutil.rmtree(temp_dir, ignore_errors=True)
+            guardian.stop()
             if on_main_thread:
                 signal.signal(signal.SIGTERM, handler if handler is not None else signal.SIG_DFL)
 
