@@ -97,18 +97,23 @@ class AssignmentSchedule:
     Args:
         initial: batch sizes from step 0.
         bounds: per-worker limits every assignment must respect.
-        dataset_size: samples per epoch; a global batch larger than this is rejected.
+        dataset_size: samples per epoch (reported to the policies).
+        drop_last: the sampler skips an epoch's last partial global batch, so a global batch larger
+            than ``dataset_size`` is rejected (no epoch would have a step); without, a step of such
+            a batch is a whole epoch, its samples shared out.
 
     Raises:
         InvalidAssignmentError: ``initial`` breaks a rule.
     """
 
-    def __init__(self, initial: Sequence[int], bounds: BatchBounds | None = None, dataset_size: int | None = None):
+    def __init__(self, initial: Sequence[int], bounds: BatchBounds | None = None, dataset_size: int | None = None,
+                 *, drop_last: bool = True):
         self.size = len(tuple(initial))
         self.bounds = bounds or BatchBounds.build(self.size)
         if len(self.bounds.min_batch) != self.size:
             raise ConfigurationError(f"bounds are for {len(self.bounds.min_batch)} workers, the assignment for {self.size}")
         self.dataset_size = dataset_size
+        self.drop_last = drop_last
         self._lock = threading.Lock()
         self._assignments: list[Assignment] = []
         self._planned_until = 0  # steps < this were already drawn by the sampler: frozen
@@ -126,9 +131,11 @@ class AssignmentSchedule:
             if b < low or (high is not None and b > high):
                 raise InvalidAssignmentError(
                     f"batch size {b} for rank {rank} is outside its bounds [{low}, {'inf' if high is None else high}]")
-        if self.dataset_size is not None and sum(sizes) > self.dataset_size:
+        if self.drop_last and self.dataset_size is not None and sum(sizes) > self.dataset_size:
             raise InvalidAssignmentError(
-                f"global batch {sum(sizes)} is larger than the dataset ({self.dataset_size} samples)")
+                f"global batch {sum(sizes)} is larger than the dataset ({self.dataset_size} samples): with "
+                f"drop_last=True no epoch would have a step. Give batch sizes of at most {self.dataset_size} in "
+                "total, or drop_last=False to share the dataset out in one step per epoch")
         if _not_int(assignment.effective_step):
             raise InvalidAssignmentError(f"at_step must be an integer step, got {assignment.effective_step!r}")
         if assignment.effective_step < self._planned_until:

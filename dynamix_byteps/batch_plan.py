@@ -244,7 +244,7 @@ class BatchPlan:
             ConfigurationError: the plan has no sampler (no ``DynamicBatchSampler`` exists yet).
             InvalidAssignmentError: ``batch_sizes`` is not a sequence (a list, tuple, NumPy array or
                 integer tensor), a size is not an integer >= 1, out of bounds, the wrong count,
-                larger than the dataset in total, or ``at_step`` was already drawn; the previous
+                larger than the dataset in total under ``drop_last``, or ``at_step`` was already drawn; the previous
                 assignment stays in force.
             TensorMismatchError: the workers passed different arguments.
         """

@@ -111,11 +111,43 @@ def test_epochs_reshuffle_and_set_epoch_restarts():
     ([40, 40, 40], "larger than the dataset"),
 ])
 def test_invalid_assignments_raise_and_keep_the_previous_one(bad, message):
-    sampler = make_job(100, [4, 4, 4], max_batch=64)[0]
+    sampler = make_job(100, [4, 4, 4], max_batch=64, drop_last=True)[0]
     before = sampler.schedule.latest
     with pytest.raises(InvalidAssignmentError, match=message):
         sampler.schedule.apply(Assignment(tuple(bad), 5, before.version + 1))
     assert sampler.schedule.latest == before
+
+
+def test_a_dataset_smaller_than_the_global_batch_is_shared_out_in_one_step_per_epoch():
+    """It was refused ('global batch 12 is larger than the dataset (10 samples)'), where torch's
+    BatchSampler(drop_last=False) draws one partial batch and DistributedSampler pads every rank: the
+    epoch's last partial global batch is shared out, as at the end of any epoch (partition.py)."""
+    samplers = make_job(10, [4, 8], seed=1)
+    for _ in range(2):
+        ((_, batches),) = run_epoch(samplers)
+        assert [len(b) for b in batches] == [4, 6] and sorted(sum(batches, [])) == list(range(10))
+
+
+def test_a_dataset_smaller_than_the_job_pads_every_rank_as_distributed_sampler_does():
+    ((_, batches),) = run_epoch(make_job(3, [2, 2, 2, 2]))
+    assert [len(b) for b in batches] == [1, 1, 1, 1] and set(sum(batches, [])) == {0, 1, 2}
+
+
+def test_an_assignment_larger_than_the_dataset_is_one_step_per_epoch_without_drop_last():
+    samplers = make_job(100, [4, 4, 4], max_batch=64)
+    apply_everywhere(samplers, [40, 40, 40], at_step=0)
+    assert [len(run_epoch(samplers)) for _ in range(2)] == [1, 1]
+
+
+@pytest.mark.parametrize("dataset_size, sizes", [(10, [4, 8]), (3, [1, 1, 1, 1])])
+def test_drop_last_refuses_a_global_batch_larger_than_the_dataset_saying_what_to_do(dataset_size, sizes):
+    """No epoch would have a step: torch's samplers then yield nothing and the loop trains nothing."""
+    global_batch = sum(sizes)
+    with pytest.raises(InvalidAssignmentError,
+                       match=rf"global batch {global_batch} is larger than the dataset \({dataset_size} samples\): with "
+                             rf"drop_last=True no epoch would have a step. Give batch sizes of at most {dataset_size} "
+                             r"in total, or drop_last=False to share the dataset out in one step per epoch"):
+        make_job(dataset_size, sizes, drop_last=True)
 
 
 def test_assignment_for_an_already_drawn_step_is_rejected():

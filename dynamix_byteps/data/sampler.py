@@ -117,7 +117,10 @@ class DynamicBatchSampler:
             with ``num_replicas > 1`` it must be the worker's rank in the job.
         shuffle: reshuffle every epoch with a permutation seeded by ``(seed, epoch)``.
         seed: an integer >= 0, identical on every worker (with ``num_replicas > 1``).
-        drop_last: skip an epoch's last partial global batch instead of sharing it out.
+        drop_last: skip an epoch's last partial global batch instead of sharing it out. Without it, a
+            global batch larger than the dataset is one step per epoch that shares the dataset out
+            (every rank gets at least one sample, as ``DistributedSampler`` pads); with it, such a
+            batch is refused.
         min_batch: inclusive lower per-worker bound every assignment must respect (default:
             ``bpslaunch --min-batch`` through ``DYNAMIX_MIN_BATCH``, else 1).
         max_batch: inclusive upper per-worker bound (default: ``bpslaunch --max-batch`` through
@@ -132,7 +135,7 @@ class DynamicBatchSampler:
     Raises:
         ConfigurationError: bad sizes, bounds, rank, seed, an empty dataset, or a
             ``num_replicas`` above 1 that is not the job's number of workers.
-        InvalidAssignmentError: ``batch_size`` breaks the bounds or exceeds the dataset.
+        InvalidAssignmentError: ``batch_size`` breaks the bounds, or exceeds the dataset with ``drop_last``.
     """
 
     def __init__(self, dataset: Sized | int, batch_size: int | Sequence[int], *, num_replicas: int | None = None,
@@ -162,7 +165,7 @@ class DynamicBatchSampler:
         if len(initial) != self.num_replicas:
             raise ConfigurationError(f"batch_size has {len(initial)} entries but the job has {self.num_replicas} "
                                      "workers; give one size, or one per worker")
-        self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size)
+        self.schedule = AssignmentSchedule(initial, bounds, self.dataset_size, drop_last=self.drop_last)
         self._position = Position()
         self._history: dict[int, Position] = {}
         # Where the iterator in progress began; None once it ran to the epoch's end.
