@@ -446,3 +446,42 @@ def second_break_test() -> dict:
         seen += index.tolist()
     out["epoch_indices"] = sorted(seen)
     return out
+
+
+def converted_after_wrapping(frontend: str, grads_during_conversion: bool) -> dict:
+    """A float32 model converted to float64 (``model.double()``) after wrapping, at step 2 of 4, in
+    ``frontend`` ("ddp": the module wrapper, "optimizer": DistributedOptimizer), against the same
+    training in one process on every rank's batch. ``grads_during_conversion``: the step's gradients
+    (the buckets' views) are still set when it converts, so ``Module._apply`` converts them too.
+
+    Returns the largest parameter difference from the reference and a digest of the parameters."""
+    rank, size = bps.rank(), bps.size()
+
+    def batch(r: int, step: int):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)
+
+    def train(distributed: bool) -> list[torch.Tensor]:
+        model = _model().float()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        net = model
+        if distributed and frontend == "ddp":
+            net = bps.DistributedDataParallel(model)
+        elif distributed:
+            opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        for step in range(4):
+            if step == 2 and grads_during_conversion:
+                model.double()
+            opt.zero_grad()
+            if step == 2 and not grads_during_conversion:
+                model.double()
+            dtype = next(model.parameters()).dtype
+            for r in [rank] if distributed else range(size):
+                x, y = batch(r, step)
+                loss = torch.nn.functional.cross_entropy(net(x.to(dtype)), y)
+                (loss if distributed else loss / size).backward()
+            opt.step()
+        return [p.detach() for p in model.parameters()]
+
+    got, reference = train(True), train(False)
+    return {"error": max(float((p - r).abs().max()) for p, r in zip(got, reference)), "digest": _digest(got)}

@@ -16,9 +16,10 @@ meets the reduced mean, the same on every worker.
 
 The plan is agreed with the other workers once, when it is built (the first step, and whenever
 the set of parameters requiring gradients changes, which must happen on every worker at the
-same step: the round that notices the change still reduces the old plan's buckets and announces
-the new plan in its trailer, so a change on some workers only raises ``TensorMismatchError``
-everywhere, and a change on all is reduced again with the new plan). The first round, which has
+same step: the round that notices the change still sends the old plan's buckets, as zeros, and
+announces the new plan in its trailer, so a change on some workers only raises ``TensorMismatchError``
+everywhere, and a change on all is then reduced with the new plan; parameters converted to another
+dtype or device after wrapping, ``model.double()``, are such a change). The first round, which has
 no plan to launch from, is reduced whole at the end of backward, without the overlap. A backward
 nested in another's node (reentrant activation checkpointing) ends the round only when the
 outermost one ends.
@@ -241,9 +242,15 @@ class BucketReducer:
         self._register_hooks(p for _, p in parameters())
         _REDUCERS.add(self)
 
-    def _register_hooks(self, params) -> None:
+    def _register_hooks(self, params, rehook_converted: bool = False) -> None:
+        """Hook each of ``params`` not hooked yet; with ``rehook_converted`` also each whose gradient
+        accumulator is no longer the hooked one: ``param.data`` set to another dtype or device
+        (``model.to()``, ``.double()``, ``.cuda()`` after wrapping) makes autograd build a new one,
+        which the old hooks never see. Looking that up costs ~10 us per parameter: done when the
+        parameters' dtypes or devices changed (a new plan), not at every call."""
         for p in params:
-            if id(p) not in self._accumulators:
+            hooked = self._accumulators.get(id(p))
+            if hooked is None or rehook_converted and hooked[1] is not torch.autograd.graph.get_gradient_edge(p).node:
                 previous = _HOOKS.get(p)
                 if previous is not None:  # an earlier reducer over this model
                     handles, reducer = previous
@@ -267,6 +274,11 @@ class BucketReducer:
         (False for ``torch.autograd.grad`` and for ``backward(inputs=...)`` of other tensors)."""
         named = self._parameters()
         self._register_hooks(p for _, p in named)
+        if self._backward_executes(self._accumulators[id(p)][1] for _, p in named):
+            return True
+        if self._plan is None or self._plan.key == _key(named):
+            return False
+        self._register_hooks((p for _, p in named), rehook_converted=True)  # converted since (model.double())
         return self._backward_executes(self._accumulators[id(p)][1] for _, p in named)
 
     @staticmethod
@@ -365,10 +377,12 @@ class BucketReducer:
         """Take the step's weight and open its round, launched from the hooks once a plan exists."""
         self._opening = False
         self._samples = self._step_samples()
-        self._launching = self._plan is not None and self._overlapping
+        if self._plan is not None and self._overlapping:
+            self._notice_new_parameters(self._parameters())
+        # A round announcing a new plan is reduced whole at the end of backward (_launch_whole_round).
+        self._launching = self._plan is not None and self._overlapping and self._next_plan is None
         if self._launching:
             self._announce_round()
-            self._notice_new_parameters(self._parameters())
             self._round = self.aggregator.open_round(self._samples, position=self._trained_position())
             self._launched_in_backward = True
             self._had_gradient = np.zeros(len(self._plan.params))
@@ -565,7 +579,7 @@ class BucketReducer:
         return f"{self._announced().description}, backward_passes_per_step={self.passes_per_step}"
 
     def _adopt_plan(self, plan: _Plan, samples: int) -> None:
-        self._register_hooks(plan.params)
+        self._register_hooks(plan.params, rehook_converted=True)
         self._plan, self._next_plan = plan, None
         self.aggregator.agree_on_plan(self._plan.description, samples)
 
@@ -622,6 +636,9 @@ class BucketReducer:
         self._launch_whole_round(self._samples, failed)
 
     def _launch_whole_round(self, samples: int, failed: bool = False) -> None:
+        if self._next_plan is not None:
+            self._launch_announcing_round(samples, failed)
+            return
         self._round = self.aggregator.open_round(samples, position=self._trained_position())
         self._round.failed = failed
         self._had_gradient = np.zeros(len(self._plan.params))
@@ -629,6 +646,19 @@ class BucketReducer:
             for i, param, view in zip(bucket.indices, bucket.params, bucket.views):
                 self._had_gradient[i] = self._move_into_bucket(param, view)
             self._launch(number)
+        self.aggregator.close(self._round, self._round_description(), self._had_gradient)
+
+    def _launch_announcing_round(self, samples: int, failed: bool) -> None:
+        """The round whose trailer announces the new plan: the agreed plan's buckets, so that the
+        collectives pair with every worker's, sent as zeros. The gradients stay as they are, to be
+        reduced with the new plan (:meth:`finish`): the agreed plan's views may no longer fit their
+        parameters (converted to another dtype or device, and ``Module._apply`` then also replaced
+        the data of the views that were their ``.grad``)."""
+        self._round = self.aggregator.open_round(samples, measure=False, position=self._trained_position())
+        self._round.failed = failed
+        self._had_gradient = np.array([p.grad is not None for p in self._plan.params], dtype=np.float64)
+        for number, bucket in enumerate(self._plan.buckets):
+            self.aggregator.launch(self._round, number, torch.zeros_like(bucket.wire))
         self.aggregator.close(self._round, self._round_description(), self._had_gradient)
 
     def end_step(self) -> None:
