@@ -52,6 +52,7 @@ from dynamix_byteps.control.cluster import DECISION_LOG
 from dynamix_byteps.control.decision_record import newest_at_each_step, read_decisions_lenient
 from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.extras import import_extra
+from dynamix_byteps.regular_files import NotRegularFileError, check_regular
 from dynamix_byteps.tensorboard_scalars import SCHEDULER_RUN, TENSORBOARD_DIR, WORKER_RUN_PREFIX
 
 log = logging.getLogger(__name__)
@@ -160,11 +161,24 @@ def _no_events(run_dir: Path, why: str) -> RunDirError:
     )
 
 
+def _check_event_files(folder: Path) -> None:
+    """Refuse a FIFO or a device in ``folder`` named as an event file, which tensorboard would open
+    and read until a writer closed it (for ever without one); a folder so named is left to
+    tensorboard, which finds no event in it."""
+    for path in folder.iterdir():
+        if "tfevents" in path.name and not path.is_dir():
+            try:
+                check_regular(path)
+            except NotRegularFileError as error:
+                raise RunDirError(f"{error}: remove it; the report reads TensorBoard event files") from None
+
+
 def load_run(run_dir: str | os.PathLike) -> RunData:
     """Read every scalar of the run, and its decision log (:func:`load_decisions`).
 
     Raises:
-        RunDirError: ``run_dir`` is not a directory or has no per-worker scalars.
+        RunDirError: ``run_dir`` is not a directory or has no per-worker scalars; an event file or
+            the decision log is not a regular file (a FIFO) or cannot be read.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -178,6 +192,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
         is_worker = name.startswith(WORKER_RUN_PREFIX) and name[len(WORKER_RUN_PREFIX):].isdigit()
         if not path.is_dir() or not (is_worker or name == SCHEDULER_RUN):
             continue
+        _check_event_files(path)
         acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
         try:
             acc.Reload()
@@ -234,11 +249,19 @@ def load_decisions(run_dir: str | os.PathLike, start: float) -> Decisions | None
     :class:`RunData`); None when the run has no decision log (no ``--policy``) or no decision
     with a time and batch sizes. Damaged lines are skipped with a warning (a run still going
     may end with half a line). Each decision keeps its own number of workers (an elastic restart
-    goes on with fewer, see :attr:`Decisions.resized`)."""
+    goes on with fewer, see :attr:`Decisions.resized`).
+
+    Raises:
+        RunDirError: the log is not a regular file (a FIFO, a folder) or cannot be read.
+    """
     path = Path(run_dir) / DECISION_LOG
-    if not path.is_file():
+    try:
+        logged = read_decisions_lenient(path)
+    except FileNotFoundError:
         return None
-    records = newest_at_each_step([r for r in read_decisions_lenient(path) if r.time is not None and r.batch_sizes])
+    except OSError as error:
+        raise RunDirError(f"cannot read the decision log: {error}") from None
+    records = newest_at_each_step([r for r in logged if r.time is not None and r.batch_sizes])
     if not records:
         return None
     workers = np.array([len(r.batch_sizes) for r in records], dtype=np.int64)

@@ -41,7 +41,7 @@ def test_every_damaged_or_mismatched_checkpoint_is_refused_and_changes_nothing(t
     assert "corrupted" in next(c for k, c in cases.items() if k.startswith("flip tensor data"))["error"]["message"]
     for label in ("negative format", "format 0"):
         assert "versions start at 1" in cases[label]["error"]["message"], cases[label]
-    assert "Is a directory" in cases["a directory"]["error"]["message"]
+    assert "(a directory, not a regular file)" in cases["a directory"]["error"]["message"]
     assert "Too many levels of symbolic links" in cases["a symlink loop"]["error"]["message"]
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.regular_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def read_decisions(path: str | Path, *, hint: str = "") -> Iterator[tuple[int, D
         DecisionLogError: "``path`` line N is not a decision record (why)", then ``hint``.
     """
     path = Path(path)
-    data = path.read_bytes()
+    data = read_regular(path)
     lines = data.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -237,7 +238,7 @@ def read_decisions_lenient(path: str | Path) -> list[DecisionRecord]:
     Raises:
         OSError: the file cannot be read.
     """
-    lines = Path(path).read_bytes().splitlines()
+    lines = read_regular(path).splitlines()
     records = (parse_decision_lenient(line, path, n) for n, line in enumerate(lines, 1) if line.strip())
     return [r for r in records if r is not None]
 

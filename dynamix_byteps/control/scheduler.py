@@ -79,6 +79,7 @@ from dynamix_byteps.control.security import (
 from dynamix_byteps.errors import ConfigurationError, DynamixError
 from dynamix_byteps.extras import import_extra
 from dynamix_byteps.policy.base import Policy
+from dynamix_byteps.regular_files import open_regular
 from dynamix_byteps.tensorboard_scalars import decision_scalars, open_writer, scheduler_logdir
 
 log = logging.getLogger("dynamix_byteps.scheduler")
@@ -171,7 +172,7 @@ class DecisionLog:
         """Cut a torn last line (crash mid-write) and return the newest logged version (0 if none);
         a line whose version is not an integer in ``[0, MAX_VERSION]`` is skipped with a warning."""
         try:
-            with open(self.path, "rb+") as f:
+            with open_regular(self.path, "rb+") as f:
                 size = f.seek(0, os.SEEK_END)
                 f.seek(max(0, size - (8 << 20)))  # a 4096-worker line is ~1 MiB
                 tail = f.read()

@@ -27,6 +27,7 @@ from dynamix_byteps import engine as _engine
 from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import CommunicationError, ConfigurationError
 from dynamix_byteps.negotiation import gather_text, negotiate, round_lock
+from dynamix_byteps.regular_files import open_regular
 from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 
 FORMAT_VERSION = 2  # 2: a SHA-256 digest ends the file; 1: none (still read, checked by the zip CRCs)
@@ -218,10 +219,10 @@ def _parameters(optimizer) -> list:
 def _read_checkpoint(path, trusted: bool) -> dict:
     """The checkpoint's state after its integrity check; ConfigurationError for anything else."""
     try:
-        file = open(path, "rb")
+        file = open_regular(path)
     except FileNotFoundError:
         raise
-    except OSError as error:  # a directory, a symlink loop, no permission
+    except OSError as error:  # a directory, a FIFO, a symlink loop, no permission
         raise ConfigurationError(f"{path} cannot be opened as a checkpoint ({error.strerror}); name a "
                                  "checkpoint file") from error
     with file:

@@ -65,6 +65,7 @@ from dynamix_byteps.policy.ppo.module import (
 from dynamix_byteps.policy.ppo.policy_format import trained_reward
 from dynamix_byteps.policy.ppo.publish import generation_dir, publish, read_manifest
 from dynamix_byteps.policy.ppo.served import served_metadata
+from dynamix_byteps.regular_files import open_regular
 
 __all__ = ["EVENTS", "STATE_FILE", "FineTuner", "Transition", "transition_reward", "transitions"]
 
@@ -199,7 +200,7 @@ class DecisionTail:
     def read(self) -> list[DecisionRecord]:
         """Parse what was appended since the last call; returns the new records."""
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path) as f:
                 if f.seek(0, os.SEEK_END) < self.offset:  # replaced or truncated: start over
                     self.offset, self.lines, self.records, self.resets = 0, 0, [], self.resets + 1
                 f.seek(self.offset)

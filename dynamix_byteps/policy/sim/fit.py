@@ -85,7 +85,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import stat
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -105,6 +104,7 @@ from dynamix_byteps.policy.sim.params import (
     loss_remaining,
     reference,
 )
+from dynamix_byteps.regular_files import NotRegularFileError
 
 log = logging.getLogger(__name__)
 
@@ -220,24 +220,6 @@ def _newest_run(path: Path, rows: list[dict]) -> list[dict]:
     return newest_at_each_step(rows, step=operator.itemgetter("step"))
 
 
-_NOT_REGULAR = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
-
-
-def _check_regular_file(path: Path) -> None:
-    """Refuse anything but a regular file (or a symlink to one): a FIFO or a device such as
-    /dev/zero would be read until its writer closes it, or without end.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ConfigurationError: it is not a regular file.
-    """
-    kind = stat.S_IFMT(path.stat().st_mode)
-    if kind != stat.S_IFREG:
-        raise ConfigurationError(f"{path} is {_NOT_REGULAR.get(kind, 'not a regular file')}, not a decision log file: "
-                                 f"give a run's --log-dir or its {DECISION_LOG} (save a stream to a file first)")
-
-
 def load_log(run_dir) -> RunLog:
     """Read ``run_dir/decisions.jsonl`` (or that file itself) into a :class:`RunLog`.
 
@@ -252,8 +234,10 @@ def load_log(run_dir) -> RunLog:
     try:
         if path.is_dir():  # raises PermissionError for a path in a folder without search permission
             path = path / DECISION_LOG
-        _check_regular_file(path)
         numbered = list(read_decisions(path, hint=_NOT_A_DECISION_LOG_HINT))
+    except NotRegularFileError as error:  # a FIFO would be read until its writer closed it, /dev/zero without end
+        raise ConfigurationError(f"{path} is {error.kind}, not a decision log file: give a run's --log-dir or its "
+                                 f"{DECISION_LOG} (save a stream to a file first)") from None
     except FileNotFoundError:
         raise ConfigurationError(
             f"{path} does not exist: record a run with `bpslaunch --policy proportional --log-dir DIR ...` "
