@@ -448,9 +448,10 @@ def second_break_test() -> dict:
     return out
 
 
-def converted_after_wrapping(frontend: str, grads_during_conversion: bool) -> dict:
-    """A float32 model converted to float64 (``model.double()``) after wrapping, at step 2 of 4, in
-    ``frontend`` ("ddp": the module wrapper, "optimizer": DistributedOptimizer), against the same
+def converted_after_wrapping(frontend: str, grads_during_conversion: bool, conversion: str = "double") -> dict:
+    """A float32 model converted after wrapping, at step 2 of 4: ``conversion`` "double" (``model.double()``),
+    "there and back" (``model.double(); model.float()``: the dtypes end as before) or "first layer there and
+    back" (its gradients come last in backward, after buckets were launched), in ``frontend`` ("ddp": the module wrapper, "optimizer": DistributedOptimizer), against the same
     training in one process on every rank's batch. ``grads_during_conversion``: the step's gradients
     (the buckets' views) are still set when it converts, so ``Module._apply`` converts them too.
 
@@ -469,12 +470,18 @@ def converted_after_wrapping(frontend: str, grads_during_conversion: bool) -> di
             net = bps.DistributedDataParallel(model)
         elif distributed:
             opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        def convert():
+            converted = model[0] if conversion.startswith("first layer") else model
+            converted.double()
+            if conversion != "double":
+                converted.float()
+
         for step in range(4):
             if step == 2 and grads_during_conversion:
-                model.double()
+                convert()
             opt.zero_grad()
             if step == 2 and not grads_during_conversion:
-                model.double()
+                convert()
             dtype = next(model.parameters()).dtype
             for r in [rank] if distributed else range(size):
                 x, y = batch(r, step)

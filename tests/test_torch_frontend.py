@@ -134,10 +134,14 @@ def test_unfrozen_parameters_closures_gan_loops_and_added_groups_stay_in_sync():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("frontend", ["ddp", "optimizer"])
 @pytest.mark.parametrize("grads_during_conversion", [False, True])
-def test_a_model_converted_to_another_dtype_after_wrapping_trains_as_in_one_process(frontend, grads_during_conversion):
+@pytest.mark.parametrize("conversion", ["double", "there and back", "first layer there and back"])
+def test_a_model_converted_to_another_dtype_after_wrapping_trains_as_in_one_process(frontend, grads_during_conversion,
+                                                                                    conversion):
     # model.double() after wrapping: autograd builds new gradient accumulators, which the old hooks
-    # never see, and converts the .grad bucket views; each worker used to train on its own gradients
-    results = ok(run_workers(2, "dist_cases:converted_after_wrapping", frontend, grads_during_conversion))
+    # never see, and converts the .grad bucket views; each worker used to train on its own gradients.
+    # There and back (model.double(); model.float()) leaves the dtypes, so the plan, as they were.
+    results = ok(run_workers(2, "dist_cases:converted_after_wrapping", frontend, grads_during_conversion,
+                             conversion))
     assert results[0]["digest"] == results[1]["digest"]
     assert max(r["error"] for r in results) < 1e-12
 

@@ -76,6 +76,8 @@ _HOOKS = torch.utils.weak.WeakIdKeyDictionary()
 # their first gradient sends their rounds too.
 _REDUCERS: weakref.WeakSet[BucketReducer] = weakref.WeakSet()
 
+_AccumulateGrad = torch._C._functions.AccumulateGrad  # the autograd node that writes a leaf's .grad
+
 
 @dataclass(frozen=True)
 class ReducerOwner:
@@ -116,6 +118,16 @@ class _Bucket:
 
     def __post_init__(self):
         self.wire = self.buffer.data
+
+    def reattach_views(self) -> None:
+        """Point each view whose ``.data`` was replaced (``Module._apply`` converting the ``.grad`` it
+        was) at its slot of the buffer again, where it still fits the buffer's dtype and device."""
+        storage, offset = self.buffer.untyped_storage().data_ptr(), 0
+        for param, view in zip(self.params, self.views):
+            if (view.untyped_storage().data_ptr() != storage and view.dtype == self.buffer.dtype
+                    and view.device == self.buffer.device):
+                view.data = _bucket_view(self.buffer, offset, param)
+            offset += param.numel()
 
 
 class _Slot(NamedTuple):
@@ -242,15 +254,10 @@ class BucketReducer:
         self._register_hooks(p for _, p in parameters())
         _REDUCERS.add(self)
 
-    def _register_hooks(self, params, rehook_converted: bool = False) -> None:
-        """Hook each of ``params`` not hooked yet; with ``rehook_converted`` also each whose gradient
-        accumulator is no longer the hooked one: ``param.data`` set to another dtype or device
-        (``model.to()``, ``.double()``, ``.cuda()`` after wrapping) makes autograd build a new one,
-        which the old hooks never see. Looking that up costs ~10 us per parameter: done when the
-        parameters' dtypes or devices changed (a new plan), not at every call."""
+    def _register_hooks(self, params) -> None:
+        """Hook each of ``params`` not hooked yet."""
         for p in params:
-            hooked = self._accumulators.get(id(p))
-            if hooked is None or rehook_converted and hooked[1] is not torch.autograd.graph.get_gradient_edge(p).node:
+            if id(p) not in self._accumulators:
                 previous = _HOOKS.get(p)
                 if previous is not None:  # an earlier reducer over this model
                     handles, reducer = previous
@@ -269,6 +276,35 @@ class BucketReducer:
                 self._accumulators[id(p)] = (p, accumulator)
                 _HOOKS[p] = (handles, weakref.ref(self))
 
+    def _rehook_converted(self, params) -> bool:
+        """Move the accumulation hook of each of ``params`` whose gradient accumulator changed (see
+        :meth:`_rehook_accumulator`); looking each up costs ~10 us, so this runs off the usual path.
+
+        Returns:
+            Whether any had changed."""
+        changed = False
+        for p in params:
+            accumulator = torch.autograd.graph.get_gradient_edge(p).node
+            if self._accumulators[id(p)][1] is not accumulator and _HOOKS[p][1]() is self:
+                self._rehook_accumulator(p, accumulator)
+                changed = True
+        return changed
+
+    def _rehook_accumulator(self, p: torch.Tensor, accumulator) -> None:
+        """Hook ``accumulator``, autograd's new gradient accumulator of ``p``, in place of the old one.
+        Setting ``p.data`` to another dtype or device (``model.double()``, ``.half()``, ``.cpu()`` after
+        wrapping, also there and back) makes autograd build a new accumulator, which the old hook never
+        sees (the tensor hook stays: autograd keeps a leaf's tensor hooks). ``Module._apply`` also sets
+        the ``.data`` of gradients it converts, the plan's views into its buckets among them: those the
+        plan keeps (converted there and back, same dtype and device) are pointed at their buckets again."""
+        (tensor_hook, old), owner = _HOOKS[p]
+        old.remove()
+        _HOOKS[p] = ((tensor_hook, accumulator.register_hook(functools.partial(self._after_accumulation, p))), owner)
+        self._accumulators[id(p)] = (p, accumulator)
+        if self._plan is not None:
+            for bucket in self._plan.buckets:
+                bucket.reattach_views()
+
     def backward_writes_gradients(self) -> bool:
         """Whether the running backward pass writes the ``.grad`` of a parameter being reduced
         (False for ``torch.autograd.grad`` and for ``backward(inputs=...)`` of other tensors)."""
@@ -276,10 +312,9 @@ class BucketReducer:
         self._register_hooks(p for _, p in named)
         if self._backward_executes(self._accumulators[id(p)][1] for _, p in named):
             return True
-        if self._plan is None or self._plan.key == _key(named):
-            return False
-        self._register_hooks((p for _, p in named), rehook_converted=True)  # converted since (model.double())
-        return self._backward_executes(self._accumulators[id(p)][1] for _, p in named)
+        # None of the hooked accumulators runs: torch.autograd.grad(), or the model was converted
+        return self._rehook_converted(p for _, p in named) and self._backward_executes(
+            self._accumulators[id(p)][1] for _, p in named)
 
     @staticmethod
     def _backward_executes(accumulators) -> bool:
@@ -297,6 +332,10 @@ class BucketReducer:
                 "optimizer, or bps.DistributedOptimizer on the plain model, not both")
 
     def _on_parameter_gradient(self, param: torch.Tensor) -> None:
+        # The running node is the parameter's gradient accumulator (for torch.autograd.grad() too)
+        accumulator = torch._C._current_autograd_node()
+        if accumulator is not self._accumulators[id(param)][1] and isinstance(accumulator, _AccumulateGrad):
+            self._rehook_accumulator(param, accumulator)
         if self._in_backward and not self._opening:
             return  # the pass has begun, and opened its round if it reduces: every gradient after the first
         if not self._backward_executes([self._accumulators[id(param)][1]]):
@@ -579,7 +618,8 @@ class BucketReducer:
         return f"{self._announced().description}, backward_passes_per_step={self.passes_per_step}"
 
     def _adopt_plan(self, plan: _Plan, samples: int) -> None:
-        self._register_hooks(plan.params, rehook_converted=True)
+        self._register_hooks(plan.params)
+        self._rehook_converted(plan.params)
         self._plan, self._next_plan = plan, None
         self.aggregator.agree_on_plan(self._plan.description, samples)
 
