@@ -164,7 +164,7 @@ def test_sigterm_during_training_stops_ray_and_removes_its_directory():
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_a_sigkilled_training_leaves_none_of_ray_s_processes_nor_its_directory():
     """`dynamix policy train` SIGKILLed (the OOM killer, `kill -9`) left Ray's dashboard and runtime-env
     agents running ~65 s (Ray ties only the processes it starts itself to the trainer; the agents, the
@@ -178,14 +178,15 @@ def test_a_sigkilled_training_leaves_none_of_ray_s_processes_nor_its_directory()
     started = []
     try:
         trainer = psutil.Process(job.pid)
-        assert wait_until(lambda: "ray::IDLE" in {p.name() for p in trainer.children(recursive=True)}, timeout=60)
+        # Ray took over 60 s to start its workers at a load of 19 (other tests and helpers on 2 cores)
+        assert wait_until(lambda: "ray::IDLE" in {p.name() for p in trainer.children(recursive=True)}, timeout=110)
         time.sleep(1)  # the raylet has started its agents and workers
         started = trainer.children(recursive=True)
         job.kill()
         job.wait()
         _, alive = psutil.wait_procs(started, timeout=15)
         assert not alive, [p.name() for p in alive]
-        assert wait_until(lambda: not list(scratch.glob("dynamix-ray-*")), timeout=5)
+        assert wait_until(lambda: not list(scratch.glob("dynamix-*")), timeout=5), list(scratch.iterdir())
     finally:
         kill_tree(job)
         for process in started:

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -100,14 +101,15 @@ def ppo_config(env_config: dict, seed: int, *, hidden: int = 64, metadata: dict 
 
 
 @contextlib.contextmanager
-def ray_session():
+def ray_session(scratch: Sequence[str] = ()):
     """A private local Ray instance for the duration of the block (module docstring); inside a Ray
     instance the caller started (a sweep of trainings, a notebook), that one, left running. While
     the private instance runs, SIGTERM raises ``SystemExit(143)`` in the main thread, so that Ray
     is shut down and its directory removed as after Ctrl-C. A guardian (bpslaunch's) stops every
     process that keeps a file of that directory open and removes it if this process dies without
     doing so (SIGKILL, the OOM killer): Ray ties to this process only the processes it starts
-    itself, and the raylet's agents outlived it by about a minute."""
+    itself, and the raylet's agents outlived it by about a minute. The guardian removes the caller's
+    ``scratch`` directories (absolute, named ``dynamix-*``) then too; the caller removes them otherwise."""
     import ray
 
     if ray.is_initialized():
@@ -120,7 +122,8 @@ def ray_session():
     try:
         guardian.start()
         guardian.tell(f"users {temp_dir}")
-        guardian.tell(f"scratch {temp_dir}")
+        for directory in (temp_dir, *scratch):
+            guardian.tell(f"scratch {directory}")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
                  object_store_memory=200 * 2**20, _temp_dir=temp_dir)
         if on_main_thread:
@@ -244,7 +247,8 @@ def train(out_dir, scenarios, *, iterations: int = 150, seed: int = 0, workers: 
     out.mkdir(parents=True, exist_ok=True)
     history = []
     started = time.monotonic()
-    with ray_session(), warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="dynamix-clone-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="dynamix-clone-") as scratch, ray_session([scratch]), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         # RLlib registers its environment wrapper with gymnasium under this one name for every
         # algorithm it builds, on purpose (SingleAgentEnvRunner.make_env); gymnasium's notice of it
