@@ -117,7 +117,35 @@ def frontend(batch_sizes: list[int], steps: int) -> dict:
     import dist_cases
 
     return {"training": dist_cases.weighted_training(batch_sizes, steps, 1),
-            "broadcasts": dist_cases.broadcasts(), "mismatches": dist_cases.mismatches()}
+            "broadcasts": dist_cases.broadcasts(), "mismatches": dist_cases.mismatches(),
+            "dtypes": broadcast_every_dtype(1)}
+
+
+BROADCAST_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                    torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+
+
+def _bit_patterns(dtype, rank: int) -> torch.Tensor:
+    """Rank-dependent values of ``dtype``: random bytes, so -0.0, NaN payloads and infinities too
+    (a bool's byte is 0 or 1: other bytes are no bool)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    high = 2 if dtype == torch.bool else 256
+    return torch.randint(0, high, (5 * size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)).view(dtype)
+
+
+def broadcast_every_dtype(root: int) -> dict:
+    """``broadcast_parameters`` from ``root`` of a 0-d, an empty and a 5-element tensor of each
+    dtype torch can store in a model; per dtype, whether every byte now equals the root's."""
+    rank, equal = bps.rank(), {}
+    for dtype in BROADCAST_DTYPES:
+        tensors = {"scalar": _bit_patterns(dtype, rank)[0].clone(), "empty": _bit_patterns(dtype, rank)[:0],
+                   "five": _bit_patterns(dtype, rank)}
+        bps.broadcast_parameters(tensors, root_rank=root)
+        roots = {"scalar": _bit_patterns(dtype, root)[0], "empty": _bit_patterns(dtype, root)[:0],
+                 "five": _bit_patterns(dtype, root)}
+        equal[str(dtype)] = all(torch.equal(tensors[k].view(-1).view(torch.uint8), roots[k].view(-1).view(torch.uint8))
+                                for k in tensors)
+    return equal
 
 
 def until_failure(ready_dir: str, limit_s: float) -> dict:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import ps_cases
 import psutil
 import pytest
 import torch
@@ -152,7 +153,8 @@ def test_a_workers_pull_time_leaves_out_the_wait_for_a_slower_worker():
 @pytest.mark.timeout(180)
 def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatches():
     """DistributedOptimizer steps equal a single process on the concatenated batch (float64);
-    broadcasts make every rank equal to the root; mismatches raise on every rank."""
+    broadcasts make every rank equal to the root, bit for bit in every dtype (complex128 raised
+    KeyError before); mismatches raise on every rank."""
     results = ok(run_workers(3, "ps_cases:frontend", [8, 24, 40], 4, servers=2, timeout=160))
     root = results[1]["broadcasts"]
     for rank, result in enumerate(results):
@@ -163,6 +165,7 @@ def test_torch_frontend_under_ps_weights_by_batch_broadcasts_and_catches_mismatc
         for case in ("name", "shape", "dtype", "root"):
             assert result["mismatches"][case] is not None, f"rank {rank}: {case} mismatch was not detected"
         assert result["mismatches"]["after"] == [3.0, 3.0]
+        assert result["dtypes"] == {str(dtype): True for dtype in ps_cases.BROADCAST_DTYPES}, rank
 
 
 @pytest.mark.timeout(120)

@@ -38,9 +38,6 @@ from dynamix_byteps.engine.ps_rendezvous import PSRendezvous, server_name, worke
 from dynamix_byteps.env import WorkerEnv
 from dynamix_byteps.errors import CommunicationError
 
-# The integer dtype of each element size: broadcast sums the bits, so that root + zeros is exact
-# for every dtype (a float sum would turn -0.0 into 0.0).
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 LEAVE_TIMEOUT_S = 10.0  # a server that cannot acknowledge a departure by then is gone or hung
 
 
@@ -179,7 +176,9 @@ class ParameterServerEngine(Engine):
 
     def broadcast(self, tensor, root_rank: int, name: str) -> None:
         wire = tensor.detach().to("cpu", copy=True).contiguous()
-        bits = wire.view(-1).view(_BITS[wire.element_size()]) if wire.numel() else wire.view(-1)
+        # Broadcast sums the bytes: root + zeros is exact for every dtype, complex128's 16-byte
+        # elements included (a float sum would turn -0.0 into 0.0).
+        bits = wire.view(-1).view(torch.uint8)
         if self.rank != root_rank:
             bits.zero_()
         self.all_reduce_async(bits, f"dynamix.broadcast.{name}").wait()
