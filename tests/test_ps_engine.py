@@ -216,6 +216,38 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
     assert servers[0].returncode == STOPPED_BY_A_WORKER
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("killed", [[1], [0, 1]], ids=["one worker", "every worker"])
+def test_a_sigkilled_worker_stops_the_servers_and_the_others_long_before_the_timeout(tmp_path, killed):
+    """No launcher (as under torchrun, whose servers start apart): a worker SIGKILLed mid-job
+    cannot say it leaves. The servers exit 3 within seconds and a survivor raises naming it;
+    before, the servers waited for it forever (every worker killed) and a survivor for DYNAMIX_TIMEOUT."""
+    port, timeout = free_port(), 120
+    extra = {**ps_env(2, free_port()), "DYNAMIX_TIMEOUT": str(timeout), "BYTEPS_PARTITION_BYTES": "10000"}
+    servers = start_servers(2, 2, worker_env(0, 2, port, **extra))
+    workers = [subprocess.Popen(worker_command("ps_cases:until_failure", [str(tmp_path), 120], str(tmp_path / f"{r}.json")),
+                                env=worker_env(r, 2, port, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for r in range(2)]
+    try:
+        assert wait_until(lambda: (tmp_path / "ready").exists() or any(p.poll() is not None for p in workers + servers),
+                          timeout=100), "the job never got through 5 rounds"
+        assert all(p.poll() is None for p in workers + servers), "a process exited before the kill"
+        for rank in killed:
+            workers[rank].kill()
+        for server in servers:
+            assert server.wait(timeout=20) == STOPPED_BY_A_WORKER
+        for worker in workers:
+            worker.wait(timeout=20)
+    finally:
+        for p in workers + servers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    for rank in set(range(2)) - set(killed):
+        result = ok([json.loads((tmp_path / f"{rank}.json").read_text())])[0]
+        assert result["error"] == "CommunicationError" and result["after_s"] < 20, result
+
+
 EARLY_EXIT = """
 import sys, time, torch
 import dynamix_byteps.torch as bps

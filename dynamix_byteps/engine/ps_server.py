@@ -26,8 +26,13 @@ or ``DMLC_NUM_WORKER``, ``DMLC_PS_ROOT_URI``, ``DYNAMIX_PS_PORT``, ``DYNAMIX_TIM
 ``DYNAMIX_PS_CHANNELS`` restricts TensorPipe's channels (:mod:`~dynamix_byteps.engine.ps_rendezvous`). The
 server returns once every worker has shut its engine down, exits with status 3
 (``STOPPED_BY_A_WORKER``) when a worker reports that the job failed, and exits by itself when its
-parent process (the launcher) is gone, so it never outlives the job. SIGINT ends it as SIGTERM does,
-without a word.
+parent process (the launcher) is gone, so it never outlives the job. It also exits with status 3
+once a worker's process is gone without leaving the job (SIGKILL, a crash, ``os._exit``: no worker
+can report that), after failing that worker's rounds for the others: it checks every second that
+each worker still answers, and a worker whose connection fails is gone (one that is slow to answer
+is left to the collectives' timeout). Without it, the servers of a torchrun job (which starts no
+servers, so none of its own outlive it) waited for the dead worker forever, and the survivors for
+``DYNAMIX_TIMEOUT``. SIGINT ends it as SIGTERM does, without a word.
 """
 
 from __future__ import annotations
@@ -43,11 +48,18 @@ import warnings
 import torch
 from torch.distributed import rpc
 
-from dynamix_byteps.engine.ps_rendezvous import STOPPED_BY_A_WORKER, PSRendezvous, channels_from_env, server_name
+from dynamix_byteps.engine.ps_rendezvous import (
+    STOPPED_BY_A_WORKER,
+    PSRendezvous,
+    channels_from_env,
+    server_name,
+    worker_name,
+)
 from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 PARENT_POLL_S = 1.0
+WORKER_POLL_S = 1.0  # how often a server checks that every worker still answers
 
 
 class _Round:
@@ -81,6 +93,11 @@ class SummationServer:
         self._lock = threading.Lock()
         self._rounds: dict[tuple[int, int], _Round] = {}
         self._left: set[int] = set()  # workers that shut down: they push nothing more
+
+    def staying(self) -> list[int]:
+        """The workers that have not shut their engine down."""
+        with self._lock:
+            return [worker for worker in range(self.num_workers) if worker not in self._left]
 
     @property
     def open_rounds(self) -> int:
@@ -209,8 +226,53 @@ def leave(worker: int) -> int:
 def abort(reason: str) -> None:
     """RPC entry: a worker saw the job fail; exit now (status :data:`STOPPED_BY_A_WORKER`) instead of
     waiting for a graceful shutdown that can no longer come."""
-    print(f"ps server: stopping, a worker reported: {reason}", file=sys.stderr, flush=True)
-    threading.Timer(0.2, os._exit, args=(STOPPED_BY_A_WORKER,)).start()  # after this call's answer went out
+    _stop(f"a worker reported: {reason}")
+
+
+def alive() -> bool:
+    """RPC entry on a worker: answers a server's check that its process is still there."""
+    return True
+
+
+def _stop(reason: str) -> None:
+    """Exit with status :data:`STOPPED_BY_A_WORKER` in 0.2 s, after the answers under way went out."""
+    print(f"ps server: stopping, {reason}", file=sys.stderr, flush=True)
+    threading.Timer(0.2, os._exit, args=(STOPPED_BY_A_WORKER,)).start()
+
+
+def _gone_workers(server: SummationServer, timeout_s: float) -> list[int]:
+    """The workers, not shut down, whose check failed before ``timeout_s``: their connection
+    failed (a check that times out is a slow worker, not a gone one)."""
+    checks, answered_at = {}, {}
+    start = time.monotonic()
+    for worker in server.staying():
+        checks[worker] = future = rpc.rpc_async(worker_name(worker), alive, timeout=timeout_s)
+        future.add_done_callback(lambda _, worker=worker: answered_at.setdefault(worker, time.monotonic()))
+    gone = []
+    for worker, future in checks.items():
+        try:
+            future.wait()
+        except RuntimeError:
+            if answered_at.get(worker, start + timeout_s) - start < timeout_s:
+                gone.append(worker)
+    left = set(range(server.num_workers)) - set(server.staying())
+    return [worker for worker in gone if worker not in left]  # shutting down meanwhile is leaving
+
+
+def _watch_workers(server: SummationServer, timeout_s: float) -> None:
+    """Stop this server once a worker's process is gone without leaving (the module docstring says why)."""
+    while True:
+        time.sleep(WORKER_POLL_S)
+        try:
+            gone = _gone_workers(server, timeout_s)
+        except RuntimeError:  # the RPC agent is shutting down: the job is ending
+            return
+        if gone:
+            for worker in gone:
+                server.leave(worker)  # the others' pulls of its rounds raise at once, naming it
+            _stop(f"worker {gone[0]}'s process is gone without leaving the job (killed or crashed; the launcher's "
+                  "or its own output says why): the workers cannot go on without it")
+            return
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -235,6 +297,7 @@ def serve(server_id: int, group: PSRendezvous) -> None:
         warnings.simplefilter("ignore", UserWarning)
         rpc.init_rpc(server_name(server_id), rank=server_id, world_size=group.world_size,
                      rpc_backend_options=group.rpc_options())
+    threading.Thread(target=_watch_workers, args=(_serving, group.timeout_s), daemon=True, name="ps-worker-watch").start()
     rpc.shutdown(graceful=True, timeout=0)  # blocks, serving, until every member has called shutdown
 
 
