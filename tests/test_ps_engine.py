@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from unittest import mock
 
 import ps_cases
 import psutil
@@ -18,6 +20,7 @@ import torch
 from conftest import REPO, kill_tree, run_bpslaunch, wait_until
 from multiworker import free_port, ok, ps_env, run_workers, start_servers, worker_command, worker_env
 
+from dynamix_byteps.engine import ps_server
 from dynamix_byteps.engine.ps_keys import KeyPlan, partition_bytes_from_env
 from dynamix_byteps.engine.ps_rendezvous import STOPPED_BY_A_WORKER, PSRendezvous, channels_from_env
 from dynamix_byteps.engine.ps_server import SummationServer
@@ -95,6 +98,18 @@ def test_a_worker_that_leaves_fails_every_round_still_short_of_its_push_and_ever
     with pytest.raises(ValueError, match="worker 2 left the job without pushing key 6 round 1"):
         server.pull(6, 1, 0).wait()
     assert server.leave(0) == 0  # nothing left short of worker 0's push
+
+
+def test_a_server_stopped_by_every_worker_of_a_failed_job_says_why_once(monkeypatch, capsys):
+    """Before: one line per worker, and two RPC threads' prints ran into one line
+    ('... worker 1 saw a collective failps server: stopping, ...')."""
+    timers = []
+    monkeypatch.setattr(ps_server, "_stopping", threading.Lock(), raising=False)
+    monkeypatch.setattr(ps_server.threading, "Timer", lambda *args, **kwargs: timers.append(args) or mock.Mock())
+    for rank in range(3):
+        ps_server.abort(f"worker {rank} saw a collective fail")
+    assert capsys.readouterr().err == "ps server: stopping, a worker reported: worker 0 saw a collective fail\n"
+    assert len(timers) == 1
 
 
 def test_a_pull_says_how_long_the_server_held_the_sum_after_that_workers_push():

@@ -234,8 +234,15 @@ def alive() -> bool:
     return True
 
 
+_stopping = threading.Lock()  # taken, never released, by the first _stop
+
+
 def _stop(reason: str) -> None:
-    """Exit with status :data:`STOPPED_BY_A_WORKER` in 0.2 s, after the answers under way went out."""
+    """Exit with status :data:`STOPPED_BY_A_WORKER` in 0.2 s, after the answers under way went out.
+    Only the first call says why: every worker of a failed job reports, at once, from RPC threads
+    whose prints ran into one line."""
+    if not _stopping.acquire(blocking=False):
+        return
     print(f"ps server: stopping, {reason}", file=sys.stderr, flush=True)
     threading.Timer(0.2, os._exit, args=(STOPPED_BY_A_WORKER,)).start()
 
