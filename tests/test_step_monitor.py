@@ -141,29 +141,43 @@ def test_a_steps_exposed_communication_is_its_own_transfers_inside_the_wait():
     assert monitor.totals.push_pull_s == pytest.approx(0.05)
 
 
-@pytest.mark.timeout(60)
-def test_a_worker_that_reports_no_loss_is_told_once(caplog):
-    """Without bps.report_loss the policy sees no loss: the first report interval without one
-    says so, once; a worker that reports its loss hears nothing."""
+def _told_while_training(caplog, steps: int, samples: int, loss: bool) -> list[str]:
+    """The warnings and errors of a monitor reporting to a real (unreachable) scheduler address,
+    trained ``steps`` steps of ``samples`` samples (0: no batch size declared), with or without
+    ``bps.report_loss``."""
     from dynamix_byteps.control.step_monitor import StepMonitor
     from dynamix_byteps.env import WorkerEnv
     from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 
-    def train(steps: int, loss: bool) -> list[str]:
-        caplog.clear()
-        env = WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": "127.0.0.1:9", "DYNAMIX_DECISION_INTERVAL": "2"})
-        monitor = StepMonitor(OneWorkerEngine(), env, "sgd")
-        batch_plan.default().attach(monitor, None)
-        try:
-            with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.step_monitor"):
-                for _ in range(steps):
-                    if loss:
-                        report_loss(0.5)
-                    monitor.after_step(8, GradientNoiseScale())
-        finally:
-            monitor.close()
-        return [r.getMessage() for r in caplog.records if "report_loss" in r.getMessage()]
+    caplog.clear()
+    env = WorkerEnv.from_environ({"DYNAMIX_SCHEDULER": "127.0.0.1:9", "DYNAMIX_DECISION_INTERVAL": "2"})
+    monitor = StepMonitor(OneWorkerEngine(), env, "sgd")
+    batch_plan.default().attach(monitor, None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control.step_monitor"):
+            for _ in range(steps):
+                if loss:
+                    report_loss(0.5)
+                monitor.after_step(samples, GradientNoiseScale())
+    finally:
+        monitor.close()
+    return [r.getMessage() for r in caplog.records]
 
-    [told] = train(6, loss=False)
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_reports_no_loss_is_told_once(caplog):
+    """Without bps.report_loss the policy sees no loss: the first report interval without one
+    says so, once, with the Keras model.fit remedy too; a worker that reports its loss hears nothing."""
+    [told] = [said for said in _told_while_training(caplog, 6, 8, loss=False) if "report_loss" in said]
     assert "no training loss" in told and "bps.report_loss(loss) every step" in told
-    assert train(6, loss=True) == []
+    assert "BatchSizeCallback()" in told  # model.fit has no step of the user's own to call it in
+    assert [said for said in _told_while_training(caplog, 6, 8, loss=True) if "report_loss" in said] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_declares_no_batch_is_told_how_on_each_frontend(caplog):
+    """A Horovod Keras script under --policy (a plain tf.data dataset, no sampler) declares no batch:
+    the error named only PyTorch's optimizer.set_local_batch_size, which Keras optimizers lack."""
+    [told] = [said for said in _told_while_training(caplog, 6, 0, loss=True) if "nothing declares it" in said]
+    assert "DynamicBatchSampler" in told and "optimizer.set_local_batch_size(n)" in told
+    assert "bps.dynamic_batch_dataset" in told and "DistributedGradientTape(tape, local_batch_size=n)" in told

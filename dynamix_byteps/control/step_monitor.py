@@ -291,15 +291,18 @@ class StepMonitor:
     def _say_batch_unknown(self) -> None:
         if not self._said_unknown_batch:
             log.error("the scheduler's policy needs this worker's batch size, and nothing declares it: "
-                      "draw batches with a DynamicBatchSampler, or call optimizer.set_local_batch_size(n) "
-                      "every step; until then this worker sends the scheduler no reports")
+                      "draw batches with a DynamicBatchSampler (TensorFlow and Keras model.fit: through "
+                      "bps.dynamic_batch_dataset), or declare the batch every step (PyTorch: "
+                      "optimizer.set_local_batch_size(n); TensorFlow: bps.DistributedGradientTape(tape, "
+                      "local_batch_size=n)); until then this worker sends the scheduler no reports")
             self._said_unknown_batch = True
 
     def _say_if_no_loss(self, loss: float | None) -> None:
         if loss is None and not self._loss_seen:
             log.warning("this worker reported no training loss in a whole report interval, so the scheduler's policy "
                         "sees none: its divergence guardrail cannot act, the PPO policy's loss features read 0, and "
-                        "dynamix report shows no loss. Call bps.report_loss(loss) every step")
+                        "dynamix report shows no loss. Call bps.report_loss(loss) every step (Keras model.fit: add "
+                        "dynamix_byteps.tensorflow.keras.callbacks.BatchSizeCallback(), which reports it)")
         self._loss_seen = True
 
     def _step_index(self) -> int:
@@ -331,7 +334,8 @@ class StepMonitor:
             return
         log.error("the scheduler's policy assigned batch sizes %s, but this job has no DynamicBatchSampler, so "
                   "they are NOT applied and every worker keeps its own; draw batches with "
-                  "dynamix_byteps.torch.DynamicBatchSampler to let the policy change them", list(newest.batch_sizes))
+                  "a DynamicBatchSampler (TensorFlow and Keras model.fit: through bps.dynamic_batch_dataset) to let "
+                  "the policy change them", list(newest.batch_sizes))
         self._said_unapplied = True
 
     def _apply_newest_assignment(self) -> None:
