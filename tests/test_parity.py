@@ -451,6 +451,10 @@ def test_keras_optimizer_takes_horovods_arguments():
     assert weights["horovod_tf"] == pytest.approx(weights["plain"], rel=1e-6)
     assert result["more_passes"].startswith("ValueError: backward_passes_per_step=2 is not supported")
     assert "batches that many times larger" in result["more_passes"]
+    # Horovod's LearningRateWarmupCallback(initial_lr) takes its rate first, BytePS's its warm-up epochs
+    warned = result["warmup_warnings"]
+    assert len(warned["horovod_warmup"]) == 1 and "initial_lr=0.02" in warned["horovod_warmup"][0]
+    assert warned["byteps_warmup"] == warned["named_warmup"] == []
 
 
 @pytest.mark.timeout(180)

@@ -146,7 +146,15 @@ def horovod_keras_optimizer() -> dict:
         weights[label] = _flat(model.weights)
     more = _refused(lambda: bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
                                                            average_aggregated_gradients=True))
-    return {"weights": weights, "more_passes": more}
+    warned = {}
+    for label, make in [("horovod_warmup", lambda: bps_keras.callbacks.LearningRateWarmupCallback(0.02)),
+                        ("byteps_warmup", lambda: bps_keras.callbacks.LearningRateWarmupCallback(3)),
+                        ("named_warmup", lambda: bps_keras.callbacks.LearningRateWarmupCallback(0.5, initial_lr=0.1))]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make()
+        warned[label] = [str(w.message) for w in caught]
+    return {"weights": weights, "more_passes": more, "warmup_warnings": warned}
 
 
 def resumed_optimizer_state(directory: str, suffix: str) -> dict:

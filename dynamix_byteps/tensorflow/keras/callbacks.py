@@ -317,7 +317,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     for ``p`` at the epoch's end.
 
     Args:
-        warmup_epochs: length of the warm-up, in epochs.
+        warmup_epochs: length of the warm-up, in epochs. BytePS's first argument; Horovod's is
+            ``initial_lr``, so a Horovod script's ``LearningRateWarmupCallback(scaled_lr)`` would warm up
+            over ``scaled_lr`` epochs: a fraction of an epoch without ``initial_lr`` warns
+            (``UserWarning``) and asks for ``initial_lr=`` by name.
         momentum_correction: as for :class:`LearningRateScheduleCallback`.
         steps_per_epoch: as for :class:`LearningRateScheduleCallback`.
         initial_lr: as for :class:`LearningRateScheduleCallback`.
@@ -328,6 +331,11 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def __init__(self, warmup_epochs: int = 5, momentum_correction: bool = True, steps_per_epoch: int | None = None,
                  verbose: int = 0, initial_lr: float | None = None):
+        if initial_lr is None and 0 < warmup_epochs < 1:
+            warnings.warn(f"LearningRateWarmupCallback: a warm-up of {warmup_epochs:g} epochs. The first argument is "
+                          f"warmup_epochs (BytePS's order); Horovod's is initial_lr: if {warmup_epochs:g} is the "
+                          f"learning rate, pass LearningRateWarmupCallback(initial_lr={warmup_epochs:g}, "
+                          "warmup_epochs=...)", stacklevel=2)
         super().__init__(self._warmup, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
                          momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch,
                          initial_lr=initial_lr)
