@@ -5,7 +5,10 @@
 then ``function(*args)``, and returns each rank's JSON result. The workers are forked from a fork
 server (one per pytest process, started on first use, ending with it) that has imported torch,
 ``torch._dynamo`` and ``dynamix_byteps.torch`` already, which spares each worker the seconds those
-imports take (every torch optimizer imports ``torch._dynamo`` when it is first built). A hard
+imports take (every torch optimizer imports ``torch._dynamo`` when it is first built); for a
+TensorFlow case (a ``tf_*`` module or a ``tensorflow*`` function) it has imported TensorFlow, Keras and
+``dynamix_byteps.tensorflow`` too (another ~7 s of CPU per worker), and torch cases never run in a
+process that imported them. A hard
 timeout kills every child; children are always reaped, also when the test fails. With
 ``servers=K`` the job runs the ``ps`` engine: K summation servers (``python -m
 dynamix_byteps.engine.ps_server``) start first and are killed after the workers have exited.
@@ -14,7 +17,6 @@ dynamix_byteps.engine.ps_server``) start first and are killed after the workers 
 from __future__ import annotations
 
 import atexit
-import functools
 import importlib
 import json
 import multiprocessing
@@ -35,6 +37,9 @@ _ENTRY = "import sys, multiworker; multiworker.run_target(*sys.argv[1:])"
 # What the fork server imports once. torch._dynamo: the first torch.optim optimizer a process builds
 # imports it (~800 modules, ~2 s of CPU), so each worker that trains would pay it after the fork.
 _PRELOADED = ["torch", "torch._dynamo", "dynamix_byteps.torch", "multiworker"]
+# What it imports besides for a TensorFlow case: in each worker these took ~7 s of CPU (TensorFlow 2.21).
+_TENSORFLOW = ["tensorflow", "keras", "dynamix_byteps.tensorflow", "dynamix_byteps.tensorflow.keras"]
+_preloaded: list[str] | None = None  # what the running fork server imported
 
 
 def run_target(target: str, args_json: str, out: str) -> None:
@@ -88,14 +93,22 @@ def start_servers(servers: int, workers: int, env: dict[str, str]) -> list[subpr
             for i in range(servers)]
 
 
-@functools.cache
-def _fork_server() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's fork server with :data:`_PRELOADED` imported. It exits when this process's
-    end of its pipe closes (this process exits); a worker's environment replaces the server's."""
+def _fork_server(target: str) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's fork server (one per process) with :data:`_PRELOADED` imported, and
+    :data:`_TENSORFLOW` when ``target`` is a TensorFlow case; a server that imported
+    otherwise is stopped first (its workers run on). It exits when this process's end of its pipe
+    closes (this process exits); a worker's environment replaces the server's."""
+    global _preloaded
+    module, function = target.split(":")
+    tensorflow_case = module.startswith("tf_") or function.startswith("tensorflow")
+    preload = _PRELOADED + (_TENSORFLOW if tensorflow_case else [])
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOADED)
-    with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):  # OpenBLAS and OpenMP size their pools at import
-        multiprocessing.forkserver.ensure_running()
+    if preload != _preloaded:
+        multiprocessing.forkserver._forkserver._stop()
+        context.set_forkserver_preload(preload)
+        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):  # OpenBLAS and OpenMP size their pools at import
+            multiprocessing.forkserver.ensure_running()
+        _preloaded = preload
     return context
 
 
@@ -118,7 +131,7 @@ def _forked_worker(target: str, args_json: str, out: str, output: str, env: dict
 
 
 def _start_worker(target: str, args: list, files: str, env: dict[str, str]) -> multiprocessing.Process:
-    process = _fork_server().Process(target=_forked_worker,
+    process = _fork_server(target).Process(target=_forked_worker,
                                      args=(target, json.dumps(args), f"{files}.json", f"{files}.out", env))
     process.start()
     return process
