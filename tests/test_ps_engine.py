@@ -200,6 +200,29 @@ def test_a_worker_alone_fails_within_the_timeout_naming_it(engine):
     assert time.monotonic() - start < 60  # 5 s of waiting, the rest is starting the interpreter
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("servers, server_workers, timeout, message", [
+    (1, 2, 60, "the servers and the workers count different numbers of members: this process counts 2"),
+    (2, 1, 5, "only 2 of the 3 members of the ps group (servers and workers) joined it in time"),
+], ids=["server counts more workers", "a server never came"])
+def test_a_ps_group_short_of_a_member_fails_worker_and_server_within_the_timeout_saying_why(
+        servers, server_workers, timeout, message):
+    """A 1-worker job meets server 0 alone: a server for 2 workers (torchrun started fewer workers
+    than DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE), or the first of 2 servers, the second never started.
+    Before, worker and server waited in init_rpc for good (its gloo group's timeout is 24 days)."""
+    env = worker_env(0, 1, free_port(), **ps_env(servers, free_port()), DYNAMIX_TIMEOUT=str(timeout))
+    server = start_servers(1, server_workers, env)[0]
+    try:
+        done = subprocess.run([sys.executable, "-c", "import dynamix_byteps.torch as bps; bps.init()"], env=env,
+                              capture_output=True, text=True, timeout=90)
+        assert done.returncode != 0 and message in done.stderr, done.stderr
+        assert server.wait(timeout=timeout + 20) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
 @pytest.mark.timeout(240)
 def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothing_running(tmp_path):
     port = free_port()

@@ -23,6 +23,7 @@ Variables (BytePS's names where BytePS has one):
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -31,6 +32,7 @@ from dynamix_byteps.env import DEFAULT_TIMEOUT_S, optional_int
 from dynamix_byteps.errors import ConfigurationError
 
 MAX_SERVERS = 1024
+SCHEME = "dynamixps"  # torch.distributed.rendezvous's scheme of meet()
 #: A server's exit status when a worker stopped it because the job failed: the workers' own exits
 #: say why, so bpslaunch does not count it as the cause.
 STOPPED_BY_A_WORKER = 3
@@ -125,12 +127,74 @@ class PSRendezvous:
         dist.TCPStore(self.addr, self.port, is_master=False, timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def rpc_options(self):
-        """TensorPipe options: this group's store, the RPC timeout and its channels."""
+        """TensorPipe options: this group's store (:func:`meet`), the RPC timeout and its channels."""
         from torch.distributed import rpc
 
+        _register_meet()
         # TensorPipe's shm transport busy-polls a core in every process, which starves a host that
         # runs several workers and servers (26 rounds/s instead of ~100 on 2 cores); uv (TCP) does
         # not, and is what crosses hosts anyway. Channels stay TensorPipe's choice (cma on one host).
-        return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{url_host(self.addr)}:{self.port}",
+        return rpc.TensorPipeRpcBackendOptions(init_method=f"{SCHEME}://{url_host(self.addr)}:{self.port}"
+                                                           f"?timeout={self.timeout_s!r}",
                                                rpc_timeout=self.timeout_s, _transports=["uv"],
                                                _channels=list(self.channels) if self.channels else None)
+
+
+def meet(url: str, **_):
+    """torch.distributed.rendezvous handler of ``dynamixps://HOST:PORT?timeout=S&rank=R&world_size=N``:
+    torch's ``tcp://`` store (RPC rank 0 hosts it), returned once every member of the group has
+    joined it and all count the same members. Without this, init_rpc waited forever (its gloo
+    group's 24-day timeout) for a member that never came: a server started for more workers than
+    torchrun started, or a server or worker that never started.
+
+    Raises:
+        RuntimeError: ``S`` seconds passed before all ``N`` members joined, or the members that
+            joined count different group sizes (the message says how many and what to check).
+    """
+    import datetime
+    from urllib.parse import parse_qs, urlparse
+
+    import torch.distributed as dist
+
+    parsed = urlparse(url)
+    query = {name: values[0] for name, values in parse_qs(parsed.query).items()}
+    rank, world_size, timeout_s = int(query["rank"]), int(query["world_size"]), float(query["timeout"])
+    store = dist.TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, multi_tenant=True)
+    _wait_for_every_member(store, world_size, timeout_s, hosting=rank == 0)
+    yield store, rank, world_size
+    raise RuntimeError(f"{SCHEME}:// cannot meet again")  # as tcp://: a static group meets once
+
+
+def _wait_for_every_member(store, world_size: int, timeout_s: float, hosting: bool) -> None:
+    store.add(f"dynamix.ps.counting.{world_size}", 1)  # before joining: counted once all have joined
+    if store.add("dynamix.ps.joined", 1) == world_size:
+        store.set("dynamix.ps.complete", "1")
+    try:
+        store.wait(["dynamix.ps.complete"])
+    except RuntimeError:
+        problem = (f"only {store.add('dynamix.ps.joined', 0)} of the {world_size} members of the ps group (servers "
+                   "and workers) joined it in time.")
+    else:
+        agreeing = store.add(f"dynamix.ps.counting.{world_size}", 0)
+        if agreeing == world_size:
+            return
+        problem = (f"the servers and the workers count different numbers of members: this process counts {world_size} "
+                   f"(servers + workers) and {agreeing} of the {store.add('dynamix.ps.joined', 0)} that joined count "
+                   "so; a server started in BytePS's environment mode serves DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE "
+                   "workers, which must be the workers started (torchrun's --nnodes x --nproc-per-node).")
+    store.add("dynamix.ps.told", 1)
+    if hosting:  # the store leaves with this process: once the others have read why, or after the timeout
+        deadline = time.monotonic() + timeout_s
+        while store.add("dynamix.ps.told", 0) < store.add("dynamix.ps.joined", 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    raise RuntimeError(problem)
+
+
+def _register_meet() -> None:
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler(SCHEME, meet)
+    except RuntimeError:
+        pass  # registered already: an earlier group of this process
