@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -223,16 +224,30 @@ def test_a_ps_group_short_of_a_member_fails_worker_and_server_within_the_timeout
         server.wait()
 
 
+@contextlib.contextmanager
+def summing_until_failure(tmp_path, size: int, timeout_s: float, limit_s: float):
+    """Two servers and ``size`` workers running ``ps_cases:until_failure`` (20,000-byte pushes in two
+    partitions: every round reaches both servers) as ``(servers, workers)``; every process left is
+    killed at the end."""
+    port = free_port()
+    extra = {**ps_env(2, free_port()), "DYNAMIX_TIMEOUT": str(timeout_s), "BYTEPS_PARTITION_BYTES": "10000"}
+    servers, workers = start_servers(2, size, worker_env(0, size, port, **extra)), []
+    try:
+        workers.extend(subprocess.Popen(worker_command("ps_cases:until_failure", [str(tmp_path), limit_s],
+                                                       str(tmp_path / f"{r}.json")),
+                                        env=worker_env(r, size, port, **extra), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL) for r in range(size))
+        yield servers, workers
+    finally:
+        for p in workers + servers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
 @pytest.mark.timeout(240)
 def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothing_running(tmp_path):
-    port = free_port()
-    # 20,000-byte pushes in two partitions: every round reaches both servers
-    extra = {**ps_env(2, free_port()), "DYNAMIX_TIMEOUT": str(PS_TIMEOUT_S), "BYTEPS_PARTITION_BYTES": "10000"}
-    servers = start_servers(2, 3, worker_env(0, 3, port, **extra))
-    workers = [subprocess.Popen(worker_command("ps_cases:until_failure", [str(tmp_path), 180], str(tmp_path / f"{r}.json")),
-                                env=worker_env(r, 3, port, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for r in range(3)]
-    try:
+    with summing_until_failure(tmp_path, 3, PS_TIMEOUT_S, 180) as (servers, workers):
         deadline = time.monotonic() + 150
         while not (tmp_path / "ready").exists():
             assert time.monotonic() < deadline, "the job never got through 5 rounds"
@@ -242,11 +257,6 @@ def test_killing_a_server_fails_every_worker_within_the_timeout_and_leaves_nothi
         for worker in workers:  # each leaves by itself: error, timing, engine shutdown
             worker.wait(timeout=PS_TIMEOUT_S + 30)
         servers[0].wait(timeout=15)  # the surviving server is told to stop
-    finally:
-        for p in workers + servers:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
     results = ok([json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)])
     for result in results:
         assert result["error"] == "CommunicationError", result
@@ -260,13 +270,7 @@ def test_a_sigkilled_worker_stops_the_servers_and_the_others_long_before_the_tim
     """No launcher (as under torchrun, whose servers start apart): a worker SIGKILLed mid-job
     cannot say it leaves. The servers exit 3 within seconds and a survivor raises naming it;
     before, the servers waited for it forever (every worker killed) and a survivor for DYNAMIX_TIMEOUT."""
-    port, timeout = free_port(), 120
-    extra = {**ps_env(2, free_port()), "DYNAMIX_TIMEOUT": str(timeout), "BYTEPS_PARTITION_BYTES": "10000"}
-    servers = start_servers(2, 2, worker_env(0, 2, port, **extra))
-    workers = [subprocess.Popen(worker_command("ps_cases:until_failure", [str(tmp_path), 120], str(tmp_path / f"{r}.json")),
-                                env=worker_env(r, 2, port, **extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for r in range(2)]
-    try:
+    with summing_until_failure(tmp_path, 2, 120, 120) as (servers, workers):
         assert wait_until(lambda: (tmp_path / "ready").exists() or any(p.poll() is not None for p in workers + servers),
                           timeout=100), "the job never got through 5 rounds"
         assert all(p.poll() is None for p in workers + servers), "a process exited before the kill"
@@ -276,11 +280,6 @@ def test_a_sigkilled_worker_stops_the_servers_and_the_others_long_before_the_tim
             assert server.wait(timeout=20) == STOPPED_BY_A_WORKER
         for worker in workers:
             worker.wait(timeout=20)
-    finally:
-        for p in workers + servers:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
     for rank in set(range(2)) - set(killed):
         result = ok([json.loads((tmp_path / f"{rank}.json").read_text())])[0]
         assert result["error"] == "CommunicationError" and result["after_s"] < 20, result
