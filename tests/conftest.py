@@ -46,6 +46,10 @@ def pytest_collection_modifyitems(items):
     # A group's expected length is the sum of its tests' timeouts: every test that spawns has one.
     expected_s = collections.Counter()
     for item in items:
+        own = [mark.args for mark in item.own_markers if mark.name == "timeout"]
+        if len(own) > 1:  # the function's mark comes first and silently wins over a param's
+            raise pytest.UsageError(f"{item.nodeid} has {len(own)} timeout marks {own}: give each case "
+                                    "its own (pytest.param(..., marks=pytest.mark.timeout(N))) and none on the function")
         timeout = item.get_closest_marker("timeout")
         expected_s[groups[item]] += timeout.args[0] if timeout else 1
     items.sort(key=lambda item: -expected_s[groups[item]])

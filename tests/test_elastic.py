@@ -29,6 +29,17 @@ SAMPLES = 480  # 20 steps of the global batch 24 (4 x 6, then 3 x 8): no epoch t
 NETNS_REASON = netns.available()
 
 
+def rank0_fails_once_every_worker_started(prelude: str = "") -> str:
+    """A ``python -c`` script (its argument: a folder) in which rank 0 exits with code 3 once every
+    worker has got through ``bps.init`` and ``prelude``, and the others sleep until stopped. Without
+    the wait, rank 0 could leave while another was still in ``bps.init``; that one then failed too,
+    and two failures at once read as an error in the command, which is not restarted."""
+    return ("import os,sys,time,pathlib; import dynamix_byteps.torch as bps; bps.init(); " + prelude +
+            "here = pathlib.Path(sys.argv[1]); (here / f'up-{bps.rank()}').touch()\n"
+            "while bps.rank() == 0 and len(list(here.glob('up-*'))) < bps.size(): time.sleep(0.05)\n"
+            "bps.rank() == 0 and os._exit(3); time.sleep(60)")
+
+
 def bpslaunch(*args, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dynamix_byteps.launcher", *map(str, args)], check=False, capture_output=True,
                           text=True, timeout=timeout, env=env)
@@ -159,10 +170,8 @@ def test_a_host_that_loses_its_only_worker_leaves_and_the_job_goes_on_with_three
 def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
     # Rank 0 fails after the job started; rank 1 would run on until the launcher stops it (a lost
     # worker, not a bug in the command).
-    script = ("import os,sys,time; import dynamix_byteps as bps; bps.init(); "
-              "os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
     proc = bpslaunch("-n", 2, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt", "--grace-period", 2, "--",
-                     sys.executable, "-c", script, timeout=110)
+                     sys.executable, "-c", rank0_fails_once_every_worker_started(), tmp_path, timeout=110)
     assert proc.returncode == 3
     assert proc.stderr.count("restart 1 of 1 with 1 workers from scratch: ") == 1 and "restart 2" not in proc.stderr
 
@@ -171,11 +180,11 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
 def test_per_worker_batch_bounds_follow_the_job_down_to_fewer_workers(tmp_path):
     # Each run's sampler reads its bounds (DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH) and bps.init its starting
     # sizes (DYNAMIX_BATCH_SIZE), one per worker, whether given as flags or inherited by bpslaunch.
-    script = ("import os,sys,time; import dynamix_byteps.torch as bps; bps.init(); bps.DynamicBatchSampler(100, 8); "
-              "print('sampler built with', *(os.environ[f'DYNAMIX_{v}'] for v in ('BATCH_SIZE', 'MIN_BATCH', 'MAX_BATCH')), "
-              "flush=True); os.environ['BYTEPS_LOCAL_RANK'] == '0' and os._exit(3); time.sleep(60)")
+    script = rank0_fails_once_every_worker_started(
+        "bps.DynamicBatchSampler(100, 8); print('sampler built with', "
+        "*(os.environ[f'DYNAMIX_{v}'] for v in ('BATCH_SIZE', 'MIN_BATCH', 'MAX_BATCH')), flush=True); ")
     proc = bpslaunch("-n", 2, "--max-batch", "40,50", "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt",
-                     "--grace-period", 2, "--", sys.executable, "-c", script, timeout=110,
+                     "--grace-period", 2, "--", sys.executable, "-c", script, tmp_path, timeout=110,
                      env=clean_env(DYNAMIX_BATCH_SIZE="8,9", DYNAMIX_MIN_BATCH="2,3"))
     assert "restart 1 of 1 with 1 workers" in proc.stderr and "usage:" not in proc.stderr, proc.stderr
     assert "[0] sampler built with 8,9 2,3 40,50" in proc.stdout, proc.stdout

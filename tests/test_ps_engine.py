@@ -125,12 +125,12 @@ def test_a_pull_says_how_long_the_server_held_the_sum_after_that_workers_push():
     assert total.tolist() == [3.0] and 0 <= held_ns < 0.1e9
 
 
+# Each case carries its own timeout: a function-level mark would come first and win over a param's.
 @pytest.mark.parametrize("single, five, limit", [
-    (1500, 150, 240),
+    pytest.param(1500, 150, 240, marks=pytest.mark.timeout(240)),
     # 10,000 rounds, the count BytePS 0.2.5's CPU server could not get through without partial sums
     pytest.param(9000, 1000, 1500, marks=[pytest.mark.slow, pytest.mark.timeout(1500)]),
 ])
-@pytest.mark.timeout(240)
 def test_back_to_back_rounds_give_exact_sums_and_averages(single, five, limit):
     """3 workers, 2 servers, float32/float64/float16/int64 tensors of 1-3 partitions, no gap between
     rounds: ``single`` rounds of one tensor, then ``five`` rounds of five in flight, then averages
