@@ -262,8 +262,8 @@ def _gone_workers(server: SummationServer, timeout_s: float) -> list[int]:
         except RuntimeError:
             if answered_at.get(worker, start + timeout_s) - start < timeout_s:
                 gone.append(worker)
-    left = set(range(server.num_workers)) - set(server.staying())
-    return [worker for worker in gone if worker not in left]  # shutting down meanwhile is leaving
+    staying = set(server.staying())
+    return [worker for worker in gone if worker in staying]  # shutting down meanwhile is leaving
 
 
 def _watch_workers(server: SummationServer, timeout_s: float) -> None:

@@ -301,9 +301,9 @@ class BucketReducer:
         old.remove()
         _HOOKS[p] = ((tensor_hook, accumulator.register_hook(functools.partial(self._after_accumulation, p))), owner)
         self._accumulators[id(p)] = (p, accumulator)
-        if self._plan is not None:
-            for bucket in self._plan.buckets:
-                bucket.reattach_views()
+        slot = None if self._plan is None else self._plan.slot.get(id(p))
+        if slot is not None:
+            self._plan.buckets[slot.bucket].reattach_views()
 
     def backward_writes_gradients(self) -> bool:
         """Whether the running backward pass writes the ``.grad`` of a parameter being reduced
