@@ -176,6 +176,23 @@ def test_without_restarts_left_the_failed_code_is_returned(tmp_path):
     assert proc.stderr.count("restart 1 of 1 with 1 workers from scratch: ") == 1 and "restart 2" not in proc.stderr
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_whose_rendezvous_fails_after_a_peer_started_and_died_is_not_failing_on_its_own(tmp_path):
+    """Rank 0 gets through (its started mark) and exits with 3; rank 1, still in its rendezvous, fails
+    there with a CommunicationError. Before, both read as failing on their own at once: an error in
+    the command, not restarted."""
+    joining = tmp_path / "rank 1 joins"
+    script = (f'if [ "$BYTEPS_LOCAL_RANK" = 0 ]; then while [ ! -e "{joining}" ]; '
+              'do sleep 0.05; done; touch "$DYNAMIX_STARTED_DIR/0"; exit 3; fi; '
+              f'exec {sys.executable} -c "import dynamix_byteps as bps, pathlib; pathlib.Path(\'{joining}\').touch(); bps.init()"')
+    # The launcher gives the others 5 s after a failure to fail by themselves; rank 1's rendezvous
+    # fails ~2.5 s after it joins (DYNAMIX_TIMEOUT=1, one retry).
+    proc = bpslaunch("-n", 2, "--timeout", 1, "--restart-on-failure", 1, "--checkpoint", tmp_path / "c.pt",
+                     "--grace-period", 20, "--", "sh", "-c", script, timeout=80)
+    assert "failed on its own" not in proc.stderr, proc.stderr  # rank 1's traceback may be cut: it is stopped at once
+    assert "restart 1 of 1 with 1 workers" in proc.stderr and proc.returncode == 3, proc.stderr
+
+
 @pytest.mark.timeout(120)
 def test_per_worker_batch_bounds_follow_the_job_down_to_fewer_workers(tmp_path):
     # Each run's sampler reads its bounds (DYNAMIX_MIN_BATCH/DYNAMIX_MAX_BATCH) and bps.init its starting

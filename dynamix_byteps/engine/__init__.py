@@ -8,9 +8,9 @@ group left to the interpreter's teardown could abort the process, "terminate cal
 active exception"). Engines are imported only when selected.
 
 When the engine has started, the worker tells its launcher so (``DYNAMIX_STARTED_DIR``: a failure
-before any worker got there is an error in the command, not a lost worker), and when a collective
-of it fails (it raises :class:`~dynamix_byteps.errors.CommunicationError`: if it then fails, its
-failure came from a peer's or the network's, not its own), and checks that its
+before any worker got there is an error in the command, not a lost worker), and when its rendezvous
+or a collective of it fails (it raises :class:`~dynamix_byteps.errors.CommunicationError`: if it then
+fails, its failure came from a peer's or the network's, not its own), and checks that its
 monitoring mailbox (``DYNAMIX_JOB_ID``) can be created: when it cannot, it warns and unsets
 ``DYNAMIX_JOB_ID``, so the job trains without this worker's host metrics instead of crashing.
 Under bpslaunch, which forwards a Ctrl-C to every worker and says so, a KeyboardInterrupt that ends
@@ -76,7 +76,9 @@ def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
     global _current
     with _lock:
         if _current is None:
-            _current = create(env or WorkerEnv.from_environ(), framework)
+            env = env or WorkerEnv.from_environ()
+            _tell_launcher_of_failed_collectives(env.rank)  # a failed rendezvous too: a peer may have died
+            _current = create(env, framework)
             atexit.unregister(stop)  # registered once, however often the engine restarts
             atexit.register(stop)
             _tell_launcher_started(_current.rank)
@@ -85,13 +87,20 @@ def start(env: WorkerEnv | None = None, framework: str = "torch") -> Engine:
         return _current
 
 
+def _tell_launcher_of_failed_collectives(rank: int) -> None:
+    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>.collective-failed`` as soon as this process raises a
+    CommunicationError, from the rendezvous on: a worker still in its rendezvous when a peer that got
+    through it dies fails there, and that failure is the peer's, not its own."""
+    folder = os.environ.get(STARTED_DIR_ENV)
+    if folder:
+        on_communication_failure(functools.partial(_touch, Path(folder) / f"{rank}{COLLECTIVE_FAILED_SUFFIX}"))
+
+
 def _tell_launcher_started(rank: int) -> None:
-    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>``: this worker joined the job (bpslaunch reads it), and
-    ``<rank>.collective-failed`` as soon as a collective of it fails."""
+    """Leave ``<DYNAMIX_STARTED_DIR>/<rank>``: this worker joined the job (bpslaunch reads it)."""
     folder = os.environ.get(STARTED_DIR_ENV)
     if folder:
         _touch(Path(folder) / str(rank))
-        on_communication_failure(functools.partial(_touch, Path(folder) / f"{rank}{COLLECTIVE_FAILED_SUFFIX}"))
 
 
 _excepthook_found = sys.excepthook  # the hook before ours: it prints every other exception
