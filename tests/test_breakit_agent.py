@@ -44,3 +44,47 @@ def test_an_absurd_delivery_rate_is_left_out_and_the_rest_reaches_the_scheduler(
     finally:
         agent.close()
         server.stop(grace=None)
+
+
+def _two_workers(clock):
+    from dynamix_byteps.control.cluster import Cluster
+
+    cluster = Cluster(num_workers=2, decision_interval=10, policy_name="static", clock=clock)
+    for rank in (0, 1):
+        cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=2, host="h", batch_size=32, step=1))
+    return cluster
+
+
+def _decided_node_metrics(cluster, step):
+    """The node metrics each rank's WorkerState carries in the decision at ``step``."""
+    from dynamix_byteps.control.cluster import cluster_state
+
+    snap = None
+    for rank in (0, 1):
+        _, snap = cluster.report_locked(dynamix_pb2.Report(rank=rank, step=step, local_batch_size=32, compute_s=0.1,
+                                                           push_pull_s=0.01, samples_per_s=320.0))
+    assert snap is not None
+    return [w.node for w in cluster_state(snap).workers]
+
+
+def _agent_reports(cluster, rtt_s):
+    cluster.node_report_locked(dynamix_pb2.NodeReport(host="h", workers=[
+        dynamix_pb2.WorkerNode(rank=r, node=dynamix_pb2.NodeMetrics(rtt_s=rtt_s)) for r in (0, 1)]))
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_agents_or_a_restarted_workers_node_metrics_do_not_reach_the_policy():
+    from dynamix_byteps.agent.base import NODE_METRICS_MAX_AGE_S
+
+    now = [100.0]
+    cluster = _two_workers(lambda: now[0])
+    _agent_reports(cluster, 0.5)  # a congested link, measured once
+    assert _decided_node_metrics(cluster, 11) == [{"rtt_s": 0.5}, {"rtt_s": 0.5}]
+    now[0] += NODE_METRICS_MAX_AGE_S / 2
+    assert _decided_node_metrics(cluster, 21) == [{"rtt_s": 0.5}, {"rtt_s": 0.5}]  # still fresh
+    now[0] += NODE_METRICS_MAX_AGE_S  # the agent was SIGKILLed: nothing new since
+    assert _decided_node_metrics(cluster, 31) == [{}, {}]
+    _agent_reports(cluster, 0.002)  # a new agent measures again
+    # rank 1's worker restarts: what the agent measured was its previous process
+    cluster.register_locked(dynamix_pb2.WorkerInfo(rank=1, world_size=2, host="h", batch_size=32, step=31))
+    assert _decided_node_metrics(cluster, 41) == [{"rtt_s": 0.002}, {}]

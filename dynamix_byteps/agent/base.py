@@ -15,6 +15,14 @@ from typing import NamedTuple
 MONITORS = ("auto", "ebpf", "proc", "off")
 """Values of ``--monitor``: eBPF falling back to proc, eBPF only, TCP_INFO and /proc only, none."""
 
+NODE_METRICS_MAX_AGE_S = 10.0
+"""Age beyond which the scheduler leaves a rank's node metrics out of decisions, seconds: its agent
+died or stopped seeing the worker (Prometheus likewise marks a series stale once its target stops
+answering). Ten default agent intervals."""
+
+MAX_INTERVAL_S = NODE_METRICS_MAX_AGE_S / 2
+"""Longest ``dynamix agent --interval``, seconds: a live agent's metrics never go stale between two reports."""
+
 
 @dataclass(frozen=True)
 class ProcessNetStats:

@@ -9,7 +9,7 @@ import signal
 import threading
 from pathlib import Path
 
-from dynamix_byteps.agent.base import MONITORS
+from dynamix_byteps.agent.base import MAX_INTERVAL_S, MONITORS, NODE_METRICS_MAX_AGE_S
 from dynamix_byteps.argtypes import argument_type, float_in, host_port, output_path
 from dynamix_byteps.atomic import write_atomic
 from dynamix_byteps.errors import UsageError
@@ -46,8 +46,9 @@ def add_parser(sub) -> None:
                    help="the scheduler's address ([V6]:PORT for an IPv6 address; gRPC targets dns:///HOST:PORT, "
                    "ipv4:IP:PORT and ipv6:[IP]:PORT too)")
     p.add_argument("--monitor", choices=MONITORS, default="auto")
-    p.add_argument("--interval", type=float_in(0.05), default=1.0, metavar="SECONDS",
-                   help="seconds between samples (default 1)")
+    p.add_argument("--interval", type=float_in(0.05, MAX_INTERVAL_S), default=1.0, metavar="SECONDS",
+                   help=f"seconds between samples (default 1, at most {MAX_INTERVAL_S:g}: the scheduler ignores "
+                   f"node metrics older than {NODE_METRICS_MAX_AGE_S:g} s)")
     p.add_argument("--ready-file", type=output_path("file"), metavar="FILE", help="create FILE once monitoring runs (for bpslaunch)")
     p.add_argument("--tls-ca", type=Path, metavar="PEM", help="CA certificate of a TLS scheduler (default: $DYNAMIX_TLS_CA)")
     p.set_defaults(run=run)

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dynamix_byteps.agent.base import NODE_METRICS_MAX_AGE_S
 from dynamix_byteps.env import MAX_BATCH, MAX_WORKERS
 from dynamix_byteps.policy.base import ClusterState, WorkerState
 
@@ -325,7 +326,8 @@ class Cluster:
         policy_name: written into assignments.
         base_version: version of the newest assignment already published by an earlier
             scheduler of this run (read from its decision log), so versions never go back.
-        clock: seconds, monotonic; when each rank was last heard from (:data:`LIVE_RANK_S`).
+        clock: seconds, monotonic; when each rank was last heard from (:data:`LIVE_RANK_S`) and
+            when its node metrics arrived (:data:`NODE_METRICS_MAX_AGE_S`).
 
     One scheduler may serve several jobs one after the other (a standalone ``dynamix scheduler``
     under torchrun): a rank that registers behind the step it had reached (its process started
@@ -354,7 +356,7 @@ class Cluster:
         self.initial_batch_sizes: tuple[int, ...] | None = None
         self.throughput: dict[int, float] = {}  # θ_i smoothed over intervals (THROUGHPUT_SMOOTHING)
         self.loss_history: list[float] = []
-        self.node_metrics: dict[int, dict] = {}  # rank -> newest metrics from its node agent
+        self.node_metrics: dict[int, tuple[float, dict]] = {}  # rank -> (clock() on arrival, its agent's newest metrics)
         self.registered_step: dict[int, int] = {}  # rank -> the step of its newest registration
         self.came_back: dict[int, _CameBack] = {}  # ranks restarted behind the job; told no sizes meanwhile
         self.sizes_history: deque[tuple[int, ...]] = deque(maxlen=SIZES_HISTORY_LEN)  # this job's vectors
@@ -458,6 +460,8 @@ class Cluster:
         self.last_step.pop(rank, None)  # a restarted worker may resume from an earlier step
         self.last_report.pop(rank, None)
         self.intervals.pop(rank, None)
+        if previous is not None:  # its node metrics described the process that registered before
+            self.node_metrics.pop(rank, None)
         self.ready.discard(rank)
         self.notice = None
         if self.initial_batch_sizes is None:
@@ -571,13 +575,20 @@ class Cluster:
         return self.current, self._take_snapshot()
 
     def node_report_locked(self, report) -> None:
-        """Store a node agent's metrics for registered ranks (all entries checked before any is kept)."""
+        """Store a node agent's metrics for registered ranks (all entries checked before any is kept);
+        decisions use them for :data:`NODE_METRICS_MAX_AGE_S` seconds."""
         checked = {}
+        now = self.clock()
         for entry in report.workers:
             if self.world_size is None or entry.rank >= self.world_size:
                 raise _invalid(f"workers[].rank={entry.rank} is not a rank of this job")
-            checked[entry.rank] = validate_node(entry.node)
+            checked[entry.rank] = (now, validate_node(entry.node))
         self.node_metrics.update(checked)
+
+    def _fresh_node_metrics(self) -> dict[int, dict]:
+        """``{rank: metrics}`` that a node agent sent in the last :data:`NODE_METRICS_MAX_AGE_S` seconds."""
+        oldest = self.clock() - NODE_METRICS_MAX_AGE_S
+        return {rank: dict(node) for rank, (received, node) in self.node_metrics.items() if received >= oldest}
 
     def report_locked(self, report) -> tuple[AssignmentRecord, Snapshot | None]:
         """Store a report; returns the current assignment and, when a decision is due, a snapshot.
@@ -633,7 +644,7 @@ class Cluster:
             initial_batch_sizes=self.initial_batch_sizes,
             loss_history=tuple(self.loss_history),
             dataset_size=max(datasets) if datasets else None,
-            node_metrics={rank: dict(node) for rank, node in self.node_metrics.items()},
+            node_metrics=self._fresh_node_metrics(),
             throughput=tuple(self.throughput.get(r, iv.samples_per_s / iv.count) for r, iv in enumerate(intervals)),
             job=self.jobs,
         )
