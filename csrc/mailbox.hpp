@@ -411,6 +411,8 @@ class Mailbox {
   bool is_creator() const noexcept { return creator_; }
   const std::string& name() const noexcept { return name_; }
   int64_t owner_pid() const { return seg().header.owner_pid; }
+  // The creating process still runs: not gone, not a zombie, and not another process that got its pid.
+  bool owner_alive() const { return !owner_is_dead(seg().header.owner_pid, seg().header.owner_start_ticks); }
   uint64_t busy_reads() const noexcept { return busy_reads_; }
   std::shared_ptr<Mapping> mapping() const { return mapping_; }
 

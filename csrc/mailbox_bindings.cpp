@@ -205,6 +205,7 @@ void register_mailbox(py::module_& m) {
       .def_property_readonly("closed", &Mailbox::closed)
       .def_property_readonly("is_creator", &Mailbox::is_creator)
       .def_property_readonly("owner_pid", &Mailbox::owner_pid)
+      .def_property_readonly("owner_alive", &Mailbox::owner_alive)
       .def_property_readonly("busy_reads", &Mailbox::busy_reads);
 
   m.def("_mailbox_hammer_write", &hammer_write, py::arg("mailbox"), py::arg("seconds"),

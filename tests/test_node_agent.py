@@ -2,13 +2,16 @@
 
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
 
 from dynamix_byteps.agent.node_agent import NodeAgent, discover_workers
 from dynamix_byteps.control import dynamix_pb2
-from dynamix_byteps.control.mailbox import Mailbox, mailbox_name
+from dynamix_byteps.control.mailbox import Mailbox, mailbox_name, remove_job_mailboxes
 from dynamix_byteps.control.scheduler import SchedulerServer
 from dynamix_byteps.policy.base import Decision, Policy
 
@@ -43,6 +46,39 @@ def test_a_segment_whose_file_belongs_to_another_user_than_its_owner_pid_is_igno
     with Mailbox.create(mailbox_name(job, 0)) as forged, Mailbox.create(mailbox_name(job, 1)):
         os.chown("/dev/shm" + forged.name, 54321, 54321)
         assert discover_workers(job) == {1: os.getpid()}
+
+
+def _worker_killed_leaving_its_mailbox(name: str) -> subprocess.Popen:
+    """A worker that creates mailbox ``name`` and is SIGKILLed, not yet reaped (a zombie)."""
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from dynamix_byteps.control.mailbox import Mailbox
+        box = Mailbox.create({name!r})
+        os.kill(os.getpid(), signal.SIGKILL)""")])
+    os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)
+    return worker
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("death", ["zombie", "pid reused"])
+def test_the_mailbox_of_a_killed_worker_is_not_a_worker(job, death):
+    """A SIGKILLed worker leaves its segment; neither its zombie nor a later process of the same user
+    that got its pid is measured as that rank (the header keeps the creator's start time)."""
+    name = mailbox_name(job, 0)
+    worker = _worker_killed_leaving_its_mailbox(name)
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        if death == "pid reused":
+            worker.wait()
+            with open("/dev/shm" + name, "r+b") as segment:  # what a reused pid looks like: owner_pid runs
+                segment.seek(16)
+                segment.write(other.pid.to_bytes(8, "little"))
+        assert discover_workers(job) == {}
+    finally:
+        other.kill()
+        other.wait()
+        worker.wait()
+        remove_job_mailboxes(job)
 
 
 @pytest.mark.timeout(60)

@@ -74,18 +74,20 @@ def _process_uid(pid: int) -> int | None:
 def discover_workers(job: str) -> dict[int, int]:
     """``{rank: pid}`` of the live workers of ``job`` on this host, from their mailboxes.
 
-    A segment counts only when its file belongs to the user its ``owner_pid`` runs as: anyone
-    who can write a segment could otherwise point the agent at another user's process.
+    A segment counts only while the worker that created it runs (a SIGKILLed worker leaves its
+    segment behind, and its pid may go to another process, whose traffic would be measured as the
+    rank's), and only when its file belongs to the user its ``owner_pid`` runs as: anyone who can
+    write a segment could otherwise point the agent at another user's process.
     """
     workers = {}
     for path in job_mailboxes(job):
         try:
             file_uid = path.stat().st_uid
             with Mailbox.open(path.name) as box:
-                pid = box.owner_pid
+                pid, alive = box.owner_pid, box.owner_alive
         except (OSError, ValueError):
             continue  # being created or removed right now
-        if pid > 0 and _process_uid(pid) == file_uid:
+        if alive and _process_uid(pid) == file_uid:
             workers[int(path.name.rpartition(".")[2])] = pid
     return workers
 

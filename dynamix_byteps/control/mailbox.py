@@ -351,6 +351,15 @@ class Mailbox:
         return self._mb.owner_pid
 
     @property
+    def owner_alive(self) -> bool:
+        """True while the process that created the segment runs: its pid is not gone, not a zombie,
+        and not reused by a process that started at another time (the header keeps the creator's
+        start time); False when the segment was truncated (:attr:`detached`)."""
+        if not self._attached():
+            return False
+        return self._mb.owner_alive
+
+    @property
     def detached(self) -> bool:
         """True once this handle found the segment truncated; it then reads and publishes nothing."""
         return self._detached
