@@ -88,3 +88,37 @@ def test_a_dead_agents_or_a_restarted_workers_node_metrics_do_not_reach_the_poli
     # rank 1's worker restarts: what the agent measured was its previous process
     cluster.register_locked(dynamix_pb2.WorkerInfo(rank=1, world_size=2, host="h", batch_size=32, step=31))
     assert _decided_node_metrics(cluster, 41) == [{"rtt_s": 0.002}, {}]
+
+
+class _ScriptedCollector:
+    """A network collector that returns the next scripted ``{pid: bytes sent}`` at each sample."""
+
+    name = "scripted"
+
+    def __init__(self, script):
+        self.script = iter(script)
+
+    def sample(self, pids):
+        from dynamix_byteps.agent.base import ProcessNetStats
+
+        return {pid: ProcessNetStats(pid=pid, bytes_sent=sent) for pid, sent in next(self.script).items()}
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_a_pid_that_comes_back_as_a_new_worker_is_not_reported_idle(monkeypatch):
+    import dynamix_byteps.agent.node_agent as node_agent
+
+    monkeypatch.setattr(node_agent, "discover_workers", lambda job: {0: 4242})
+    agent = NodeAgent("breakit", "127.0.0.1:1", monitor="off")
+    # rank 0's worker sent 10 MB, exited (the collector lost it), and a new worker got its pid: 1 kB so far
+    agent.collector = _ScriptedCollector([{4242: 10_000_000}, {}, {4242: 1000}, {4242: 2_001_000}])
+    try:
+        sent = [agent.sample().workers[0].node for _ in range(4)]
+    finally:
+        agent.close()
+    assert not sent[2].HasField("tx_bytes_per_s")  # no earlier sample of this process: unknown, not 0 B/s
+    assert sent[3].tx_bytes_per_s > 0
+    assert list(agent._previous) == [4242]

@@ -170,6 +170,9 @@ class NodeAgent:
         host = {"cpu_util": host_now.cpu_util, "memory_used_bytes": float(host_now.mem_used_bytes)}
         now = time.monotonic()
         report = dynamix_pb2.NodeReport(host=self._host)
+        # A pid the collector no longer counts starts over when it comes back (it counts a new process
+        # from zero, whose rates against the old one's counters read as an idle interval).
+        self._previous = {pid: seen for pid, seen in self._previous.items() if pid in net}
         for rank, pid in sorted(workers.items()):
             metrics = dict(host)
             if pid in net:
