@@ -161,3 +161,16 @@ def test_monitor_auto_falls_back_to_proc(monkeypatch, caplog):
     finally:
         collector.close()
     assert make_collector("off") is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rank", [2**32, 4096])
+def test_a_segment_of_a_rank_beyond_any_job_is_ignored_and_the_host_still_reports(job, rank):
+    """One past the report's uint32 made every sample raise ValueError, and the agent exited."""
+    with Mailbox.create(mailbox_name(job, 7)), Mailbox.create(mailbox_name(job, rank)):
+        assert discover_workers(job) == {7: os.getpid()}
+        agent = NodeAgent(job, "127.0.0.1:1", monitor="off")
+        try:
+            assert [w.rank for w in agent.sample().workers] == [7]
+        finally:
+            agent.close()

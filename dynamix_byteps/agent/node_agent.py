@@ -39,6 +39,7 @@ from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_
 from dynamix_byteps.control.cluster import Rejected, validate_node
 from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name
 from dynamix_byteps.control.security import open_channel
+from dynamix_byteps.env import MAX_WORKERS
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,14 @@ def discover_workers(job: str) -> dict[int, int]:
     A segment counts only while the worker that created it runs (a SIGKILLed worker leaves its
     segment behind, and its pid may go to another process, whose traffic would be measured as the
     rank's), and only when its file belongs to the user its ``owner_pid`` runs as: anyone who can
-    write a segment could otherwise point the agent at another user's process.
+    write a segment could otherwise point the agent at another user's process. A rank beyond
+    :data:`~dynamix_byteps.env.MAX_WORKERS` is no job's.
     """
     workers = {}
     for path in job_mailboxes(job):
+        rank = int(path.name.rpartition(".")[2])
+        if rank >= MAX_WORKERS:
+            continue
         try:
             file_uid = path.stat().st_uid
             with Mailbox.open(path.name) as box:
@@ -88,7 +93,7 @@ def discover_workers(job: str) -> dict[int, int]:
         except (OSError, ValueError):
             continue  # being created or removed right now
         if alive and _process_uid(pid) == file_uid:
-            workers[int(path.name.rpartition(".")[2])] = pid
+            workers[rank] = pid
     return workers
 
 
