@@ -1,6 +1,7 @@
 """The node agent: worker discovery through mailboxes, sampling, and reports to a real scheduler."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -174,3 +175,29 @@ def test_a_segment_of_a_rank_beyond_any_job_is_ignored_and_the_host_still_report
             assert [w.rank for w in agent.sample().workers] == [7]
         finally:
             agent.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_given_another_job_than_its_workers_says_so_once(job, monkeypatch, caplog):
+    import logging
+
+    import dynamix_byteps.agent.node_agent as node_agent
+
+    monkeypatch.setattr(node_agent, "NO_WORKER_WARNING_S", 0.2)
+    agent = NodeAgent(job + "-typo", "127.0.0.1:1", monitor="off", interval_s=0.05)
+    stop = threading.Event()
+    runner = threading.Thread(target=agent.run, args=(stop,))
+    try:
+        with Mailbox.create(mailbox_name(job, 0)), caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent"):
+            runner.start()
+            stop.wait(1.0)
+            stop.set()
+            runner.join(10)
+    finally:
+        stop.set()
+        agent.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert f"no worker of job {job}-typo found on this host" in said[0], said
+    assert job in re.search(r"have mailboxes of jobs? ([^.]*)\. Start the agent with --job set to the workers' "
+                            "DYNAMIX_JOB_ID", said[0]).group(1).split(", "), said

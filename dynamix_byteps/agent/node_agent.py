@@ -37,11 +37,15 @@ from dynamix_byteps.argtypes import dial_address
 from dynamix_byteps.control import dynamix_pb2, dynamix_pb2_grpc
 from dynamix_byteps.control.client import CHANNEL_OPTIONS, RPC_TIMEOUT_S, TOKEN_METADATA_KEY
 from dynamix_byteps.control.cluster import Rejected, validate_node
-from dynamix_byteps.control.mailbox import Mailbox, job_mailboxes, mailbox_name
+from dynamix_byteps.control.mailbox import SHM_DIR, Mailbox, job_mailboxes, mailbox_name
 from dynamix_byteps.control.security import open_channel
 from dynamix_byteps.env import MAX_WORKERS
 
 log = logging.getLogger(__name__)
+
+NO_WORKER_WARNING_S = 60.0
+"""Seconds an agent finds no worker of its job before it says so, once (workers create their
+mailboxes in ``bps.init``, after their imports)."""
 
 
 def make_collector(monitor: str) -> NetworkCollector | None:
@@ -97,6 +101,16 @@ def discover_workers(job: str) -> dict[int, int]:
     return workers
 
 
+def jobs_with_mailboxes() -> list[str]:
+    """The job names of the worker mailboxes on this host (``/dev/shm/dynamix.<job>.<rank>``), sorted."""
+    jobs = set()
+    for path in SHM_DIR.glob("dynamix.*.*"):
+        parts = path.name.split(".")  # a job name has no dot
+        if len(parts) == 3 and parts[2].isdigit():
+            jobs.add(parts[1])
+    return sorted(jobs)
+
+
 def _rates(now: ProcessNetStats, before: ProcessNetStats | None, dt: float) -> dict:
     metrics = {}
     if before is not None and dt > 0:
@@ -150,6 +164,7 @@ class NodeAgent:
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._previous: dict[int, tuple[float, ProcessNetStats]] = {}
         self._failing = False
+        self._searching = True  # no worker of the job found yet, and not said so
         self._refused: set[tuple[int, str]] = set()  # (rank, field) left out of a report once already
         self._host = socket.gethostname()
         self.gpu = GpuMonitor()
@@ -202,12 +217,27 @@ class NodeAgent:
         else:
             self._failing = False
 
+    def _say_no_worker(self) -> None:
+        """An agent given another job than its workers' would otherwise monitor nothing, silently."""
+        self._searching = False
+        jobs = jobs_with_mailboxes()
+        found = (f"the workers here have mailboxes of job{'s' if len(jobs) > 1 else ''} {', '.join(jobs[:8])}" if jobs
+                 else "no worker on this host has a mailbox (a worker creates one in bps.init when DYNAMIX_JOB_ID is set)")
+        log.warning("no worker of job %s found on this host in %g s (looked for %s/dynamix.%s.<rank>); %s. Start the "
+                    "agent with --job set to the workers' DYNAMIX_JOB_ID", self.job, NO_WORKER_WARNING_S, SHM_DIR,
+                    self.job, found)
+
     def run(self, stop: threading.Event) -> None:
-        """Sample and report every ``interval_s`` until ``stop`` is set."""
+        """Sample and report every ``interval_s`` until ``stop`` is set; warn once when no worker of the
+        job shows up within :data:`NO_WORKER_WARNING_S`."""
+        started = time.monotonic()
         while not stop.wait(self.interval_s):
             report = self.sample()
             if report.workers:
+                self._searching = False
                 self.send(report)
+            elif self._searching and time.monotonic() - started >= NO_WORKER_WARNING_S:
+                self._say_no_worker()
 
     def close(self) -> None:
         if self.collector is not None:
