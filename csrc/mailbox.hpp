@@ -472,7 +472,8 @@ class Mailbox {
   // layout version) that may be replaced; throws OsError(EEXIST) otherwise. Returns -1 if the
   // name vanished meanwhile (just retry the create).
   static int64_t stale_owner(const std::string& name) {
-    const int fd = shm_open(name.c_str(), O_RDONLY | O_CLOEXEC, 0);
+    // O_NONBLOCK: a FIFO under the name would block a read-only open until a writer came (forever).
+    const int fd = shm_open(name.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC, 0);
     if (fd < 0) {
       if (errno == ENOENT) return -1;
       throw os_error(EEXIST, "mailbox exists and cannot be inspected (" + std::string(std::strerror(errno)) + ")", name);

@@ -542,6 +542,19 @@ def test_live_owner_or_foreign_file_is_not_replaced(name):
         assert f.read(13) == b"not a mailbox"
 
 
+@pytest.mark.timeout(60)
+def test_a_fifo_under_the_name_is_refused_not_waited_on(name):
+    """A FIFO (anyone may make one in /dev/shm) blocked the stale check's read-only open: the worker
+    hung in bps.init, where unavailable_reason asks, with no message."""
+    os.mkfifo(shm_file(name), 0o600)
+    try:
+        probe = run_python(f"from dynamix_byteps.control.mailbox import unavailable_reason; "
+                           f"print(unavailable_reason({name!r}))", timeout=30)
+    finally:
+        os.unlink(shm_file(name))
+    assert "not an initialised dynamix mailbox" in probe.stdout, probe
+
+
 # ---- bad inputs -----------------------------------------------------------------------------
 
 
