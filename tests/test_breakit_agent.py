@@ -122,3 +122,27 @@ def test_a_pid_that_comes_back_as_a_new_worker_is_not_reported_idle(monkeypatch)
     assert not sent[2].HasField("tx_bytes_per_s")  # no earlier sample of this process: unknown, not 0 B/s
     assert sent[3].tx_bytes_per_s > 0
     assert list(agent._previous) == [4242]
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_on_another_host_than_a_rank_is_refused_and_nothing_of_it_is_kept():
+    """An agent given another job's --job or --scheduler measures its own host's workers as this
+    job's ranks; the ranks' registrations say which host each runs on."""
+    from dynamix_byteps.control.cluster import FAILED_PRECONDITION, Cluster, Rejected
+
+    cluster = Cluster(num_workers=3, decision_interval=10, policy_name="static")
+    for rank, host in enumerate(("h0", "h1", "")):
+        cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=3, host=host, batch_size=32))
+
+    def agent_on(host, *ranks):
+        cluster.node_report_locked(dynamix_pb2.NodeReport(host=host, workers=[
+            dynamix_pb2.WorkerNode(rank=r, node=dynamix_pb2.NodeMetrics(rtt_s=0.1)) for r in ranks]))
+
+    with pytest.raises(Rejected) as refused:
+        agent_on("h1", 1, 0)
+    assert refused.value.code == FAILED_PRECONDITION
+    assert refused.value.message.startswith("the node agent on host 'h1' reports rank 0, which registered from host "
+                                            "'h0': the agent measures another job's workers; give it the --job")
+    assert cluster.node_metrics == {}
+    agent_on("h1", 1, 2)  # its own rank, and one whose host nobody named
+    assert sorted(cluster.node_metrics) == [1, 2]

@@ -426,7 +426,7 @@ def test_node_agent_metrics_reach_the_policy_and_bad_ones_are_rejected():
     with running(policy, decision_interval=1) as server, stub_for(server) as (stub, md, _):
         register_all(stub, md, world=2)
         node = dynamix_pb2.NodeMetrics(rtt_s=0.02, retransmits=7, cpu_util=0.5)
-        stub.ReportNode(dynamix_pb2.NodeReport(host="h", workers=[dynamix_pb2.WorkerNode(rank=1, node=node)]))
+        stub.ReportNode(dynamix_pb2.NodeReport(host="127.0.0.1", workers=[dynamix_pb2.WorkerNode(rank=1, node=node)]))
         code, _ = code_of(stub.ReportNode, dynamix_pb2.NodeReport(workers=[dynamix_pb2.WorkerNode(
             rank=0, node=dynamix_pb2.NodeMetrics(cpu_util=7.0))]))
         assert code == grpc.StatusCode.INVALID_ARGUMENT

@@ -575,15 +575,35 @@ class Cluster:
         return self.current, self._take_snapshot()
 
     def node_report_locked(self, report) -> None:
-        """Store a node agent's metrics for registered ranks (all entries checked before any is kept);
-        decisions use them for :data:`NODE_METRICS_MAX_AGE_S` seconds."""
+        """Store a node agent's metrics for the ranks of this job (all entries checked before any is
+        kept); decisions use them for :data:`NODE_METRICS_MAX_AGE_S` seconds.
+
+        Raises:
+            Rejected: INVALID_ARGUMENT for a rank outside the job or a metric out of range;
+                FAILED_PRECONDITION for a rank that registered from another host than the agent's
+                (an agent given another job's ``--job`` or ``--scheduler`` would have its host's
+                workers measured as this job's ranks).
+        """
         checked = {}
         now = self.clock()
         for entry in report.workers:
             if self.world_size is None or entry.rank >= self.world_size:
                 raise _invalid(f"workers[].rank={entry.rank} is not a rank of this job")
             checked[entry.rank] = (now, validate_node(entry.node))
+        for rank in checked:
+            self._check_agent_host(rank, report.host)
         self.node_metrics.update(checked)
+
+    def _check_agent_host(self, rank: int, agent_host: str) -> None:
+        """Refuse a node agent's metrics of ``rank`` when the rank registered from another host
+        (both name it by ``socket.gethostname()``; an unnamed host is not compared)."""
+        worker = self.workers.get(rank)
+        if worker is None or not worker.host or not agent_host or worker.host == agent_host:
+            return
+        raise Rejected(FAILED_PRECONDITION,
+                       f"the node agent on host {agent_host[:MAX_HOST_LEN]!r} reports rank {rank}, "
+                       f"which registered from host {worker.host!r}: the agent measures another job's workers; give "
+                       "it the --job its host's workers got in DYNAMIX_JOB_ID and this job's --scheduler")
 
     def _fresh_node_metrics(self) -> dict[int, dict]:
         """``{rank: metrics}`` that a node agent sent in the last :data:`NODE_METRICS_MAX_AGE_S` seconds."""
