@@ -138,3 +138,31 @@ def test_unavailable_when_loading_not_permitted():
     precheck, kernel = out.stdout.strip().splitlines()
     assert "not permitted" in precheck and "CAP_BPF+CAP_PERFMON" in precheck, precheck
     assert "refused" in kernel and "CAP_BPF+CAP_PERFMON" in kernel, kernel
+
+
+@pytest.mark.timeout(60)
+def test_a_full_socket_map_is_said_and_the_agent_measures_through_proc_instead(collector, caplog):
+    """The map holds every process's sockets (16384): on a host busier than that, sockets opened
+    meanwhile went uncounted and their workers' bytes and rates read low, silently."""
+    import logging
+
+    from dynamix_byteps.agent.node_agent import NodeAgent
+
+    collector._socket_capacity = 1  # as full as a host with 16384 open sockets makes it
+    with Peer("server", "127.0.0.1", 0) as server, Peer("client", "127.0.0.1", server.port) as client:
+        connect_peers(server, client)
+        move_bytes(client, server, 1000)
+        with pytest.raises(CollectorUnavailable, match=r"its socket map is full \(\d+ open TCP sockets"):
+            collector.sample({client.pid})
+    agent = NodeAgent("breakit", "127.0.0.1:1", monitor="auto")
+    try:
+        agent.collector.close()
+        collector._socket_capacity = 0  # full whatever else this host runs now
+        agent.collector = collector  # as the agent's own eBPF collector
+        with caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent"):
+            agent.sample()
+        assert agent.collector.name == "proc"
+        assert any(r.getMessage().startswith("eBPF monitoring stopped (its socket map is full (")
+                   and r.getMessage().endswith("; using TCP_INFO and /proc instead") for r in caplog.records)
+    finally:
+        agent.close()

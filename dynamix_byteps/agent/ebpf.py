@@ -150,6 +150,7 @@ def _load_libbpf() -> C.CDLL:
         ("bpf_map__name", cp, [vp]),
         ("bpf_map__fd", i, [vp]),
         ("bpf_map__value_size", C.c_uint32, [vp]),
+        ("bpf_map__max_entries", C.c_uint32, [vp]),
         ("bpf_map__set_initial_value", i, [vp, vp, C.c_size_t]),
         ("bpf_map_get_next_key", i, [i, vp, vp]),
         ("bpf_map_lookup_elem", i, [i, vp, vp]),
@@ -288,6 +289,7 @@ class EbpfCollector(NetworkCollector):
                     )
                 self._links.append(link)
             self._socks_fd = self._map_fd("socks", C.sizeof(SockStat))
+            self._socket_capacity = lib.bpf_map__max_entries(lib.bpf_object__find_map_by_name(obj, b"socks"))
             self._closed_fd = self._map_fd("closed", C.sizeof(ClosedStat))
         except BaseException:
             self.close()
@@ -369,9 +371,17 @@ class EbpfCollector(NetworkCollector):
         and retransmit counts never go backwards between calls, even when a socket closes while
         the maps are read. ``delivery_rate_bytes_per_s`` covers what the sockets delivered since
         the previous call (of any pid; a socket new to the map counts from its start).
+
+        Raises:
+            CollectorUnavailable: the socket map is full (16384 sockets, every process's): the
+                counts would silently miss new sockets.
         """
         closed = self._dump(self._closed_fd, C.c_uint32, ClosedStat)  # before socks: a race under-counts
         socks = self.socket_entries()
+        if len(socks) >= self._socket_capacity:
+            raise CollectorUnavailable(
+                f"its socket map is full ({len(socks)} open TCP sockets of all the processes on this host): sockets "
+                "opened meanwhile are not counted, and their processes' bytes and rates would read low")
         self._prune(closed)
         delivered_now = {  # socket key -> what it delivered since the previous call
             key: delivery_since(self._delivered.get(key, (0, 0.0)), s.bytes_acked, s.busy_s, s.delivery_rate_bytes_per_s)

@@ -158,6 +158,7 @@ class NodeAgent:
         dial_address(scheduler)
         self.job = job
         self.interval_s = interval_s
+        self.monitor = monitor
         self.collector = make_collector(monitor)
         self._metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
         self._channel = open_channel(scheduler, tls_ca, CHANNEL_OPTIONS)
@@ -176,10 +177,23 @@ class NodeAgent:
         try:
             return self.collector.sample(pids)
         except CollectorUnavailable as why:
-            log.warning("network monitoring stopped: %s", why)
             self.collector.close()
-            self.collector = None
+            self.collector = self._fallback(self.collector.name, why)
             return {}
+
+    def _fallback(self, failed: str, why: CollectorUnavailable) -> NetworkCollector | None:
+        """What measures once collector ``failed`` stopped: TCP_INFO and /proc after eBPF under
+        ``--monitor auto`` (as when eBPF cannot load), else nothing."""
+        if self.monitor == "auto" and failed == "ebpf":
+            try:
+                collector = ProcCollector()
+            except CollectorUnavailable as proc_why:
+                why = f"{why}; TCP_INFO and /proc: {proc_why}"
+            else:
+                log.warning("eBPF monitoring stopped (%s); using TCP_INFO and /proc instead", why)
+                return collector
+        log.warning("network monitoring stopped: %s", why)
+        return None
 
     def sample(self) -> dynamix_pb2.NodeReport:
         """One round: every worker of the job on this host with its metrics."""
