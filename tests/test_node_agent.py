@@ -177,18 +177,17 @@ def test_a_segment_of_a_rank_beyond_any_job_is_ignored_and_the_host_still_report
             agent.close()
 
 
-@pytest.mark.timeout(60)
-def test_an_agent_given_another_job_than_its_workers_says_so_once(job, monkeypatch, caplog):
+def _what_an_agent_finding_no_worker_says(agent_job, monkeypatch, caplog) -> list[str]:
     import logging
 
     import dynamix_byteps.agent.node_agent as node_agent
 
     monkeypatch.setattr(node_agent, "NO_WORKER_WARNING_S", 0.2)
-    agent = NodeAgent(job + "-typo", "127.0.0.1:1", monitor="off", interval_s=0.05)
+    agent = NodeAgent(agent_job, "127.0.0.1:1", monitor="off", interval_s=0.05)
     stop = threading.Event()
     runner = threading.Thread(target=agent.run, args=(stop,))
     try:
-        with Mailbox.create(mailbox_name(job, 0)), caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent"):
+        with caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent"):
             runner.start()
             stop.wait(1.0)
             stop.set()
@@ -196,8 +195,27 @@ def test_an_agent_given_another_job_than_its_workers_says_so_once(job, monkeypat
     finally:
         stop.set()
         agent.close()
-    said = [r.getMessage() for r in caplog.records]
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_given_another_job_than_its_workers_says_so_once(job, monkeypatch, caplog):
+    with Mailbox.create(mailbox_name(job, 0)):
+        said = _what_an_agent_finding_no_worker_says(job + "-typo", monkeypatch, caplog)
     assert len(said) == 1, said
     assert f"no worker of job {job}-typo found on this host" in said[0], said
-    assert job in re.search(r"have mailboxes of jobs? ([^.]*)\. Start the agent with --job set to the workers' "
+    assert job in re.search(r"have mailboxes of jobs? ([^:]*): start the agent with --job set to the workers' "
                             "DYNAMIX_JOB_ID", said[0]).group(1).split(", "), said
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_whose_jobs_mailboxes_are_no_live_workers_says_so_not_to_change_its_job(job, monkeypatch, caplog):
+    """A worker of another version (another layout) or one that exited: --job is right."""
+    with open(f"/dev/shm/dynamix.{job}.0", "wb") as segment:
+        segment.write(bytes(4096))
+    try:
+        said = _what_an_agent_finding_no_worker_says(job, monkeypatch, caplog)
+    finally:
+        remove_job_mailboxes(job)
+    assert len(said) == 1 and "its mailboxes here belong to no running worker of this dynamix_byteps version" in said[0]
+    assert "--job" not in said[0], said

@@ -235,11 +235,17 @@ class NodeAgent:
         """An agent given another job than its workers' would otherwise monitor nothing, silently."""
         self._searching = False
         jobs = jobs_with_mailboxes()
-        found = (f"the workers here have mailboxes of job{'s' if len(jobs) > 1 else ''} {', '.join(jobs[:8])}" if jobs
-                 else "no worker on this host has a mailbox (a worker creates one in bps.init when DYNAMIX_JOB_ID is set)")
-        log.warning("no worker of job %s found on this host in %g s (looked for %s/dynamix.%s.<rank>); %s. Start the "
-                    "agent with --job set to the workers' DYNAMIX_JOB_ID", self.job, NO_WORKER_WARNING_S, SHM_DIR,
-                    self.job, found)
+        others = [job for job in jobs if job != self.job]
+        if self.job in jobs:
+            why = ("its mailboxes here belong to no running worker of this dynamix_byteps version (their workers "
+                   "exited, or run another version, whose mailbox layout differs)")
+        elif others:
+            why = (f"the workers here have mailboxes of job{'s' if len(others) > 1 else ''} {', '.join(others[:8])}: "
+                   "start the agent with --job set to the workers' DYNAMIX_JOB_ID")
+        else:
+            why = "no worker on this host has a mailbox (a worker creates one in bps.init when DYNAMIX_JOB_ID is set)"
+        log.warning("no worker of job %s found on this host in %g s (looked for %s/dynamix.%s.<rank>); %s",
+                    self.job, NO_WORKER_WARNING_S, SHM_DIR, self.job, why)
 
     def run(self, stop: threading.Event) -> None:
         """Sample and report every ``interval_s`` until ``stop`` is set; warn once when no worker of the
