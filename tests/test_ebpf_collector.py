@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from conftest import wait_until
@@ -166,3 +167,37 @@ def test_a_full_socket_map_is_said_and_the_agent_measures_through_proc_instead(c
                    and r.getMessage().endswith("; using TCP_INFO and /proc instead") for r in caplog.records)
     finally:
         agent.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_in_a_pid_namespace_ebpf_is_unavailable_and_auto_measures_through_proc(collector):
+    """In a container the programs record the host's pids while the workers' mailboxes hold the
+    container's: a worker's 100 kB read as 0 bytes (its traffic went to the host pid it has there)."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", textwrap.dedent("""
+        import os, socket
+        from dynamix_byteps.agent.base import CollectorUnavailable
+        from dynamix_byteps.agent.ebpf import EbpfCollector
+        from dynamix_byteps.agent.node_agent import make_collector
+
+        try:
+            EbpfCollector().close()
+            print("loaded")
+        except CollectorUnavailable as why:
+            print("unavailable:", why)
+        collector = make_collector("auto")
+        server = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        collector.sample({os.getpid()})
+        client.sendall(b"x" * 100_000)
+        got = 0
+        while got < 100_000:
+            got += len(peer.recv(65536))
+        print(collector.name, collector.sample({os.getpid()})[os.getpid()].bytes_sent)
+        collector.close()
+        """)], capture_output=True, text=True, timeout=50)
+    assert probe.returncode == 0, probe.stderr
+    unavailable, measured = probe.stdout.splitlines()
+    assert unavailable.startswith("unavailable: this agent runs in a pid namespace of its own (a container)"), probe
+    assert measured == "proc 100000", probe

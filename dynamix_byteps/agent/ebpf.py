@@ -44,6 +44,7 @@ _REQUIRED_TP = {"sock_send_length": "on_send", "sock_recv_length": "on_recv", "i
 _OPTIONAL_TP = {"tcp_retransmit_skb": "on_retrans", "tcp_probe": "on_probe"}
 
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+_INITIAL_PID_NAMESPACE_INODE = 0xEFFFFFFC  # the kernel's PROC_PID_INIT_INO
 _BTF_KIND_TYPEDEF = 8
 _LIBBPF_DEBUG = 2
 
@@ -204,14 +205,29 @@ def _may_load_bpf() -> bool:
     return os.geteuid() == 0
 
 
+def _in_initial_pid_namespace() -> bool:
+    """This process sees the pids the programs record (the initial namespace's); True when it cannot tell."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino == _INITIAL_PID_NAMESPACE_INODE
+    except OSError:
+        return True
+
+
 def check_available(object_path: Path = OBJECT_PATH) -> tuple[C.CDLL, set[str]]:
-    """Cheap checks, in order (BTF, object built, libbpf, permission, tracepoints); raises
-    ``CollectorUnavailable`` with a one-line reason naming the fix.
+    """Cheap checks, in order (BTF, pid namespace, object built, libbpf, permission, tracepoints);
+    raises ``CollectorUnavailable`` with a one-line reason naming the fix.
 
     Returns the loaded libbpf and the optional tracepoints this kernel lacks."""
     if not VMLINUX_BTF.exists():
         raise CollectorUnavailable(
             f"kernel has no BTF ({VMLINUX_BTF} missing): needs CONFIG_DEBUG_INFO_BTF=y; use --monitor proc"
+        )
+    if not _in_initial_pid_namespace():
+        # The programs record the initial namespace's pids, the mailboxes this namespace's: a
+        # worker's traffic would go to no pid or to a host process that has its number.
+        raise CollectorUnavailable(
+            "this agent runs in a pid namespace of its own (a container): the programs see the host's pids, not "
+            "its workers'; use --monitor proc, or run the agent in the host's pid namespace with the workers"
         )
     if not object_path.exists():
         raise CollectorUnavailable(
