@@ -146,3 +146,18 @@ def test_an_agent_on_another_host_than_a_rank_is_refused_and_nothing_of_it_is_ke
     assert cluster.node_metrics == {}
     agent_on("h1", 1, 2)  # its own rank, and one whose host nobody named
     assert sorted(cluster.node_metrics) == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_reporting_before_the_first_registration_is_not_refused():
+    """A scheduler without --num-workers (dynamix scheduler under torchrun) learns the job's size at
+    the first registration, which comes with a worker's first report, an interval after its mailbox
+    appears: the agent's reports meanwhile were refused ('workers[].rank=0 is not a rank of this
+    job', logged as a warning at every start) and the first decision had no node metrics."""
+    from dynamix_byteps.control.cluster import Cluster
+
+    cluster = Cluster(num_workers=None, decision_interval=10, policy_name="static")
+    _agent_reports(cluster, 0.004)
+    for rank in (0, 1):
+        cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=2, host="h", batch_size=32, step=1))
+    assert _decided_node_metrics(cluster, 11) == [{"rtt_s": 0.004}, {"rtt_s": 0.004}]

@@ -579,15 +579,19 @@ class Cluster:
         kept); decisions use them for :data:`NODE_METRICS_MAX_AGE_S` seconds.
 
         Raises:
-            Rejected: INVALID_ARGUMENT for a rank outside the job or a metric out of range;
+            Rejected: INVALID_ARGUMENT for a rank outside the job (beyond :data:`MAX_WORLD_SIZE` while
+                its size is unknown) or a metric out of range;
                 FAILED_PRECONDITION for a rank that registered from another host than the agent's
                 (an agent given another job's ``--job`` or ``--scheduler`` would have its host's
                 workers measured as this job's ranks).
         """
         checked = {}
         now = self.clock()
+        # Before the first registration (workers register at their first report, an interval after
+        # their mailboxes appear) any rank a job may have is taken; decisions read only the job's.
+        ranks = self.world_size if self.world_size is not None else MAX_WORLD_SIZE
         for entry in report.workers:
-            if self.world_size is None or entry.rank >= self.world_size:
+            if entry.rank >= ranks:
                 raise _invalid(f"workers[].rank={entry.rank} is not a rank of this job")
             checked[entry.rank] = (now, validate_node(entry.node))
         for rank in checked:
