@@ -161,3 +161,25 @@ def test_an_agent_reporting_before_the_first_registration_is_not_refused():
     for rank in (0, 1):
         cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=2, host="h", batch_size=32, step=1))
     assert _decided_node_metrics(cluster, 11) == [{"rtt_s": 0.004}, {"rtt_s": 0.004}]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_restarted_on_another_host_is_not_given_its_old_hosts_throughput():
+    from dynamix_byteps.control.cluster import LIVE_RANK_S, Cluster, cluster_state
+
+    now = [0.0]
+    cluster = Cluster(num_workers=2, decision_interval=10, policy_name="static", clock=lambda: now[0])
+    for rank in (0, 1):
+        cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=2, host=f"h{rank}", batch_size=32, step=1))
+
+    def decided_throughput(step, rank_1_samples_per_s):
+        snap = None
+        for rank, theta in ((0, 100.0), (1, rank_1_samples_per_s)):
+            _, snap = cluster.report_locked(dynamix_pb2.Report(rank=rank, step=step, local_batch_size=32, compute_s=0.1,
+                                                               push_pull_s=0.01, samples_per_s=theta))
+        return [w.samples_per_s for w in cluster_state(snap).workers]
+
+    assert decided_throughput(11, 50.0) == [100.0, 50.0]
+    now[0] += LIVE_RANK_S + 1  # rank 1's host died; it comes back on a machine four times as fast
+    cluster.register_locked(dynamix_pb2.WorkerInfo(rank=1, world_size=2, host="h2", batch_size=32, step=11))
+    assert decided_throughput(21, 200.0) == [100.0, 200.0]

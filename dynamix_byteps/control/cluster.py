@@ -462,6 +462,8 @@ class Cluster:
         self.intervals.pop(rank, None)
         if previous is not None:  # its node metrics described the process that registered before
             self.node_metrics.pop(rank, None)
+            if previous.host != record.host:  # another machine: its speed is measured anew (Pollux re-profiles per placement)
+                self.throughput.pop(rank, None)
         self.ready.discard(rank)
         self.notice = None
         if self.initial_batch_sizes is None:
