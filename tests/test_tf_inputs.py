@@ -27,3 +27,17 @@ def test_set_batch_sizes_takes_sequences_and_tensors_and_names_a_bad_argument():
     assert sizes["none"].startswith("InvalidAssignmentError") and "sequence" in sizes["none"] and "None" in sizes["none"]
     assert sizes["int"].startswith("InvalidAssignmentError") and "int 16" in sizes["int"]
     assert sizes["tensor"] == [12] and sizes["array"] == [10]
+
+
+@pytest.mark.timeout(150)
+def test_a_step_compiled_with_xla_is_refused_naming_jit_compile_false():
+    # XLA has no kernel for the engine call: TensorFlow's "Detected unsupported operations ...
+    # EagerPyFunc" came at the first step, and Keras compiles model.fit with XLA by default
+    # (jit_compile="auto") wherever a GPU is visible. Autograph shows an error raised while it
+    # converts a user's tf.function as StagingError, the original's type and message in its text.
+    (result,) = run_workers(1, "tf_input_cases:xla_compiled_steps", timeout=120)
+    assert "ok" in result, result
+    for key in ("tape", "fit", "push_pull"):
+        message = result["ok"][key]
+        assert message and "ConfigurationError: XLA" in message and "jit_compile=False" in message, (key, message)
+    assert result["ok"]["after"] == [1.0, 1.0]

@@ -39,3 +39,37 @@ def set_batch_sizes_inputs() -> dict:
         except InvalidAssignmentError as exc:
             results[label] = f"InvalidAssignmentError: {exc}"
     return results
+
+
+def _raised(call) -> str | None:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on the type and the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def xla_compiled_steps() -> dict:
+    """What a tape, a Keras DistributedOptimizer under model.fit and a push_pull raise in a step
+    compiled with XLA (jit_compile=True); then a push_pull that must still work."""
+    import keras
+
+    import dynamix_byteps.tensorflow.keras as bps_keras
+
+    variable = tf.Variable(tf.ones([3]), name="xla")
+
+    @tf.function(jit_compile=True)
+    def tape_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(variable * variable)
+        return bps.DistributedGradientTape(tape).gradient(loss, [variable])
+
+    def fit():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile(optimizer=bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                      jit_compile=True)
+        model.fit(np.ones((4, 2), "float32"), np.ones((4, 1), "float32"), batch_size=2, verbose=0)
+
+    push_pull = tf.function(lambda t: bps.push_pull(t, name="xla"), jit_compile=True)
+    return {"tape": _raised(tape_step), "fit": _raised(fit), "push_pull": _raised(lambda: push_pull(tf.ones(2))),
+            "after": bps.push_pull(tf.ones(2), average=False, name="after").numpy().tolist()}

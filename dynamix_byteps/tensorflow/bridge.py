@@ -17,6 +17,10 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 import torch
+from tensorflow.python.framework import ops as _tf_ops
+from tensorflow.python.ops import control_flow_util as _control_flow_util
+
+from dynamix_byteps.errors import ConfigurationError
 
 ALIGNMENT = 64  # bytes; EIGEN_MAX_ALIGN_BYTES of TensorFlow's CPU kernels
 
@@ -63,13 +67,34 @@ def dense(tensor) -> tf.Tensor:
     return tf.convert_to_tensor(tensor)
 
 
+def _refuse_xla() -> None:
+    """Raise ConfigurationError, naming the remedy, when the graph being traced is compiled by XLA.
+
+    XLA has no kernel for ``tf.py_function``: without this, the first step fails on every worker
+    with TensorFlow's "Detected unsupported operations ... EagerPyFunc". Keras 3 compiles
+    ``model.fit``'s train step with XLA by default (``jit_compile="auto"``) wherever a GPU is
+    visible, so a plain ``model.compile(optimizer=DistributedOptimizer(...))`` gets there too.
+    """
+    if _control_flow_util.GraphOrParentsInXlaContext(_tf_ops.get_default_graph()):
+        raise ConfigurationError(
+            "XLA (jit_compile=True) cannot compile dynamix_byteps's communication (gradient reduction, push_pull, "
+            "broadcast): compile the model with model.compile(..., jit_compile=False) (Keras's default "
+            "jit_compile='auto' turns XLA on wherever a GPU is visible), or use tf.function(jit_compile=False) "
+            "for the step that reduces")
+
+
 def call(fn: Callable[..., list], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType]) -> list[tf.Tensor]:
     """``fn(*inputs)`` now when executing eagerly, else as a ``tf.py_function`` op in the graph.
 
     ``fn`` receives eager tensors and returns a list of eager tensors of ``out_dtypes``; in a
     graph the outputs have unknown shapes until the caller sets them.
+
+    Raises:
+        ConfigurationError: the graph is being compiled with XLA (``jit_compile=True``), which
+            cannot run the engine call; raised while tracing, before any communication.
     """
     if tf.executing_eagerly():
         return list(fn(*inputs))
+    _refuse_xla()
     outputs = tf.py_function(fn, list(inputs), list(out_dtypes))
     return list(outputs) if out_dtypes else []

@@ -147,7 +147,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
     ``model.compile(optimizer=...)``, ``isinstance`` checks and saving work as before. The local
     batch sizes come from a ``DynamicBatchSampler`` feeding the model (``dynamic_batch_dataset``);
     without one the gradients are BytePS's plain average and the learning rate is not scaled.
-    Compile with ``jit_compile=False`` on GPU machines: XLA cannot compile the call into the engine.
+    Compile with ``jit_compile=False`` on GPU machines, where Keras's default ``"auto"`` turns XLA
+    on: XLA cannot compile the call into the engine (the first step raises ``ConfigurationError``).
 
     Args:
         optimizer: a Keras 3 optimizer not yet used (its config is copied, not its state).
