@@ -124,6 +124,49 @@ def weighted_training(batch_sizes: list[int], steps: int, passes: int) -> dict:
     return {"grad_error": grad_error, "param_error": param_error}
 
 
+class _BatchMeanGain(torch.nn.Module):
+    """A learned gain on the batch's mean input, added to a linear layer's output: its gradient is
+    the batch mean, NaN for an empty batch (as TensorFlow's BatchNormalization's gamma)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3).double()
+        self.gain = torch.nn.Parameter(torch.ones(6, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.linear(x) + (self.gain * x.mean(0)).sum()
+
+
+def worker_without_samples() -> float:
+    """Rank 0 declares 0 samples and has an empty batch, whose gradient of the gain is NaN; the
+    other workers have equal batches. The error of the reduced gradients against the mean of each
+    batch's gradients in one process."""
+    rank, per_worker = bps.rank(), 4
+    torch.manual_seed(1)
+    samples = per_worker * (bps.size() - 1)
+    x_all, y_all = torch.randn(samples, 6, dtype=torch.float64), torch.randn(samples, 3, dtype=torch.float64)
+    batches = list(zip(x_all.split(per_worker), y_all.split(per_worker)))
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _BatchMeanGain()
+
+    reference, per_batch = model(), []
+    for x, y in batches:
+        reference.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        per_batch.append(torch.cat([p.grad.reshape(-1) for p in reference.parameters()]))
+    expected = torch.stack(per_batch).mean(0)
+    net = model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    x, y = (x_all[:0], y_all[:0]) if rank == 0 else batches[rank - 1]
+    opt.set_local_batch_size(len(x))
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    opt.synchronize()
+    got = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    return float((got - expected).norm() / expected.norm())
+
+
 def too_many_passes() -> str:
     model = _model()
     _opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())

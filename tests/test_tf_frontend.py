@@ -43,6 +43,14 @@ def test_non_uniform_batches_match_single_process_training():
 
 
 @pytest.mark.timeout(300)
+def test_a_worker_that_declares_no_samples_adds_nothing_even_the_nan_of_its_empty_batch():
+    # An empty batch's BatchNormalization gradients are NaN, and NaN times its weight 0 is NaN:
+    # every worker's gradients were NaN.
+    for errors in ok(run_workers(3, "tf_dist_cases:worker_without_samples", timeout=280)):
+        assert errors["eager"] < 1e-5 and errors["graph"] < 1e-5, errors
+
+
+@pytest.mark.timeout(300)
 def test_keras_fit_switches_batch_size_on_every_worker_at_the_same_step():
     epochs, size = 2, 300
     results = ok(run_workers(3, "tf_dist_cases:fit_with_batch_change", size, [4, 6, 10], "7:12,8,4", epochs,

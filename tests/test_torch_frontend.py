@@ -39,6 +39,14 @@ def test_more_backward_passes_than_declared_raise():
 
 
 @pytest.mark.timeout(120)
+def test_a_worker_that_declares_no_samples_adds_nothing_even_the_nan_of_its_empty_batch():
+    # An empty batch's gradients can be NaN (a gain on the batch's mean input here), and NaN times
+    # its weight 0 is NaN: every worker's gradients were NaN.
+    for error in ok(run_workers(3, "dist_cases:worker_without_samples")):
+        assert error < 1e-9
+
+
+@pytest.mark.timeout(120)
 def test_batch_size_declared_on_some_ranks_raises_everywhere():
     results = run_workers(3, "dist_cases:batch_size_on_some_ranks")
     assert [r.get("error") for r in results] == ["ConfigurationError"] * 3

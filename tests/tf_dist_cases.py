@@ -156,6 +156,42 @@ def alternating_gradient_sets() -> dict:
     return {"wrong": wrong, "rounds": reducer.aggregator._rounds}
 
 
+def worker_without_samples() -> dict:
+    """Rank 0 declares 0 samples and has an empty batch, whose BatchNormalization gradients are NaN;
+    the other workers have equal batches. Their gradients reduced eagerly and in tf.function,
+    against the mean of each batch's gradients in one process (BatchNormalization normalizes
+    each batch by its own statistics)."""
+    rank, per_worker = bps.rank(), 4
+    x_all, y_all = _data(per_worker * (bps.size() - 1))
+    batches = [(x_all[s:s + per_worker], y_all[s:s + per_worker]) for s in range(0, len(x_all), per_worker)]
+
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                 keras.layers.Dense(3)])
+
+    reference, per_batch = model(), []
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            loss = _loss(reference, x, y)
+        per_batch.append([g.numpy() for g in tape.gradient(loss, reference.trainable_variables)])
+    expected = [np.mean(grads, axis=0) for grads in zip(*per_batch)]
+    net = model()
+    x, y = (x_all[:0], y_all[:0]) if rank == 0 else batches[rank - 1]
+
+    def reduced(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(net, x, y)
+        tape = bps.DistributedGradientTape(tape, local_batch_size=tf.shape(x)[0])
+        return tape.gradient(loss, net.trainable_variables)
+
+    def error(step) -> float:  # over all gradients: the first layer's bias has a gradient of ~0
+        got, want = np.array(_flat(step(tf.constant(x), tf.constant(y)))), np.array(_flat(expected))
+        return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+    return {"eager": error(reduced), "graph": error(tf.function(reduced))}
+
+
 def _tiny_model(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])

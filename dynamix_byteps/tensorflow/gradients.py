@@ -46,7 +46,13 @@ def _checked_samples(value) -> int:
 
 
 def _fuse(views: list[torch.Tensor], offsets: list[int], length: int, scale: float) -> torch.Tensor:
-    """One flat buffer holding ``scale`` times ``views`` at ``offsets`` (zeros in the alignment gaps)."""
+    """One flat buffer holding ``scale`` times ``views`` at ``offsets`` (zeros in the alignment gaps).
+
+    A worker without samples (``scale`` 0) adds zeros: its empty batch's gradients can be NaN
+    (a mean over no samples), and NaN times 0 is NaN, which would reach every worker.
+    """
+    if scale == 0:
+        return torch.zeros(length, dtype=views[0].dtype)
     flat = torch.empty(length, dtype=views[0].dtype)
     end = 0
     for view, offset in zip(views, offsets):
@@ -238,7 +244,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         sparse_as_dense: accepted for BytePS compatibility; sparse gradients are always densified.
         op: must be ``Average`` (BytePS's tape averaged whatever ``op`` said).
         local_batch_size: this worker's samples in the step (int or integer tensor, e.g.
-            ``tf.shape(x)[0]``); default: the batch a ``DynamicBatchSampler`` handed out, else
+            ``tf.shape(x)[0]``); 0: this worker's gradients count for nothing (even NaN ones of
+            an empty batch); default: the batch a ``DynamicBatchSampler`` handed out, else
             BytePS's plain average over workers.
         lr_scaling: the rule behind ``tape.lr_scale``: ``none``, ``linear``, ``sqrt`` or
             ``adascale``; default ``DYNAMIX_LR_SCALING`` (``bpslaunch --lr-scaling``), else ``none``.
@@ -251,6 +258,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
         ValueError: ``op`` is not ``Average``; an unknown ``lr_scaling`` rule or a
             ``base_batch_size`` below 1 (at the first ``gradient()`` call).
         TypeError: ``batch_plan`` is not a ``BatchPlan`` (at the first ``gradient()`` call).
+        ConfigurationError: ``gradient()`` is traced in a ``tf.function(jit_compile=True)``: XLA
+            cannot compile the reduction.
     """
     del device_dense, device_sparse, sparse_as_dense
     check_gradient_op(op)

@@ -716,7 +716,8 @@ class BucketReducer:
 
     def _move_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> bool:
         """Make ``param.grad`` its bucket ``view``, holding the round's scale times the gradient
-        (zeros for a parameter without one), in one pass over the memory; returns whether it had one.
+        (zeros for a parameter without one, or when the scale is 0), in one pass over the memory;
+        returns whether it had one.
 
         Raises:
             TypeError: the gradient is sparse.
@@ -731,11 +732,13 @@ class BucketReducer:
                               "PyTorch's DDP); take higher-order terms with torch.autograd.grad(..., create_graph=True) "
                               "before the backward pass that reduces", stacklevel=2)
             grad = grad.detach()
-        if grad is view:
+        if grad is None or scale == 0.0:
+            # A worker without samples adds zeros: its empty batch's gradient can be NaN (a batch
+            # statistic over no samples), and NaN times 0 is NaN, which would reach every worker.
+            view.zero_()
+        elif grad is view:
             if scale != 1.0:
                 view.mul_(scale)
-        elif grad is None:
-            view.zero_()
         elif scale == 1.0:
             view.copy_(grad)
         else:
