@@ -142,28 +142,31 @@ def test_unavailable_when_loading_not_permitted():
 
 
 @pytest.mark.timeout(60)
-def test_a_full_socket_map_is_said_and_the_agent_measures_through_proc_instead(collector, caplog):
-    """The map holds every process's sockets (16384): on a host busier than that, sockets opened
-    meanwhile went uncounted and their workers' bytes and rates read low, silently."""
+@pytest.mark.parametrize("full, what", [("_socks_capacity", "open TCP sockets"),
+                                        ("_closed_capacity", "processes with closed TCP sockets")])
+def test_a_full_map_is_said_and_the_agent_measures_through_proc_instead(collector, caplog, full, what):
+    """The maps hold every process's sockets (16384) and closed-socket totals per process (16384):
+    on a host busier than that, what a worker moved went uncounted and its bytes and rates read
+    low, silently."""
     import logging
 
     from dynamix_byteps.agent.node_agent import NodeAgent
 
-    collector._socket_capacity = 1  # as full as a host with 16384 open sockets makes it
     with Peer("server", "127.0.0.1", 0) as server, Peer("client", "127.0.0.1", server.port) as client:
         connect_peers(server, client)
         move_bytes(client, server, 1000)
-        with pytest.raises(CollectorUnavailable, match=r"its socket map is full \(\d+ open TCP sockets"):
+        collector.sample({client.pid})  # room to spare
+        setattr(collector, full, 0)  # as full as a host with 16384 of them makes it
+        with pytest.raises(CollectorUnavailable, match=rf"its map of {what} is full \(\d+, of all the processes"):
             collector.sample({client.pid})
     agent = NodeAgent("breakit", "127.0.0.1:1", monitor="auto")
     try:
         agent.collector.close()
-        collector._socket_capacity = 0  # full whatever else this host runs now
-        agent.collector = collector  # as the agent's own eBPF collector
+        agent.collector = collector  # as the agent's own eBPF collector, full
         with caplog.at_level(logging.WARNING, logger="dynamix_byteps.agent"):
             agent.sample()
         assert agent.collector.name == "proc"
-        assert any(r.getMessage().startswith("eBPF monitoring stopped (its socket map is full (")
+        assert any(r.getMessage().startswith(f"eBPF monitoring stopped (its map of {what} is full (")
                    and r.getMessage().endswith("; using TCP_INFO and /proc instead") for r in caplog.records)
     finally:
         agent.close()

@@ -256,6 +256,15 @@ def check_available(object_path: Path = OBJECT_PATH) -> tuple[C.CDLL, set[str]]:
     return lib, absent_optional
 
 
+def _refuse_full(entries: int, capacity: int, what: str) -> None:
+    """Raise CollectorUnavailable when a map of ``what`` holds ``capacity`` entries: the programs'
+    inserts fail from then on, silently."""
+    if entries >= capacity:
+        raise CollectorUnavailable(
+            f"its map of {what} is full ({entries}, of all the processes on this host): what they move meanwhile "
+            "is not counted, and their processes' bytes and rates would read low")
+
+
 class EbpfCollector(NetworkCollector):
     """Per-process TCP counters from the ``sockstat`` eBPF programs (see the module docstring).
 
@@ -304,9 +313,8 @@ class EbpfCollector(NetworkCollector):
                         f"attaching {name} failed: {os.strerror(C.get_errno())}: {_last_libbpf_error()}"
                     )
                 self._links.append(link)
-            self._socks_fd = self._map_fd("socks", C.sizeof(SockStat))
-            self._socket_capacity = lib.bpf_map__max_entries(lib.bpf_object__find_map_by_name(obj, b"socks"))
-            self._closed_fd = self._map_fd("closed", C.sizeof(ClosedStat))
+            self._socks_fd, self._socks_capacity = self._map("socks", C.sizeof(SockStat))
+            self._closed_fd, self._closed_capacity = self._map("closed", C.sizeof(ClosedStat))
         except BaseException:
             self.close()
             raise
@@ -343,13 +351,14 @@ class EbpfCollector(NetworkCollector):
         if target_tgid:
             raise CollectorUnavailable(f"{OBJECT_PATH.name} has no .rodata config; reinstall the package")
 
-    def _map_fd(self, name: str, value_size: int) -> int:
+    def _map(self, name: str, value_size: int) -> tuple[int, int]:
+        """The fd and the capacity (entries) of map ``name``."""
         m = self._lib.bpf_object__find_map_by_name(self._obj, name.encode())
         if not m or self._lib.bpf_map__value_size(m) != value_size:
             raise CollectorUnavailable(
                 f"map {name!r} in {OBJECT_PATH.name} does not match this loader; reinstall the package"
             )
-        return self._lib.bpf_map__fd(m)
+        return self._lib.bpf_map__fd(m), self._lib.bpf_map__max_entries(m)
 
     # -- map access ----------------------------------------------------------------------------
 
@@ -389,15 +398,13 @@ class EbpfCollector(NetworkCollector):
         the previous call (of any pid; a socket new to the map counts from its start).
 
         Raises:
-            CollectorUnavailable: the socket map is full (16384 sockets, every process's): the
-                counts would silently miss new sockets.
+            CollectorUnavailable: a map is full (16384 open sockets or processes with closed
+                ones, of every process on the host): the counts would silently miss some.
         """
         closed = self._dump(self._closed_fd, C.c_uint32, ClosedStat)  # before socks: a race under-counts
         socks = self.socket_entries()
-        if len(socks) >= self._socket_capacity:
-            raise CollectorUnavailable(
-                f"its socket map is full ({len(socks)} open TCP sockets of all the processes on this host): sockets "
-                "opened meanwhile are not counted, and their processes' bytes and rates would read low")
+        _refuse_full(len(socks), self._socks_capacity, "open TCP sockets")
+        _refuse_full(len(closed), self._closed_capacity, "processes with closed TCP sockets")
         self._prune(closed)
         delivered_now = {  # socket key -> what it delivered since the previous call
             key: delivery_since(self._delivered.get(key, (0, 0.0)), s.bytes_acked, s.busy_s, s.delivery_rate_bytes_per_s)
