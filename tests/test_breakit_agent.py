@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 
+import grpc
 import pytest
 
 from dynamix_byteps.agent.node_agent import NodeAgent, node_metrics
@@ -183,3 +184,48 @@ def test_a_rank_restarted_on_another_host_is_not_given_its_old_hosts_throughput(
     now[0] += LIVE_RANK_S + 1  # rank 1's host died; it comes back on a machine four times as fast
     cluster.register_locked(dynamix_pb2.WorkerInfo(rank=1, world_size=2, host="h2", batch_size=32, step=11))
     assert decided_throughput(21, 200.0) == [100.0, 200.0]
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+class _ScriptedScheduler:
+    """A ReportNode stub that raises the scripted refusals (None: accepts)."""
+
+    def __init__(self, outcomes):
+        self.outcomes = iter(outcomes)
+
+    def ReportNode(self, report, timeout, metadata):  # noqa: N802 - gRPC's method name
+        outcome = next(self.outcomes)
+        if outcome is not None:
+            raise outcome
+
+
+@pytest.mark.timeout(60)
+def test_each_new_kind_of_refusal_and_the_recovery_are_said(caplog):
+    """An agent started before its scheduler logged UNAVAILABLE, and then nothing about why the
+    scheduler, once up, refused every report (another job's ranks, a wrong token)."""
+    down = _Refusal(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    elsewhere = _Refusal(grpc.StatusCode.FAILED_PRECONDITION, "the node agent on host 'h1' reports rank 0, ...")
+    agent = NodeAgent("breakit", "127.0.0.1:1", monitor="off")
+    agent._stub = _ScriptedScheduler([down, down, elsewhere, elsewhere, None, None])
+    try:
+        with caplog.at_level(logging.INFO, logger="dynamix_byteps.agent"):
+            for _ in range(6):
+                agent.send(dynamix_pb2.NodeReport(host="h1"))
+    finally:
+        agent.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "scheduler refused or missed a node report (UNAVAILABLE: failed to connect to all addresses); retrying every interval",
+        "scheduler refused or missed a node report (FAILED_PRECONDITION: the node agent on host 'h1' reports rank 0, ...); "
+        "retrying every interval",
+        "scheduler takes this host's node reports again",
+    ]

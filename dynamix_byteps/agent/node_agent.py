@@ -164,7 +164,7 @@ class NodeAgent:
         self._channel = open_channel(scheduler, tls_ca, CHANNEL_OPTIONS)
         self._stub = dynamix_pb2_grpc.SchedulerStub(self._channel)
         self._previous: dict[int, tuple[float, ProcessNetStats]] = {}
-        self._failing = False
+        self._failing: grpc.StatusCode | None = None  # how the last report failed (said once per kind)
         self._searching = True  # no worker of the job found yet, and not said so
         self._refused: set[tuple[int, str]] = set()  # (rank, field) left out of a report once already
         self._host = socket.gethostname()
@@ -224,12 +224,14 @@ class NodeAgent:
         try:
             self._stub.ReportNode(report, timeout=RPC_TIMEOUT_S, metadata=self._metadata)
         except grpc.RpcError as exc:
-            if not self._failing:
+            if exc.code() != self._failing:  # a scheduler that came up may refuse the reports for another reason
                 log.warning("scheduler refused or missed a node report (%s: %s); retrying every interval",
                             exc.code().name, exc.details())
-            self._failing = True
+            self._failing = exc.code()
         else:
-            self._failing = False
+            if self._failing is not None:
+                log.warning("scheduler takes this host's node reports again")
+            self._failing = None
 
     def _say_no_worker(self) -> None:
         """An agent given another job than its workers' would otherwise monitor nothing, silently."""
