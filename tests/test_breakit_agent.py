@@ -126,7 +126,7 @@ def test_a_pid_that_comes_back_as_a_new_worker_is_not_reported_idle(monkeypatch)
 
 
 @pytest.mark.timeout(60)
-def test_an_agent_on_another_host_than_a_rank_is_refused_and_nothing_of_it_is_kept():
+def test_an_agent_on_another_host_than_its_ranks_is_refused_and_a_stray_rank_left_out():
     """An agent given another job's --job or --scheduler measures its own host's workers as this
     job's ranks; the ranks' registrations say which host each runs on."""
     from dynamix_byteps.control.cluster import FAILED_PRECONDITION, Cluster, Rejected
@@ -136,16 +136,17 @@ def test_an_agent_on_another_host_than_a_rank_is_refused_and_nothing_of_it_is_ke
         cluster.register_locked(dynamix_pb2.WorkerInfo(rank=rank, world_size=3, host=host, batch_size=32))
 
     def agent_on(host, *ranks):
-        cluster.node_report_locked(dynamix_pb2.NodeReport(host=host, workers=[
+        return cluster.node_report_locked(dynamix_pb2.NodeReport(host=host, workers=[
             dynamix_pb2.WorkerNode(rank=r, node=dynamix_pb2.NodeMetrics(rtt_s=0.1)) for r in ranks]))
 
     with pytest.raises(Rejected) as refused:
-        agent_on("h1", 1, 0)
+        agent_on("h1", 0)
     assert refused.value.code == FAILED_PRECONDITION
     assert refused.value.message.startswith("the node agent on host 'h1' reports rank 0, which registered from host "
                                             "'h0': the agent measures another job's workers; give it the --job")
     assert cluster.node_metrics == {}
-    agent_on("h1", 1, 2)  # its own rank, and one whose host nobody named
+    # its own rank and one whose host nobody named are kept; the stray one is left out, not the host's report
+    assert agent_on("h1", 1, 0, 2) == [0]
     assert sorted(cluster.node_metrics) == [1, 2]
 
 
@@ -229,3 +230,20 @@ def test_each_new_kind_of_refusal_and_the_recovery_are_said(caplog):
         "retrying every interval",
         "scheduler takes this host's node reports again",
     ]
+
+
+@pytest.mark.timeout(60)
+def test_the_scheduler_says_once_which_rank_an_agent_reported_from_another_host(caplog):
+    server = SchedulerServer(StaticPolicy(), num_workers=2, decision_interval=1)
+    try:
+        for rank in (0, 1):
+            server.register(dynamix_pb2.WorkerInfo(rank=rank, world_size=2, host=f"h{rank}", batch_size=8))
+        stray = dynamix_pb2.NodeReport(host="h1", workers=[dynamix_pb2.WorkerNode(rank=r) for r in (1, 0)])
+        with caplog.at_level(logging.WARNING, logger="dynamix_byteps.control"):
+            server.report_node(stray)
+            server.report_node(stray)
+    finally:
+        server.stop(grace=None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the node agent on host 'h1' reports rank 0, which registered from another host; its metrics of that rank "
+        "are left out (a worker of another job with the same DYNAMIX_JOB_ID there?)"]

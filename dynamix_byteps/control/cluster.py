@@ -576,16 +576,19 @@ class Cluster:
                 return self.assignment_for_locked(rank), None
         return self.current, self._take_snapshot()
 
-    def node_report_locked(self, report) -> None:
+    def node_report_locked(self, report) -> list[int]:
         """Store a node agent's metrics for the ranks of this job (all entries checked before any is
         kept); decisions use them for :data:`NODE_METRICS_MAX_AGE_S` seconds.
 
+        Returns the ranks left out because they registered from another host than the agent's:
+        an agent given another job's ``--job`` or ``--scheduler`` would have its host's workers
+        measured as this job's ranks (both sides name the host by ``socket.gethostname()``; an
+        unnamed host is not compared). The others' metrics are kept.
+
         Raises:
             Rejected: INVALID_ARGUMENT for a rank outside the job (beyond :data:`MAX_WORLD_SIZE` while
-                its size is unknown) or a metric out of range;
-                FAILED_PRECONDITION for a rank that registered from another host than the agent's
-                (an agent given another job's ``--job`` or ``--scheduler`` would have its host's
-                workers measured as this job's ranks).
+                its size is unknown) or a metric out of range; FAILED_PRECONDITION when every rank
+                it reports registered from another host.
         """
         checked = {}
         now = self.clock()
@@ -596,20 +599,21 @@ class Cluster:
             if entry.rank >= ranks:
                 raise _invalid(f"workers[].rank={entry.rank} is not a rank of this job")
             checked[entry.rank] = (now, validate_node(entry.node))
-        for rank in checked:
-            self._check_agent_host(rank, report.host)
+        elsewhere = [rank for rank in checked if self._registered_elsewhere(rank, report.host)]
+        if elsewhere and len(elsewhere) == len(checked):
+            rank = elsewhere[0]
+            raise Rejected(FAILED_PRECONDITION,
+                           f"the node agent on host {report.host[:MAX_HOST_LEN]!r} reports rank {rank}, which registered "
+                           f"from host {self.workers[rank].host!r}: the agent measures another job's workers; give it "
+                           "the --job its host's workers got in DYNAMIX_JOB_ID and this job's --scheduler")
+        for rank in elsewhere:
+            del checked[rank]
         self.node_metrics.update(checked)
+        return elsewhere
 
-    def _check_agent_host(self, rank: int, agent_host: str) -> None:
-        """Refuse a node agent's metrics of ``rank`` when the rank registered from another host
-        (both name it by ``socket.gethostname()``; an unnamed host is not compared)."""
+    def _registered_elsewhere(self, rank: int, agent_host: str) -> bool:
         worker = self.workers.get(rank)
-        if worker is None or not worker.host or not agent_host or worker.host == agent_host:
-            return
-        raise Rejected(FAILED_PRECONDITION,
-                       f"the node agent on host {agent_host[:MAX_HOST_LEN]!r} reports rank {rank}, "
-                       f"which registered from host {worker.host!r}: the agent measures another job's workers; give "
-                       "it the --job its host's workers got in DYNAMIX_JOB_ID and this job's --scheduler")
+        return worker is not None and bool(worker.host) and bool(agent_host) and worker.host != agent_host
 
     def _fresh_node_metrics(self) -> dict[int, dict]:
         """``{rank: metrics}`` that a node agent sent in the last :data:`NODE_METRICS_MAX_AGE_S` seconds."""
