@@ -95,6 +95,13 @@ def test_where_keras_moved_its_epoch_iterator_a_dynamic_batch_dataset_warns_nami
     assert "call fit once per epoch" in message
 
 
+@pytest.mark.timeout(150)
+def test_a_float64_model_trains_as_with_the_plain_optimizer():
+    # The learning rate went through float32 on its way to the update (0.1 became 0.10000000149).
+    (difference,) = ok(run_workers(1, "tf_dist_cases:float64_training", timeout=120))
+    assert difference == 0.0
+
+
 @pytest.fixture(scope="module")
 def mixed_precision(tmp_path_factory):
     """One 2-worker job of mixed-precision checks (tests/tf_dist_cases.py:mixed_precision)."""

@@ -319,6 +319,25 @@ def fit_with_batch_change(dataset_size: int, sizes: list[int], change: str, epoc
             "autotune": dataset.options().autotune.enabled}
 
 
+def float64_training() -> float:
+    """The largest difference between a float64 model trained by a plain SGD and by a
+    DistributedOptimizer of it, on the same batches (one worker: the same gradients)."""
+    keras.config.set_floatx("float64")
+    try:
+        x, y = _data(12)
+        weights = []
+        for wrap in (lambda opt: opt, bps.DistributedOptimizer):
+            model, opt = _tiny_model(0), wrap(keras.optimizers.SGD(0.1))
+            for start in range(0, len(x), 4):
+                with tf.GradientTape() as tape:
+                    loss = _loss(model, x[start:start + 4].astype("float64"), y[start:start + 4])
+                opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+            weights.append(_flat(model.trainable_variables))
+    finally:
+        keras.config.set_floatx("float32")
+    return float(np.max(np.abs(np.subtract(*weights))))
+
+
 def dataset_where_keras_moved_its_epoch_iterator() -> dict:
     """The warnings ``dynamic_batch_dataset`` gives where ``keras.src.trainers.epoch_iterator``
     cannot be imported, as in a Keras version that moved it, and this Keras's version."""

@@ -73,10 +73,12 @@ class _DistributedOptimizer(keras.optimizers.Optimizer):
         return self._scaled_rate(super(self.__class__, self)._get_current_learning_rate())
 
     def _scaled_rate(self, rate):
-        """``rate`` times the step's learning-rate factor inside ``apply``, else ``rate``."""
+        """``rate`` times the step's learning-rate factor inside ``apply``, else ``rate``; in
+        ``rate``'s dtype (a float64 model's rate stays float64)."""
         if not self._dynamix_scaling:
             return rate
-        return tf.cast(rate, tf.float32) * self._dynamix_lr_scale
+        rate = tf.convert_to_tensor(rate)
+        return rate * tf.cast(self._dynamix_lr_scale, rate.dtype)
 
 
 def _check_loss_scaled(optimizer: keras.optimizers.Optimizer) -> None:
