@@ -123,6 +123,7 @@ class BatchPlan:
         self._takers: weakref.WeakSet = weakref.WeakSet()  # the frontends' step paths that took draws
         self._last_taker: weakref.ref | None = None
         self._shared: dict[Hashable, tuple[object, bool]] = {}  # key -> (object, moves with the default)
+        self._replaced: weakref.ref | None = None  # the default plan this one replaced, until a follower took
 
     def attach(self, monitor, gradient_noise) -> None:
         """Make ``monitor`` and ``gradient_noise`` (a frontend's) the ones the module functions report."""
@@ -168,7 +169,24 @@ class BatchPlan:
                 step, samples, epoch, epoch_samples = self._draws.popleft()
                 self._trained, self._next_trained_step = (epoch, epoch_samples), step + 1
                 taken.append((step, samples))
+        if as_default:
+            self._warn_if_batches_come_from_the_replaced_plan(taken)
         return taken
+
+    def _warn_if_batches_come_from_the_replaced_plan(self, taken: list) -> None:
+        """Warn, once, when a frontend following this default plan finds no batch here while the
+        sampler this one replaced handed out batches nobody took: the script built a second sampler
+        (a validation set's, both before ``model.fit``), and training follows it instead of the
+        sampler whose batches it trains on, so its gradients would be weighted by the wrong sizes."""
+        replaced, self._replaced = (self._replaced() if self._replaced is not None else None), None
+        if taken or replaced is None or replaced._consumed or not replaced._draws:
+            return
+        warnings.warn(
+            "DistributedOptimizer (or DistributedGradientTape, DistributedDataParallel), given no batch_plan, "
+            "follows the newest DynamicBatchSampler, but the batches come from the one built before it (a second "
+            "sampler for validation data?): the gradients are not weighted by the batches they came from. Use plain "
+            "tf.data (a DataLoader) for validation, or hand the frontend its sampler's plan: "
+            "batch_plan=sampler.batch_plan", stacklevel=3)
 
     def _check_one_taker(self, taker: object) -> None:
         if taker is None:
@@ -329,6 +347,7 @@ def make_default(plan: BatchPlan) -> None:
     if plan.monitor is None:
         plan.attach(previous.monitor, previous.gradient_noise)
     plan._take_followers(previous)
+    plan._replaced = weakref.ref(previous)
     if previous.schedule is not None and previous._followed:
         warnings.warn("a new DynamicBatchSampler replaces the one training has used so far: set_batch_sizes "
                       "and DistributedOptimizer now follow the new one; use a plain DataLoader for "

@@ -74,6 +74,23 @@ def test_replacing_a_default_plan_warns_only_when_a_frontend_following_it_traine
         _sampler([4, 4])
 
 
+def test_training_that_follows_a_sampler_built_after_the_one_handing_out_its_batches_is_warned(monkeypatch):
+    # Keras: the training and the validation datasets are both built before fit, each on its own
+    # sampler; the optimizer followed the newer (validation) one and weighted by no batch, silently.
+    training, validation = _sampler([2, 6]), _sampler([4, 4])
+    next(iter(training))  # fit's first training batch
+    with pytest.warns(UserWarning, match="the batches come from the one built before it"):
+        assert validation.batch_plan.take_draws(1, as_default=True) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validation.batch_plan.take_draws(1, as_default=True)  # once
+        monkeypatch.setattr(batch_plan, "_default", None)
+        unused, trained = _sampler([4, 4]), _sampler([4, 4])
+        next(iter(unused))
+        next(iter(trained))  # the newest sampler hands out the batches: nothing to say
+        assert trained.batch_plan.take_draws(1, as_default=True) == [(0, 4)]
+
+
 def test_a_plan_without_a_sampler_refuses_set_batch_sizes():
     with pytest.raises(ConfigurationError, match="needs a DynamicBatchSampler"):
         BatchPlan().set_batch_sizes([4])
