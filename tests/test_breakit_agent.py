@@ -247,3 +247,29 @@ def test_the_scheduler_says_once_which_rank_an_agent_reported_from_another_host(
     assert [r.getMessage() for r in caplog.records] == [
         "the node agent on host 'h1' reports rank 0, which registered from another host; its metrics of that rank "
         "are left out (a worker of another job with the same DYNAMIX_JOB_ID there?)"]
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_gpu_reading_does_not_inflate_the_next_rates(monkeypatch):
+    """NVML calls on a busy or failing GPU can take seconds; the rates' time was taken after them,
+    so the interval after a slow reading was measured short and its bytes/s came out 3x too high."""
+    import dynamix_byteps.agent.node_agent as node_agent
+
+    clock = [0.0]
+    monkeypatch.setattr(node_agent.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(node_agent, "discover_workers", lambda job: {0: 4242})
+    agent = NodeAgent("breakit", "127.0.0.1:1", monitor="off")
+    agent.collector = _ScriptedCollector([{4242: 0}, {4242: 3_000_000}])  # 1 MB/s over the 3 s below
+    gpu_seconds = iter([2.0, 0.0])  # the first reading hangs for 2 s
+
+    def slow_gpu(pids):
+        clock[0] += next(gpu_seconds)
+        return {}
+    monkeypatch.setattr(agent.gpu, "sample", slow_gpu)
+    try:
+        agent.sample()
+        clock[0] += 1.0  # the interval
+        node = agent.sample().workers[0].node
+    finally:
+        agent.close()
+    assert node.tx_bytes_per_s == pytest.approx(1_000_000)

@@ -199,10 +199,10 @@ class NodeAgent:
         """One round: every worker of the job on this host with its metrics."""
         workers = discover_workers(self.job)
         net = self._network(set(workers.values()))
+        now = time.monotonic()  # when the counters were read: NVML's calls that follow may take long
         gpu = self.gpu.sample(set(workers.values()))
         host_now = self.host.sample()
         host = {"cpu_util": host_now.cpu_util, "memory_used_bytes": float(host_now.mem_used_bytes)}
-        now = time.monotonic()
         report = dynamix_pb2.NodeReport(host=self._host)
         # A pid the collector no longer counts starts over when it comes back (it counts a new process
         # from zero, whose rates against the old one's counters read as an idle interval).
