@@ -150,6 +150,13 @@ def _tensorboard_dir(run_dir: Path) -> Path:
     return nested if nested.is_dir() else run_dir
 
 
+def _runs_below(folder: Path) -> str:
+    """`` (runs below it: A, B)`` naming the subfolders that hold a recorded run (a benchmark's
+    configuration folder holds one run per seed), else empty."""
+    runs = sorted(p.name for p in folder.iterdir() if (p / TENSORBOARD_DIR).is_dir()) if folder.is_dir() else []
+    return f" (runs below it: {', '.join(runs[:8])}{', ...' if len(runs) > 8 else ''}; report one of them)" if runs else ""
+
+
 def _no_events(run_dir: Path, why: str) -> RunDirError:
     return RunDirError(
         f"{run_dir} {why}; expected TensorBoard event files in "
@@ -207,7 +214,7 @@ def load_run(run_dir: str | os.PathLike) -> RunData:
                if raw else
                f"has no readable TensorBoard event in {', '.join(unreadable)} (event files missing, empty or damaged)"
                if unreadable else
-               "has no TensorBoard event files")
+               "has no TensorBoard event files" + _runs_below(run_dir))
         raise _no_events(run_dir, why)
     if unreadable:
         log.warning("%s: no readable TensorBoard event in %s (event files missing, empty or damaged); the report "

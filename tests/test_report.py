@@ -94,6 +94,16 @@ def test_the_batch_plot_marks_each_decision_and_shows_the_global_batch(tmp_path)
     assert load_decisions(tmp_path, start=1000.0) is None
 
 
+def test_a_folder_of_runs_names_the_runs_below_it(tmp_path):
+    """A benchmark's configuration folder (one run per seed) is not a run; the error names its runs."""
+    for seed in ("seed42", "seed43"):
+        (tmp_path / seed / "tensorboard" / "worker-0").mkdir(parents=True)
+    (tmp_path / "notes").mkdir()
+    result = dynamix_report(tmp_path)
+    assert result.returncode == 2
+    assert "has no TensorBoard event files (runs below it: seed42, seed43; report one of them)" in result.stderr
+
+
 def test_an_empty_directory_is_a_usage_error_that_says_how_to_record_a_run(tmp_path):
     result = dynamix_report(tmp_path)
     assert result.returncode == 2
