@@ -119,6 +119,23 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor, dtype=torch.float64) ** 2
 
 
+def scale_into(out: torch.Tensor, grad: torch.Tensor | None, scale: float) -> None:
+    """Write ``scale * grad`` into ``out`` (same shape and dtype; ``grad`` may be ``out`` itself):
+    a worker's share s_i g_i of the batch-weighted sum (:class:`Round`).
+
+    Zeros for a missing gradient and for a worker without samples (``scale`` 0): its empty
+    batch's gradient can be NaN (a batch statistic over no samples), and NaN times 0 is NaN,
+    which the sum would carry to every worker.
+    """
+    if grad is None or scale == 0.0:
+        out.zero_()
+    elif scale == 1.0:
+        if grad is not out:
+            out.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=out)
+
+
 def _timed_wait(device: torch.device, wait) -> tuple[float, tuple[int, int]]:
     """Seconds ``wait()`` holds up this worker's work (host time on the CPU, CUDA events on the
     current stream on a GPU, where waiting makes the stream, not the host, wait) and the host's

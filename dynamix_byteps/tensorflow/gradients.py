@@ -22,6 +22,7 @@ from dynamix_byteps.aggregation import (
     UNSET,
     GradientAggregator,
     plan_buckets,
+    scale_into,
 )
 from dynamix_byteps.env import MAX_BATCH
 from dynamix_byteps.negotiation import describe, fingerprint
@@ -46,18 +47,13 @@ def _checked_samples(value) -> int:
 
 
 def _fuse(views: list[torch.Tensor], offsets: list[int], length: int, scale: float) -> torch.Tensor:
-    """One flat buffer holding ``scale`` times ``views`` at ``offsets`` (zeros in the alignment gaps).
-
-    A worker without samples (``scale`` 0) adds zeros: its empty batch's gradients can be NaN
-    (a mean over no samples), and NaN times 0 is NaN, which would reach every worker.
-    """
-    if scale == 0:
-        return torch.zeros(length, dtype=views[0].dtype)
+    """One flat buffer holding ``scale`` times ``views`` at ``offsets`` (zeros in the alignment
+    gaps, and everywhere for a worker without samples: :func:`scale_into`)."""
     flat = torch.empty(length, dtype=views[0].dtype)
     end = 0
     for view, offset in zip(views, offsets):
         flat[end:offset].zero_()
-        torch.mul(view.reshape(-1), scale, out=flat[offset:offset + view.numel()])
+        scale_into(flat[offset:offset + view.numel()], view.reshape(-1), scale)
         end = offset + view.numel()
     flat[end:].zero_()
     return flat

@@ -62,6 +62,7 @@ from dynamix_byteps.aggregation import (
     SamplerPosition,
     failed_backward_error,
     plan_buckets,
+    scale_into,
 )
 from dynamix_byteps.errors import ConfigurationError, GradientReductionError
 from dynamix_byteps.negotiation import describe, fingerprint
@@ -732,17 +733,7 @@ class BucketReducer:
                               "PyTorch's DDP); take higher-order terms with torch.autograd.grad(..., create_graph=True) "
                               "before the backward pass that reduces", stacklevel=2)
             grad = grad.detach()
-        if grad is None or scale == 0.0:
-            # A worker without samples adds zeros: its empty batch's gradient can be NaN (a batch
-            # statistic over no samples), and NaN times 0 is NaN, which would reach every worker.
-            view.zero_()
-        elif grad is view:
-            if scale != 1.0:
-                view.mul_(scale)
-        elif scale == 1.0:
-            view.copy_(grad)
-        else:
-            torch.mul(grad, scale, out=view)
+        scale_into(view, grad, scale)
         param.grad = view
         return grad is not None
 
