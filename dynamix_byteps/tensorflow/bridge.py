@@ -17,10 +17,13 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 import torch
-from tensorflow.python.framework import ops as _tf_ops
-from tensorflow.python.ops import control_flow_util as _control_flow_util
 
 from dynamix_byteps.errors import ConfigurationError
+
+try:
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla_context
+except ImportError:  # private: should a later TensorFlow move it, XLA fails with its own error
+    _in_xla_context = None
 
 ALIGNMENT = 64  # bytes; EIGEN_MAX_ALIGN_BYTES of TensorFlow's CPU kernels
 
@@ -75,7 +78,7 @@ def _refuse_xla() -> None:
     ``model.fit``'s train step with XLA by default (``jit_compile="auto"``) wherever a GPU is
     visible, so a plain ``model.compile(optimizer=DistributedOptimizer(...))`` gets there too.
     """
-    if _control_flow_util.GraphOrParentsInXlaContext(_tf_ops.get_default_graph()):
+    if _in_xla_context is not None and _in_xla_context(tf.compat.v1.get_default_graph()):
         raise ConfigurationError(
             "XLA (jit_compile=True) cannot compile dynamix_byteps's communication (gradient reduction, push_pull, "
             "broadcast): compile the model with model.compile(..., jit_compile=False) (Keras's default "
