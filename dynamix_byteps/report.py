@@ -144,16 +144,20 @@ def _event_accumulator():
     return event_accumulator
 
 
+def _is_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a recorded run (its ``tensorboard`` directory)."""
+    return (folder / TENSORBOARD_DIR).is_dir()
+
+
 def _tensorboard_dir(run_dir: Path) -> Path:
     """``RUN_DIR/tensorboard``, or RUN_DIR itself when it is that directory."""
-    nested = run_dir / TENSORBOARD_DIR
-    return nested if nested.is_dir() else run_dir
+    return run_dir / TENSORBOARD_DIR if _is_run(run_dir) else run_dir
 
 
 def _runs_below(folder: Path) -> str:
     """`` (runs below it: A, B)`` naming the subfolders that hold a recorded run (a benchmark's
     configuration folder holds one run per seed), else empty."""
-    runs = sorted(p.name for p in folder.iterdir() if (p / TENSORBOARD_DIR).is_dir()) if folder.is_dir() else []
+    runs = sorted(p.name for p in folder.iterdir() if _is_run(p)) if folder.is_dir() else []
     return f" (runs below it: {', '.join(runs[:8])}{', ...' if len(runs) > 8 else ''}; report one of them)" if runs else ""
 
 

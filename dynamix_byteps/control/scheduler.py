@@ -417,7 +417,7 @@ class SchedulerServer:
         self._turn = threading.Condition()  # decisions one at a time, in the order they became due
         self._tickets = self._serving = 0
         self._rank0_waiting = False  # a rank-0 report is held for the decision (one at a time)
-        self._said_elsewhere: set[int] = set()  # ranks an agent on another host than theirs reported
+        self._said_elsewhere: set[int] = set()  # ranks an agent on another host than theirs reported (cluster.lock)
         self.queue_watch = _QueueWatch(max_threads)
         self._grpc_loop: tuple[threading.Thread, asyncio.Future] | None = None  # the loop's thread, its stop signal
         self._cached: tuple[AssignmentRecord | None, bytes] = (None, b"")
@@ -580,18 +580,14 @@ class SchedulerServer:
     def report_node(self, report) -> dynamix_pb2.NodeReportReply:
         """``ReportNode``: keep a node agent's metrics for the next decision."""
         with self.cluster.lock:
-            elsewhere = self.cluster.node_report_locked(report)
-        for rank in elsewhere:
-            self._say_elsewhere(report.host, rank)
-        return dynamix_pb2.NodeReportReply()
-
-    def _say_elsewhere(self, agent_host: str, rank: int) -> None:
-        """Once per rank: an agent reports a rank that runs on another host (its metrics are left out)."""
-        if rank not in self._said_elsewhere:
-            self._said_elsewhere.add(rank)
+            # said once per rank, whichever of the handler threads gets its report first
+            unsaid = sorted(set(self.cluster.node_report_locked(report)) - self._said_elsewhere)
+            self._said_elsewhere.update(unsaid)
+        for rank in unsaid:
             log.warning("the node agent on host %r reports rank %d, which registered from another host; its metrics "
                         "of that rank are left out (a worker of another job with the same DYNAMIX_JOB_ID there?)",
-                        agent_host[:MAX_HOST_LEN], rank)
+                        report.host[:MAX_HOST_LEN], rank)
+        return dynamix_pb2.NodeReportReply()
 
     def report(self, report) -> dynamix_pb2.Assignment:
         """``ReportMetrics`` in-process: store the report, decide if the interval is complete.
