@@ -16,7 +16,14 @@ import time
 import pytest
 from tcp_peers import Peer, connect_peers, ebpf_collector_or_skip, move_bytes
 
-from dynamix_byteps.agent.base import MIN_BUSY_S, NetworkCollector, SocketDelivery, delivery_rate, delivery_since
+from dynamix_byteps.agent.base import (
+    MIN_BUSY_S,
+    NetworkCollector,
+    SocketDelivery,
+    delivery_rate,
+    delivery_since,
+    traffic_rtt,
+)
 from dynamix_byteps.testing import netns
 
 MB = 1_000_000
@@ -51,6 +58,18 @@ def test_what_a_socket_delivered_is_its_counters_growth_and_a_reused_key_counts_
     assert delivery_since((MB, 0.5), 3 * MB, 0.75, 9.0) == SocketDelivery(2 * MB, 0.25, 9.0)
     assert delivery_since((3 * MB, 0.5), MB, 0.75, 9.0) == SocketDelivery(MB, 0.75, 9.0)  # bytes went down
     assert delivery_since((MB, 0.5), 3 * MB, 0.25, 9.0) == SocketDelivery(3 * MB, 0.25, 9.0)  # busy time went down
+
+
+def test_a_process_round_trip_time_is_the_one_its_data_saw():
+    # A 20 ms uplink that carried 4 MB and a loopback control channel (40 us) that carried 600
+    # bytes: a plain mean read 10 ms. A socket that delivered only its SYN or FIN weighs nothing.
+    uplink, control, handshake = SocketDelivery(4 * MB, 1.5, 0), SocketDelivery(600, 0.0, 0), SocketDelivery(2, 0.0, 0)
+    rtt = traffic_rtt([(0.020, uplink), (0.00004, control), (0.5, handshake)])
+    assert rtt == pytest.approx((0.020 * 4 * MB + 0.00004 * 600) / (4 * MB + 600))
+    assert rtt > 0.0199
+    # nothing delivered in the interval: the plain mean; no socket: None
+    assert traffic_rtt([(0.020, handshake), (0.00004, SocketDelivery(0, 0.0, 0))]) == pytest.approx(0.01002)
+    assert traffic_rtt([]) is None
 
 
 @pytest.mark.timeout(60)

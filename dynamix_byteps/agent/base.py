@@ -33,7 +33,8 @@ class ProcessNetStats:
         bytes_sent: bytes the process handed to TCP send calls, bytes.
         bytes_received: bytes returned by its TCP receive calls, bytes.
         retransmits: TCP segments retransmitted on its sockets, segments.
-        srtt_s: smoothed round-trip time, mean over its open sockets, seconds; None if no socket.
+        srtt_s: smoothed round-trip time of its open connection sockets, weighted by the bytes each
+            delivered since the collector's previous sample (:func:`traffic_rtt`), seconds; None if no socket.
         cwnd: congestion window, mean over open sockets, segments; None if no socket.
         send_queue_bytes: bytes written but not yet acknowledged, summed over sockets, bytes.
         sockets: open TCP sockets seen.
@@ -122,6 +123,24 @@ def delivery_rate(sockets: Iterable[SocketDelivery]) -> float | None:
             continue
         total += acked
     return total / time_s if time_s > 0 else None
+
+
+def traffic_rtt(sockets: Iterable[tuple[float, SocketDelivery]]) -> float | None:
+    """One process's round-trip time over an interval: its sockets' smoothed RTTs (``tcpi_rtt``,
+    seconds) weighted by the bytes each delivered in the interval, seconds.
+
+    The result is the RTT its data saw. With a plain mean, an idle control connection counted as
+    much as the link the gradients cross: a worker with a 20 ms uplink and a loopback gRPC channel
+    to a scheduler on its host read 10 ms, halving the round-trip time of the parameter-server
+    host's workers alone. A socket that only receives weighs by what it sent (its RTT is timed on
+    those sends). Sockets that delivered at most 2 bytes (SYN and FIN) carry no weight; when none
+    delivered more, the plain mean of their RTTs. None without sockets.
+    """
+    sockets = list(sockets)
+    busy = [(rtt_s, delivery.acked_bytes) for rtt_s, delivery in sockets if delivery.acked_bytes > 2]
+    if busy:
+        return sum(rtt_s * acked for rtt_s, acked in busy) / sum(acked for _, acked in busy)
+    return sum(rtt_s for rtt_s, _ in sockets) / len(sockets) if sockets else None
 
 
 class CollectorUnavailable(Exception):

@@ -34,7 +34,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate, delivery_since
+from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, delivery_rate, delivery_since, traffic_rtt
 
 OBJECT_PATH = Path(__file__).resolve().parent / "sockstat.bpf.o"
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
@@ -427,7 +427,7 @@ class EbpfCollector(NetworkCollector):
             self._last[pid] = (sent, recv, retrans)
             out[pid] = ProcessNetStats(
                 pid=pid, bytes_sent=sent, bytes_received=recv, retransmits=retrans,
-                srtt_s=sum(s.srtt_s for s in mine) / len(mine) if mine else None,
+                srtt_s=traffic_rtt((s.srtt_s, delivered_now[s.key]) for s in mine),
                 cwnd=sum(s.cwnd for s in mine) / len(mine) if mine else None,
                 send_queue_bytes=sum(s.send_queue_bytes for s in mine), sockets=len(mine),
                 delivery_rate_bytes_per_s=delivery_rate(delivered_now[s.key] for s in mine),

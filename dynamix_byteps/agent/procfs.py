@@ -44,7 +44,15 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from .base import CollectorUnavailable, NetworkCollector, ProcessNetStats, SocketDelivery, delivery_rate, delivery_since
+from .base import (
+    CollectorUnavailable,
+    NetworkCollector,
+    ProcessNetStats,
+    SocketDelivery,
+    delivery_rate,
+    delivery_since,
+    traffic_rtt,
+)
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +363,7 @@ class ProcCollector(NetworkCollector):
 
         current: dict[int, _Socket] = {}
         details: list[SocketSample] = []
-        srtts: list[float] = []
+        rtts: list[tuple[float, SocketDelivery]] = []  # (srtt seconds, what the socket delivered)
         cwnds: list[int] = []
         sendq = 0
         deliveries: list[SocketDelivery] = []  # since the previous sample
@@ -402,12 +410,13 @@ class ProcCollector(NetworkCollector):
             current[real_inode] = old
             details.append(SocketSample(pid, real_inode, info, sent, received, outq))
             if info.state != TCP_LISTEN:
+                delivery = delivery_since(old.delivered, *delivered, info.delivery_rate or 0)
                 if info.rtt_us is not None:
-                    srtts.append(info.rtt_us / 1e6)
+                    rtts.append((info.rtt_us / 1e6, delivery))
                 if info.snd_cwnd is not None:
                     cwnds.append(info.snd_cwnd)
                 sendq += outq
-                deliveries.append(delivery_since(old.delivered, *delivered, info.delivery_rate or 0))
+                deliveries.append(delivery)
             old.delivered = delivered
 
         for inode, sock in proc.sockets.items():
@@ -427,10 +436,10 @@ class ProcCollector(NetworkCollector):
             bytes_sent=total.bytes_sent,
             bytes_received=total.bytes_received,
             retransmits=total.retransmits,
-            srtt_s=sum(srtts) / len(srtts) if srtts else None,
+            srtt_s=traffic_rtt(rtts),
             cwnd=sum(cwnds) / len(cwnds) if cwnds else None,
             send_queue_bytes=sendq,
-            sockets=len(srtts),
+            sockets=len(rtts),
             delivery_rate_bytes_per_s=delivery_rate(deliveries),
         )
 
