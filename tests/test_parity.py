@@ -311,6 +311,19 @@ def test_horovod_names_are_added_only_where_byteps_has_none():
             assert hasattr(module, byteps_name) and not hasattr(module, name), f"{ours}.{name}: use {byteps_name}"
 
 
+def test_a_horovod_name_without_alias_says_what_to_write_instead():
+    import dynamix_byteps.torch as hvd  # a Horovod script whose import alone changed
+
+    expected = {"allreduce": r"use push_pull\(tensor, name=\.\.\.\)", "allreduce_async_": "use push_pull_async_inplace",
+                "allgather": r"torch\.distributed\.all_gather\(outputs, tensor\)", "barrier": r"torch\.distributed\.barrier",
+                "join": "every worker must run the same number of steps"}
+    for name, hint in expected.items():
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}' \(Horovod's hvd\.{name}\): .*{hint}.*From Horovod"):
+            getattr(hvd, name)
+    with pytest.raises(AttributeError, match=r"no attribute 'allreduce_everything'$"):
+        hvd.allreduce_everything
+
+
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():
     import torch
 

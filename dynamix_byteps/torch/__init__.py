@@ -85,3 +85,27 @@ __all__ = [
     "synchronize",
     "untimed",
 ]
+
+
+# Horovod's names that a port renames or drops (docs/porting.md, "From Horovod"). None gets an alias
+# (``push_pull`` is BytePS's name for ``allreduce``), but a script that changed only its import is
+# told what to write instead of getting a bare AttributeError, often after a whole epoch of training.
+_TORCH_DISTRIBUTED = "bps.init() sets up torch.distributed's default process group, so use "
+_HOROVOD_NAMES = {
+    "allreduce": "use push_pull(tensor, name=...), BytePS's name for it (it averages too; op=Sum is average=False)",
+    "allreduce_": "use push_pull_inplace(tensor, name=...), BytePS's name for it",
+    "allreduce_async": "use push_pull_async(tensor, name=...), BytePS's name for it",
+    "allreduce_async_": "use push_pull_async_inplace(tensor, name=...), BytePS's name for it",
+    "allgather": _TORCH_DISTRIBUTED + "torch.distributed.all_gather(outputs, tensor)",
+    "allgather_object": _TORCH_DISTRIBUTED + "torch.distributed.all_gather_object(outputs, obj)",
+    "broadcast": _TORCH_DISTRIBUTED + "torch.distributed.broadcast(tensor, src=root_rank), or broadcast_parameters "
+                 "and broadcast_object",
+    "barrier": _TORCH_DISTRIBUTED + "torch.distributed.barrier()",
+    "join": "there is none: every worker must run the same number of steps, which a DynamicBatchSampler keeps equal",
+}
+
+
+def __getattr__(name: str):
+    hint = _HOROVOD_NAMES.get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}"
+                         + ("" if hint is None else f" (Horovod's hvd.{name}): {hint}; see docs/porting.md, From Horovod"))
