@@ -76,6 +76,17 @@ def test_epoch_covers_every_index_once_with_changing_assignments(dataset_size, s
             assert all(len(b) == 1 for b in steps[-1][1])
 
 
+def test_a_dataloader_given_it_as_sampler_says_to_pass_it_as_batch_sampler():
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    sampler = DynamicBatchSampler(10, 4, num_replicas=1, rank=0, shuffle=False)
+    for drop_last in (False, True):  # DistributedSampler's place in a DDP script
+        loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=drop_last)
+        with pytest.raises(ConfigurationError, match=r"as batch_sampler=, without batch_size= .*not as sampler="):
+            next(iter(loader))
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    assert [batch.tolist() for (batch,) in loader] == [[0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0], [8.0, 9.0]]
+
+
 def test_sizes_switch_exactly_at_the_effective_step():
     samplers = make_job(1000, [4, 8, 12])
     apply_everywhere(samplers, [10, 10, 10], 7)
