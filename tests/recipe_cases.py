@@ -4,6 +4,8 @@ on the same process group."""
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.nn.functional as F
 
@@ -95,3 +97,54 @@ def _train_complex(wrapper: str, steps: int) -> list[float]:
 def complex_parameters(wrapper: str, steps: int = 3) -> dict:
     """Complex64 parameters trained through ``wrapper`` and through PyTorch's DDP."""
     return {"mine": _train_complex(wrapper, steps), "torch": _train_complex("torch_ddp", steps)}
+
+
+def _scaled_job(state: dict | None = None):
+    """A linear model behind ``DistributedOptimizer(lr_scaling="linear")`` with a StepLR and a
+    ``DynamicBatchSampler`` of 4 per worker; ``state``: plain torch ``state_dict()``s to resume from,
+    loaded after a round trip through ``torch.save``/``torch.load(weights_only=True)``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    sampler = bps.DynamicBatchSampler(128, batch_size=4, seed=1)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   model.named_parameters(), lr_scaling="linear")
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if state is not None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+    return model, opt, scheduler, sampler
+
+
+def _train_scaled(job, steps: int, grow_after: int | None = None) -> list[float]:
+    """Train ``steps`` steps; the global batch doubles after step ``grow_after``. Returns the
+    learning rate each step applied (the scheduler's times the optimizer's scale)."""
+    model, opt, scheduler, sampler = job
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(128, 6, generator=g), torch.randint(0, 3, (128,), generator=g)
+    applied = []
+    for done, indices in zip(range(steps), sampler):
+        opt.zero_grad()
+        F.cross_entropy(model(x[indices]), y[indices]).backward()
+        opt.step()
+        applied.append(opt.param_groups[0]["lr"] * opt.lr_scale)
+        scheduler.step()
+        if done + 1 == grow_after:
+            bps.set_batch_sizes([8] * bps.size())
+    return applied
+
+
+def lr_scaling_resumed_from_plain_state_dicts() -> dict:
+    """The learning rates of 6 steps in one run, and of the same 6 steps resumed after the 4th
+    from plain ``state_dict()``s (the global batch doubled after the 2nd)."""
+    whole = _train_scaled(_scaled_job(), 6, grow_after=2)
+    model, opt, scheduler, sampler = job = _scaled_job()
+    first = _train_scaled(job, 4, grow_after=2)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
+             "sampler": sampler.state_dict()}
+    return {"whole": whole, "resumed": first + _train_scaled(_scaled_job(state), 2)}

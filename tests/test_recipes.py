@@ -38,3 +38,14 @@ def test_complex_parameters_train_as_with_torch_ddp(wrapper):
     for result in results:
         assert result["mine"] == pytest.approx(result["torch"], abs=1e-6)
     assert results[0]["mine"] == results[1]["mine"]
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_from_plain_state_dicts_keeps_the_scaled_learning_rate():
+    """optimizer.state_dict() holds the base batch of lr_scaling: resumed through torch.save of the
+    optimizer's, scheduler's and sampler's state_dicts (as torch DDP scripts checkpoint), a run whose
+    global batch had doubled went on at half its learning rate (the first batch after the resume
+    became the base)."""
+    for result in ok(run_workers(2, "recipe_cases:lr_scaling_resumed_from_plain_state_dicts")):
+        assert result["whole"] == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05])
+        assert result["resumed"] == pytest.approx(result["whole"])

@@ -217,11 +217,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return loss
 
     def dynamix_state_dict(self) -> dict:
-        """What a checkpoint needs beyond ``state_dict()``: base batch, noise statistics, step."""
+        """What a checkpoint needs beyond the wrapped optimizer's state: base batch, noise
+        statistics, step (also in :meth:`state_dict`, under ``"dynamix"``)."""
         return self._step_path.state_dict()
 
     def load_dynamix_state_dict(self, state: dict) -> None:
         self._step_path.load_state_dict(state)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()`` with :meth:`dynamix_state_dict` under
+        ``"dynamix"`` (plain ints, floats and lists), so that a resume through plain torch
+        checkpoints (``torch.save(optimizer.state_dict())``, then ``load_state_dict``) keeps the
+        base batch the learning rate is scaled from: without it the first global batch after the
+        resume became the base, and a run whose batch had grown went on at a smaller learning rate.
+        A plain torch optimizer loading it ignores that key."""
+        state = super(self.__class__, self).state_dict()
+        state["dynamix"] = self.dynamix_state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``; also restores the ``"dynamix"`` part
+        :meth:`state_dict` adds, where ``state_dict`` has one (a plain optimizer's has none)."""
+        super(self.__class__, self).load_state_dict(state_dict)
+        if state_dict.get("dynamix") is not None:
+            self.load_dynamix_state_dict(state_dict["dynamix"])
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
