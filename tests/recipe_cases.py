@@ -4,6 +4,7 @@ on the same process group."""
 
 from __future__ import annotations
 
+import copy
 import io
 
 import torch
@@ -148,3 +149,28 @@ def lr_scaling_resumed_from_plain_state_dicts() -> dict:
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict(),
              "sampler": sampler.state_dict()}
     return {"whole": whole, "resumed": first + _train_scaled(_scaled_job(state), 2)}
+
+
+def copies_of_the_ddp_wrapper() -> dict:
+    """What copying the DDP wrapper says (``copy.deepcopy``, an EMA's ``AveragedModel``,
+    ``torch.save`` of the whole wrapper), and whether the wrapped module's copies work and the
+    wrapper still trains after them."""
+    model = _model()
+    net = bps.DistributedDataParallel(model)
+    said = {}
+    for how, copy_it in {"deepcopy": lambda: copy.deepcopy(net),
+                         "averaged_model": lambda: torch.optim.swa_utils.AveragedModel(net),
+                         "torch_save": lambda: torch.save(net, io.BytesIO())}.items():
+        try:
+            copy_it()
+            said[how] = None
+        except TypeError as exc:
+            said[how] = str(exc)
+    ema = torch.optim.swa_utils.AveragedModel(net.module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _batch(0, bps.rank())
+    opt.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    opt.step()
+    ema.update_parameters(net.module)
+    return {"said": said, "ema": _flat(ema.module), "model": _flat(model)}

@@ -49,3 +49,15 @@ def test_a_resume_from_plain_state_dicts_keeps_the_scaled_learning_rate():
     for result in ok(run_workers(2, "recipe_cases:lr_scaling_resumed_from_plain_state_dicts")):
         assert result["whole"] == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.05, 0.05])
         assert result["resumed"] == pytest.approx(result["whole"])
+
+
+@pytest.mark.timeout(60)
+def test_copying_the_ddp_wrapper_is_refused_naming_its_module():
+    """copy.deepcopy(model), an EMA's AveragedModel(model) and torch.save(model) of the DDP wrapper
+    raised "cannot pickle 'dynamix_byteps._core.TimingRing' object", naming neither the wrapper nor
+    what to copy instead; copies of model.module work and the wrapper trains on."""
+    (result,) = ok(run_workers(1, "recipe_cases:copies_of_the_ddp_wrapper"))
+    for how, said in result["said"].items():
+        assert said is not None and "bps.DistributedDataParallel cannot be copied" in said, how
+        assert "copy.deepcopy(model.module)" in said and "AveragedModel(model.module)" in said
+    assert result["ema"] == result["model"]

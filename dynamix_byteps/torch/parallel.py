@@ -373,3 +373,17 @@ class DistributedDataParallel(torch.nn.Module):
     def synchronize(self) -> None:
         """BytePS's explicit wait after ``backward()``; the reduction already completes inside
         backward here, so this only exists for compatibility."""
+
+    def __getstate__(self):
+        """Refused, for ``copy.deepcopy`` (``torch.optim.swa_utils.AveragedModel``), ``pickle`` and
+        ``torch.save`` of the wrapper: it holds this job's reduction (hooks on the module's
+        parameters, the engine's collectives, the step monitor the scheduler hears from), which
+        no copy can take along. PyTorch's DDP rebuilds a second reducer in the copy instead.
+
+        Raises:
+            TypeError: always, naming what to copy or save instead: the wrapped ``module``.
+        """
+        raise TypeError(
+            "bps.DistributedDataParallel cannot be copied or pickled: it holds this job's gradient reduction. "
+            "Copy or save the wrapped model instead: copy.deepcopy(model.module), "
+            "torch.optim.swa_utils.AveragedModel(model.module), torch.save(model.module.state_dict())")
