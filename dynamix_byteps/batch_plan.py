@@ -127,7 +127,9 @@ class BatchPlan:
 
     def attach(self, monitor, gradient_noise) -> None:
         """Make ``monitor`` and ``gradient_noise`` (a frontend's) the ones the module functions report."""
+        global _frontend_attached
         self.monitor, self.gradient_noise = monitor, gradient_noise
+        _frontend_attached = _frontend_attached or monitor is not None
 
     def record_draw(self, step: int, samples: int, epoch: int = 0, epoch_samples: int = 0) -> None:
         """The sampler handed out ``samples`` indices for global ``step``, in ``epoch``, whose
@@ -309,6 +311,13 @@ def _sequence(batch_sizes) -> tuple:
 
 _default_lock = threading.Lock()
 _default: BatchPlan | None = None
+_frontend_attached = False  # a frontend attached its monitor to a plan of this process
+
+
+def frontend_attached() -> bool:
+    """True once a frontend (``DistributedOptimizer``, ``DistributedDataParallel``, a gradient tape)
+    was built in this process, whichever plan it trains on."""
+    return _frontend_attached
 
 
 def default() -> BatchPlan:

@@ -172,3 +172,31 @@ def tensorflow_tape() -> dict:
     return {"error": error, "seen": seen,
             "epoch_error": train(tbps.DynamicBatchSampler(SIZE, BATCH, seed=1), {0: rank}, {}),
             "seed_error": train(tbps.DynamicBatchSampler(SIZE, BATCH, seed=rank), {0: 0}, {})}
+
+
+def untaken_batches(frontend: str, sizes: list[int]) -> list[str]:
+    """Three epochs of ``sizes`` (100 / sum(sizes) steps each) through ``torch_ddp`` (torch's own
+    DistributedDataParallel on the process group bps.init() set up) or ``ddp`` (bps's, given the
+    training sampler's plan, evaluating each epoch on batches of a validation sampler built next,
+    which no frontend takes); the texts of the warnings that no frontend trains on a sampler's batches."""
+    import warnings
+
+    torch.set_num_threads(1)
+    sampler = bps.DynamicBatchSampler(SIZE, sizes, seed=1)
+    validation = bps.DynamicBatchSampler(SIZE, sizes, seed=2) if frontend == "ddp" else None
+    model = torch.nn.Linear(4, 1, dtype=torch.float64)
+    model = (torch.nn.parallel.DistributedDataParallel(model) if frontend == "torch_ddp"
+             else bps.DistributedDataParallel(model, batch_plan=sampler.batch_plan))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            for x, _ in torch.utils.data.DataLoader(_dataset(), batch_sampler=sampler):
+                optimizer.zero_grad()
+                model(x).sum().backward()
+                optimizer.step()
+            with torch.no_grad():
+                for x, _ in torch.utils.data.DataLoader(_dataset(), batch_sampler=validation or []):
+                    model(x)
+    return [str(w.message) for w in caught if "no dynamix_byteps frontend" in str(w.message)]

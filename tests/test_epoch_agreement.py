@@ -269,3 +269,15 @@ def test_set_epoch_in_the_middle_of_a_pass_draws_the_new_epochs_permutation():
     fresh = DynamicBatchSampler(20, 5, num_replicas=1, rank=0, seed=4)
     fresh.set_epoch(3)
     assert rest == list(fresh)
+
+
+@pytest.mark.timeout(200)
+def test_batches_that_no_dynamix_frontend_trains_on_are_warned_about():
+    """torch's own DistributedDataParallel on the process group bps.init() set up trains on a
+    DynamicBatchSampler's batches without weighting them (nor reporting to a scheduler): warned once
+    per worker; bps's wrapper (with a validation sampler no frontend takes from), or equal batches
+    without a scheduler, are not."""
+    for warned in ok(run_workers(2, "epoch_cases:untaken_batches", "torch_ddp", [1, 3], timeout=100)):
+        assert len(warned) == 1 and "batch sizes [1, 3]" in warned[0] and "bps.DistributedDataParallel" in warned[0]
+    for frontend, sizes in (("ddp", [1, 3]), ("torch_ddp", [2, 2])):
+        assert ok(run_workers(2, "epoch_cases:untaken_batches", frontend, sizes, timeout=100)) == [[], []]

@@ -45,6 +45,9 @@ from dynamix_byteps.data.partition import (
 from dynamix_byteps.errors import ConfigurationError
 
 _HISTORY_STEPS = 4096
+# Batches handed out with no frontend ever taking one before the sampler says that none trains on
+# them: far more than any DataLoader prefetches.
+UNTAKEN_DRAWS_WARNING = 64
 MAX_EPOCH = 2**53 - 1  # epochs travel in the float64 gradient trailer, exact up to 2**53
 #: What a checkpoint's sampler must share with the one resuming it: each sets which samples an epoch
 #: draws, in which order, or where it ends (drop_last: its last partial global batch). The number of
@@ -171,6 +174,7 @@ class DynamicBatchSampler:
         # Where the iterator in progress began; None once it ran to the epoch's end.
         self._unfinished_from: Position | None = None
         self._epoch_asked: int | None = None  # set_epoch's since the last pass began
+        self._draws_handed_out = 0
         self.batch_plan = _batch_plan.BatchPlan(self.schedule, self._settings(initial), self.rank)
         _batch_plan.make_default(self.batch_plan)
 
@@ -221,9 +225,36 @@ class DynamicBatchSampler:
             self._remember(position)
             indices = rank_indices(order, position, sizes, self.rank)
             self.batch_plan.record_draw(position.step, len(indices), position.epoch, self._position.offset)
+            self._draws_handed_out += 1
+            if self._draws_handed_out == UNTAKEN_DRAWS_WARNING:
+                self._say_if_no_frontend_trains(self.schedule.at(position.step).batch_sizes)
             yield indices.tolist()
         self._position = Position(self._position.epoch + 1, 0, self._position.step)
         self._unfinished_from = None
+
+    def _say_if_no_frontend_trains(self, sizes: Sequence[int]) -> None:
+        """Warn when the job trains on this sampler's batches without a dynamix_byteps frontend (torch's
+        own DistributedDataParallel on the process group ``bps.init()`` set up, or a plain optimizer):
+        nothing then weights the workers' gradients by their batches, nor reports to the scheduler. A
+        sampler no frontend takes from while one exists (validation data) is left alone."""
+        plan = self.batch_plan
+        if plan.training_started() or _batch_plan.frontend_attached() or not _engine.is_started():
+            return
+        engine = _engine.current()
+        problems = []  # none with equal batches and no scheduler: they need no weights, no policy changes them
+        if len(set(sizes)) > 1:
+            problems.append(f"the workers' gradients are averaged without weighting them by their batch sizes "
+                            f"{list(sizes)}")
+        if engine.env.scheduler is not None:
+            problems.append(f"the scheduler at {engine.env.scheduler} gets no reports, so its policy never changes "
+                            "the batch sizes")
+        if engine.size < 2 or not problems:
+            return
+        warnings.warn(f"this DynamicBatchSampler has handed out {self._draws_handed_out} batches and no "
+                      "dynamix_byteps frontend has trained on any: with torch.nn.parallel.DistributedDataParallel "
+                      f"or a plain optimizer {' and '.join(problems)}. Wrap the model in "
+                      "bps.DistributedDataParallel, or the optimizer in bps.DistributedOptimizer (TensorFlow: "
+                      "bps.DistributedGradientTape or the Keras DistributedOptimizer)", stacklevel=3)
 
     def _rewind_untrained_draws(self) -> None:
         """Draw again, with the same indices, the batches no optimizer step trained on.
