@@ -174,3 +174,31 @@ def copies_of_the_ddp_wrapper() -> dict:
     opt.step()
     ema.update_parameters(net.module)
     return {"said": said, "ema": _flat(ema.module), "model": _flat(model)}
+
+
+def compiled_autograd_backward(wrapper: str) -> dict:
+    """A backward pass under compiled autograd through ``wrapper`` (what it raises), then two
+    eager steps, and the same two steps in one process on both workers' batches."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    model = _model()
+    net, opt = _wrap(wrapper, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batch(0, bps.rank())
+    opt.zero_grad()
+    try:
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            F.cross_entropy(net(x), y).backward()
+        said = None
+    except Exception as exc:
+        said = f"{type(exc).__name__}: {exc}"
+    reference = _model()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in (1, 2):
+        opt.zero_grad()
+        F.cross_entropy(net(_batch(step, bps.rank())[0]), _batch(step, bps.rank())[1]).backward()
+        opt.step()
+        batches = [_batch(step, rank) for rank in range(bps.size())]
+        plain.zero_grad()
+        F.cross_entropy(reference(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])).backward()
+        plain.step()
+    return {"said": said, "params": _flat(model), "reference": _flat(reference)}

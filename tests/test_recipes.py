@@ -61,3 +61,15 @@ def test_copying_the_ddp_wrapper_is_refused_naming_its_module():
         assert said is not None and "bps.DistributedDataParallel cannot be copied" in said, how
         assert "copy.deepcopy(model.module)" in said and "AveragedModel(model.module)" in said
     assert result["ema"] == result["model"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_backward_under_compiled_autograd_is_refused_and_eager_training_goes_on(wrapper):
+    """Compiled autograd traced the reduction's hooks and failed in dynamo on every worker with
+    "AssertionError: queue_callback() is only supported when Compiled Autograd is enabled with
+    fullgraph=True", naming neither the library nor the setting to change."""
+    for result in ok(run_workers(2, "recipe_cases:compiled_autograd_backward", wrapper)):
+        assert result["said"].startswith("ConfigurationError: compiled autograd cannot run")
+        assert "torch._dynamo.config.compiled_autograd = False" in result["said"]
+        assert result["params"] == pytest.approx(result["reference"], abs=1e-6)

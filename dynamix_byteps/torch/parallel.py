@@ -28,7 +28,7 @@ from dynamix_byteps.errors import ConfigurationError
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.functions import broadcast_parameters
 from dynamix_byteps.torch.module_tensors import ModuleTensors
-from dynamix_byteps.torch.reducer import DATA_PARALLEL_OWNER, BucketReducer
+from dynamix_byteps.torch.reducer import DATA_PARALLEL_OWNER, BucketReducer, refuse_compiled_autograd
 from dynamix_byteps.training_step import TrainingStep
 
 
@@ -254,7 +254,12 @@ class DistributedDataParallel(torch.nn.Module):
             node.register_prehook(hook)
 
     def _reached(self, record: _Forward, grad_outputs) -> None:
-        """A backward pass reached an output of ``record``'s forward pass: count it for that pass."""
+        """A backward pass reached an output of ``record``'s forward pass: count it for that pass.
+
+        Raises:
+            ConfigurationError: compiled autograd runs the backward pass (:func:`refuse_compiled_autograd`).
+        """
+        refuse_compiled_autograd()
         task = torch._C._current_graph_task_id()
         if record.seen == task or not self._updates_parameters(task):
             return

@@ -46,6 +46,7 @@ whose pass raised can send their rounds in the same order.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -738,9 +739,30 @@ class BucketReducer:
         return grad is not None
 
 
+def refuse_compiled_autograd() -> None:
+    """Raise ``ConfigurationError`` inside a backward pass that compiled autograd runs
+    (``torch._dynamo.config.compiled_autograd``, ``compiled_autograd._enable``): it traces the
+    reduction's hooks into a graph, where they cannot begin, launch or end a round (before this
+    check it failed in that trace, with dynamo's "queue_callback() is only supported when Compiled
+    Autograd is enabled with fullgraph=True"). Read from ``sys.modules``: without it imported,
+    compiled autograd cannot be running, and importing it would cost every worker seconds."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled is not None and getattr(compiled, "in_compiled_autograd_region", False):
+        raise ConfigurationError(
+            "compiled autograd cannot run dynamix_byteps's gradient reduction, which runs from autograd hooks "
+            "during backward: turn it off for the backward pass (torch._dynamo.config.compiled_autograd = False, "
+            "no compiled_autograd._enable around loss.backward()). torch.compile of the model (its forward and "
+            "backward graphs) works with both wrappers")
+
+
 def _before_gradient(reducer: weakref.ref, param: weakref.ref, grad: torch.Tensor) -> None:
     """A parameter's tensor hook: ``reducer``'s :meth:`BucketReducer._on_parameter_gradient`. Weak
-    references: the parameter holds its hooks, and must keep neither its reducer nor itself alive."""
+    references: the parameter holds its hooks, and must keep neither its reducer nor itself alive.
+
+    Raises:
+        ConfigurationError: compiled autograd runs the backward pass (:func:`refuse_compiled_autograd`).
+    """
+    refuse_compiled_autograd()
     live, tensor = reducer(), param()
     if live is not None and tensor is not None:
         live._on_parameter_gradient(tensor)
