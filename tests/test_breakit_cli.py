@@ -103,6 +103,8 @@ def test_a_run_dir_whose_files_can_be_appended_to_is_taken_though_nothing_can_be
     (paths / "run" / "tensorboard" / "scheduler").mkdir(parents=True)
     unwritable.add(paths / "run")
     assert build_parser().parse_args(["scheduler", "--run-dir", "run"]).run_dir == Path("run")
+    # bpslaunch's and the workers' name for the same folder (DYNAMIX_LOG_DIR), as the torchrun recipe passes it
+    assert build_parser().parse_args(["scheduler", "--log-dir", "run"]).run_dir == Path("run")
     assert "argument --out: run: cannot create anything in" in parse_error(["report", "run", "--out", "run"], capsys)
     (paths / "run" / "tensorboard" / "scheduler").rmdir()  # the scheduler would have to create it
     assert "argument --run-dir: run: cannot create anything in" in parse_error(["scheduler", "--run-dir", "run"], capsys)

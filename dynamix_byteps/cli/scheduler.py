@@ -53,8 +53,11 @@ def add_parser(sub) -> None:
                    help="option passed to the policy (repeatable), e.g. path=policy.onnx")
     p.add_argument("--num-workers", type=int_in(1, MAX_WORKERS, "--num-workers"), metavar="N", help="job size (default: from the first registration)")
     p.add_argument("--decision-interval", type=int_in(1, what="--decision-interval"), default=DEFAULT_DECISION_INTERVAL, metavar="K", help=f"steps between decisions (default {DEFAULT_DECISION_INTERVAL}, as the workers')")
-    p.add_argument("--run-dir", type=output_path("dir", appends=(DECISION_LOG, f"{TENSORBOARD_DIR}/{SCHEDULER_RUN}/")),
-                   metavar="DIR", help="where decisions.jsonl is appended (default: no decision log)")
+    run_dir = output_path("dir", appends=(DECISION_LOG, f"{TENSORBOARD_DIR}/{SCHEDULER_RUN}/"))
+    p.add_argument("--run-dir", type=run_dir, metavar="DIR",
+                   help="where decisions.jsonl is appended (default: no decision log): the run's folder, which "
+                   "bpslaunch's --log-dir and the workers' DYNAMIX_LOG_DIR name; --log-dir DIR works too")
+    p.add_argument("--log-dir", dest="run_dir", type=run_dir, help=argparse.SUPPRESS)
     p.add_argument("--metrics-port", type=int_in(0, 65535, "--metrics-port"), default=0, metavar="M", help="Prometheus /metrics port (default 0: off)")
     p.add_argument("--max-change", type=float_in(1.0, low_open=True), default=2.0, metavar="X",
                    help="largest factor a batch size may change by per decision, > 1 (default 2.0); a size may "
