@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -202,3 +203,40 @@ def compiled_autograd_backward(wrapper: str) -> dict:
         F.cross_entropy(reference(torch.cat([b[0] for b in batches])), torch.cat([b[1] for b in batches])).backward()
         plain.step()
     return {"said": said, "params": _flat(model), "reference": _flat(reference)}
+
+
+class _TiedLanguageModel(torch.nn.Module):
+    """An embedding whose weight is also the output layer's (weight tying, as GPT-2's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(5, 6)
+        self.hidden = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 5, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.hidden(self.embedding(tokens).mean(1))))
+
+
+def _train_tied(wrapper: str, steps: int) -> list[float]:
+    model = _TiedLanguageModel()
+    # The tied weight is listed twice, through both modules' parameters(), which torch accepts with a warning.
+    params = [*model.embedding.parameters(), *model.hidden.parameters(), *model.head.parameters()]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    net, opt = _wrap(wrapper, model, optimizer)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + bps.rank())
+        tokens, y = torch.randint(0, 5, (4, 3), generator=g), torch.randint(0, 5, (4,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(net(tokens), y).backward()
+        opt.step()
+    return _flat(model)
+
+
+def tied_weight_listed_twice(wrapper: str, steps: int = 3) -> dict:
+    """A tied weight listed twice in the optimizer's group, trained through ``wrapper`` and through PyTorch's DDP."""
+    return {"mine": _train_tied(wrapper, steps), "torch": _train_tied("torch_ddp", steps)}

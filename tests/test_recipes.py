@@ -73,3 +73,16 @@ def test_a_backward_under_compiled_autograd_is_refused_and_eager_training_goes_o
         assert result["said"].startswith("ConfigurationError: compiled autograd cannot run")
         assert "torch._dynamo.config.compiled_autograd = False" in result["said"]
         assert result["params"] == pytest.approx(result["reference"], abs=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_tied_weight_listed_twice_in_the_optimizer_trains_as_with_torch_ddp(wrapper):
+    """An optimizer over [*embedding.parameters(), ..., *head.parameters()] of a tied model lists
+    the tied weight twice (torch warns and accepts it): DistributedOptimizer planned it twice and
+    failed every step after the first with GradientReductionError 'gradients were replaced
+    (embedding.weight) during backward ... by a hook on another tensor'."""
+    results = ok(run_workers(2, "recipe_cases:tied_weight_listed_twice", wrapper))
+    for result in results:
+        assert result["mine"] == pytest.approx(result["torch"], abs=1e-6)
+    assert results[0]["mine"] == results[1]["mine"]

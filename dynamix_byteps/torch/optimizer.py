@@ -92,13 +92,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _gradient_params(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters to reduce: every one in ``param_groups`` that requires grad now (so
-        parameters unfrozen or groups added after wrapping are reduced too). Named again only when
-        the groups' layout changed: the names' lookup hashes every tensor, in Python."""
+        parameters unfrozen or groups added after wrapping are reduced too), each once: a group
+        may list a parameter twice (a tied weight through both of its modules' ``parameters()``,
+        which torch accepts with a warning), and its one gradient is reduced once. Named again only
+        when the groups' layout changed: the names' lookup hashes every tensor, in Python."""
         groups = self.param_groups
         layout = tuple(len(group["params"]) for group in groups), tuple(id(p) for group in groups for p in group["params"])
         if layout != self._named[0]:
-            self._named = layout, [(self._names.get(p, f"Gradient.group{g}.{i}"), p)
-                                   for g, group in enumerate(groups) for i, p in enumerate(group["params"])]
+            named, seen = [], set()
+            for g, group in enumerate(groups):
+                for i, p in enumerate(group["params"]):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        named.append((self._names.get(p, f"Gradient.group{g}.{i}"), p))
+            self._named = layout, named
         return [(name, p) for name, p in self._named[1] if p.requires_grad]
 
     def set_backward_passes_per_step(self, passes: int) -> None:
