@@ -38,3 +38,18 @@ def check_gradient_predivide_factor(factor: float) -> None:
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"gradient_predivide_factor must be a finite number > 0, got {factor!r} (it splits the "
                          "average into a division before and after the sum; the average stays the same)")
+
+
+def missing_name(module: str, name: str, horovod_hints: dict[str, str]) -> AttributeError:
+    """The AttributeError of a frontend module's ``__getattr__``: for a Horovod name a port renames
+    or drops (``horovod_hints``: what to write instead), it says what to write; no alias is added."""
+    hint = horovod_hints.get(name)
+    return AttributeError(f"module {module!r} has no attribute {name!r}" + (
+        "" if hint is None else f" (Horovod's hvd.{name}): {hint}; see docs/porting.md, From Horovod"))
+
+
+# What a TensorFlow or Keras script ported from Horovod writes instead of these names.
+TENSORFLOW_HOROVOD_HINTS = {
+    "allreduce": "use push_pull(tensor, name=...), BytePS's name for it (it averages too)",
+    **{name: "there is none in dynamix_byteps.tensorflow" for name in ("allgather", "alltoall", "barrier", "join")},
+}

@@ -322,6 +322,14 @@ def test_a_horovod_name_without_alias_says_what_to_write_instead():
             getattr(hvd, name)
     with pytest.raises(AttributeError, match=r"no attribute 'allreduce_everything'$"):
         hvd.allreduce_everything
+    if importlib.util.find_spec("tensorflow") is not None:
+        for module in ("dynamix_byteps.tensorflow", "dynamix_byteps.tensorflow.keras"):
+            tf_hvd = importlib.import_module(module)
+            with pytest.raises(AttributeError, match=r"'allreduce' \(Horovod's hvd\.allreduce\): use push_pull\(tensor"):
+                tf_hvd.allreduce
+            with pytest.raises(AttributeError, match=r"'barrier' \(Horovod's hvd\.barrier\): there is none"):
+                tf_hvd.barrier
+            assert not hasattr(tf_hvd, "allreduce")
 
 
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():

@@ -29,7 +29,7 @@ from dynamix_byteps.batch_plan import (
 )
 from dynamix_byteps.data.sampler import DynamicBatchSampler
 from dynamix_byteps.errors import InvalidAssignmentError
-from dynamix_byteps.reduce_ops import Adasum, Average, Sum
+from dynamix_byteps.reduce_ops import TENSORFLOW_HOROVOD_HINTS, Adasum, Average, Sum, missing_name
 from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.data import dynamic_batch_dataset
 from dynamix_byteps.tensorflow.gradients import DistributedGradientTape
@@ -72,3 +72,8 @@ __all__ = [
     "step_statistics",
     "untimed",
 ]
+
+
+def __getattr__(name: str):
+    # Horovod's hvd.allreduce is push_pull here, with no alias: say so instead of a bare AttributeError.
+    raise missing_name(__name__, name, TENSORFLOW_HOROVOD_HINTS)

@@ -28,7 +28,7 @@ from dynamix_byteps.errors import (
     InvalidAssignmentError,
     TensorMismatchError,
 )
-from dynamix_byteps.reduce_ops import Adasum, Average, Sum
+from dynamix_byteps.reduce_ops import Adasum, Average, Sum, missing_name
 from dynamix_byteps.torch.checkpoint import load_checkpoint, save_checkpoint
 from dynamix_byteps.torch.compression import Compression
 from dynamix_byteps.torch.functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -106,6 +106,4 @@ _HOROVOD_NAMES = {
 
 
 def __getattr__(name: str):
-    hint = _HOROVOD_NAMES.get(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}"
-                         + ("" if hint is None else f" (Horovod's hvd.{name}): {hint}; see docs/porting.md, From Horovod"))
+    raise missing_name(__name__, name, _HOROVOD_NAMES)

@@ -10,7 +10,7 @@ and ``BatchSizeCallback``, which applies batch-size assignments).
 """
 
 from dynamix_byteps import local_rank, local_size, rank, size
-from dynamix_byteps.reduce_ops import Average, Sum
+from dynamix_byteps.reduce_ops import TENSORFLOW_HOROVOD_HINTS, Average, Sum, missing_name
 from dynamix_byteps.tensorflow.basics import init, shutdown
 from dynamix_byteps.tensorflow.keras import callbacks
 from dynamix_byteps.tensorflow.keras.callbacks import broadcast_global_variables
@@ -35,3 +35,8 @@ __all__ = [
     "shutdown",
     "size",
 ]
+
+
+def __getattr__(name: str):
+    # Horovod's hvd.allreduce is push_pull here, with no alias: say so instead of a bare AttributeError.
+    raise missing_name(__name__, name, TENSORFLOW_HOROVOD_HINTS)
