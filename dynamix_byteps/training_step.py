@@ -24,6 +24,7 @@ from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import tensorboard_scalars
 from dynamix_byteps.aggregation import UNSET, GradientAggregator, SamplerPosition
 from dynamix_byteps.control.step_monitor import StepMonitor
+from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
 
 
 class TrainingStep:
@@ -107,5 +108,25 @@ class TrainingStep:
         return {**self.aggregator.state_dict(), "next_step": self.next_step}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; checked first, so a bad ``state`` changes nothing.
+
+        Raises:
+            ValueError: ``state`` lacks a part or holds one of the wrong type or range.
+        """
+        check_state_dict(state)
         self.aggregator.load_state_dict(state)
         self.next_step = state["next_step"]
+
+
+def check_state_dict(state) -> None:
+    """Raise ValueError, naming the part, unless ``state`` is a :meth:`TrainingStep.state_dict`:
+    ``base_batch_size`` an integer >= 1 and ``next_step`` one >= 0 (each None before the first
+    step), ``gradient_noise`` the noise statistics' state."""
+    try:
+        base, step = state["base_batch_size"], state["next_step"]
+        GradientNoiseScale().load_state_dict(state["gradient_noise"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{type(error).__name__}: {error}") from None
+    for name, value, low in (("base_batch_size", base, 1), ("next_step", step, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{name}={value!r} is not an integer >= {low}")

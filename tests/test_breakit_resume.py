@@ -39,6 +39,36 @@ def test_a_checkpoint_of_the_ddp_wrapper_with_a_plain_optimizer_keeps_the_prefet
     assert sorted(trained + rest) == list(range(100))
 
 
+@pytest.mark.timeout(15)
+@pytest.mark.parametrize("damage", [{"base_batch_size": 0}, {"next_step": "3"}, {"gradient_noise": None}, "drop"])
+def test_an_optimizer_state_dict_with_a_damaged_dynamix_part_is_refused_before_anything_loads(single_process_job,
+                                                                                                damage):
+    """DistributedOptimizer.state_dict() carries the lr_scaling base batch, step and noise statistics
+    under "dynamix": a damaged one (a hand-edited or foreign file) loaded the torch part first and
+    then raised a KeyError or TypeError, or took a base batch of 0, leaving the optimizer half-restored."""
+    bps = single_process_job
+    model = torch.nn.Linear(2, 1)
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         model.named_parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        optimizer.step()
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["lr"] = 0.5
+    if damage == "drop":
+        del saved["dynamix"]["base_batch_size"]
+    else:
+        saved["dynamix"].update(damage)
+    saved["state"][0]["momentum_buffer"] = torch.full((1, 2), 7.0)
+    momentum, dynamix = optimizer.state[model.weight]["momentum_buffer"].clone(), optimizer.dynamix_state_dict()
+    with pytest.raises(ValueError, match="'dynamix' part .* nothing was loaded"):
+        optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert torch.equal(optimizer.state[model.weight]["momentum_buffer"], momentum)
+    assert optimizer.dynamix_state_dict() == dynamix
+
+
 # A worker that joins (leaves its rank in DYNAMIX_STARTED_DIR, as bps.init does) and then dies
 # the way each run asks: run 0 loses rank 2 after the start; in run 1 rank 1 is killed between the
 # restart and the rendezvous, which rank 0 then waits in; run 2 succeeds.

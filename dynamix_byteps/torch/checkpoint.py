@@ -28,7 +28,7 @@ from dynamix_byteps.atomic import atomic_write
 from dynamix_byteps.errors import CommunicationError, ConfigurationError
 from dynamix_byteps.negotiation import gather_text, negotiate, round_lock
 from dynamix_byteps.regular_files import open_regular
-from dynamix_byteps.scaling.gradient_noise import GradientNoiseScale
+from dynamix_byteps.training_step import check_state_dict
 
 FORMAT_VERSION = 2  # 2: a SHA-256 digest ends the file; 1: none (still read, checked by the zip CRCs)
 
@@ -361,11 +361,6 @@ def _check_optimizer_state(path, optimizer, state: dict) -> None:
 def _check_dynamix_state(path, state) -> None:
     """The base batch, gradient statistics and step ``DistributedOptimizer`` restores."""
     try:
-        base, step = state["base_batch_size"], state["next_step"]
-        GradientNoiseScale().load_state_dict(state["gradient_noise"])
-        for name, value, low in (("base_batch_size", base, 1), ("next_step", step, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"{name}={value!r} is not an integer >= {low}")
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigurationError(f"{path} holds an invalid DistributedOptimizer state ({type(error).__name__}: "
-                                 f"{error})") from None
+        check_state_dict(state)
+    except ValueError as error:
+        raise ConfigurationError(f"{path} holds an invalid DistributedOptimizer state ({error})") from None

@@ -30,7 +30,7 @@ from dynamix_byteps.reduce_ops import Average, check_gradient_op, check_gradient
 from dynamix_byteps.scaling.lr_scaling import optimizer_family_of
 from dynamix_byteps.torch.compression import Compression, Compressor
 from dynamix_byteps.torch.reducer import OPTIMIZER_OWNER, BucketReducer
-from dynamix_byteps.training_step import TrainingStep
+from dynamix_byteps.training_step import TrainingStep, check_state_dict
 
 
 def _not_count(value) -> bool:
@@ -244,10 +244,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``; also restores the ``"dynamix"`` part
-        :meth:`state_dict` adds, where ``state_dict`` has one (a plain optimizer's has none)."""
+        :meth:`state_dict` adds, where ``state_dict`` has one (a plain optimizer's has none).
+
+        Raises:
+            ValueError: the ``"dynamix"`` part is not one :meth:`state_dict` wrote; raised before
+                anything is loaded.
+        """
+        dynamix = state_dict.get("dynamix")
+        if dynamix is not None:
+            try:
+                check_state_dict(dynamix)
+            except ValueError as error:
+                raise ValueError(f"the 'dynamix' part of this optimizer state_dict is not one that "
+                                 f"DistributedOptimizer.state_dict() wrote ({error}); nothing was loaded") from None
         super(self.__class__, self).load_state_dict(state_dict)
-        if state_dict.get("dynamix") is not None:
-            self.load_dynamix_state_dict(state_dict["dynamix"])
+        if dynamix is not None:
+            self.load_dynamix_state_dict(dynamix)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
