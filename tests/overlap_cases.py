@@ -745,22 +745,38 @@ def create_graph_backward() -> dict:
     return {"errors": errors, "warnings": [str(w.message) for w in caught if "carry no autograd graph" in str(w.message)]}
 
 
-def parameter_inside_and_outside_a_reentrant_checkpoint() -> str:
-    """A layer used before a reentrant checkpoint and inside it gets two gradients in one backward:
-    from the second step (reduced during backward) that is refused by name, not summed twice scaled."""
+def parameter_inside_and_outside_a_reentrant_checkpoint(first_double_use: int = 0) -> str | list[float]:
+    """A layer used before a reentrant checkpoint and inside it gets two gradients in one backward,
+    from step ``first_double_use`` on (only the one inside before it). Used so from the first step,
+    which the reducer learns from, it trains: each step's largest difference from one process's
+    gradient on both workers' inputs. From a later step (reduced during backward) it is refused by
+    name, not summed twice scaled: what that step raised."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 4).double()
+    reference = torch.nn.Linear(4, 4).double()
+    reference.load_state_dict(layer.state_dict())
     opt = bps.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), layer.named_parameters())
-    x = torch.randn(5, 4, dtype=torch.float64)
+    inputs = [torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+              for r in range(bps.size())]
+
+    def loss(model, x, double):
+        h = model(x) if double else x.clone().requires_grad_(True)  # a reentrant checkpoint needs an input with grad
+        return torch.utils.checkpoint.checkpoint(lambda t: model(torch.tanh(t)), h, use_reentrant=True).sum()
+
+    differences = []
     try:
         for step in range(3):
+            double = step >= first_double_use
             opt.zero_grad()
-            h = layer(x)
-            torch.utils.checkpoint.checkpoint(lambda t: layer(torch.tanh(t)), h, use_reentrant=True).sum().backward()
+            loss(layer, inputs[bps.rank()], double).backward()
+            got = [p.grad.clone() for p in layer.parameters()]
             opt.step()
+            reference.zero_grad()
+            (sum(loss(reference, x, double) for x in inputs) / bps.size()).backward()
+            differences.append(max(float((a - p.grad).abs().max()) for a, p in zip(got, reference.parameters())))
     except bps.GradientReductionError as exc:
         return f"step {step}: {exc}"
-    return "no error"
+    return differences
 
 
 class _ChannelsLastConv(torch.nn.Module):

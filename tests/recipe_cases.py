@@ -10,6 +10,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import dynamix_byteps.torch as bps
 
@@ -240,3 +241,45 @@ def _train_tied(wrapper: str, steps: int) -> list[float]:
 def tied_weight_listed_twice(wrapper: str, steps: int = 3) -> dict:
     """A tied weight listed twice in the optimizer's group, trained through ``wrapper`` and through PyTorch's DDP."""
     return {"mine": _train_tied(wrapper, steps), "torch": _train_tied("torch_ddp", steps)}
+
+
+class _SharedBlocks(torch.nn.Module):
+    """One block applied three times, each under reentrant activation checkpointing (ALBERT's shared
+    layers with Hugging Face's gradient_checkpointing_enable(), whose default was use_reentrant=True)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(6, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def _block(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(3):
+            h = torch.utils.checkpoint.checkpoint(self._block, h, use_reentrant=True)
+        return self.head(h)
+
+
+def _train_shared_blocks(wrapper: str, steps: int) -> list[float]:
+    model = _SharedBlocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if wrapper == "torch_ddp":
+        net, opt = torch.nn.parallel.DistributedDataParallel(model, static_graph=True), optimizer
+    else:
+        net, opt = _wrap(wrapper, model, optimizer)
+    for step in range(steps):
+        x, y = _batch(step, bps.rank())
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return _flat(model)
+
+
+def layer_shared_by_reentrant_checkpoints(wrapper: str, steps: int = 3) -> dict:
+    """A layer shared by three reentrant checkpoints, through ``wrapper`` and through PyTorch's DDP
+    with ``static_graph=True``."""
+    return {"mine": _train_shared_blocks(wrapper, steps), "torch": _train_shared_blocks("torch_ddp", steps)}

@@ -86,3 +86,14 @@ def test_a_tied_weight_listed_twice_in_the_optimizer_trains_as_with_torch_ddp(wr
     for result in results:
         assert result["mine"] == pytest.approx(result["torch"], abs=1e-6)
     assert results[0]["mine"] == results[1]["mine"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_layer_shared_by_reentrant_checkpoints_trains_as_with_torch_ddps_static_graph(wrapper):
+    """The shared layer gets its gradient in three parts per backward pass: the second step raised
+    GradientReductionError 'shared.bias got a gradient twice in one backward pass' on every worker."""
+    results = ok(run_workers(2, "recipe_cases:layer_shared_by_reentrant_checkpoints", wrapper))
+    for result in results:
+        assert result["mine"] == pytest.approx(result["torch"], abs=1e-6)
+    assert results[0]["mine"] == results[1]["mine"]

@@ -22,7 +22,9 @@ everywhere, and a change on all is then reduced with the new plan; parameters co
 dtype or device after wrapping, ``model.double()``, are such a change). The first round, which has
 no plan to launch from, is reduced whole at the end of backward, without the overlap. A backward
 nested in another's node (reentrant activation checkpointing) ends the round only when the
-outermost one ends.
+outermost one ends; a parameter whose gradient came in several parts in one pass of that first
+round (a layer shared by several reentrant checkpoints) has its bucket launched at the end of
+backward from then on, as PyTorch's DDP with ``static_graph=True`` learns from its first step.
 
 A gradient changed in place or replaced while its bucket is in flight (by another hook during
 backward) leaves this worker's reduction different from the others', so :meth:`finish` raises
@@ -156,6 +158,9 @@ class _Plan:
                               min(limit, FIRST_BUCKET_BYTES))
         self.buckets: list[_Bucket] = []
         self.slot: dict[int, _Slot] = {}
+        # Buckets launched only at the end of backward: they hold a parameter that gets its gradient in
+        # several parts per pass (used in several reentrant checkpoints), see BucketReducer._adopt_plan.
+        self.deferred: set[int] = set()
         for number, group in enumerate(groups):
             params = [ordered[i][1] for i in group]
             buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
@@ -253,6 +258,10 @@ class BucketReducer:
         self._launched_in_backward = False
         self._warned_create_graph = False
         self._had_gradient: np.ndarray | None = None  # per plan parameter, this round: 1 if it had a gradient
+        # Learnt in passes that launch nothing (the first step): parameters accumulated in this pass, and
+        # those accumulated twice in one pass (reentrant activation checkpointing), by id() (held by the plan).
+        self._accumulated: set[int] = set()
+        self._accumulated_twice: set[int] = set()
         self._register_hooks(p for _, p in parameters())
         _REDUCERS.add(self)
 
@@ -383,20 +392,34 @@ class BucketReducer:
 
     def _after_accumulation(self, param: torch.Tensor, grad_inputs, grad_outputs) -> None:
         if not self._launching:
+            self._learn_accumulation(param)
             return
         slot = self._plan.slot.get(id(param))
-        if slot is None:
-            return
+        if slot is None or slot.bucket in self._plan.deferred:
+            return  # a deferred bucket's gradients are moved in at the end of backward
         pending = self._plan.buckets[slot.bucket].pending
         if slot.index not in pending:
             raise GradientReductionError(
-                f"{self._plan.names[slot.index]} got a gradient twice in one backward pass (a parameter "
-                "used both inside and outside torch.utils.checkpoint(..., use_reentrant=True)); the first part was "
-                "already scaled for the reduction. Use use_reentrant=False (PyTorch's DDP refuses this case too)")
+                f"{self._plan.names[slot.index]} got a gradient twice in one backward pass (a parameter used in "
+                "several torch.utils.checkpoint(..., use_reentrant=True) calls, or inside one and outside it), "
+                "which the first step did not show; the first part was already scaled for the reduction. Use "
+                "use_reentrant=False, or use the parameter so from the first step on (as PyTorch's DDP with "
+                "static_graph=True, which learns it from its first step)")
         self._had_gradient[slot.index] = self._move_into_bucket(param, slot.view)
         pending.discard(slot.index)
         if not pending:
             self._launch_ready()
+
+    def _learn_accumulation(self, param: torch.Tensor) -> None:
+        """In a pass that launches nothing (the first step's, reduced whole at its end), note a
+        parameter whose gradient accumulator runs twice: it is used in several reentrant activation
+        checkpoints (each recomputation's nested backward accumulates its part), or inside one and
+        outside it. Its bucket is then launched at the end of backward (:meth:`_adopt_plan`), as
+        PyTorch's DDP with ``static_graph=True`` learns from its first step."""
+        if self._in_backward:
+            if id(param) in self._accumulated:
+                self._accumulated_twice.add(id(param))
+            self._accumulated.add(id(param))
 
     def _begin_pass(self) -> None:
         if self._passes >= self.passes_per_step and self.reduced_gradients_dropped():
@@ -407,6 +430,7 @@ class BucketReducer:
                 f"backward_passes_per_step={self.passes_per_step}; call step() (or zero_grad()) after every "
                 f"{self.passes_per_step} backward passes or raise backward_passes_per_step")
         self._in_backward = True
+        self._accumulated.clear()
         alive = _BackwardPass()  # owned by the queued callback: freed unrun when backward raises
         self._backward_alive = weakref.ref(alive, self._on_backward_gone)
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_backward, alive))
@@ -622,6 +646,7 @@ class BucketReducer:
     def _adopt_plan(self, plan: _Plan, samples: int) -> None:
         self._register_hooks(plan.params)
         self._rehook_converted(plan.params)
+        plan.deferred = {plan.slot[pid].bucket for pid in self._accumulated_twice if pid in plan.slot}
         self._plan, self._next_plan = plan, None
         self.aggregator.agree_on_plan(self._plan.description, samples)
 
