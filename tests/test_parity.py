@@ -330,6 +330,11 @@ def test_a_horovod_name_without_alias_says_what_to_write_instead():
             with pytest.raises(AttributeError, match=r"'barrier' \(Horovod's hvd\.barrier\): there is none"):
                 tf_hvd.barrier
             assert not hasattr(tf_hvd, "allreduce")
+        keras_hvd = importlib.import_module("dynamix_byteps.tensorflow.keras")  # import horovod.tensorflow.keras as hvd
+        for name in ("DynamicBatchSampler", "dynamic_batch_dataset", "set_batch_sizes", "report_loss", "is_initialized"):
+            with pytest.raises(AttributeError, match=rf"no attribute '{name}': it is in dynamix_byteps\.tensorflow "
+                                                     rf"\(import dynamix_byteps\.tensorflow as bps, then bps\.{name}\)"):
+                getattr(keras_hvd, name)
 
 
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():

@@ -39,4 +39,9 @@ __all__ = [
 
 def __getattr__(name: str):
     # Horovod's hvd.allreduce is push_pull here, with no alias: say so instead of a bare AttributeError.
+    import dynamix_byteps.tensorflow as frontend
+
+    if name in frontend.__all__:  # a port that imported only this module as hvd, e.g. hvd.DynamicBatchSampler
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: it is in dynamix_byteps.tensorflow "
+                             f"(import dynamix_byteps.tensorflow as bps, then bps.{name}); see docs/tensorflow.md")
     raise missing_name(__name__, name, TENSORFLOW_HOROVOD_HINTS)
