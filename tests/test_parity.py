@@ -337,6 +337,25 @@ def test_a_horovod_name_without_alias_says_what_to_write_instead():
                 getattr(keras_hvd, name)
 
 
+def test_warmup_without_steps_per_epoch_says_to_give_them_to_the_callback_not_to_fit():
+    # A Horovod Keras script on dynamic_batch_dataset (whose length is unknown, and which fit must get without
+    # steps_per_epoch) warmed up once per epoch: with warmup_epochs=1 the first epoch ran at the full rate.
+    pytest.importorskip("tensorflow")
+    import keras
+
+    from dynamix_byteps.tensorflow.keras.callbacks import LearningRateWarmupCallback
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    for warmup_epochs, first in [(1, "initial_lr, no warm-up at all"), (3, r"more than initial_lr / size\(\)")]:
+        callback = LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=warmup_epochs)
+        callback.set_model(model)
+        callback.set_params({"epochs": 2, "steps": None})
+        with pytest.warns(UserWarning, match=rf"the first epoch already runs at {first}; pass LearningRateWarmupCallback"
+                                             r"\(\.\.\., steps_per_epoch=N\).*not model\.fit's steps_per_epoch"):
+            callback.on_train_begin()
+
+
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():
     import torch
 

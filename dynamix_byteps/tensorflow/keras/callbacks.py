@@ -278,8 +278,15 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if self._per_batch:
             self._epoch_step = 1.0 / steps
         elif not self.staircase:
-            warnings.warn(f"{type(self).__name__}: the number of steps per epoch is unknown, so the learning rate "
-                          "changes once per epoch; pass steps_per_epoch= to change it every batch", stacklevel=2)
+            name = type(self).__name__
+            warnings.warn(f"{name}: the number of steps per epoch is unknown (a dataset of unknown length, such as "
+                          f"dynamic_batch_dataset's), so the learning rate changes once per epoch{self._per_epoch_note()}; "
+                          f"pass {name}(..., steps_per_epoch=N), e.g. the training samples // the global batch, to change "
+                          "it every batch (to this callback, not model.fit's steps_per_epoch, which stays out with "
+                          "dynamic_batch_dataset)", stacklevel=2)
+
+    def _per_epoch_note(self) -> str:
+        return ""
 
     def _in_range(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -341,6 +348,10 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                          initial_lr=initial_lr)
         self.warmup_epochs = warmup_epochs
         self.verbose = verbose
+
+    def _per_epoch_note(self) -> str:
+        return (", each epoch at the rate it reaches at its end: the first epoch already runs at "
+                f"{'initial_lr, no warm-up at all' if self.warmup_epochs <= 1 else 'more than initial_lr / size()'}")
 
     def _warmup(self, epoch: float) -> float:
         size = _engine.current().size
