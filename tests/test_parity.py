@@ -356,6 +356,33 @@ def test_warmup_without_steps_per_epoch_says_to_give_them_to_the_callback_not_to
             callback.on_train_begin()
 
 
+def test_warmup_ends_at_initial_lr_when_an_epoch_runs_more_steps_than_steps_per_epoch(monkeypatch):
+    # dynamic_batch_dataset's epoch of 6000 samples at a global batch of 128 runs 47 steps; a warm-up given
+    # steps_per_epoch=6000 // 128 = 46 went on to 0.0204 for initial_lr=0.02, and stayed there.
+    pytest.importorskip("tensorflow")
+    import types
+
+    import keras
+
+    from dynamix_byteps.tensorflow.keras import callbacks
+
+    monkeypatch.setattr(callbacks._engine, "current", lambda: types.SimpleNamespace(size=2))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.02, momentum=0.9), loss="mse")
+    callback = callbacks.LearningRateWarmupCallback(initial_lr=0.02, warmup_epochs=1, steps_per_epoch=46)
+    callback.set_model(model)
+    callback.set_params({"epochs": 2, "steps": None})
+    callback.on_train_begin()
+    rates = []
+    for epoch in range(2):
+        callback.on_epoch_begin(epoch)
+        for batch in range(47):
+            callback.on_train_batch_begin(batch)
+            rates.append(float(model.optimizer.learning_rate.numpy()))
+    assert rates[0] == pytest.approx(0.02 / 2 * (1 + 1 / 46), rel=1e-6)
+    assert max(rates) == pytest.approx(0.02, rel=1e-6) and rates[-1] == pytest.approx(0.02, rel=1e-6)
+
+
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():
     import torch
 

@@ -355,7 +355,9 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def _warmup(self, epoch: float) -> float:
         size = _engine.current().size
-        done = epoch + self._epoch_step
+        # An epoch longer than steps_per_epoch (dynamic_batch_dataset's last, partial step) must not
+        # carry the rate past initial_lr, where it would stay after the warm-up.
+        done = min(epoch + self._epoch_step, self.warmup_epochs)
         return (1 + done * (size - 1) / self.warmup_epochs) / size
 
     def on_epoch_end(self, epoch, logs=None):
