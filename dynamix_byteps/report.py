@@ -167,7 +167,7 @@ def _no_events(run_dir: Path, why: str) -> RunDirError:
         f"{run_dir / TENSORBOARD_DIR / (WORKER_RUN_PREFIX + '<rank>')}/events.out.tfevents.*. "
         f"Record a run with `bpslaunch --log-dir {run_dir} ... -- python train.py`, or under torchrun with "
         f"DYNAMIX_LOG_DIR={run_dir} in the workers' environment (and `dynamix scheduler --run-dir {run_dir}` "
-        "for the decisions); the workers write their scalars every --decision-interval steps. Then run "
+        "for the decisions); the workers write their scalars every --decision-interval steps and when training ends. Then run "
         "`dynamix report` on it"
     )
 

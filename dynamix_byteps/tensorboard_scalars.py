@@ -37,7 +37,8 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dynamix_byteps.extras import MissingExtraError, import_extra
@@ -87,6 +88,7 @@ class ScalarWriter:
         self.logdir = Path(logdir)
         self._records = None
         self._lock = threading.Lock()
+        self._before_close: list[weakref.WeakMethod] = []
 
     def open(self) -> None:
         """Create the event file now; its first event records the wall time of this call.
@@ -127,8 +129,18 @@ class ScalarWriter:
         self._records.write(event.SerializeToString())
         self._records.flush()
 
+    def before_close(self, method: Callable[[], None]) -> None:
+        """Call the bound ``method`` (held weakly) each time an open file is about to close, so its
+        object can still :meth:`add` what it holds (a worker's unfinished decision interval)."""
+        self._before_close.append(weakref.WeakMethod(method))
+
     def close(self) -> None:
         """Close the event file (a later :meth:`add` starts a new one); safe to call twice."""
+        if self._records is not None:
+            for ref in self._before_close:
+                method = ref()
+                if method is not None:
+                    method()
         with self._lock:
             records, self._records = self._records, None
         if records is not None:

@@ -76,6 +76,37 @@ def test_log_scalar_writes_into_this_workers_run(tmp_path, monkeypatch):
     assert "test/loss" not in scalars
 
 
+def test_the_steps_after_the_last_decision_boundary_are_written_when_training_ends(tmp_path, no_job_variables,
+                                                                                   monkeypatch):
+    """A run of 7 steps with a decision every 5: its record ended at step 5 (a 32-step run read
+    "20 steps" in `dynamix report`, with the loss of 12 steps before the end)."""
+    import torch
+
+    import dynamix_byteps.torch as bps
+
+    monkeypatch.setenv("DYNAMIX_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("DYNAMIX_DECISION_INTERVAL", "5")
+    bps.init()
+    try:
+        sampler = bps.DynamicBatchSampler(100, batch_size=4, seed=0)
+        model = torch.nn.Linear(1, 1)
+        optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters())
+        for step, indices in zip(range(7), sampler):
+            if step == 4:
+                bps.set_batch_sizes([2], at_step=5)  # the last two steps train smaller batches
+            optimizer.zero_grad()
+            loss = model(torch.tensor(indices, dtype=torch.float32).unsqueeze(1)).sum()
+            loss.backward()
+            optimizer.step()
+            bps.report_loss(float(step))
+    finally:
+        bps.shutdown()
+    scalars = read_scalars(tmp_path / "tensorboard" / "worker-0")
+    assert [e.step for e in scalars["batch_size"]] == [5, 7]
+    assert [e.step for e in scalars["loss"]] == [5, 7] and scalars["loss"][-1].value > scalars["loss"][0].value
+    assert [e.value for e in scalars["batch_size"]] == [4.0, 2.0]
+
+
 def test_a_killed_process_loses_no_scalar_it_had_written(tmp_path):
     code = ("import os, signal, sys; from dynamix_byteps.tensorboard_scalars import ScalarWriter; w = ScalarWriter(sys.argv[1]); "
             "w.add({'loss': 0.5, 'step_s': 0.25}, 20); os.kill(os.getpid(), signal.SIGKILL)")

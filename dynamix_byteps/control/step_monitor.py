@@ -148,6 +148,9 @@ class StepMonitor:
             self._mailbox = Mailbox.create(mailbox_name(job, engine.rank))
         self._progress = progress.writer_from_env()
         self._scalars = scalars
+        self._last_noise, self._last_lr_scale = None, 1.0  # of the last step, for an unfinished interval's scalars
+        if scalars is not None:
+            scalars.before_close(self._write_unfinished_interval)
 
     def report_loss(self, loss) -> None:
         """Add a training loss (float or 0-dim tensor) to this interval's mean sent to the scheduler."""
@@ -213,7 +216,7 @@ class StepMonitor:
         (None: unknown, treated as a plan without a sampler) and when that wait began and ended
         (:func:`~dynamix_byteps.timing.now_ns` nanoseconds; None: unknown, no exposed
         communication is measured)."""
-        self.plan = plan
+        self.plan, self._last_noise, self._last_lr_scale = plan, noise, lr_scale
         end = time.perf_counter()
         compute_s = max(end - self._last_end - push_pull_s, 0.0)
         comm = self._comm_before_untimed + self.engine.timing.step_comm(wait_ns)
@@ -245,6 +248,16 @@ class StepMonitor:
             self._report(iv, loss, noise)
         self._last_end = self._stretched_until = time.perf_counter()  # the boundary's collectives and logging are not compute
         self.engine.timing.step_comm()  # nor are their pushes and pulls part of the next step's
+
+    def _write_unfinished_interval(self) -> None:
+        """The steps since the last decision boundary, as one more interval of TensorBoard scalars,
+        when the writer closes (``bps.shutdown()`` or the process's exit): the run's record then ends
+        where training did, not up to ``decision_interval - 1`` steps earlier."""
+        iv = self._interval
+        if iv.steps:
+            self._interval = StepStatistics()
+            self._scalars.add(_interval_scalars(iv, self._take_mean_loss(), self._last_lr_scale, self._last_noise),
+                              self.global_step)
 
     def _schedule(self):
         return None if self.plan is None else self.plan.schedule
