@@ -383,6 +383,17 @@ def test_warmup_ends_at_initial_lr_when_an_epoch_runs_more_steps_than_steps_per_
     assert max(rates) == pytest.approx(0.02, rel=1e-6) and rates[-1] == pytest.approx(0.02, rel=1e-6)
 
 
+@pytest.mark.timeout(200)
+def test_horovods_rank0_resume_recipe_is_told_to_load_on_every_worker(tmp_path):
+    # Horovod's Keras examples resume with hvd.load_model on rank 0 and a fresh model elsewhere; here the
+    # variables are matched by name and a loaded model's lack the model's prefix, so fit's start fails.
+    pytest.importorskip("tensorflow")
+    messages = ok(run_workers(2, "tf_parity_cases:rank0_resume", str(tmp_path), timeout=180))
+    for message in messages:
+        assert message.startswith("TensorMismatchError") and "sequential/" in message
+        assert "load the checkpoint on every worker" in message and "bps_keras.load_model(path)" in message
+
+
 def test_torch_optimizer_refuses_other_ops_and_predivide_factors():
     import torch
 

@@ -236,3 +236,21 @@ def all_checks(directory: str) -> dict:
     return {"keras_functions": keras_functions(), "refusals": refusals(),
             "positional_optimizer": byteps_positional_optimizer(), "graph_global_variables": graph_global_variables(),
             "loaded_model": loaded_model(directory), "lr_callbacks": lr_callbacks()}
+
+
+def rank0_resume(directory: str) -> str | None:
+    """Horovod's Keras resume recipe: rank 0 loads the checkpoint, the others build a fresh model;
+    the error of BroadcastGlobalVariablesCallback at fit's start, or None."""
+    model = _model()
+    model.compile(optimizer=bps_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    if bps.rank() == 0:
+        path = os.path.join(directory, "checkpoint.keras")
+        model.save(path)
+        model = bps_keras.load_model(path)
+    x, y = _data(bps.rank())
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False,
+                  callbacks=[bps_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

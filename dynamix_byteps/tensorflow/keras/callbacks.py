@@ -17,7 +17,7 @@ from dynamix_byteps import batch_plan as _batch_plan
 from dynamix_byteps import engine as _engine
 from dynamix_byteps.assignment import parse_batch_schedule
 from dynamix_byteps.control.step_monitor import report_loss
-from dynamix_byteps.errors import ConfigurationError
+from dynamix_byteps.errors import ConfigurationError, TensorMismatchError
 from dynamix_byteps.tensorflow.ops import broadcast_variables, push_pull
 
 
@@ -76,7 +76,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def _broadcast(self) -> None:
         if not self.broadcast_done and self.model.built:
-            broadcast_global_variables(self.root_rank, self.model)
+            try:
+                broadcast_global_variables(self.root_rank, self.model)
+            except TensorMismatchError as error:
+                raise TensorMismatchError(
+                    f"{error}\nIf one worker resumed from a checkpoint and the others built a fresh model (Horovod's "
+                    "Keras examples load it on rank 0 only), load the checkpoint on every worker "
+                    "(model = bps_keras.load_model(path), then fit(..., initial_epoch=e)): Keras 3 names a loaded "
+                    "model's variables without the model's prefix; see docs/tensorflow.md") from error
             self.broadcast_done = True
 
     def on_train_begin(self, logs=None):
