@@ -477,7 +477,8 @@ def plot_batch_sizes(data: RunData, path: Path) -> Path:
     return _save(batch_figure(data), path)
 
 
-def plot_loss_accuracy(data: RunData, path: Path) -> Path:
+def loss_accuracy_figure(data: RunData):
+    """The figure of ``loss_accuracy.png``: axes 0 loss, 1 accuracy; an empty one says what logs it."""
     fig, (loss_ax, acc_ax) = _figure(2)
     _per_worker(loss_ax, data, "loss", alpha=0.7)
     for rank, series in data.workers.items():
@@ -487,12 +488,20 @@ def plot_loss_accuracy(data: RunData, path: Path) -> Path:
                 loss_ax.plot(s.wall, s.value, marker="o", color="black", label=f"{tag} (worker {rank})")
             if "accuracy" in tag:
                 acc_ax.plot(s.wall, s.value, marker="o", label=f"{tag} (worker {rank})")
+    if not loss_ax.lines:
+        loss_ax.text(0.5, 0.5, "no loss reported: call bps.report_loss(loss) each step\n"
+                     "(Keras model.fit: add callbacks.BatchSizeCallback())",
+                     ha="center", va="center", transform=loss_ax.transAxes)
     _finish(loss_ax, "Loss", "loss")
     if not acc_ax.lines:
         acc_ax.text(0.5, 0.5, "no accuracy logged:\ncall bps.log_scalar('test/accuracy', value)",
                     ha="center", va="center", transform=acc_ax.transAxes)
     _finish(acc_ax, "Accuracy", "accuracy")
-    return _save(fig, path)
+    return fig
+
+
+def plot_loss_accuracy(data: RunData, path: Path) -> Path:
+    return _save(loss_accuracy_figure(data), path)
 
 
 def plot_step_times(data: RunData, path: Path) -> Path:

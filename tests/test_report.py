@@ -23,6 +23,7 @@ from dynamix_byteps.report import (
     global_batch_reported,
     load_decisions,
     load_run,
+    loss_accuracy_figure,
     summary,
 )
 
@@ -183,6 +184,19 @@ def test_the_job_s_wall_time_counts_from_its_first_worker_not_from_a_scheduler_s
         writer.close()
     _, job = summary(load_run(tmp_path))
     assert job["wall_s"] == pytest.approx(2.0)
+
+
+def test_an_empty_loss_plot_says_what_reports_the_loss():
+    # A Keras model.fit run under --policy without BatchSizeCallback reports no loss: the loss panel was blank.
+    steps = np.array([20, 40])
+    batch = {"batch_size": Series(steps, steps / 2.0, np.array([64.0, 64]))}
+    loss_ax, acc_ax = loss_accuracy_figure(RunData(workers={0: batch}, start=1000.0, end=20.0)).axes
+    assert [t.get_text() for t in loss_ax.texts] == ["no loss reported: call bps.report_loss(loss) each step\n"
+                                                      "(Keras model.fit: add callbacks.BatchSizeCallback())"]
+    assert "no accuracy logged" in acc_ax.texts[0].get_text()
+    with_loss = {**batch, "loss": Series(steps, steps / 2.0, np.array([2.0, 1.5]))}
+    loss_ax, _ = loss_accuracy_figure(RunData(workers={0: with_loss}, start=1000.0, end=20.0)).axes
+    assert loss_ax.lines and not loss_ax.texts
 
 
 def test_a_run_dir_reused_by_a_later_run_is_reported_from_its_newest_events_with_a_warning(tmp_path, caplog):
