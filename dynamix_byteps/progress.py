@@ -12,7 +12,9 @@ trained so far, are known when a ``DynamicBatchSampler`` feeds the model, else n
 known (its ETA stays right while the batch sizes change; labelled from 1, like Keras, while the
 sampler counts epochs from 0 like ``set_epoch``), else a step counter. Workers'
 prefixed lines are written through :meth:`ConsoleProgress.write_guard`, which clears the bar,
-writes and redraws it. Off when stderr is not a terminal (CI logs), or with ``TQDM_DISABLE=1``.
+writes and redraws it. Off when stderr is not a terminal (CI logs), or with ``TQDM_DISABLE=1``,
+and gone for the rest of the job once a worker draws its own bar in place (Keras's ``verbose=1``, a
+tqdm loop): two bars on one terminal line overwrite each other.
 """
 
 from __future__ import annotations
@@ -110,6 +112,15 @@ class ConsoleProgress:
         if self._bar is not None:
             self._bar.close()
         self.path.unlink(missing_ok=True)
+
+    def give_way(self) -> None:
+        """Clear the bar and draw it no more: a worker draws its own progress bar."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def write_guard(self):
         """Context manager for writing a line to the terminal: the bar is cleared, then redrawn."""

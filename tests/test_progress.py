@@ -11,6 +11,7 @@ import tty
 import pytest
 from conftest import OBSERVED_WORKER, run_bpslaunch, wait_until
 
+from dynamix_byteps.launcher.output import Output
 from dynamix_byteps.progress import ConsoleProgress
 
 
@@ -31,6 +32,27 @@ def test_without_a_sampler_the_bar_counts_steps(tmp_path):
     with ConsoleProgress(path, stream=stream, poll_s=0.02):
         path.write_text(json.dumps({"step": 42, "epoch": None, "samples": None, "dataset_size": None}))
         assert wait_until(lambda: "42step" in stream.getvalue().replace(" ", ""), 20), stream.getvalue()
+
+
+def test_the_bar_gives_way_to_a_worker_that_draws_its_own(tmp_path):
+    # Keras's model.fit(verbose=1) on rank 0 redraws its bar with \r on the line bpslaunch's bar was redrawn on:
+    # on a terminal the two overwrote each other at every update.
+    calls, sink = [], io.BytesIO()
+    output = Output(sink, sink, on_child_bar=lambda: calls.append(1))
+    output.write(sink, b"Epoch 1/3\n", b"[0] ", None)
+    assert calls == []
+    for step in (1, 2):
+        output.write(sink, f"{step}/47 - loss: 2.3\r".encode(), b"[0] ", None)
+    assert calls == [1]
+    path, stream = tmp_path / "progress.json", io.StringIO()
+    with ConsoleProgress(path, stream=stream, poll_s=0.02) as bar:
+        path.write_text(json.dumps({"step": 5, "epoch": 0, "samples": 320, "dataset_size": 6000}))
+        assert wait_until(lambda: "epoch 1" in stream.getvalue(), 20), stream.getvalue()
+        bar.give_way()
+        drawn = stream.getvalue()
+        path.write_text(json.dumps({"step": 40, "epoch": 1, "samples": 2560, "dataset_size": 6000}))
+        threading.Event().wait(0.2)
+        assert stream.getvalue() == drawn and "epoch 2" not in drawn
 
 
 @pytest.mark.timeout(200)

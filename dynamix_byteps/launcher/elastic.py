@@ -343,6 +343,6 @@ def _supervise_once(config: LaunchConfig, specs: list[ChildSpec], scratch: list[
     with ConsoleProgress(config.run_dir / PROGRESS_FILE) as bar:
         specs = [dataclasses.replace(s, env={**s.env, PROGRESS_ENV: str(bar.path)}) if s.label == "0" else s
                  for s in specs]
-        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard, scratch_dirs=scratch,
-                                settled=settled, signals=signals)
+        supervisor = Supervisor(specs, grace_s=config.grace_period, write_guard=bar.write_guard,
+                                on_child_bar=bar.give_way, scratch_dirs=scratch, settled=settled, signals=signals)
         return supervisor.run(), supervisor

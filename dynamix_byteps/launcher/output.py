@@ -27,16 +27,20 @@ class Output:
             ``sys.stdout.buffer`` / ``sys.stderr.buffer``.
         write_guard: returns a context manager held around each write to them (the console
             progress bar clears and redraws itself there); default none.
+        on_child_bar: called once, at the first child line that ends in ``\\r`` (a child drawing
+            its own progress bar in place, Keras's or tqdm's), so the console bar gives way; default none.
 
     ``lock`` is held for every write; hold it to close a log file no pump writes to any more.
     """
 
     def __init__(self, stdout: BinaryIO | None = None, stderr: BinaryIO | None = None,
-                 write_guard: Callable[[], ContextManager] = contextlib.nullcontext):
+                 write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
+                 on_child_bar: Callable[[], None] | None = None):
         self.out = stdout if stdout is not None else _binary(sys.stdout)
         self.err = stderr if stderr is not None else _binary(sys.stderr)
         self.lock = threading.Lock()
         self._write_guard = write_guard
+        self._on_child_bar = on_child_bar
 
     def note(self, message: str) -> None:
         """Print one ``bpslaunch: ...`` line on stderr, never inside a child's line."""
@@ -51,6 +55,9 @@ class Output:
                 except (OSError, ValueError):
                     pass
             if sink is not None:
+                if prefix is not None and line.endswith(b"\r") and self._on_child_bar is not None:
+                    self._on_child_bar()  # two bars on one terminal line overwrite each other
+                    self._on_child_bar = None
                 if prefix is not None and not line.endswith((b"\n", b"\r")):
                     line += b"\n"  # a cut long line or a last one without newline: the next starts a line
                 try:

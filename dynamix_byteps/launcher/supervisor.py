@@ -154,6 +154,7 @@ class Supervisor:
         poll_s: seconds between checks of the children's state.
         write_guard: returns a context manager held around each write to ``stdout``/``stderr``
             (the console progress bar clears and redraws itself there); default none.
+        on_child_bar: called once when a child draws its own progress bar (see ``Output``).
         scratch_dirs: the caller's temporary directories (absolute paths named ``dynamix-*``),
             removed by the guardian if the launcher dies without cleaning up; the caller removes
             them itself otherwise.
@@ -188,6 +189,7 @@ class Supervisor:
         stderr: BinaryIO | None = None,
         poll_s: float = 0.05,
         write_guard: Callable[[], ContextManager] = contextlib.nullcontext,
+        on_child_bar: Callable[[], None] | None = None,
         scratch_dirs: Sequence[Path] = (),
         settled: Callable[[], bool] = lambda: False,
         signals: StopSignals | None = None,
@@ -204,7 +206,7 @@ class Supervisor:
         self.settle_s = min(SETTLE_S, grace_s / 2)
         self.settled = settled
         self.poll_s = poll_s
-        self.output = Output(stdout, stderr, write_guard)
+        self.output = Output(stdout, stderr, write_guard, on_child_bar)
         self.scratch_dirs = list(scratch_dirs)
         self._children: list[_Child] = []
         self._pumps: list[threading.Thread] = []
