@@ -117,7 +117,7 @@ def _foreign_and_mismatched(directory: Path, good: Path) -> dict[str, Path]:
         "sampler position out of range": lambda state: state["sampler"]["position"].update(offset=-4),
         "sampler without assignments": lambda state: state["sampler"]["schedule"].update(assignments=[]),
         "optimizer group of another size": lambda state: state["optimizer"]["param_groups"][0]["params"].pop(),
-        "invalid gradient statistics": lambda state: state["dynamix"]["gradient_noise"].update(smoothing=7.0),
+        "invalid gradient statistics": lambda state: state["optimizer"]["dynamix"]["gradient_noise"].update(smoothing=7.0),
     }
     for index, (label, edit) in enumerate(edits.items()):
         state = torch.load(good, weights_only=True)

@@ -69,6 +69,38 @@ def test_an_optimizer_state_dict_with_a_damaged_dynamix_part_is_refused_before_a
     assert optimizer.dynamix_state_dict() == dynamix
 
 
+@pytest.mark.timeout(15)
+def test_a_checkpoint_written_before_the_optimizer_state_carried_its_dynamix_part_still_restores_it(
+        single_process_job, tmp_path):
+    """Files written before DistributedOptimizer.state_dict() carried the lr_scaling base batch, step
+    and noise statistics keep them beside the optimizer's state, under the checkpoint's own "dynamix"."""
+    from dynamix_byteps.torch import checkpoint
+
+    bps = single_process_job
+    model = torch.nn.Linear(2, 1)
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                         lr_scaling="linear")
+    optimizer.set_local_batch_size(4)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.ones(4, 2)).sum().backward()
+        optimizer.step()
+    path = tmp_path / "ckpt.pt"
+    bps.save_checkpoint(path, model=model, optimizer=optimizer)
+    state = torch.load(path, weights_only=True)
+    state["dynamix"] = state["optimizer"].pop("dynamix")  # the older layout
+    with open(path, "wb") as f:
+        writer = checkpoint._DigestingWriter(f)
+        torch.save(state, writer)
+        writer.finish()
+
+    fresh = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                     lr_scaling="linear")
+    bps.load_checkpoint(path, model=model, optimizer=fresh)
+    assert fresh.dynamix_state_dict() == optimizer.dynamix_state_dict()
+    assert fresh.dynamix_state_dict()["base_batch_size"] == 4
+
+
 # A worker that joins (leaves its rank in DYNAMIX_STARTED_DIR, as bps.init does) and then dies
 # the way each run asks: run 0 loses rank 2 after the start; in run 1 rank 1 is killed between the
 # restart and the rendezvous, which rank 0 then waits in; run 2 succeeds.

@@ -136,8 +136,6 @@ def _write_checkpoint(path, workers: int, model, optimizer, sampler, extra: dict
         state["optimizer"] = optimizer.state_dict()
         state["optimizer_class"] = type(optimizer).__name__
         state["optimizer_shapes"] = [list(param.shape) for param in _parameters(optimizer)]
-        if hasattr(optimizer, "dynamix_state_dict"):
-            state["dynamix"] = optimizer.dynamix_state_dict()
     if sampler is not None:
         state["sampler"] = sampler.state_dict()
     with atomic_write(path) as f:
@@ -181,7 +179,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module | None = Non
     if optimizer is not None:
         _check_optimizer_state(path, optimizer, state)
         loads.append((optimizer.state_dict, optimizer.load_state_dict, state["optimizer"]))
-        if "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
+        if "dynamix" not in state["optimizer"] and "dynamix" in state and hasattr(optimizer, "load_dynamix_state_dict"):
+            # a file from before DistributedOptimizer.state_dict() carried it
             loads.append((optimizer.dynamix_state_dict, optimizer.load_dynamix_state_dict, state["dynamix"]))
     if sampler is not None:
         try:
@@ -316,8 +315,8 @@ def _check_optimizer_state(path, optimizer, state: dict) -> None:
     """ConfigurationError unless ``state["optimizer"]`` is a state_dict for ``optimizer`` (what
     ``Optimizer.load_state_dict`` would refuse half-way, or load onto the wrong parameters):
     the same class and parameter shapes where the file records them (older files do not), the
-    same group sizes, state tensors that fit their parameters; and ``state["dynamix"]`` a
-    valid extra state."""
+    same group sizes, state tensors that fit their parameters; and its ``"dynamix"`` part (in
+    older files ``state["dynamix"]``) a valid extra state."""
     saved = state["optimizer"]
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     if (not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping)
@@ -354,8 +353,9 @@ def _check_optimizer_state(path, optimizer, state: dict) -> None:
                                          f"parameter {index} of shape {list(param.shape)} (the optimizer lists its "
                                          "parameters in another order than when saved, or is another optimizer); "
                                          "build it as it was then")
-    if state.get("dynamix") is not None and hasattr(optimizer, "load_dynamix_state_dict"):
-        _check_dynamix_state(path, state["dynamix"])
+    dynamix = saved.get("dynamix", state.get("dynamix"))
+    if dynamix is not None and hasattr(optimizer, "load_dynamix_state_dict"):
+        _check_dynamix_state(path, dynamix)
 
 
 def _check_dynamix_state(path, state) -> None:
